@@ -1,0 +1,93 @@
+"""``nmt train``: train a Transformer or Bahdanau translator on a corpus."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# flag -> (architecture it applies to, model config field)
+MODEL_FLAGS: dict[str, tuple[str, str]] = {
+    "d_model": ("transformer", "d_model"),
+    "layers": ("transformer", "encoder_layers"),
+    "heads": ("transformer", "heads"),
+    "ffn_dim": ("transformer", "ffn_dim"),
+    "embed_dim": ("bahdanau", "embed_dim"),
+    "hidden": ("bahdanau", "encoder_hidden"),
+    "score": ("bahdanau", "score"),
+    "dropout": ("*", "dropout"),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a translation model",
+        description="Train a Transformer or Bahdanau (BiGRU + additive attention) translator. The run "
+        "directory receives spm.model, best.pt, last.pt, history.json, curves.png and summary.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--arch", required=True, choices=["transformer", "bahdanau"], help="model family")
+    p.add_argument("--corpus", required=True, help="dates | ding | FILE.tsv | SRC.txt,TGT.txt")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--size", type=int, default=30000, help="pairs to generate for the dates corpus")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=8000, help="SentencePiece vocabulary (upper bound)")
+    model = p.add_argument_group("model dimensions (defaults: the architecture's config)")
+    model.add_argument("--d-model", type=int, help="transformer width")
+    model.add_argument("--layers", type=int, help="transformer encoder and decoder layers")
+    model.add_argument("--heads", type=int, help="transformer attention heads")
+    model.add_argument("--ffn-dim", type=int, help="transformer feed-forward width")
+    model.add_argument("--embed-dim", type=int, help="bahdanau embedding size")
+    model.add_argument("--hidden", type=int, help="bahdanau encoder GRU size per direction (decoder: twice)")
+    model.add_argument("--score", choices=["additive", "general", "dot"], help="bahdanau attention score")
+    model.add_argument("--dropout", type=float)
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    opt.add_argument("--lr", type=float, help="peak (transformer) or constant (bahdanau) learning rate")
+    opt.add_argument("--warmup", type=int, default=1000, help="transformer warmup steps")
+    opt.add_argument("--label-smoothing", type=float, default=0.1)
+    opt.add_argument("--steps", type=int, default=100_000, help="maximum optimisation steps")
+    opt.add_argument("--max-minutes", type=float, help="stop after this much training time")
+    opt.add_argument("--valid-every", type=int, default=500, help="steps between validations")
+    opt.add_argument("--patience", type=int, help="stop after N validations without improvement")
+    opt.add_argument("--target-bleu", type=float, help="stop once validation BLEU reaches this")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
+    p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Collect the model dimension flags that were given and apply to ``args.arch``."""
+    overrides: dict[str, Any] = {}
+    for flag, (arch, field) in MODEL_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if arch not in ("*", args.arch):
+            raise SystemExit(f"nmt train: error: --{flag.replace('_', '-')} applies to {arch} models only")
+        overrides[field] = value
+    if "encoder_layers" in overrides:
+        overrides["decoder_layers"] = overrides["encoder_layers"]
+    if "encoder_hidden" in overrides:
+        overrides["decoder_hidden"] = 2 * overrides["encoder_hidden"]
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from export.train import TrainConfig, train
+    except ImportError as error:
+        from nmt.errors import NmtError
+
+        raise NmtError(f"training needs the train extra ({error}); run: pip install -e '.[train]'") from error
+
+    cfg = TrainConfig(
+        arch=args.arch, corpus=args.corpus, out=args.out, corpus_size=args.size, seed=args.seed,
+        vocab_size=args.vocab_size, model=model_overrides(args), batch_tokens=args.batch_tokens, lr=args.lr,
+        warmup_steps=args.warmup, label_smoothing=args.label_smoothing, max_steps=args.steps,
+        max_minutes=args.max_minutes, valid_every=args.valid_every, patience=args.patience,
+        target_bleu=args.target_bleu, resume=args.resume, force=args.force, progress=not args.no_progress,
+    )
+    train(cfg)
+    return 0

@@ -1,0 +1,82 @@
+"""SentencePiece tokenizer shared by training, export and serving (no torch).
+
+One joint source+target model file (``spm.model``, a protobuf, never a pickle) travels with each
+model version. Special ids are fixed so the model config and the tokenizer agree.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+MODEL_FILENAME = "spm.model"
+
+
+class Tokenizer:
+    """Encode text to subword ids and back; ids exclude BOS/EOS unless asked."""
+
+    def __init__(self, model_proto: bytes) -> None:
+        self._model_proto = model_proto
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        if (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id()) != (
+            PAD_ID, UNK_ID, BOS_ID, EOS_ID,
+        ):
+            raise ValueError("tokenizer special ids must be pad=0 unk=1 bos=2 eos=3")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        """Load ``spm.model`` from a checkpoint or model-version directory."""
+        return cls((Path(directory) / MODEL_FILENAME).read_bytes())
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``spm.model`` into ``directory`` and return its path."""
+        path = Path(directory) / MODEL_FILENAME
+        path.write_bytes(self._model_proto)
+        return path
+
+    @property
+    def model_proto(self) -> bytes:
+        return self._model_proto
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._sp.id_to_piece(int(i)) for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)])
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, character_coverage: float = 1.0) -> Tokenizer:
+    """Train a joint unigram SentencePiece model in memory on ``texts`` (both languages).
+
+    ``vocab_size`` is an upper bound: small corpora (the generated dates) cannot fill a large
+    vocabulary, so the trainer is told to shrink it (``hard_vocab_limit=False``).
+    """
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(texts)),
+        model_writer=model,
+        vocab_size=vocab_size,
+        hard_vocab_limit=False,
+        model_type="unigram",
+        character_coverage=character_coverage,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        num_threads=2,
+        minloglevel=2,
+        input_sentence_size=2_000_000,
+        shuffle_input_sentence=True,
+    )
+    return Tokenizer(model.getvalue())
