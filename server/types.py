@@ -1,0 +1,69 @@
+"""Plain data passed between the gRPC edge, the scheduler and the decoding engine (no protobufs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Per-sentence decoding options, already validated and with defaults filled in."""
+
+    beam_size: int = 1
+    num_hypotheses: int = 1
+    max_length: int = 256  # absolute cap on generated tokens (EOS included)
+    length_penalty: float = 1.0  # score = log-prob sum / length ** length_penalty
+    return_attention: bool = False
+
+
+@dataclass
+class WordAlignment:
+    source_index: int  # word position in the source
+    target_index: int  # word position in the hypothesis
+
+
+@dataclass
+class Attention:
+    """Word-level cross-attention of one hypothesis: ``weights`` [target words, source words], rows sum to 1."""
+
+    source_words: list[str]
+    target_words: list[str]
+    weights: np.ndarray
+    alignments: list[WordAlignment]
+    subword_weights: np.ndarray  # [target tokens incl. EOS, source tokens incl. EOS]
+
+    def pharaoh(self) -> str:
+        """Hard alignments as ``src-tgt`` pairs (Pharaoh format)."""
+        return " ".join(f"{a.source_index}-{a.target_index}" for a in self.alignments)
+
+
+@dataclass
+class Hypothesis:
+    text: str
+    tokens: list[str]  # subword pieces, EOS excluded
+    token_ids: list[int]  # EOS excluded
+    score: float  # length-normalised log-probability
+    token_scores: list[float]  # log-probability of each token, EOS included (len(tokens) + 1)
+    attention: Attention | None = None
+
+
+@dataclass
+class Translation:
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+
+
+@dataclass
+class SentenceRequest:
+    """One sentence handed to :meth:`server.engine.Engine.translate_batch`.
+
+    ``is_cancelled`` is polled between decoding steps; once it returns True the sentence leaves
+    the running batch and its result is ``None``.
+    """
+
+    source_ids: list[int]  # subword ids, EOS excluded (the engine appends it)
+    options: DecodingOptions = field(default_factory=DecodingOptions)
+    is_cancelled: Callable[[], bool] | None = None
