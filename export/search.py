@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from export.models.base import DecoderState, Seq2SeqModel
+from server.beam import max_target_length
 
 # step(previous tokens [k], state) -> (log-probabilities [k, V], attention [k, S] or None, new state)
 StepFn = Callable[[Tensor, DecoderState], tuple[Tensor, Tensor | None, DecoderState]]
@@ -28,11 +29,6 @@ class Hypothesis:
     score: float  # length-normalised
     token_scores: list[float] = field(default_factory=list)
     attention: Tensor | None = None  # [len(tokens), S]
-
-
-def max_target_length(source_length: int, max_length: int = 256, ratio: float = 2.0, extra: int = 10) -> int:
-    """Longest allowed output (EOS included): ``min(max_length, ratio * source_length + extra)``."""
-    return max(1, min(max_length, int(ratio * source_length + extra)))
 
 
 def normalized(total: float, length: int, length_penalty: float) -> float:

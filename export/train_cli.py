@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from export.presets import PRESETS
+from nmt.errors import NmtError
+
 # flag -> (architecture it applies to, model config field)
 MODEL_FLAGS: dict[str, tuple[str, str]] = {
     "d_model": ("transformer", "d_model"),
@@ -26,12 +29,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "directory receives spm.model, best.pt, last.pt, history.json, curves.png and summary.json.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--arch", required=True, choices=["transformer", "bahdanau"], help="model family")
-    p.add_argument("--corpus", required=True, help="dates | ding | FILE.tsv | SRC.txt,TGT.txt")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named recipe (export/presets.py); "
+                   "other flags override its values")
+    p.add_argument("--arch", choices=["transformer", "bahdanau"], help="model family (required without --preset)")
+    p.add_argument("--corpus", help="dates | ding | FILE.tsv | SRC.txt,TGT.txt (required without --preset)")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--size", type=int, default=30000, help="pairs to generate for the dates corpus")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=8000, help="SentencePiece vocabulary (upper bound)")
+    p.add_argument("--vocab-size", type=int, help="SentencePiece vocabulary, an upper bound (default 8000)")
     model = p.add_argument_group("model dimensions (defaults: the architecture's config)")
     model.add_argument("--d-model", type=int, help="transformer width")
     model.add_argument("--layers", type=int, help="transformer encoder and decoder layers")
@@ -42,13 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--score", choices=["additive", "general", "dot"], help="bahdanau attention score")
     model.add_argument("--dropout", type=float)
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    opt.add_argument("--batch-tokens", type=int, help="padded tokens per batch (default 4096)")
     opt.add_argument("--lr", type=float, help="peak (transformer) or constant (bahdanau) learning rate")
-    opt.add_argument("--warmup", type=int, default=1000, help="transformer warmup steps")
+    opt.add_argument("--warmup", type=int, help="transformer warmup steps (default 1000)")
     opt.add_argument("--label-smoothing", type=float, default=0.1)
-    opt.add_argument("--steps", type=int, default=100_000, help="maximum optimisation steps")
+    opt.add_argument("--steps", type=int, help="maximum optimisation steps (default 100000)")
     opt.add_argument("--max-minutes", type=float, help="stop after this much training time")
-    opt.add_argument("--valid-every", type=int, default=500, help="steps between validations")
+    opt.add_argument("--valid-every", type=int, help="steps between validations (default 500)")
     opt.add_argument("--patience", type=int, help="stop after N validations without improvement")
     opt.add_argument("--target-bleu", type=float, help="stop once validation BLEU reaches this")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
@@ -57,15 +62,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Collect the model dimension flags that were given and apply to ``args.arch``."""
+def model_overrides(args: argparse.Namespace, target_arch: str) -> dict[str, Any]:
+    """Collect the model dimension flags that were given; each must apply to ``target_arch``."""
     overrides: dict[str, Any] = {}
     for flag, (arch, field) in MODEL_FLAGS.items():
         value = getattr(args, flag)
         if value is None:
             continue
-        if arch not in ("*", args.arch):
-            raise SystemExit(f"nmt train: error: --{flag.replace('_', '-')} applies to {arch} models only")
+        if arch not in ("*", target_arch):
+            raise NmtError(f"--{flag.replace('_', '-')} applies to {arch} models only")
         overrides[field] = value
     if "encoder_layers" in overrides:
         overrides["decoder_layers"] = overrides["encoder_layers"]
@@ -78,16 +83,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         from export.train import TrainConfig, train
     except ImportError as error:
-        from nmt.errors import NmtError
-
         raise NmtError(f"training needs the train extra ({error}); run: pip install -e '.[train]'") from error
 
+    settings: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    given = {
+        "arch": args.arch, "corpus": args.corpus, "vocab_size": args.vocab_size, "batch_tokens": args.batch_tokens,
+        "lr": args.lr, "warmup_steps": args.warmup, "max_steps": args.steps, "max_minutes": args.max_minutes,
+        "valid_every": args.valid_every, "patience": args.patience, "target_bleu": args.target_bleu,
+    }
+    settings.update({key: value for key, value in given.items() if value is not None})
+    if "arch" not in settings or "corpus" not in settings:
+        raise NmtError("give --arch and --corpus, or a --preset")
+    settings["model"] = {**settings.get("model", {}), **model_overrides(args, settings["arch"])}
     cfg = TrainConfig(
-        arch=args.arch, corpus=args.corpus, out=args.out, corpus_size=args.size, seed=args.seed,
-        vocab_size=args.vocab_size, model=model_overrides(args), batch_tokens=args.batch_tokens, lr=args.lr,
-        warmup_steps=args.warmup, label_smoothing=args.label_smoothing, max_steps=args.steps,
-        max_minutes=args.max_minutes, valid_every=args.valid_every, patience=args.patience,
-        target_bleu=args.target_bleu, resume=args.resume, force=args.force, progress=not args.no_progress,
+        **settings, out=args.out, corpus_size=args.size, seed=args.seed, label_smoothing=args.label_smoothing,
+        resume=args.resume, force=args.force, progress=not args.no_progress,
     )
     train(cfg)
     return 0

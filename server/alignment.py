@@ -1,0 +1,51 @@
+"""Subword attention -> word-level attention matrix and hard word alignments."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.types import Attention, WordAlignment
+
+WORD_START = "\u2581"  # SentencePiece's word-boundary marker
+
+
+def word_groups(pieces: list[str]) -> list[list[int]]:
+    """Indices of the pieces forming each word: a new word starts at a piece beginning with '▁'."""
+    groups: list[list[int]] = []
+    for i, piece in enumerate(pieces):
+        if not groups or piece.startswith(WORD_START):
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return groups
+
+
+def words(pieces: list[str], groups: list[list[int]]) -> list[str]:
+    return ["".join(pieces[i] for i in group).replace(WORD_START, "") for group in groups]
+
+
+def merge_to_words(subword_weights: np.ndarray, source_pieces: list[str], target_pieces: list[str]) -> Attention:
+    """Merge a [target pieces (+EOS), source pieces (+EOS)] attention matrix into words.
+
+    The end-of-sentence row and column are dropped; a source word receives the attention mass of
+    its pieces (sum), a target word the mean of its pieces' rows; rows are renormalised to sum to 1.
+    Each target word is aligned to the source word it attends to most.
+    """
+    source_groups, target_groups = word_groups(source_pieces), word_groups(target_pieces)
+    core = np.asarray(subword_weights, dtype=np.float64)[: len(target_pieces), : len(source_pieces)]
+    matrix = np.zeros((len(target_groups), len(source_groups)))
+    for j, source_group in enumerate(source_groups):
+        column = core[:, source_group].sum(axis=1)
+        for i, target_group in enumerate(target_groups):
+            matrix[i, j] = column[target_group].mean()
+    totals = matrix.sum(axis=1, keepdims=True)
+    uniform = np.full_like(matrix, 1.0 / max(1, matrix.shape[1]))
+    matrix = np.where(totals > 1e-12, matrix / np.where(totals > 1e-12, totals, 1.0), uniform)
+    alignments = [WordAlignment(source_index=int(row.argmax()), target_index=i) for i, row in enumerate(matrix)]
+    return Attention(
+        source_words=words(source_pieces, source_groups),
+        target_words=words(target_pieces, target_groups),
+        weights=matrix.astype(np.float32),
+        alignments=alignments if matrix.shape[1] else [],
+        subword_weights=np.asarray(subword_weights, dtype=np.float32),
+    )

@@ -1,0 +1,191 @@
+"""Batched beam search (greedy = beam 1) in NumPy, shared by every architecture.
+
+The model is reached only through :class:`StepModel`; the search never knows whether it drives a
+Transformer or an RNN. Scoring rules are those of the PyTorch reference (``export/search.py``):
+a hypothesis' score is its summed log-probability over ``length ** length_penalty`` (length counts
+EOS); at a sentence's last allowed step only EOS may follow; each step walks the ``2 * beam``
+best continuations of a sentence in order, finishing those that end in EOS and keeping the others
+until ``beam`` are live; a sentence is done once it holds ``beam`` finished hypotheses and its best
+live beam, scored as if it ended now, is no better than the worst of them (or nothing is live).
+Finished and cancelled sentences leave the batch, so later steps run on fewer rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+NEG_INF = -np.inf
+
+
+class StepModel(Protocol):
+    """What beam search needs from a model.
+
+    Shapes: ``R`` live rows (sentences x their live beams), ``S`` source length, ``V`` vocabulary.
+    """
+
+    static_names: list[str]  # encoder outputs fed unchanged every step, [N, ...] per sentence
+    state_names: list[str]  # recurrent state, [R, ...] per row
+
+    def step(
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+        """``tokens`` int64 [R] (previous token of each row), ``static`` arrays [R, ...], ``state``
+        arrays [R, ...] -> (log-probabilities float32 [R, V], attention float32 [R, S] or None,
+        next state [R, ...] with the same names)."""
+
+
+@dataclass
+class BeamSentence:
+    """Per-sentence search settings."""
+
+    source_length: int  # source tokens including EOS
+    num_hypotheses: int = 1
+    max_length: int = 256
+    length_penalty: float = 1.0
+    is_cancelled: Callable[[], bool] | None = None
+
+
+@dataclass
+class FinishedHypothesis:
+    tokens: list[int]  # ends with EOS
+    score: float
+    token_scores: list[float]
+    attention: np.ndarray | None = None  # [len(tokens), S]
+
+
+@dataclass
+class SearchResult:
+    hypotheses: list[FinishedHypothesis] = field(default_factory=list)
+
+
+def max_target_length(source_length: int, max_length: int = 256, ratio: float = 2.0, extra: int = 10) -> int:
+    """Longest allowed output (EOS included): ``min(max_length, ratio * source_length + extra)``."""
+    return max(1, min(max_length, int(ratio * source_length + extra)))
+
+
+def beam_search(
+    model: StepModel,
+    encoded: dict[str, np.ndarray],
+    sentences: Sequence[BeamSentence],
+    *,
+    beam_size: int,
+    start_id: int,
+    eos_id: int,
+    need_attention: bool = False,
+) -> list[SearchResult | None]:
+    """Decode ``len(sentences)`` sentences together; ``encoded`` holds every static input and the
+    initial value of every state entry, batch first. Returns one result per sentence, ``None`` for
+    a sentence whose ``is_cancelled`` turned true."""
+    n = len(sentences)
+    if any(not 1 <= s.num_hypotheses <= beam_size for s in sentences):
+        raise ValueError("need 1 <= num_hypotheses <= beam_size")
+    limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
+    penalties = np.array([s.length_penalty for s in sentences])
+    results: list[SearchResult | None] = [None] * n
+    finished: list[list[FinishedHypothesis]] = [[] for _ in range(n)]
+
+    active = np.arange(n)  # sentences still decoding, in row-block order
+    width = 1  # rows per active sentence (1 before the first expansion)
+    static_all = {name: encoded[name] for name in model.static_names}
+    static = static_all
+    state = {name: encoded[name] for name in model.state_names}
+    tokens = np.full(n, start_id, dtype=np.int64)
+    totals = np.zeros(n)
+    history = np.zeros((n, 0), dtype=np.int64)
+    history_scores = np.zeros((n, 0))
+    history_attention: np.ndarray | None = None
+
+    t = 0
+    while active.size:
+        log_probs, attention, state = model.step(tokens, static, state, need_attention)
+        log_probs = log_probs.astype(np.float64)
+        rows, vocab = log_probs.shape
+        forced = np.repeat(limits[active] - 1 == t, width)
+        if forced.any():  # out of room: only EOS may follow
+            eos_scores = log_probs[forced, eos_id]
+            log_probs[forced] = NEG_INF
+            log_probs[forced, eos_id] = eos_scores
+        candidates = (totals[:, None] + log_probs).reshape(active.size, width * vocab)
+        m = min(2 * beam_size, width * vocab)
+        top = np.argpartition(-candidates, m - 1, axis=1)[:, :m]
+        top_scores = np.take_along_axis(candidates, top, 1)
+        order = np.argsort(-top_scores, axis=1, kind="stable")
+        top = np.take_along_axis(top, order, 1)
+        top_scores = np.take_along_axis(top_scores, order, 1)
+        origin = top // vocab + (np.arange(active.size) * width)[:, None]  # row each candidate extends
+        token = top % vocab
+        valid = top_scores > NEG_INF
+        is_eos = (token == eos_id) & valid
+        live = ~is_eos & valid
+        live_before = np.cumsum(live, axis=1) - live
+        keep = live & (live_before < beam_size)
+        finish = is_eos & (live_before < beam_size)
+
+        for j, c in zip(*np.nonzero(finish), strict=True):
+            s, row = active[j], origin[j, c]
+            attention_rows = None
+            if attention is not None:
+                past = history_attention[row] if history_attention is not None else np.zeros((0, attention.shape[1]))
+                attention_rows = np.concatenate([past, attention[row][None]])
+            finished[s].append(
+                FinishedHypothesis(
+                    tokens=history[row].tolist() + [eos_id],
+                    score=float(top_scores[j, c] / (t + 1) ** penalties[s]),
+                    token_scores=history_scores[row].tolist() + [float(log_probs[row, eos_id])],
+                    attention=attention_rows,
+                )
+            )
+
+        # the first beam_size live candidates of each sentence become its next rows (-1: none)
+        chosen = np.full((active.size, beam_size), -1)
+        kj, kc = np.nonzero(keep)
+        chosen[kj, (np.cumsum(keep, axis=1) - 1)[kj, kc]] = kc
+        has_live = chosen[:, 0] >= 0
+        best_live = np.where(has_live, np.take_along_axis(top_scores, np.maximum(chosen[:, :1], 0), 1)[:, 0], NEG_INF)
+
+        survivors = []
+        for j, s in enumerate(active):
+            if finished[s]:
+                finished[s].sort(key=lambda hyp: hyp.score, reverse=True)
+                del finished[s][beam_size:]
+            done = not has_live[j] or (
+                len(finished[s]) == beam_size and best_live[j] / (t + 1) ** penalties[s] <= finished[s][-1].score
+            )
+            cancelled = sentences[s].is_cancelled is not None and sentences[s].is_cancelled()
+            if done and not cancelled:
+                results[s] = SearchResult(finished[s][: sentences[s].num_hypotheses])
+            elif not done and not cancelled:
+                survivors.append(j)
+        if not survivors:
+            break
+
+        keep_rows = np.array(survivors)
+        picked = chosen[keep_rows]  # [n', beam]
+        alive = picked >= 0
+        safe = np.maximum(picked, 0)
+        new_origin = np.where(alive, np.take_along_axis(origin[keep_rows], safe, 1), origin[keep_rows, :1])
+        new_token = np.where(alive, np.take_along_axis(token[keep_rows], safe, 1), start_id)
+        new_totals = np.where(alive, np.take_along_axis(top_scores[keep_rows], safe, 1), NEG_INF)
+        index = new_origin.reshape(-1)
+        flat_token = new_token.reshape(-1)
+
+        step_scores = log_probs[index, flat_token]
+        history = np.concatenate([history[index], flat_token[:, None]], axis=1)
+        history_scores = np.concatenate([history_scores[index], step_scores[:, None]], axis=1)
+        if attention is not None:
+            past = history_attention[index] if history_attention is not None else np.zeros((index.size, 0, attention.shape[1]))
+            history_attention = np.concatenate([past, attention[index][:, None]], axis=1)
+        if width != beam_size or len(survivors) != active.size:
+            active = active[keep_rows]
+            static = {name: value[np.repeat(active, beam_size)] for name, value in static_all.items()}
+        width = beam_size
+        if not np.array_equal(index, np.arange(rows)):
+            state = {name: value[index] for name, value in state.items()}
+        tokens = flat_token.astype(np.int64)
+        totals = new_totals.reshape(-1)
+        t += 1
+    return results

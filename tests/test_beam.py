@@ -1,0 +1,119 @@
+"""The engine's batched NumPy beam search: hand-written tables and agreement with the PyTorch reference."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from export.models import build_model
+from export.search import translate_ids
+from server.beam import BeamSentence, beam_search
+from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
+
+
+class TableModel:
+    """StepModel reading the reference test's probability table; the state is the generated prefix."""
+
+    static_names: list[str] = []
+    state_names = ["prefix"]
+
+    def step(self, tokens, static, state, need_attention):
+        prefix = state["prefix"]
+        if prefix.shape[1] or tokens[0] != BOS:
+            prefix = np.concatenate([prefix, tokens[:, None]], 1)
+        log_probs = np.full((len(prefix), VOCAB), -np.inf, dtype=np.float32)
+        for r, row in enumerate(prefix.tolist()):
+            for token, p in TABLE.get(tuple(row), {EOS: 1.0}).items():
+                log_probs[r, token] = math.log(p)
+        attention = np.full((len(prefix), 2), 0.5, dtype=np.float32)
+        return log_probs, (attention if need_attention else None), {"prefix": prefix}
+
+
+def table_search(beam, n, length_penalty, max_length=10, sentences=1):
+    encoded = {"prefix": np.zeros((sentences, 0), dtype=np.int64)}
+    specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty)
+             for _ in range(sentences)]
+    return beam_search(TableModel(), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS, need_attention=True)
+
+
+def test_table_beam_search_exact_hypotheses_and_scores():
+    [result] = table_search(beam=2, n=2, length_penalty=0.0)
+    assert [h.tokens for h in result.hypotheses] == [[B, EOS], [A, A, EOS]]
+    assert result.hypotheses[0].score == pytest.approx(math.log(0.4) + math.log(0.9), abs=1e-6)
+    assert result.hypotheses[1].score == pytest.approx(math.log(0.6) + math.log(0.5), abs=1e-6)
+    assert result.hypotheses[1].token_scores == pytest.approx([math.log(0.6), math.log(0.5), 0.0], abs=1e-6)
+    assert result.hypotheses[1].attention.shape == (3, 2)
+
+
+def test_table_length_penalty_and_greedy():
+    [result] = table_search(beam=2, n=2, length_penalty=1.0)
+    assert [h.tokens for h in result.hypotheses] == [[A, A, EOS], [A, B, EOS]]
+    assert result.hypotheses[1].score == pytest.approx((math.log(0.6) + math.log(0.4)) / 3, abs=1e-6)
+    [greedy] = table_search(beam=1, n=1, length_penalty=0.0)
+    assert [h.tokens for h in greedy.hypotheses] == [[A, A, EOS]]
+    [short] = table_search(beam=1, n=1, length_penalty=0.0, max_length=2)
+    assert short.hypotheses[0].tokens == [A, EOS]
+
+
+def test_cancelled_sentence_leaves_the_batch():
+    calls = {"n": 0}
+
+    def cancel_after_first_step():
+        calls["n"] += 1
+        return True
+
+    encoded = {"prefix": np.zeros((2, 0), dtype=np.int64)}
+    specs = [BeamSentence(1, 1, 10, 0.0), BeamSentence(1, 1, 10, 0.0, is_cancelled=cancel_after_first_step)]
+    results = beam_search(TableModel(), encoded, specs, beam_size=2, start_id=BOS, eos_id=EOS)
+    assert results[1] is None and calls["n"] == 1
+    assert [h.tokens for h in results[0].hypotheses] == [[B, EOS]]
+
+
+class TorchStepModel:
+    """Adapter running a PyTorch model through the NumPy search (tests the search, not ONNX)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.state_names = None
+
+    def encode(self, src):
+        with torch.no_grad():
+            state = self.model.init_state(self.model.encode(torch.from_numpy(src)))
+        self.state_names = list(state)
+        self.static_names = []
+        return {k: v.numpy() for k, v in state.items()}
+
+    def step(self, tokens, static, state, need_attention):
+        with torch.no_grad():
+            logits, attention, new = self.model.decode_step(
+                torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in state.items()}, need_attention
+            )
+        log_probs = logits.float().log_softmax(-1).numpy()
+        return log_probs, (attention.numpy() if attention is not None else None), {k: v.numpy() for k, v in new.items()}
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batched_search_matches_reference_one_by_one(arch, beam):
+    torch.manual_seed(1)
+    small = dict(d_model=32, heads=4, ffn_dim=64, encoder_layers=2, decoder_layers=2) if arch == "transformer" \
+        else dict(embed_dim=16, encoder_hidden=16, decoder_hidden=32, attention_dim=16)
+    model = build_model(arch, vocab_size=12, dropout=0.0, **small).eval()
+    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
+        bias = model.final_logits_bias if arch == "transformer" else model.generator.bias
+        bias[..., EOS] += 2.5
+    sources = [[5, 6, 7, 8, EOS], [9, EOS], [4, 4, 10, EOS], [11, 6, EOS]]
+    width = max(map(len, sources))
+    src = np.array([s + [0] * (width - len(s)) for s in sources], dtype=np.int64)
+    adapter = TorchStepModel(model)
+    encoded = adapter.encode(src)
+    specs = [BeamSentence(len(s), num_hypotheses=beam, max_length=8, length_penalty=1.0) for s in sources]
+    results = beam_search(adapter, encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS, need_attention=True)
+    for source, result in zip(sources, results, strict=True):
+        reference = translate_ids(model, source, beam_size=beam, num_hypotheses=beam, max_length=8,
+                                  need_attention=True)
+        assert [h.tokens for h in result.hypotheses] == [h.tokens for h in reference]
+        for ours, theirs in zip(result.hypotheses, reference, strict=True):
+            assert ours.score == pytest.approx(theirs.score, abs=1e-5)
+            np.testing.assert_allclose(ours.attention[:, : len(source)], theirs.attention.numpy(), atol=1e-5)
