@@ -177,8 +177,9 @@ def beam_search(
         history = np.concatenate([history[index], flat_token[:, None]], axis=1)
         history_scores = np.concatenate([history_scores[index], step_scores[:, None]], axis=1)
         if attention is not None:
-            past = history_attention[index] if history_attention is not None else np.zeros((index.size, 0, attention.shape[1]))
-            history_attention = np.concatenate([past, attention[index][:, None]], axis=1)
+            if history_attention is None:
+                history_attention = np.zeros((rows, 0, attention.shape[1]), dtype=np.float32)
+            history_attention = np.concatenate([history_attention[index], attention[index][:, None]], axis=1)
         if width != beam_size or len(survivors) != active.size:
             active = active[keep_rows]
             static = {name: value[np.repeat(active, beam_size)] for name, value in static_all.items()}
