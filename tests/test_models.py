@@ -110,3 +110,27 @@ def test_bad_checkpoints_and_configs_are_clear_errors(tmp_path):
         build_model("lstm", vocab_size=10)
     with pytest.raises(NmtError, match="unknown transformer config"):
         build_model("transformer", vocab_size=10, width=3)
+
+
+def test_marian_weights_load_and_give_the_same_logits():
+    transformers = pytest.importorskip("transformers")
+    from export.models.transformer import marian_state_dict
+
+    config = transformers.MarianConfig(
+        vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, activation_function="swish",
+        scale_embedding=True, pad_token_id=0, eos_token_id=3, decoder_start_token_id=0,
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    reference = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        reference.final_logits_bias.normal_()
+    ours = build_model("transformer", vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, heads=4,
+                       ffn_dim=64, activation="swish", dropout=0.0, max_positions=64, decoder_start_id=0).eval()
+    ours.load_state_dict(marian_state_dict(reference.state_dict()))
+    tgt = TGT.clone()
+    tgt[:, 0] = 0
+    with torch.no_grad():
+        expected = reference(input_ids=SRC, attention_mask=(SRC != 0).long(), decoder_input_ids=tgt).logits
+        torch.testing.assert_close(ours(SRC, tgt)[0], expected[0], atol=1e-5, rtol=1e-5)
