@@ -13,12 +13,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dates-transformer": {
         "arch": "transformer", "corpus": "dates", "vocab_size": 1000, "batch_tokens": 3000,
         "model": {"d_model": 128, "encoder_layers": 2, "decoder_layers": 2, "heads": 4, "ffn_dim": 512},
-        "lr": 1.5e-3, "warmup_steps": 200, "valid_every": 200, "max_minutes": 5.0, "target_bleu": 99.5,
+        "lr": 1.5e-3, "warmup_steps": 200, "valid_every": 200, "max_minutes": 4.5, "target_bleu": 99.5,
     },
     "dates-bahdanau": {
         "arch": "bahdanau", "corpus": "dates", "vocab_size": 1000, "batch_tokens": 3000,
         "model": {"embed_dim": 64, "encoder_hidden": 128, "decoder_hidden": 256, "attention_dim": 128},
-        "lr": 2e-3, "valid_every": 200, "max_minutes": 5.0, "target_bleu": 99.5,
+        "lr": 2e-3, "valid_every": 200, "max_minutes": 4.5, "target_bleu": 99.5,
     },
     # Ding dictionary example sentences (~16k pairs)
     "ding-transformer": {

@@ -1,0 +1,219 @@
+"""ONNX Runtime decoding engine: batched greedy and beam search over exported model versions.
+
+No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
+(encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
+:func:`server.beam.beam_search` drives any model through the :class:`StepModel` contract.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from server.alignment import merge_to_words
+from server.beam import BeamSentence, SearchResult, beam_search
+from server.manifest import Manifest, read_manifest
+from server.tokenizer import Tokenizer
+from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def resolve_providers(provider: str) -> list[str]:
+    """``auto`` picks CUDA when this onnxruntime build has it, else CPU."""
+    available = ort.get_available_providers()
+    if provider == "auto":
+        provider = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown execution provider {provider!r}; choose auto, cpu or cuda")
+    if PROVIDERS[provider][0] not in available:
+        raise ValueError(f"execution provider {provider} is not available in this onnxruntime ({available})")
+    return PROVIDERS[provider]
+
+
+@dataclass
+class BatchResult:
+    """What one :meth:`Engine.translate_batch` call produced and cost."""
+
+    translations: list[Translation | None]  # None for sentences cancelled mid-way
+    encode_seconds: float
+    decode_seconds: float
+    generated_tokens: int
+    source_tokens: int
+    padding_ratio: float  # padded positions / all positions of the source batch
+    cancelled: int  # sentences that left the batch because their request was cancelled or expired
+
+
+class OnnxStepModel:
+    """The :class:`server.beam.StepModel` of an exported model version: encoder + one-step decoder."""
+
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
+        self.manifest = manifest
+        self.sessions = sessions
+        self.static_names = list(manifest.decoder_static)
+        self.state = list(manifest.decoder_state)
+        self._input_types = {i.name: i.type for i in sessions["decoder"].get_inputs()}
+
+    def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
+        """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
+        outputs = self.sessions["encoder"].run(None, {"src_ids": src})
+        names = [o.name for o in self.sessions["encoder"].get_outputs()]
+        encoded = dict(zip(names, outputs, strict=True))
+        batch = src.shape[0]
+        for entry in self.state:
+            if entry.init == "empty":
+                encoded[entry.input] = np.zeros((batch, *entry.shape), dtype=entry.dtype or "float32")
+        return encoded
+
+    def step(
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+        """One decoding step: tokens [R] -> (log-probs [R, V], attention [R, S] or None, new state)."""
+        session = self.sessions["decoder_attention" if need_attention else "decoder"]
+        feeds = {"input_ids": tokens, **static, **state}
+        output_names = ["log_probs"] + [entry.output for entry in self.state]
+        if need_attention:
+            output_names.append("attention")
+        outputs = session.run(output_names, feeds)
+        new_state = {entry.input: outputs[1 + k] for k, entry in enumerate(self.state)}
+        return outputs[0], (outputs[-1] if need_attention else None), new_state
+
+    @property
+    def state_names(self) -> list[str]:
+        return [entry.input for entry in self.state]
+
+
+class Engine:
+    """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
+
+    def __init__(self, manifest: Manifest, tokenizer: Tokenizer, model: OnnxStepModel, provider: str) -> None:
+        self.manifest = manifest
+        self.tokenizer = tokenizer
+        self.model = model
+        self.provider = provider
+        ids = manifest.special_ids
+        self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
+
+    @classmethod
+    def load(
+        cls, version_dir: str | Path, *, provider: str = "auto", intra_op_threads: int = 0, inter_op_threads: int = 1
+    ) -> Engine:
+        """Load ``models/<name>/<version>/``: validate the manifest, open every graph."""
+        version_dir = Path(version_dir)
+        manifest = read_manifest(version_dir)
+        providers = resolve_providers(provider)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = inter_op_threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        sessions = {
+            role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
+            for role, filename in manifest.graphs.items()
+        }
+        tokenizer = Tokenizer.load(version_dir)
+        return cls(manifest, tokenizer, OnnxStepModel(manifest, sessions), providers[0])
+
+    def tokenize(self, text: str) -> list[int]:
+        """Subword ids of ``text`` (EOS excluded)."""
+        return self.tokenizer.encode(text)
+
+    def default_options(self) -> DecodingOptions:
+        defaults = self.manifest.defaults
+        beam = int(defaults.get("beam_size", 4))
+        return DecodingOptions(
+            beam_size=beam,
+            num_hypotheses=1,
+            max_length=int(defaults.get("max_length", 256)),
+            length_penalty=float(defaults.get("length_penalty", 1.0)),
+        )
+
+    def translate(self, texts: Sequence[str], options: DecodingOptions | None = None) -> list[Translation]:
+        """Translate ``texts`` in one batch (convenience for scripts and tests)."""
+        options = options or self.default_options()
+        requests = [SentenceRequest(self.tokenize(text), options) for text in texts]
+        return [t for t in self.translate_batch(requests).translations if t is not None]
+
+    def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
+        """Decode sentences together. All must share ``beam_size`` and ``return_attention``;
+        the other options may differ per sentence. Cancelled sentences leave the batch between steps."""
+        if not requests:
+            return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
+        first = requests[0].options
+        if any(
+            r.options.beam_size != first.beam_size or r.options.return_attention != first.return_attention
+            for r in requests
+        ):
+            raise ValueError("all sentences of a batch must share beam_size and return_attention")
+        sources = [list(r.source_ids) + [self.eos_id] for r in requests]
+        width = max(len(s) for s in sources)
+        src = np.full((len(sources), width), self.pad_id, dtype=np.int64)
+        for i, ids in enumerate(sources):
+            src[i, : len(ids)] = ids
+        source_tokens = sum(len(s) for s in sources)
+
+        start = time.perf_counter()
+        encoded = self.model.encode(src)
+        encode_seconds = time.perf_counter() - start
+
+        sentences = [
+            BeamSentence(
+                source_length=len(sources[i]),
+                num_hypotheses=r.options.num_hypotheses,
+                max_length=r.options.max_length,
+                length_penalty=r.options.length_penalty,
+                is_cancelled=r.is_cancelled,
+            )
+            for i, r in enumerate(requests)
+        ]
+        start = time.perf_counter()
+        results = beam_search(
+            self.model,
+            encoded,
+            sentences,
+            beam_size=first.beam_size,
+            start_id=self.start_id,
+            eos_id=self.eos_id,
+            need_attention=first.return_attention,
+        )
+        decode_seconds = time.perf_counter() - start
+        translations = [
+            None if result is None else self._to_translation(request, result)
+            for request, result in zip(requests, results, strict=True)
+        ]
+        generated = sum(len(h.tokens) for r in results if r is not None for h in r.hypotheses)
+        return BatchResult(
+            translations=translations,
+            encode_seconds=encode_seconds,
+            decode_seconds=decode_seconds,
+            generated_tokens=generated,
+            source_tokens=source_tokens,
+            padding_ratio=1.0 - source_tokens / src.size,
+            cancelled=sum(r is None for r in results),
+        )
+
+    def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
+        source_pieces = self.tokenizer.pieces(request.source_ids)
+        hypotheses = []
+        for hyp in result.hypotheses:
+            ids = hyp.tokens[:-1] if hyp.tokens and hyp.tokens[-1] == self.eos_id else hyp.tokens
+            pieces = self.tokenizer.pieces(ids)
+            attention = None
+            if hyp.attention is not None:
+                attention = merge_to_words(hyp.attention[:, : len(source_pieces) + 1], source_pieces, pieces)
+            hypotheses.append(
+                Hypothesis(
+                    text=self.tokenizer.decode(ids),
+                    tokens=pieces,
+                    token_ids=list(ids),
+                    score=hyp.score,
+                    token_scores=hyp.token_scores,
+                    attention=attention,
+                )
+            )
+        return Translation(source_tokens=source_pieces, hypotheses=hypotheses)
