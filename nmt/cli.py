@@ -17,6 +17,7 @@ from nmt.errors import NmtError
 SUBCOMMANDS: dict[str, str] = {
     "data": "export.data_cli",
     "train": "export.train_cli",
+    "export": "export.export_cli",
 }
 
 

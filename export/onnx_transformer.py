@@ -1,0 +1,280 @@
+"""ONNX graphs of the Transformer with ONNX Runtime's fused attention.
+
+Thin wrapper modules call the model's own submodules; ``torch.onnx.export(dynamo=True)`` traces them
+and onnxscript's ``optimize_for_ort`` lowers every attention block to ``com.microsoft.MultiHeadAttention``
+(encoder self-attention, decoder self-attention with ``past``/``present`` K/V, cross-attention) and
+residual + LayerNorm pairs to ``SkipLayerNormalization``. Two edits follow on the ONNX graph:
+
+* cross-attention reads the precomputed ``cross_key_{i}``/``cross_value_{i}`` [batch, heads, src_len,
+  head_dim] directly (the fused op accepts that 4-D layout), instead of the rewriter's per-step
+  transpose back to [batch, src_len, d_model];
+* ``decoder_attention.onnx`` adds the optional ``qk`` output (scaled scores, masked) of the alignment
+  layer's cross-attention node and turns it into ``attention`` = mean over heads of softmax, with padding
+  set to exactly 0.
+
+Graph I/O (the contract of :mod:`server.manifest`):
+
+* encoder: ``src_ids`` int64 [batch, src_len] -> ``src_mask`` int32 [batch, src_len] (1 = token, 0 = pad),
+  ``cross_key_{i}``, ``cross_value_{i}`` float32 [batch, heads, src_len, head_dim];
+* decoder step: ``input_ids`` int64 [batch], ``src_mask``, ``cross_*``, ``past_key_{i}``/``past_value_{i}``
+  [batch, heads, past_len, head_dim] -> ``log_probs`` [batch, vocab], ``present_key_{i}``/
+  ``present_value_{i}`` [batch, heads, past_len + 1, head_dim] (+ ``attention`` [batch, src_len]).
+  The target position is ``past_len``, read from ``past_key_0``'s shape inside the graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+from torch import Tensor, nn
+
+from export.models.transformer import Transformer
+from export.onnx_export import (
+    GraphSet,
+    cancel_transposes,
+    count_ops,
+    perm,
+    producers,
+    prune,
+    register_exporter,
+    set_io_shapes,
+    torch_to_onnx,
+    untied_copy,
+)
+from nmt.errors import NmtError
+from server.manifest import StateTensor
+
+MHA = "MultiHeadAttention"
+
+
+class EncoderGraph(nn.Module):
+    """src_ids -> (src_mask, cross_key_0, cross_value_0, ...): the encoder plus every decoder layer's
+    cross-attention K/V projection, computed once per sentence."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, src_ids: Tensor) -> tuple[Tensor, ...]:
+        model = self.model
+        state = model.init_state(model.encode(src_ids))
+        outputs = [(src_ids != model.config.pad_id).to(torch.int32)]
+        for i in range(len(model.decoder.layers)):
+            outputs += [state[f"cross_key.{i}"], state[f"cross_value.{i}"]]
+        return tuple(outputs)
+
+
+class StepGraph(nn.Module):
+    """One decoding step: (input_ids, src_mask, cross K/V..., past K/V...) -> (log_probs, present K/V...)."""
+
+    def __init__(self, model: Transformer, need_attention: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.need_attention = need_attention  # fallback only: unfused attention output of the alignment layer
+
+    def forward(self, input_ids: Tensor, src_mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        model = self.model
+        layers = model.decoder.layers
+        cross, past = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
+        step = past[0].shape[2]
+        # Transformer.embed for one position; indexing (not slicing) the position table keeps the
+        # query length a literal 1, which the attention fusion rules need.
+        x = model.shared(input_ids[:, None]) * model.embed_scale + model.positions[step]
+        mask = (src_mask != 0)[:, None, None, :]
+        alignment_layer = model.config.alignment_layer % len(layers)
+        presents: list[Tensor] = []
+        attention = None
+        for i, layer in enumerate(layers):
+            need = self.need_attention and i == alignment_layer
+            x, key, value, weights = layer(
+                x, past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], mask, None, need
+            )
+            presents += [key, value]
+            attention = weights if need else attention
+        logits = model.lm_head(x[:, 0]) + model.final_logits_bias
+        outputs = (logits.log_softmax(-1), *presents)
+        return outputs + (attention[:, 0],) if attention is not None else outputs
+
+
+def _example_inputs(model: Transformer) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """Example tensors whose dynamic sizes (batch 3, src_len 7, past_len 2) differ from every static one."""
+    cfg = model.config
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, max(cfg.vocab_size, 5), (3, 7), generator=generator)
+    src[:, -1] = cfg.eos_id
+    src[1, 4:] = cfg.pad_id
+    src[1, 3] = cfg.eos_id
+    with torch.no_grad():
+        state = model.init_state(model.encode(src))
+        for token in (cfg.decoder_start_id, 5 % cfg.vocab_size):
+            _, _, state = model.decode_step(torch.full((3,), token), state)
+    n = len(model.decoder.layers)
+    cross = [state[f"{kind}.{i}"] for i in range(n) for kind in ("cross_key", "cross_value")]
+    past = [state[f"{kind}.{i}"] for i in range(n) for kind in ("self_key", "self_value")]
+    return src, (src != cfg.pad_id).to(torch.int32), cross, past
+
+
+def _names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+
+
+def _trace_to_input(graph: onnx.GraphProto, name: str) -> tuple[str | None, list[onnx.NodeProto]]:
+    """Follow ``name`` back through Reshape/Transpose/Identity to a graph input; returns (input, chain)."""
+    inputs = {value.name for value in graph.input}
+    made = producers(graph)
+    chain: list[onnx.NodeProto] = []
+    while name not in inputs:
+        node = made.get(name)
+        if node is None or node.op_type not in ("Reshape", "Transpose", "Identity"):
+            return None, chain
+        chain.append(node)
+        name = node.input[0]
+    return name, chain
+
+
+def _is_bnsh_to_bsd(chain: list[onnx.NodeProto]) -> bool:
+    """Is ``chain`` (consumer first) ``Reshape(Transpose(x, [0, 2, 1, 3]))``: [B, H, S, Dh] -> [B, S, H*Dh]?"""
+    ops = [node.op_type for node in chain if node.op_type != "Identity"]
+    transposes = [node for node in chain if node.op_type == "Transpose"]
+    return ops == ["Reshape", "Transpose"] and perm(transposes[0]) == [0, 2, 1, 3]
+
+
+def feed_cross_kv_directly(model: onnx.ModelProto) -> list[int]:
+    """Make each fused cross-attention node read ``cross_key_i``/``cross_value_i`` 4-D, as they come
+    from the encoder (the rewriter emits Transpose + Reshape back to 3-D every step). Returns the
+    decoder layers whose cross-attention is a fused node."""
+    graph = model.graph
+    layers: list[int] = []
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type != MHA or len(node.input) < 3:
+            continue
+        key, key_chain = _trace_to_input(graph, node.input[1])
+        value, value_chain = _trace_to_input(graph, node.input[2])
+        if key is None or not key.startswith("cross_key_"):
+            continue
+        layer = int(key.rsplit("_", 1)[1])
+        if value != f"cross_value_{layer}":
+            raise NmtError(f"cross-attention of decoder layer {layer} pairs {key} with {value}")
+        if _is_bnsh_to_bsd(key_chain) and _is_bnsh_to_bsd(value_chain):
+            node.input[1], node.input[2] = key, value  # MultiHeadAttention takes K/V as [B, H, S, Dh] too
+        layers.append(layer)
+    prune(model)
+    return sorted(layers)
+
+
+def cross_attention_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto | None:
+    for node in model.graph.node:
+        if node.op_type == MHA and len(node.input) > 1 and node.input[1] == f"cross_key_{layer}":
+            return node
+    return None
+
+
+def self_attention_layers(model: onnx.ModelProto) -> list[int]:
+    """Decoder layers whose self-attention is a fused node reading ``past_key_i``."""
+    layers = []
+    for node in model.graph.node:
+        if node.op_type == MHA and len(node.input) > 6 and node.input[6].startswith("past_key_"):
+            layers.append(int(node.input[6].rsplit("_", 1)[1]))
+    return sorted(layers)
+
+
+def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto) -> None:
+    """Expose ``attention`` [batch, src_len]: mean over heads of softmax(qk), 0 where ``src_mask`` is 0.
+
+    ``qk`` is MultiHeadAttention's optional fourth output: the scaled scores [batch, heads, 1, src_len]
+    before softmax (padding already pushed to the float minimum by the additive mask)."""
+    graph = model.graph
+    while len(node.output) < 3:
+        node.output.append("")
+    node.output.append("attention_qk")
+    constants = [
+        helper.make_tensor("attention_mask_axes", TensorProto.INT64, [2], [1, 2]),
+        helper.make_tensor("attention_head_axis", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("attention_query_axis", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("attention_minus_inf", TensorProto.FLOAT, [], [-np.inf]),
+    ]
+    graph.initializer.extend(constants)
+    graph.node.extend([
+        helper.make_node("Cast", ["src_mask"], ["attention_keep"], to=TensorProto.BOOL),
+        helper.make_node("Unsqueeze", ["attention_keep", "attention_mask_axes"], ["attention_keep_4d"]),
+        helper.make_node("Where", ["attention_keep_4d", "attention_qk", "attention_minus_inf"], ["attention_scores"]),
+        helper.make_node("Softmax", ["attention_scores"], ["attention_probs"], axis=-1),
+        helper.make_node("ReduceMean", ["attention_probs", "attention_head_axis"], ["attention_mean"], keepdims=0),
+        helper.make_node("Squeeze", ["attention_mean", "attention_query_axis"], ["attention"]),
+    ])
+    # the op schema leaves qk's element type open (float, float16, bfloat16): declare it
+    graph.value_info.append(helper.make_tensor_value_info("attention_qk", TensorProto.FLOAT, None))
+    graph.output.append(helper.make_tensor_value_info("attention", TensorProto.FLOAT, ["batch", "src_len"]))
+
+
+@register_exporter("transformer")
+def export_transformer(model: Transformer, opset: int) -> GraphSet:
+    cfg = model.config
+    layers, heads = cfg.decoder_layers, cfg.heads
+    head_dim = cfg.d_model // heads
+    model = untied_copy(model, "lm_head", "shared")
+    src, src_mask, cross, past = _example_inputs(model)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    src_len = torch.export.Dim("src_len", min=1, max=cfg.max_positions)
+    past_len = torch.export.Dim("past_len", min=0, max=cfg.max_positions - 1)
+    cross_names, past_names, present_names = _names("cross", layers), _names("past", layers), _names("present", layers)
+
+    encoder = torch_to_onnx(
+        EncoderGraph(model), (src,), input_names=["src_ids"], output_names=["src_mask", *cross_names],
+        dynamic_shapes=({0: batch, 1: src_len},), opset=opset, fuse=True, what="Transformer encoder",
+    )
+    step_args = dict(
+        input_names=["input_ids", "src_mask", *cross_names, *past_names],
+        dynamic_shapes=(
+            {0: batch}, {0: batch, 1: src_len},
+            tuple([{0: batch, 2: src_len}] * len(cross) + [{0: batch, 2: past_len}] * len(past)),
+        ),
+        opset=opset, fuse=True,
+    )
+    step_inputs = (src[:, 0], src_mask, *cross, *past)
+    decoder = torch_to_onnx(StepGraph(model), step_inputs, output_names=["log_probs", *present_names],
+                            what="Transformer decoder step", **step_args)
+    cross_layers = feed_cross_kv_directly(decoder)
+    cancel_transposes(encoder)
+    cancel_transposes(decoder)
+
+    shapes: dict[str, list] = {"src_ids": ["batch", "src_len"], "src_mask": ["batch", "src_len"],
+                               "input_ids": ["batch"], "log_probs": ["batch", cfg.vocab_size],
+                               "attention": ["batch", "src_len"]}
+    shapes.update({name: ["batch", heads, "src_len", head_dim] for name in cross_names})
+    shapes.update({name: ["batch", heads, "past_len", head_dim] for name in past_names})
+    shapes.update({name: ["batch", heads, "past_len + 1", head_dim] for name in present_names})
+    set_io_shapes(encoder, shapes)
+    set_io_shapes(decoder, shapes)
+
+    alignment_layer = cfg.alignment_layer % layers
+    if alignment_layer in cross_layers:  # the fused node's qk output gives the attention
+        decoder_attention = onnx.ModelProto()
+        decoder_attention.CopyFrom(decoder)
+        add_attention_output(decoder_attention, cross_attention_node(decoder_attention, alignment_layer))
+    else:  # fallback (--allow-unfused): export the step again with the alignment layer unfused
+        decoder_attention = torch_to_onnx(
+            StepGraph(model, need_attention=True), step_inputs, output_names=["log_probs", *present_names, "attention"],
+            what="Transformer decoder step with attention", **step_args,
+        )
+        feed_cross_kv_directly(decoder_attention)
+        cancel_transposes(decoder_attention)
+        set_io_shapes(decoder_attention, shapes)
+
+    return GraphSet(
+        encoder=encoder,
+        decoder=decoder,
+        decoder_attention=decoder_attention,
+        decoder_static=["src_mask", *cross_names],
+        decoder_state=[
+            StateTensor(input=name, output=name.replace("past_", "present_"), init="empty",
+                        shape=[heads, 0, head_dim], dtype="float32")
+            for name in past_names
+        ],
+        static_src_axes={"src_mask": 1, **{name: 2 for name in cross_names}},
+        attention_total=cfg.encoder_layers + 2 * layers,
+        attention_fused=min(count_ops(encoder)[MHA], cfg.encoder_layers)
+        + len(set(cross_layers)) + len(set(self_attention_layers(decoder))),
+    )

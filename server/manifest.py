@@ -1,0 +1,223 @@
+"""The ``manifest.json`` of a model version: what the serving engine needs to run it (no torch).
+
+A model version directory ``<repository>/<name>/<version>/`` holds the ONNX graphs, the tokenizer
+(``spm.model``) and ``manifest.json``, written last by ``nmt export``. The manifest describes the
+graphs' I/O so the engine stays architecture-agnostic:
+
+* the encoder graph takes ``src_ids`` int64 [batch, src_len] and returns every name listed in
+  ``decoder_static`` plus the initial value of each ``decoder_state`` entry whose ``init`` is
+  ``"encoder"`` (under the entry's ``input`` name);
+* a decoder graph takes ``input_ids`` int64 [batch], the static inputs and the state inputs and returns
+  ``log_probs`` float32 [batch, vocab], each state entry's ``output`` and (``decoder_attention`` only)
+  ``attention`` float32 [batch, src_len];
+* a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
+  KV cache); its ``dtype`` is a NumPy dtype name;
+* ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
+  merge sentences of different lengths into one batch; a zero in ``src_mask`` marks padding).
+
+:func:`read_manifest` validates the fields and the sha256 of every listed file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nmt.errors import NmtError
+
+MANIFEST_FILENAME = "manifest.json"
+FORMAT = "nmt-model/1"
+GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
+PRECISIONS = ("fp32", "int8")
+STATE_INITS = ("empty", "encoder")
+SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
+
+
+class ManifestError(NmtError):
+    """A model version directory whose manifest is missing, malformed or does not match its files."""
+
+
+@dataclass
+class StateTensor:
+    """One recurrent decoder input fed back from an output of the previous step."""
+
+    input: str  # decoder input name, e.g. ``past_key_0`` or ``hidden``
+    output: str  # decoder output name holding the next value, e.g. ``present_key_0``
+    init: str  # "empty": zeros [batch, *shape]; "encoder": the encoder output named like ``input``
+    shape: list[int] | None = None  # per-row shape without batch (init "empty" only)
+    dtype: str | None = None  # NumPy dtype name (init "empty" only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclass
+class Manifest:
+    """Mirror of ``manifest.json`` (see the module docstring for the graph contract)."""
+
+    name: str
+    version: str
+    architecture: str
+    source_language: str
+    target_language: str
+    vocab_size: int
+    dimensions: dict[str, Any]  # the model config the graphs were exported from
+    special_ids: dict[str, int]  # pad, unk, bos, eos, decoder_start
+    opset: int
+    onnxruntime_version: str  # the version that verified parity at export time
+    precision: str  # "fp32" or "int8"
+    graphs: dict[str, str]  # role (encoder, decoder, decoder_attention) -> file name
+    decoder_static: list[str]
+    decoder_state: list[StateTensor]
+    files: dict[str, str]  # file name -> sha256 hex digest (every file but the manifest)
+    tokenizer: str = "spm.model"
+    static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
+    fused_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> op type -> count
+    attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
+    parity: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)  # corpus, valid_bleu, test_bleu, steps
+    quantization: dict[str, Any] | None = None  # bleu_fp32, bleu_int8, delta, test_sentences
+    defaults: dict[str, Any] = field(default_factory=dict)  # beam_size, length_penalty, max_length
+    created: str = ""  # ISO 8601 UTC time of export
+    format: str = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["decoder_state"] = [entry.to_dict() for entry in self.decoder_state]
+        data = {"format": data.pop("format"), **data}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_FILENAME) -> Manifest:
+        """Build and validate a manifest from parsed JSON; raises :class:`ManifestError`."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where}: expected a JSON object")
+        if data.get("format") != FORMAT:
+            raise ManifestError(f"{where}: unsupported format {data.get('format')!r} (this server reads {FORMAT})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ManifestError(f"{where}: missing required fields: {', '.join(missing)}")
+        values = {key: value for key, value in data.items() if key in known}  # newer fields are ignored
+        try:
+            values["decoder_state"] = [_state_from_dict(entry) for entry in data["decoder_state"]]
+        except (TypeError, ValueError, KeyError) as error:
+            raise ManifestError(f"{where}: bad decoder_state entry: {error}") from error
+        values["version"] = str(values["version"])
+        manifest = cls(**values)
+        manifest.validate(where=where)
+        return manifest
+
+    def validate(self, *, where: str = MANIFEST_FILENAME) -> None:
+        """Check types and cross-references between fields (not the files; see :func:`verify_files`)."""
+        problems: list[str] = []
+        for name in ("name", "version", "architecture", "source_language", "target_language", "tokenizer"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                problems.append(f"{name} must be a non-empty string")
+        for name in ("vocab_size", "opset"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if not isinstance(self.special_ids, dict) or any(
+            not isinstance(self.special_ids.get(key), int) for key in SPECIAL_IDS
+        ):
+            problems.append(f"special_ids needs integer {', '.join(SPECIAL_IDS)}")
+        if not isinstance(self.graphs, dict) or any(role not in self.graphs for role in GRAPH_ROLES):
+            problems.append(f"graphs needs {', '.join(GRAPH_ROLES)}")
+        if not isinstance(self.files, dict):
+            problems.append("files must map file names to sha256 digests")
+        else:
+            listed = list(self.graphs.values()) if isinstance(self.graphs, dict) else []
+            for filename in [*listed, self.tokenizer]:
+                if filename not in self.files:
+                    problems.append(f"files has no sha256 for {filename}")
+            for filename in self.files:
+                if Path(filename).name != filename or filename in ("", ".", ".."):
+                    problems.append(f"file name {filename!r} must be a plain name inside the version directory")
+        if not isinstance(self.decoder_static, list) or not all(isinstance(n, str) for n in self.decoder_static):
+            problems.append("decoder_static must be a list of input names")
+        names = [entry.input for entry in self.decoder_state]
+        if len(set(names)) != len(names) or set(names) & set(self.decoder_static or []):
+            problems.append("decoder_state and decoder_static input names must be unique")
+        if problems:
+            raise ManifestError(f"{where}: " + "; ".join(problems))
+
+
+def _state_from_dict(entry: dict[str, Any]) -> StateTensor:
+    if not isinstance(entry, dict):
+        raise TypeError(f"expected an object, got {entry!r}")
+    state = StateTensor(
+        input=str(entry["input"]),
+        output=str(entry["output"]),
+        init=str(entry["init"]),
+        shape=list(entry["shape"]) if entry.get("shape") is not None else None,
+        dtype=entry.get("dtype"),
+    )
+    if state.init not in STATE_INITS:
+        raise ValueError(f"{state.input}: init must be one of {', '.join(STATE_INITS)}, not {state.init!r}")
+    if state.init == "empty" and (state.shape is None or state.dtype is None):
+        raise ValueError(f"{state.input}: init 'empty' needs shape and dtype")
+    if state.shape is not None and not all(isinstance(d, int) and d >= 0 for d in state.shape):
+        raise ValueError(f"{state.input}: shape must hold non-negative integers")
+    return state
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_files(manifest: Manifest, version_dir: str | Path) -> None:
+    """Check that every listed file exists and matches its sha256; raises :class:`ManifestError`."""
+    version_dir = Path(version_dir)
+    for filename, expected in manifest.files.items():
+        path = version_dir / filename
+        if not path.is_file():
+            raise ManifestError(f"{version_dir}: {filename} is listed in {MANIFEST_FILENAME} but missing")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise ManifestError(
+                f"{version_dir}: {filename} does not match its sha256 in {MANIFEST_FILENAME} "
+                f"(expected {expected[:12]}..., found {actual[:12]}...): the file was changed or truncated"
+            )
+
+
+def read_manifest(version_dir: str | Path, *, verify: bool = True) -> Manifest:
+    """Load and validate ``<version_dir>/manifest.json`` (and, with ``verify``, the files' sha256)."""
+    version_dir = Path(version_dir)
+    path = version_dir / MANIFEST_FILENAME
+    if not path.is_file():
+        raise ManifestError(f"{version_dir} is not a model version: {MANIFEST_FILENAME} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ManifestError(f"cannot read {path}: {error}") from error
+    manifest = Manifest.from_dict(data, where=str(path))
+    if verify:
+        verify_files(manifest, version_dir)
+    return manifest
+
+
+def write_manifest(manifest: Manifest, version_dir: str | Path) -> Path:
+    """Validate ``manifest`` and write it as ``<version_dir>/manifest.json`` (atomically)."""
+    manifest.validate(where=str(Path(version_dir) / MANIFEST_FILENAME))
+    path = Path(version_dir) / MANIFEST_FILENAME
+    tmp = path.with_name(f".{MANIFEST_FILENAME}.tmp")
+    tmp.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny trained models of both architectures, as training runs and exported versions.
+
+The models train for a few seconds on English number words whose German side is reversed (so
+alignments are not the diagonal); the session exports each once into a temporary model repository.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from export.models import build_model
+from export.models.base import save_checkpoint
+from export.onnx_export import ExportOptions, export_model
+from export.train import collate, encode_pairs
+from nmt.cli import main as nmt_main
+from server.tokenizer import PAD_ID, train_tokenizer
+
+EN = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+DE = ["eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn"]
+TINY = {
+    "transformer": dict(d_model=32, heads=4, ffn_dim=64, encoder_layers=2, decoder_layers=2, dropout=0.1),
+    "bahdanau": dict(embed_dim=16, encoder_hidden=16, decoder_hidden=32, attention_dim=16, dropout=0.1),
+}
+PARITY_SENTENCES = 8
+
+
+def number_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+    """English number words -> German, German in reverse order (so alignments are not the diagonal)."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(count):
+        words = [rng.randrange(len(EN)) for _ in range(rng.randint(2, 6))]
+        pairs.append((" ".join(EN[w] for w in words), " ".join(DE[w] for w in reversed(words))))
+    return pairs
+
+
+def make_run(directory, arch: str, steps: int = 150):
+    """A training run directory like ``nmt train`` writes, from a model trained for a few seconds."""
+    train, test = number_pairs(80, seed=0), number_pairs(12, seed=1)
+    tokenizer = train_tokenizer([text for pair in train for text in pair], vocab_size=60)
+    torch.manual_seed(0)
+    model = build_model(arch, vocab_size=tokenizer.vocab_size, **TINY[arch])
+
+    class P:  # export.train.encode_pairs takes objects with .source/.target
+        def __init__(self, source, target):
+            self.source, self.target = source, target
+
+    src, tgt_in, tgt_out = collate(encode_pairs(tokenizer, [P(s, t) for s, t in train]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        logits = model(src, tgt_in)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1), ignore_index=PAD_ID)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(directory)
+    save_checkpoint(directory / "best.pt", model, step=steps, valid_bleu=50.0)
+    (directory / "test.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in test), encoding="utf-8")
+    summary = {"arch": arch, "corpus": "numbers", "steps": steps, "best_valid_bleu": 50.0, "test_bleu": 40.0}
+    (directory / "summary.json").write_text(json.dumps(summary))
+    return directory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps are much slower with more threads on a shared host
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {arch: make_run(root / arch, arch) for arch in TINY}
+
+
+@pytest.fixture(scope="session")
+def tiny_repository(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_runs, tiny_repository):
+    """Both architectures exported once: Transformer through the API, Bahdanau through ``nmt export``."""
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+                                        repository=str(tiny_repository), parity_sentences=PARITY_SENTENCES,
+                                        progress=False))
+    assert result.version_dir == tiny_repository / "tiny-transformer" / "1"
+    status = nmt_main(["export", str(tiny_runs["bahdanau"]), "--name", "tiny-bahdanau",
+                       "--repository", str(tiny_repository), "--parity-sentences", str(PARITY_SENTENCES),
+                       "--no-progress"])
+    assert status == 0
+    return {"transformer": result.version_dir, "bahdanau": tiny_repository / "tiny-bahdanau" / "1"}

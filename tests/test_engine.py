@@ -1,0 +1,122 @@
+"""The ONNX Runtime engine on exported tiny models: agreement with PyTorch, batching, attention, words."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from export.models import load_checkpoint
+from export.search import translate_ids
+from server.alignment import merge_to_words, word_groups
+from server.engine import Engine
+from server.types import DecodingOptions, SentenceRequest
+
+TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    return {arch: Engine.load(path, provider="cpu", intra_op_threads=1) for arch, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_engine_matches_pytorch_reference(arch, beam, engines, tiny_runs):
+    engine = engines[arch]
+    model, _ = load_checkpoint(tiny_runs[arch] / "best.pt")
+    options = DecodingOptions(beam_size=beam, num_hypotheses=beam, length_penalty=1.0, return_attention=True)
+    translations = engine.translate(TEXTS, options)
+    for text, translation in zip(TEXTS, translations, strict=True):
+        reference = translate_ids(model, engine.tokenize(text) + [engine.eos_id], beam_size=beam,
+                                  num_hypotheses=beam, need_attention=True)
+        assert [h.token_ids + [engine.eos_id] for h in translation.hypotheses] == [h.tokens for h in reference]
+        for ours, theirs in zip(translation.hypotheses, reference, strict=True):
+            assert ours.score == pytest.approx(theirs.score, abs=1e-4)
+            np.testing.assert_allclose(ours.attention.subword_weights, theirs.attention.numpy(), atol=1e-4)
+        scores = [h.score for h in translation.hypotheses]
+        assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_mixed_length_batch_equals_one_by_one(arch, engines):
+    engine = engines[arch]
+    options = DecodingOptions(beam_size=3, num_hypotheses=2, return_attention=True)
+    batched = engine.translate(TEXTS, options)
+    for text, together in zip(TEXTS, batched, strict=True):
+        [alone] = engine.translate([text], options)
+        assert [h.token_ids for h in together.hypotheses] == [h.token_ids for h in alone.hypotheses]
+        for a, b in zip(together.hypotheses, alone.hypotheses, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+            np.testing.assert_allclose(a.attention.weights, b.attention.weights, atol=1e-5)
+
+
+def test_per_sentence_options_and_batch_report(engines):
+    engine = engines["transformer"]
+    requests = [
+        SentenceRequest(engine.tokenize("one two three"), DecodingOptions(beam_size=2, num_hypotheses=2)),
+        SentenceRequest(engine.tokenize("four"), DecodingOptions(beam_size=2, num_hypotheses=1, max_length=2)),
+    ]
+    result = engine.translate_batch(requests)
+    assert len(result.translations[0].hypotheses) == 2
+    assert len(result.translations[1].hypotheses) == 1
+    assert len(result.translations[1].hypotheses[0].token_ids) <= 1  # max_length 2 counts EOS
+    assert result.source_tokens == sum(len(r.source_ids) + 1 for r in requests)
+    assert 0 < result.padding_ratio < 1 and result.cancelled == 0 and result.generated_tokens > 0
+    with pytest.raises(ValueError, match="share beam_size"):
+        engine.translate_batch([requests[0], SentenceRequest([5], DecodingOptions(beam_size=1))])
+
+
+def test_cancelled_sentences_leave_the_batch(engines):
+    engine = engines["bahdanau"]
+    polls = []
+
+    def cancelled():
+        polls.append(1)
+        return True
+
+    requests = [SentenceRequest(engine.tokenize(t), DecodingOptions(beam_size=2)) for t in TEXTS[:2]]
+    requests.append(SentenceRequest(engine.tokenize(TEXTS[2]), DecodingOptions(beam_size=2), is_cancelled=cancelled))
+    result = engine.translate_batch(requests)
+    assert result.translations[2] is None and result.cancelled == 1 and len(polls) == 1
+    assert all(t is not None for t in result.translations[:2])
+
+
+def test_attention_is_word_level_and_rows_sum_to_one(engines):
+    for engine in engines.values():
+        [translation] = engine.translate(["eight nine ten"], DecodingOptions(beam_size=2, return_attention=True))
+        hypothesis = translation.hypotheses[0]
+        attention = hypothesis.attention
+        assert attention.weights.shape == (len(attention.target_words), len(attention.source_words))
+        assert attention.source_words == ["eight", "nine", "ten"]
+        np.testing.assert_allclose(attention.weights.sum(axis=1), 1.0, atol=1e-5)
+        assert [a.target_index for a in attention.alignments] == list(range(len(attention.target_words)))
+        assert attention.pharaoh().count("-") == len(attention.target_words)
+
+
+def test_word_merging_on_a_hand_made_example():
+    source = ["\u2581Diens", "tag", ",", "\u25812", "5", "."]  # "Dienstag, 25." (3 words)
+    target = ["\u2581Tues", "day", "\u258125"]  # "Tuesday 25" (2 words)
+    # rows: 3 target pieces + EOS; columns: 6 source pieces + EOS
+    sub = np.array([
+        [0.5, 0.3, 0.1, 0.0, 0.0, 0.0, 0.1],
+        [0.3, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.6, 0.3, 0.1, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    ])
+    assert word_groups(source) == [[0, 1, 2], [3, 4, 5]]
+    attention = merge_to_words(sub, source, target)
+    assert attention.source_words == ["Dienstag,", "25."] and attention.target_words == ["Tuesday", "25"]
+    # "Tuesday" = mean of its two rows over the source words (EOS column dropped, then renormalised)
+    np.testing.assert_allclose(attention.weights, [[1.0, 0.0], [0.0, 1.0]], atol=1e-6)
+    assert attention.pharaoh() == "0-0 1-1"
+
+
+def test_providers(tiny_models):
+    engine = Engine.load(tiny_models["transformer"], provider="auto", intra_op_threads=1)
+    expected = "CUDAExecutionProvider" if "CUDAExecutionProvider" in ort.get_available_providers() \
+        else "CPUExecutionProvider"
+    assert engine.provider == expected
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(ValueError, match="not available"):
+            Engine.load(tiny_models["transformer"], provider="cuda")
+    with pytest.raises(ValueError, match="unknown execution provider"):
+        Engine.load(tiny_models["transformer"], provider="tpu")

@@ -1,0 +1,327 @@
+"""ONNX export: fused graphs, parity with PyTorch, the manifest and the model repository rules.
+
+Session fixtures train two tiny models (Transformer, Bahdanau) for a few seconds on generated
+number words, save them as training runs (best.pt, spm.model, summary.json, test.tsv) and export
+each once; the tests then inspect those model versions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.models import load_checkpoint
+from export.onnx_export import (
+    EXPORTERS,
+    GRAPH_FILES,
+    LOGIT_TOLERANCE,
+    ExportOptions,
+    GraphSet,
+    OrtModel,
+    check_parity,
+    export_model,
+    graph_exporter,
+    next_version,
+)
+from export.search import translate_ids
+from nmt.cli import main as nmt_main
+from nmt.errors import NmtError
+from server.manifest import MANIFEST_FILENAME, ManifestError, read_manifest
+from server.tokenizer import EOS_ID, PAD_ID, Tokenizer
+
+PARITY_SENTENCES = 8
+
+
+def held_out_ids(run_dir, count=PARITY_SENTENCES):
+    tokenizer = Tokenizer.load(run_dir)
+    lines = (run_dir / "test.tsv").read_text(encoding="utf-8").splitlines()[:count]
+    sources = [tokenizer.encode(line.split("\t")[0]) + [EOS_ID] for line in lines]
+    targets = [tokenizer.encode(line.split("\t")[1]) for line in lines]
+    return sources, targets
+
+
+def sessions(version_dir):
+    return {role: ort.InferenceSession(str(version_dir / name), providers=["CPUExecutionProvider"])
+            for role, name in GRAPH_FILES.items()}
+
+
+def run_graph(session, feeds):
+    names = [output.name for output in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds), strict=True))
+
+
+# ------------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_export_matches_pytorch(arch, tiny_runs, tiny_models):
+    """Re-check the written version: logits and attention within 1e-4, identical greedy and beam-4 output."""
+    model, _ = load_checkpoint(tiny_runs[arch] / "best.pt")
+    manifest = read_manifest(tiny_models[arch])
+    onnx_model = OrtModel.from_manifest(tiny_models[arch], manifest)
+    sources, targets = held_out_ids(tiny_runs[arch])
+    report = check_parity(model, onnx_model, sources, targets)
+    assert report.max_logit_diff <= LOGIT_TOLERANCE and report.max_attention_diff <= LOGIT_TOLERANCE
+    assert report.greedy_match == (len(sources), len(sources))
+    assert report.beam4_match == (len(sources), len(sources))
+    assert report.teacher_forced_steps > len(sources)
+    for source in sources[:3]:  # the whole hypothesis, attention included
+        reference = translate_ids(model, source, beam_size=4, num_hypotheses=2, need_attention=True)
+        candidate = onnx_model.translate_ids(source, beam_size=4, num_hypotheses=2, need_attention=True)
+        assert [h.tokens for h in candidate] == [h.tokens for h in reference]
+        for ours, theirs in zip(candidate, reference, strict=True):
+            assert ours.score == pytest.approx(theirs.score, abs=1e-4)
+            torch.testing.assert_close(ours.attention, theirs.attention, atol=1e-4, rtol=0)
+    assert manifest.parity["greedy_match"] == f"{PARITY_SENTENCES}/{PARITY_SENTENCES}"
+    assert manifest.parity["beam4_match"] == f"{PARITY_SENTENCES}/{PARITY_SENTENCES}"
+    assert manifest.parity["max_logit_diff"] <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_one_step_by_hand(arch, tiny_runs, tiny_models):
+    """The graph contract with raw numpy feeds, as the serving engine drives it (batch with padding)."""
+    model, _ = load_checkpoint(tiny_runs[arch] / "best.pt")
+    manifest = read_manifest(tiny_models[arch])
+    graphs = sessions(tiny_models[arch])
+    src = np.array([[5, 6, 7, 8, EOS_ID], [9, 10, EOS_ID, PAD_ID, PAD_ID]], dtype=np.int64)
+    encoded = run_graph(graphs["encoder"], {"src_ids": src})
+    feeds = {name: encoded[name] for name in manifest.decoder_static}
+    for entry in manifest.decoder_state:
+        feeds[entry.input] = (encoded[entry.input] if entry.init == "encoder"
+                              else np.zeros((2, *entry.shape), dtype=entry.dtype))
+    with torch.no_grad():
+        state = model.init_state(model.encode(torch.from_numpy(src)))
+        for token in (manifest.special_ids["decoder_start"], 11, 12):
+            tokens = np.array([token, token], dtype=np.int64)
+            logits, attention, state = model.decode_step(torch.from_numpy(tokens), state, need_attention=True)
+            out = run_graph(graphs["decoder_attention"], {"input_ids": tokens, **feeds})
+            plain = run_graph(graphs["decoder"], {"input_ids": tokens, **feeds})
+            assert "attention" not in plain
+            np.testing.assert_allclose(out["log_probs"], logits.log_softmax(-1).numpy(), atol=1e-4, rtol=0)
+            np.testing.assert_allclose(plain["log_probs"], out["log_probs"], atol=1e-6, rtol=0)
+            np.testing.assert_allclose(out["attention"], attention.numpy(), atol=1e-4, rtol=0)
+            np.testing.assert_allclose(out["attention"].sum(-1), 1.0, atol=1e-5)
+            assert (out["attention"][1, 3:] == 0).all(), "padding gets exactly zero attention"
+            for entry in manifest.decoder_state:
+                feeds[entry.input] = out[entry.output]
+    if arch == "transformer":
+        assert feeds["past_key_0"].shape == (2, 4, 3, 8)  # [batch, heads, past_len + 3 steps, head_dim]
+
+
+def test_attention_rows_sum_to_one(tiny_runs, tiny_models):
+    for arch, version_dir in tiny_models.items():
+        manifest = read_manifest(version_dir)
+        onnx_model = OrtModel.from_manifest(version_dir, manifest)
+        sources, _ = held_out_ids(tiny_runs[arch])
+        src = np.full((len(sources), max(map(len, sources))), PAD_ID, dtype=np.int64)
+        for i, row in enumerate(sources):
+            src[i, : len(row)] = row
+        state = onnx_model.initial_state(src)
+        tokens = torch.full((len(sources),), manifest.special_ids["decoder_start"])
+        for _ in range(4):
+            log_probs, attention, state = onnx_model.step(tokens, state, need_attention=True)
+            torch.testing.assert_close(attention.sum(-1), torch.ones(len(sources)), atol=1e-5, rtol=0)
+            assert (attention[torch.from_numpy(src == PAD_ID)] == 0).all()
+            tokens = log_probs.argmax(-1)
+
+
+# ------------------------------------------------------------------------------------------ fused graphs
+
+
+def test_transformer_attention_is_fused(tiny_runs, tiny_models):
+    manifest = read_manifest(tiny_models["transformer"])
+    cfg = manifest.dimensions
+    total = cfg["encoder_layers"] + 2 * cfg["decoder_layers"]
+    assert manifest.attention_blocks == {"fused": total, "total": total}
+    mha = "com.microsoft.MultiHeadAttention"
+    assert manifest.fused_ops["encoder"][mha] == cfg["encoder_layers"]
+    assert manifest.fused_ops["decoder"][mha] == 2 * cfg["decoder_layers"]
+    assert manifest.fused_ops["decoder_attention"][mha] == 2 * cfg["decoder_layers"]
+    assert manifest.fused_ops["decoder"]["com.microsoft.SkipLayerNormalization"] >= 2 * cfg["decoder_layers"]
+    for role, name in GRAPH_FILES.items():
+        graph = onnx.load(str(tiny_models["transformer"] / name)).graph
+        ops = [node.op_type for node in graph.node]
+        assert ops.count("MultiHeadAttention") == manifest.fused_ops[role][mha]
+        assert "Softmax" not in ops or role == "decoder_attention", f"unfused attention left in {role}"
+        if role != "encoder":
+            for node in graph.node:  # cross K/V go to the fused op 4-D, straight from the graph inputs
+                if node.op_type == "MultiHeadAttention" and node.input[1].startswith("cross_key_"):
+                    assert node.input[2].startswith("cross_value_")
+            consumers = {i for node in graph.node if node.op_type != "MultiHeadAttention" for i in node.input}
+            assert not any(name.startswith("cross_") for name in consumers), "per-step transpose of cross K/V"
+
+
+def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
+    real = graph_exporter("transformer")
+
+    def partly_fused(model, opset):
+        graphs = GraphSet(onnx.ModelProto(), onnx.ModelProto(), onnx.ModelProto(), [], [], {},
+                          attention_total=6, attention_fused=5)
+        return graphs
+
+    monkeypatch.setitem(EXPORTERS, "transformer", partly_fused)
+    with pytest.raises(NmtError, match="5 of 6 attention blocks"):
+        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="unfused",
+                                   repository=str(tiny_repository), progress=False))
+    assert not (tiny_repository / "unfused").exists(), "a failed export leaves nothing behind"
+    assert real is not partly_fused
+
+
+def test_bahdanau_uses_gru_nodes(tiny_models):
+    manifest = read_manifest(tiny_models["bahdanau"])
+    assert manifest.fused_ops["encoder"]["GRU"] == 2
+    assert manifest.fused_ops["decoder"]["GRU"] == 1
+    for name in GRAPH_FILES.values():
+        graph = onnx.load(str(tiny_models["bahdanau"] / name)).graph
+        ops = {node.op_type for node in graph.node}
+        assert not ops & {"Loop", "Scan", "If"}
+        if name != "encoder.onnx":
+            assert "MatMul" in ops and "Tanh" in ops and "Softmax" in ops  # only W s, tanh, v, softmax, context
+            assert not ops & {"GatherElements", "Range"}, "encoder-side work leaked into the step"
+
+
+# --------------------------------------------------------------------------------------------- manifest
+
+
+def test_manifest_contents(tiny_runs, tiny_models):
+    manifest = read_manifest(tiny_models["transformer"])
+    tokenizer = Tokenizer.load(tiny_runs["transformer"])
+    assert manifest.format == "nmt-model/1" and manifest.name == "tiny-transformer" and manifest.version == "1"
+    assert manifest.architecture == "transformer" and manifest.precision == "fp32"
+    assert (manifest.source_language, manifest.target_language) == ("en", "de")
+    assert manifest.vocab_size == tokenizer.vocab_size == manifest.dimensions["vocab_size"]
+    assert manifest.special_ids == {"pad": 0, "unk": 1, "bos": 2, "eos": 3, "decoder_start": 2}
+    assert manifest.opset == 18 and manifest.onnxruntime_version == ort.__version__
+    assert manifest.graphs == GRAPH_FILES
+    assert manifest.decoder_static == ["src_mask", "cross_key_0", "cross_value_0", "cross_key_1", "cross_value_1"]
+    state = {entry.input: entry for entry in manifest.decoder_state}
+    assert list(state) == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
+    assert state["past_key_1"].output == "present_key_1"
+    assert (state["past_key_1"].init, state["past_key_1"].shape, state["past_key_1"].dtype) == (
+        "empty", [4, 0, 8], "float32")
+    assert manifest.static_src_axes["src_mask"] == 1 and manifest.static_src_axes["cross_key_0"] == 2
+    assert manifest.training == {"corpus": "numbers", "valid_bleu": 50.0, "test_bleu": 40.0, "steps": 150,
+                                 "checkpoint_step": 150}
+    assert manifest.quantization is None
+    assert manifest.defaults == {"beam_size": 4, "length_penalty": 1.0, "max_length": 256}
+    assert set(manifest.files) == {*GRAPH_FILES.values(), "spm.model"}
+    exported_tokenizer = (tiny_models["transformer"] / "spm.model").read_bytes()
+    assert exported_tokenizer == (tiny_runs["transformer"] / "spm.model").read_bytes()
+    raw = json.loads((tiny_models["transformer"] / MANIFEST_FILENAME).read_text())
+    assert raw["decoder_state"][0] == {"input": "past_key_0", "output": "present_key_0", "init": "empty",
+                                      "shape": [4, 0, 8], "dtype": "float32"}
+
+    bahdanau = read_manifest(tiny_models["bahdanau"])
+    assert bahdanau.decoder_static == ["memory", "keys", "src_mask"]
+    assert [(e.input, e.output, e.init) for e in bahdanau.decoder_state] == [
+        ("hidden", "hidden_out", "encoder"), ("context", "context_out", "encoder")]
+    encoder = ort.InferenceSession(str(tiny_models["bahdanau"] / "encoder.onnx"), providers=["CPUExecutionProvider"])
+    assert {o.name for o in encoder.get_outputs()} == {"memory", "keys", "src_mask", "hidden", "context"}
+    assert [i.name for i in encoder.get_inputs()] == ["src_ids"]
+
+
+def test_tampered_files_are_rejected(tiny_models, tmp_path):
+    copy = tmp_path / "1"
+    shutil.copytree(tiny_models["bahdanau"], copy)
+    read_manifest(copy)
+    with open(copy / "decoder.onnx", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ManifestError, match="decoder.onnx does not match its sha256"):
+        read_manifest(copy)
+    (copy / "decoder.onnx").unlink()
+    with pytest.raises(ManifestError, match="decoder.onnx is listed .* but missing"):
+        read_manifest(copy)
+    data = json.loads((copy / MANIFEST_FILENAME).read_text())
+    del data["decoder_state"]
+    (copy / MANIFEST_FILENAME).write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="missing required fields: decoder_state"):
+        read_manifest(copy, verify=False)
+    (copy / MANIFEST_FILENAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="cannot read"):
+        read_manifest(copy)
+    with pytest.raises(ManifestError, match="not a model version"):
+        read_manifest(tmp_path)
+
+
+# ----------------------------------------------------------------------------------- repository rules
+
+
+def test_refuses_to_overwrite_and_numbers_versions(tiny_runs, tiny_models, tiny_repository, capsys):
+    before = (tiny_models["transformer"] / MANIFEST_FILENAME).read_bytes()
+    with pytest.raises(NmtError, match="already exists; use --force"):
+        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer", version="1",
+                                   repository=str(tiny_repository), progress=False))
+    status = nmt_main(["export", str(tiny_runs["transformer"]), "--name", "tiny-transformer", "--version", "1",
+                       "--repository", str(tiny_repository), "--no-progress"])
+    assert status == 2 and "already exists" in capsys.readouterr().err
+    assert (tiny_models["transformer"] / MANIFEST_FILENAME).read_bytes() == before
+    assert next_version(tiny_repository / "tiny-transformer") == "2"
+    assert next_version(tiny_repository / "no-such-model") == "1"
+    assert not [p for p in (tiny_repository / "tiny-transformer").iterdir() if p.name.startswith(".")]
+
+
+def test_checkpoint_problems_are_clear_errors(tiny_runs, tmp_path):
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    shutil.copy(tiny_runs["bahdanau"] / "best.pt", lonely / "model.pt")
+    options = dict(name="x", repository=str(tmp_path / "models"), progress=False)
+    with pytest.raises(NmtError, match="tokenizer not found"):
+        export_model(ExportOptions(checkpoint=str(lonely / "model.pt"), **options))
+    with pytest.raises(NmtError, match="holds no best.pt"):
+        export_model(ExportOptions(checkpoint=str(tmp_path), **options))
+    (lonely / "best.pt").write_bytes(b"junk")
+    shutil.copy(tiny_runs["bahdanau"] / "spm.model", lonely / "spm.model")
+    with pytest.raises(NmtError, match="cannot read checkpoint"):
+        export_model(ExportOptions(checkpoint=str(lonely), **options))
+    with pytest.raises(NmtError, match="bad model name"):
+        export_model(ExportOptions(checkpoint=str(lonely), **{**options, "name": "../x"}))
+    assert not (tmp_path / "models").exists()
+
+
+def test_failed_export_leaves_nothing(tiny_runs, tiny_repository, monkeypatch):
+    def broken(model, opset):
+        raise NmtError("exporting the graph failed: boom")
+
+    monkeypatch.setitem(EXPORTERS, "bahdanau", broken)
+    (tiny_repository / "tiny-bahdanau").mkdir(exist_ok=True)
+    before = sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir())
+    with pytest.raises(NmtError, match="boom"):
+        export_model(ExportOptions(checkpoint=str(tiny_runs["bahdanau"]), name="tiny-bahdanau",
+                                   repository=str(tiny_repository), progress=False))
+    assert sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir()) == before
+
+
+# ----------------------------------------------------------------------------------------- quantization
+
+
+def test_int8_export_records_quantization(tiny_runs, tiny_repository):
+    stale = tiny_repository / "tiny-transformer" / "int8"
+    stale.mkdir(parents=True)
+    (stale / "leftover.txt").write_text("an older export")
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+                                        version="int8", repository=str(tiny_repository), quantize="int8", force=True,
+                                        parity_sentences=4, bleu_sentences=12, progress=False))
+    assert result.version_dir == stale and not (stale / "leftover.txt").exists(), "--force replaces the directory"
+    manifest = read_manifest(result.version_dir)
+    assert manifest.precision == "int8"
+    q = manifest.quantization
+    assert set(q) >= {"bleu_fp32", "bleu_int8", "delta", "test_sentences"}
+    assert q["test_sentences"] == 12 and q["delta"] == pytest.approx(q["bleu_int8"] - q["bleu_fp32"], abs=0.011)
+    assert q["bleu_fp32"] > 0
+    assert manifest.parity["precision"] == "int8" and manifest.parity["enforced"] is False
+    assert manifest.parity["fp32"]["max_logit_diff"] <= LOGIT_TOLERANCE
+    assert manifest.parity["max_logit_diff"] > 0
+    ops = {node.op_type for node in onnx.load(str(result.version_dir / "decoder.onnx")).graph.node}
+    assert ops & {"DynamicQuantizeMatMul", "MatMulInteger"}, ops
+    assert manifest.attention_blocks["fused"] == manifest.attention_blocks["total"]
+    onnx_model = OrtModel.from_manifest(result.version_dir, manifest)
+    sources, _ = held_out_ids(tiny_runs["transformer"], 2)
+    hypothesis = onnx_model.translate_ids(sources[0], beam_size=2, need_attention=True)[0]
+    assert hypothesis.tokens[-1] == EOS_ID
+    torch.testing.assert_close(hypothesis.attention.sum(-1), torch.ones(len(hypothesis.tokens)), atol=1e-5, rtol=0)
