@@ -714,12 +714,14 @@ def _parity_pairs(inputs: _Inputs, count: int) -> tuple[list[list[int]], list[li
         targets = inputs.tokenizer.encode_batch([t for _, t in chosen])
         return sources, targets
     generator = torch.Generator().manual_seed(0)
-    low = max(cfg.pad_id, cfg.bos_id, cfg.eos_id, UNK_ID) + 1
+    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, UNK_ID}
+    ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
     sources, targets = [], []
     for _ in range(count):
         length = int(torch.randint(3, 12, (1,), generator=generator))
-        sources.append(torch.randint(low, cfg.vocab_size, (length,), generator=generator).tolist() + [cfg.eos_id])
-        targets.append(torch.randint(low, cfg.vocab_size, (length,), generator=generator).tolist())
+        picks = ordinary[torch.randint(len(ordinary), (2, length), generator=generator)]
+        sources.append(picks[0].tolist() + [cfg.eos_id])
+        targets.append(picks[1].tolist())
     return sources, targets
 
 

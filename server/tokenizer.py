@@ -1,7 +1,8 @@
 """SentencePiece tokenizer shared by training, export and serving (no torch).
 
 One joint source+target model file (``spm.model``, a protobuf, never a pickle) travels with each
-model version. Special ids are fixed so the model config and the tokenizer agree.
+model version. Tokenizers trained here use the fixed special ids below, which model configs default
+to; a tokenizer built elsewhere (e.g. with Marian's layout) keeps its own.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ class Tokenizer:
     def __init__(self, model_proto: bytes) -> None:
         self._model_proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        if (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id()) != (
-            PAD_ID, UNK_ID, BOS_ID, EOS_ID,
-        ):
-            raise ValueError("tokenizer special ids must be pad=0 unk=1 bos=2 eos=3")
+        if self._sp.eos_id() < 0 or self._sp.pad_id() < 0:
+            raise ValueError("a translation tokenizer needs end-of-sentence and padding pieces")
+        self.pad_id, self.eos_id, self.bos_id = self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id()
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -56,7 +56,8 @@ class Tokenizer:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)])
+        special = (self.pad_id, self.bos_id, self.eos_id)
+        return self._sp.decode([int(i) for i in ids if int(i) not in special])
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, character_coverage: float = 1.0) -> Tokenizer:
