@@ -258,11 +258,11 @@ def main() -> None:
                 check = sources(8, SIZES[size]["vocab"], seed=7)
                 ours_tokens = project_runner(engine, check, 1)()
                 ct2_tokens = ct2_runner(translator, check, 1)()
-                agree = sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1] for a, b in zip(ours_tokens, ct2_tokens))
+                agree = sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1] for a, b in zip(ours_tokens, ct2_tokens, strict=True))
                 line = f"{size} {precision}: greedy outputs agree with CTranslate2 on {agree}/{len(check)} sentences"
                 if precision == "fp32":
                     torch_tokens = torch_runner(ours_torch, check)()
-                    same = sum(a == b[: len(a)] for a, b in zip(ours_tokens, torch_tokens))
+                    same = sum(a == b[: len(a)] for a, b in zip(ours_tokens, torch_tokens, strict=True))
                     line += f", with PyTorch on {same}/{len(check)}"
                 print(line, flush=True)
                 for batch in args.batches:
@@ -306,7 +306,8 @@ def format_cell(cell: Cell, ceiling: float) -> str:
 
 def table(cells: list[Cell], ceiling: float) -> str:
     lines = [
-        "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | ratio | PyTorch tok/s | % of fp32 ceiling |",
+        "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | ratio | PyTorch tok/s "
+        "| % of fp32 ceiling |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:

@@ -19,7 +19,8 @@ from export.train import TrainConfig, train
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["dates-transformer", "dates-bahdanau"], choices=sorted(PRESETS))
+    parser.add_argument("--presets", nargs="+", default=["dates-transformer", "dates-bahdanau"],
+                        choices=sorted(PRESETS))
     parser.add_argument("--out", default="runs/bench", help="parent directory of the runs")
     parser.add_argument("--max-minutes", type=float, help="override the presets' time limit")
     parser.add_argument("--no-progress", action="store_true")

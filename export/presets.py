@@ -25,12 +25,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "arch": "transformer", "corpus": "ding", "vocab_size": 6000, "batch_tokens": 4096,
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "heads": 4, "ffn_dim": 1024,
                   "dropout": 0.3},
-        "lr": 7e-4, "warmup_steps": 800, "valid_every": 300, "max_minutes": 28.0, "patience": 6,
+        "lr": 7e-4, "warmup_steps": 800, "valid_every": 300, "max_minutes": 25.0, "patience": 6,
     },
     "ding-bahdanau": {
         "arch": "bahdanau", "corpus": "ding", "vocab_size": 6000, "batch_tokens": 4096,
         "model": {"embed_dim": 256, "encoder_hidden": 256, "decoder_hidden": 512, "attention_dim": 256,
                   "dropout": 0.3},
-        "lr": 1e-3, "valid_every": 300, "max_minutes": 28.0, "patience": 6,
+        "lr": 1e-3, "valid_every": 300, "max_minutes": 25.0, "patience": 6,
     },
 }

@@ -62,6 +62,22 @@ class SearchResult:
     hypotheses: list[FinishedHypothesis] = field(default_factory=list)
 
 
+def best_tokens(log_probs: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` best tokens of each row, best first: (ids int64 [R, count], scores float64 [R, count]).
+
+    Repeated arg-max is several times faster than a partition for the few candidates beam search
+    needs; it overwrites the picked entries of ``log_probs`` with -inf."""
+    rows = np.arange(log_probs.shape[0])
+    ids = np.empty((log_probs.shape[0], count), dtype=np.int64)
+    scores = np.empty((log_probs.shape[0], count))
+    for j in range(count):
+        best = log_probs.argmax(axis=1)
+        ids[:, j] = best
+        scores[:, j] = log_probs[rows, best]
+        log_probs[rows, best] = NEG_INF
+    return ids, scores
+
+
 def max_target_length(source_length: int, max_length: int = 256, ratio: float = 2.0, extra: int = 10) -> int:
     """Longest allowed output (EOS included): ``min(max_length, ratio * source_length + extra)``."""
     return max(1, min(max_length, int(ratio * source_length + extra)))
@@ -102,22 +118,21 @@ def beam_search(
     t = 0
     while active.size:
         log_probs, attention, state = model.step(tokens, static, state, need_attention)
-        log_probs = log_probs.astype(np.float64)
-        rows, vocab = log_probs.shape
+        rows = log_probs.shape[0]
         forced = np.repeat(limits[active] - 1 == t, width)
         if forced.any():  # out of room: only EOS may follow
-            eos_scores = log_probs[forced, eos_id]
+            eos_scores = log_probs[forced, eos_id].copy()
             log_probs[forced] = NEG_INF
             log_probs[forced, eos_id] = eos_scores
-        candidates = (totals[:, None] + log_probs).reshape(active.size, width * vocab)
-        m = min(2 * beam_size, width * vocab)
-        top = np.argpartition(-candidates, m - 1, axis=1)[:, :m]
-        top_scores = np.take_along_axis(candidates, top, 1)
-        order = np.argsort(-top_scores, axis=1, kind="stable")
-        top = np.take_along_axis(top, order, 1)
-        top_scores = np.take_along_axis(top_scores, order, 1)
-        origin = top // vocab + (np.arange(active.size) * width)[:, None]  # row each candidate extends
-        token = top % vocab
+        # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
+        per_row = min(2 * beam_size, log_probs.shape[1])
+        row_tokens, row_scores = best_tokens(log_probs, per_row)
+        candidates = (totals[:, None] + row_scores).reshape(active.size, width * per_row)
+        order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam_size]
+        top_scores = np.take_along_axis(candidates, order, 1)
+        token = np.take_along_axis(row_tokens.reshape(active.size, -1), order, 1)
+        token_score = np.take_along_axis(row_scores.reshape(active.size, -1), order, 1)
+        origin = order // per_row + (np.arange(active.size) * width)[:, None]  # row each candidate extends
         valid = top_scores > NEG_INF
         is_eos = (token == eos_id) & valid
         live = ~is_eos & valid
@@ -135,7 +150,7 @@ def beam_search(
                 FinishedHypothesis(
                     tokens=history[row].tolist() + [eos_id],
                     score=float(top_scores[j, c] / (t + 1) ** penalties[s]),
-                    token_scores=history_scores[row].tolist() + [float(log_probs[row, eos_id])],
+                    token_scores=history_scores[row].tolist() + [float(token_score[j, c])],
                     attention=attention_rows,
                 )
             )
@@ -170,10 +185,10 @@ def beam_search(
         new_origin = np.where(alive, np.take_along_axis(origin[keep_rows], safe, 1), origin[keep_rows, :1])
         new_token = np.where(alive, np.take_along_axis(token[keep_rows], safe, 1), start_id)
         new_totals = np.where(alive, np.take_along_axis(top_scores[keep_rows], safe, 1), NEG_INF)
+        step_scores = np.take_along_axis(token_score[keep_rows], safe, 1).reshape(-1)
         index = new_origin.reshape(-1)
         flat_token = new_token.reshape(-1)
 
-        step_scores = log_probs[index, flat_token]
         history = np.concatenate([history[index], flat_token[:, None]], axis=1)
         history_scores = np.concatenate([history_scores[index], step_scores[:, None]], axis=1)
         if attention is not None:
