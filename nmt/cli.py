@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "data": "export.data_cli",
     "train": "export.train_cli",
     "export": "export.export_cli",
+    "serve": "server.serve_cli",
 }
 
 

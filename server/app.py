@@ -1,0 +1,206 @@
+"""Server assembly: repository, schedulers, gRPC server, health, reflection, metrics and shutdown.
+
+::
+
+    server = TranslationServer(ServerConfig.from_env(model_repository="models"))
+    port = await server.start()          # binds config.listen (port 0: a free port)
+    ...
+    await server.shutdown()              # what SIGTERM / SIGINT do
+
+Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), new
+Translator requests get UNAVAILABLE while in-flight ones finish within ``grace_seconds``, the
+schedulers stop, the gRPC server stops (cancelling whatever is left) and the metrics endpoint closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from nmt.errors import NmtError
+from server.config import ServerConfig
+from server.metrics import MetricsInterceptor, ServerMetrics
+from server.protos import SERVICE_NAME, pb2_grpc
+from server.repository import EngineLoader, ModelRepository
+from server.scheduler import BatchPolicy, ModelScheduler
+from server.servicer import TranslatorService
+
+log = logging.getLogger("nmt.server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICE_NAME = health.SERVICE_NAME  # "grpc.health.v1.Health"
+STOP_SECONDS = 1.0  # after the drain: how long other open calls (health watches) get before cancellation
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and the record's ``fields`` extra."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO", stream: Any = None) -> None:
+    """JSON-lines logs on stderr for the ``nmt`` loggers."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("nmt")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+class TranslationServer:
+    """The whole serving process, started and stopped in-process (tests) or by ``nmt serve``."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        engine_loader: EngineLoader | None = None,
+        repository: ModelRepository | None = None,
+    ) -> None:
+        self.config = config.validate()
+        self.metrics = ServerMetrics(registry)
+        self.engine_loader = engine_loader
+        self.repository = repository
+        self.schedulers: dict[tuple[str, str], ModelScheduler] = {}
+        self.health = health.aio.HealthServicer()
+        self.servicer: TranslatorService | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.metrics_http: Any = None
+        self.metrics_port: int | None = None
+        self._shutdown_task: asyncio.Task | None = None
+        self._signal_task: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    # ---- start -----------------------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Load the models (off the event loop), start schedulers and servers; return the gRPC port."""
+        config = self.config
+        if self.repository is None:
+            load = partial(ModelRepository.load, config.model_repository, default_model=config.default_model,
+                           provider=config.provider, intra_op_threads=config.intra_op_threads,
+                           inter_op_threads=config.inter_op_threads, engine_loader=self.engine_loader)
+            self.repository = await asyncio.get_running_loop().run_in_executor(None, load)
+        policy = BatchPolicy.from_config(config)
+        for mv in self.repository:
+            scheduler = ModelScheduler(mv.engine, policy=policy, metrics=self.metrics, model=mv.name,
+                                       version=mv.version)
+            scheduler.start()
+            self.schedulers[mv.key] = scheduler
+            self.metrics.model_info.labels(mv.name, mv.version, str(mv.manifest_value("architecture")),
+                                           str(getattr(mv.engine, "provider", ""))).set(1)
+            for metric in (self.metrics.queue_depth, self.metrics.generated_tokens, self.metrics.source_tokens,
+                           self.metrics.cancelled_sentences):
+                metric.labels(mv.name, mv.version)  # exported as 0 from the start, so rate() works
+
+        self.servicer = TranslatorService(repository=self.repository, schedulers=self.schedulers, config=config,
+                                          metrics=self.metrics)
+        self.server = grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)],
+                                      options=[("grpc.so_reuseport", 0)])
+        pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for service in ["", SERVICE_NAME, *self.repository.names]:
+            await self.health.set(service, SERVING)
+        reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        try:
+            self.port = self.server.add_insecure_port(config.listen)
+        except RuntimeError as error:  # grpcio raises on a failed bind
+            raise NmtError(f"cannot listen on {config.listen}: {error}") from error
+        if self.port == 0:
+            raise NmtError(f"cannot listen on {config.listen}")
+        await self.server.start()
+        if config.metrics_listen:
+            try:
+                self.metrics_http = self.metrics.serve_http(config.metrics_listen)
+            except OSError as error:
+                await self.server.stop(0)
+                raise NmtError(f"cannot serve metrics on {config.metrics_listen}: {error}") from error
+            self.metrics_port = self.metrics_http.server_port
+        log.info("serving", extra={"fields": {
+            "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port,
+            "models": [f"{mv.name}/{mv.version}" for mv in self.repository],
+            "default_model": self.repository.default_model}})
+        return self.port
+
+    # ---- stop ------------------------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Drain and stop (idempotent: a second call waits for the first one's end)."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.get_running_loop().create_task(self._shutdown(grace))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, grace: float | None) -> None:
+        grace = self.config.grace_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
+        log.info("shutting down", extra={"fields": {"grace_seconds": grace}})
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
+        if self.servicer is not None:
+            self.servicer.start_draining()
+            drained = await self.servicer.wait_idle(max(0.0, deadline - time.monotonic()))
+            if not drained:
+                log.warning("grace period over with requests in flight; cancelling them")
+        if self.server is not None:
+            # Translator calls are done (or out of time); what is left are health watches and reflection
+            # streams, which never end by themselves: give them a moment, not the rest of the grace period.
+            await self.server.stop(min(STOP_SECONDS, max(0.0, deadline - time.monotonic())))
+        await asyncio.gather(*(s.close(timeout=0) for s in self.schedulers.values()))
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+        log.info("stopped")
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT start the graceful shutdown."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("signal received", extra={"fields": {"signal": sig.name}})
+        self._signal_task = asyncio.get_running_loop().create_task(self.shutdown())
+
+    async def __aenter__(self) -> TranslationServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown(grace=0 if exc[0] else None)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM / SIGINT, then drain and stop."""
+    server = TranslationServer(config)
+    server.install_signal_handlers()
+    await server.start()
+    await server.wait_for_termination()

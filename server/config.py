@@ -1,0 +1,151 @@
+"""Server configuration: one dataclass, each field with its help text, flag and environment variable.
+
+Precedence: command-line flag > environment variable (``NMT_`` + the field name upper-cased, e.g.
+``NMT_LISTEN``, ``NMT_BATCH_TOKENS``) > the default below. ``nmt serve --help`` prints every field.
+
+The default listen address is loopback (``127.0.0.1:50051``) so that a development server is never
+exposed by accident; containers set ``NMT_LISTEN=0.0.0.0:50051`` (and ``NMT_METRICS_LISTEN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+from nmt.errors import NmtError
+
+ENV_PREFIX = "NMT_"
+PROVIDERS = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _field(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - mirrors argparse
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``nmt serve`` can be told; see each field's help."""
+
+    # network
+    listen: str = _field("127.0.0.1:50051", "gRPC listen address host:port (port 0 picks a free port)")
+    metrics_listen: str = _field(
+        "127.0.0.1:9400", "Prometheus /metrics HTTP address host:port; empty disables the metrics endpoint"
+    )
+    # models
+    model_repository: str = _field("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
+    default_model: str = _field("", "model used when a request names none (default: the first by name)")
+    provider: str = _field("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
+    intra_op_threads: int = _field(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
+    inter_op_threads: int = _field(1, "ONNX Runtime inter-op threads per model version")
+    # batching
+    batch_tokens: int = _field(4096, "token budget of a batch: source tokens including padding (longest x count)")
+    max_batch_sentences: int = _field(64, "most sentences in one batch")
+    max_wait_ms: float = _field(5.0, "longest a sentence waits for companions before its batch starts")
+    queue_size: int = _field(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
+    # request limits
+    max_beam: int = _field(8, "largest beam_size a request may ask for")
+    max_texts: int = _field(64, "most texts in one request")
+    max_chars: int = _field(2000, "most characters in one text")
+    max_tokens: int = _field(256, "most source subword tokens in one text (EOS excluded)")
+    max_length: int = _field(512, "largest max_length (generated tokens, EOS included) a request may ask for")
+    # lifecycle and logs
+    grace_seconds: float = _field(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
+    log_level: str = _field("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
+
+    def validate(self) -> ServerConfig:
+        """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
+        positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
+                    "max_tokens", "max_length")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds"):
+            if getattr(self, name) < 0:
+                raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.max_tokens + 1 > self.batch_tokens:
+            raise NmtError(f"batch_tokens ({self.batch_tokens}) must hold one text of max_tokens "
+                           f"({self.max_tokens}) plus EOS")
+        if self.max_texts > self.queue_size:
+            raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
+        if self.provider not in PROVIDERS:
+            raise NmtError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise NmtError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for name in ("listen", "metrics_listen"):
+            value = getattr(self, name)
+            if (value or name == "listen") and not _is_host_port(value):
+                raise NmtError(f"{name} must be host:port, got {value!r}")
+        return self
+
+    def with_(self, **changes: Any) -> ServerConfig:
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes).validate()
+
+    # ---- command line and environment -------------------------------------------------------------
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+        """One ``--flag`` per field; its default comes from the environment variable when set."""
+        environ = os.environ if environ is None else environ
+        for f in fields(cls):
+            env = env_name(f.name)
+            kind = _field_type(f)
+            default = f.default if f.default is not MISSING else None
+            if env in environ:
+                default = environ[env]  # argparse converts (and reports) string defaults with ``type``
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=f.metadata.get("choices"),
+                metavar=f.name.upper() if "choices" not in f.metadata else None,
+                help=f"{f.metadata['help']} [env {env}; default: {default!r}]",
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values).validate()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        """Defaults, then environment variables, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            env = env_name(f.name)
+            if env in environ:
+                values[f.name] = _parse(_field_type(f), environ[env], env)
+        values.update(overrides)
+        return cls(**values).validate()
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:50051"`` -> ``("127.0.0.1", 50051)``; IPv6 as ``[::1]:50051``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+def _field_type(f: Any) -> type:
+    return {"str": str, "int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def _parse(kind: type, raw: str, env: str) -> Any:
+    try:
+        return kind(raw)
+    except ValueError as error:
+        raise NmtError(f"environment variable {env}={raw!r} is not a valid {kind.__name__}") from error

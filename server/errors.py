@@ -1,0 +1,117 @@
+"""Typed serving errors and the one place that maps them to gRPC status codes.
+
+Handlers, the model repository and the scheduler raise the exceptions below (they never touch a
+gRPC context); :func:`grpc_errors` decorates every servicer method and turns them into a status with
+the exception's message. Anything else becomes INTERNAL, logged with its traceback, so an
+unexpected failure never leaks a stack trace to the client nor kills the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+log = logging.getLogger("nmt.server")
+
+
+class ServingError(Exception):
+    """A request failed for a reason the client should hear about; ``code`` is its gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ServingError):
+    """Bad options, empty or oversized input."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServingError):
+    """Unknown model or model version."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServingError):
+    """The model's queue is full."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(ServingError):
+    """The deadline passed, or cannot be met by the estimate made at admission."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServingError):
+    """The client cancelled the call."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unavailable(ServingError):
+    """The server is shutting down."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(ServingError):
+    """Inference failed (the batch's requests fail; the server carries on)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and message for ``error`` (the single mapping)."""
+    if isinstance(error, ServingError):
+        return error.code, str(error)
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "call cancelled"
+    if isinstance(error, grpc.aio.AbortError):  # already aborted by the handler itself
+        return grpc.StatusCode.UNKNOWN, "aborted"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    code, message = status_of(error)
+    if not isinstance(error, ServingError):
+        log.error("unexpected error in handler", exc_info=error)
+    await context.abort(code, message, trailing_metadata=tuple(context.trailing_metadata() or ()))
+
+
+def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an async servicer method (unary or async-generator) so typed errors become statuses.
+
+    ``asyncio.CancelledError`` (the client went away) and ``grpc.aio.AbortError`` propagate untouched.
+    """
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the one catch-all of the server
+                await _abort(context, error)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the one catch-all of the server
+            await _abort(context, error)
+
+    return unary_wrapper

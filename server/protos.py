@@ -1,0 +1,81 @@
+"""Python stubs for ``proto/translation/v1/translation.proto``, generated at import time.
+
+The proto is the single source of truth and no generated file is committed. At import the proto is
+compiled in memory by the protoc bundled with ``grpcio-tools`` (``grpc.protos_and_services``):
+nothing is written to disk, so a read-only install, a fresh clone and concurrent processes all work,
+and the stubs can never be stale. The proto root (``<repo>/proto``, or ``$NMT_PROTO_PATH``) is
+appended to ``sys.path`` because that is the include path the runtime compiler searches; the
+generated modules are registered as ``translation.v1.translation_pb2`` / ``_pb2_grpc``, the names
+the generated code itself imports.
+
+Only the gRPC edge (``server/servicer.py``, ``server/app.py``, clients) imports this module; the
+scheduler and the engine work on :mod:`server.types`.
+
+For editors and type checkers, ``python -m server.protos --out DIR`` writes the same stubs plus
+``.pyi`` type stubs into ``DIR`` (keep ``DIR`` out of git).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+
+PROTO_FILE = "translation/v1/translation.proto"
+SERVICE_NAME = "translation.v1.Translator"
+
+
+def proto_root() -> Path:
+    """The directory holding ``translation/v1/translation.proto``."""
+    candidates = [os.environ.get("NMT_PROTO_PATH", ""), str(Path(__file__).resolve().parent.parent / "proto")]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / PROTO_FILE).is_file():
+            return Path(candidate).resolve()
+    raise ImportError(
+        f"cannot find {PROTO_FILE}: looked in {[c for c in candidates if c]}; set NMT_PROTO_PATH to the proto root"
+    )
+
+
+def _load() -> tuple[ModuleType, ModuleType]:
+    root = str(proto_root())
+    if root not in sys.path:
+        sys.path.append(root)  # appended, never prepended: it must not shadow installed packages
+    return grpc.protos_and_services(PROTO_FILE)
+
+
+pb2, pb2_grpc = _load()
+
+
+def write_stubs(out_dir: str | Path) -> list[Path]:
+    """Generate ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` into ``out_dir`` (for IDEs); return the files."""
+    from importlib.resources import files
+
+    from grpc_tools import protoc
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    include = str(files("grpc_tools") / "_proto")
+    args = [
+        "protoc",
+        f"-I{proto_root()}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        PROTO_FILE,
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    return sorted(p for p in out.rglob("*") if p.is_file())
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the translation.v1 Python stubs and type stubs (for IDEs).")
+    parser.add_argument("--out", required=True, help="output directory (keep it out of git)")
+    for path in write_stubs(parser.parse_args().out):
+        print(path)

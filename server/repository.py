@@ -1,0 +1,144 @@
+"""The model repository: every ``<root>/<name>/<version>/manifest.json`` loaded as an engine.
+
+Like Triton's layout: the directory names are the model name and version (the manifest's own
+``name``/``version`` are informational). Versions sort numerically when they are integers (``2`` <
+``10``), other versions sort after them by name; the last one is the newest and serves requests that
+name no version. The default model is the configured one, else the first name in sorted order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nmt.errors import NmtError
+from server.errors import NotFound
+
+log = logging.getLogger("nmt.server")
+
+MANIFEST = "manifest.json"
+
+# (version_dir, provider, intra_op_threads, inter_op_threads) -> an Engine
+EngineLoader = Callable[..., Any]
+
+
+def default_engine_loader(version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int) -> Any:
+    from server.engine import Engine  # onnxruntime is imported only when models are loaded
+
+    return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
+                       inter_op_threads=inter_op_threads)
+
+
+def version_key(version: str) -> tuple[int, int, str]:
+    """Integers first, numerically; then any other version by name."""
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+def discover(root: str | Path) -> dict[str, list[tuple[str, Path]]]:
+    """``{name: [(version, dir), ...oldest to newest]}`` for every version directory holding a manifest."""
+    root = Path(root)
+    if not root.is_dir():
+        raise NmtError(f"model repository {root} is not a directory")
+    found: dict[str, list[tuple[str, Path]]] = {}
+    for name_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        versions = [(d.name, d) for d in name_dir.iterdir() if d.is_dir() and (d / MANIFEST).is_file()]
+        if versions:
+            found[name_dir.name] = sorted(versions, key=lambda item: version_key(item[0]))
+    return found
+
+
+@dataclass
+class ModelVersion:
+    """One loaded version of a model."""
+
+    name: str
+    version: str
+    path: Path
+    engine: Any  # server.engine.Engine (or anything with the same API)
+    is_latest: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.name, self.version)
+
+    @property
+    def manifest(self) -> Any:
+        return self.engine.manifest
+
+    def manifest_value(self, attribute: str, default: Any = "") -> Any:
+        value = getattr(self.manifest, attribute, None)
+        return default if value is None else value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return dict(self.manifest_value("defaults", {}) or {})
+
+    @property
+    def training(self) -> dict[str, Any]:
+        return dict(self.manifest_value("training", {}) or {})
+
+
+class ModelRepository:
+    """Loaded model versions, looked up by (name, version) with defaults."""
+
+    def __init__(self, models: dict[str, list[ModelVersion]], default_model: str = "") -> None:
+        if not models:
+            raise NmtError("the model repository holds no model (expected <repo>/<name>/<version>/manifest.json)")
+        if default_model and default_model not in models:
+            raise NmtError(f"default model {default_model!r} is not in the repository (models: {sorted(models)})")
+        self._models = models
+        self.default_model = default_model or sorted(models)[0]
+        for versions in models.values():
+            for mv in versions:
+                mv.is_latest = mv is versions[-1]
+
+    @classmethod
+    def load(
+        cls,
+        root: str | Path,
+        *,
+        default_model: str = "",
+        provider: str = "auto",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 1,
+        engine_loader: EngineLoader | None = None,
+    ) -> ModelRepository:
+        """Load every version found under ``root`` (slow: call it off the event loop)."""
+        loader = engine_loader or default_engine_loader
+        models: dict[str, list[ModelVersion]] = {}
+        for name, versions in discover(root).items():
+            for version, path in versions:
+                try:
+                    engine = loader(path, provider=provider, intra_op_threads=intra_op_threads,
+                                    inter_op_threads=inter_op_threads)
+                except Exception as error:
+                    raise NmtError(f"cannot load model {name} version {version} from {path}: {error}") from error
+                log.info("model loaded", extra={"fields": {
+                    "model": name, "version": version, "provider": getattr(engine, "provider", "")}})
+                models.setdefault(name, []).append(ModelVersion(name, version, path, engine))
+        return cls(models, default_model)
+
+    def __iter__(self) -> Iterator[ModelVersion]:
+        for name in sorted(self._models):
+            yield from self._models[name]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def resolve(self, name: str = "", version: str = "") -> ModelVersion:
+        """The requested version (default: newest) of the requested model (default: the default model)."""
+        name = name or self.default_model
+        versions = self._models.get(name)
+        if versions is None:
+            raise NotFound(f"unknown model {name!r}; available: {', '.join(self.names)}")
+        if not version:
+            return versions[-1]
+        for mv in versions:
+            if mv.version == version:
+                return mv
+        raise NotFound(f"model {name!r} has no version {version!r}; available: "
+                       f"{', '.join(mv.version for mv in versions)}")

@@ -1,0 +1,413 @@
+"""Dynamic batching of sentences for one model version, with cancellation and deadline-aware admission.
+
+A request's texts become sentences in this model version's queue; one batcher task forms batches
+and runs :meth:`Engine.translate_batch` on the version's own single worker thread, so the event loop
+never blocks on inference and one version's batches never overlap. Results go back to each
+request's futures and are reassembled in request order.
+
+Batching policy
+    * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
+      (the engine decodes one beam width and one graph per batch); ``num_hypotheses``,
+      ``max_length`` and ``length_penalty`` vary per sentence.
+    * A batch starts when its oldest sentence has waited ``max_wait`` (a few ms) or as soon as enough
+      sentences of its key are queued to fill a batch, and only when the worker is free: sentences
+      arriving while a batch runs accumulate, so batches grow with load and a lone request waits
+      at most ``max_wait``.
+    * The oldest queued sentence always goes into the next batch (no starvation); the batch is grown
+      around it through the sentences of the same key sorted by length, each time taking the
+      neighbour that adds the least padding, while ``longest x count <= batch_tokens`` (source
+      tokens incl. EOS and padding) and ``count <= max_batch_sentences``.
+    * The queue is bounded: a request whose sentences do not fit in ``queue_size`` is refused whole
+      with RESOURCE_EXHAUSTED.
+
+Cancellation
+    Every sentence carries its request's :meth:`RequestHandle.is_cancelled`, True once the RPC was
+    cancelled or its deadline passed. Queued sentences of such a request are withdrawn at once (or
+    dropped when a batch is formed); running ones leave the batch at the next decoding step (the
+    engine polls the callback) and count in ``nmt_cancelled_sentences_total``. When one sentence of a
+    request fails, the request's other sentences are withdrawn too.
+
+Deadline admission (kept deliberately simple, and optimistic so it never refuses what could make it)
+    ``cost`` of a sentence = source tokens (EOS included) x beam size. After each batch the scheduler
+    updates an exponential moving average (alpha 0.2) of *compute seconds per unit of cost*
+    (encode + decode seconds / batch cost). A request with a deadline is refused with
+    DEADLINE_EXCEEDED before any compute when::
+
+        remaining < rate x (queued cost ahead + own cost) + remaining time of the running batch
+
+    where the running batch's remaining time is ``rate x its cost - time it has run`` (at least 0).
+    Before the first batch has been measured every request is admitted. Since the rate is amortised
+    over whole batches, the estimate is a lower bound for lightly loaded servers; the in-batch
+    cancellation catches the requests that still run out of time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
+from server.types import DecodingOptions, SentenceRequest, Translation
+
+log = logging.getLogger("nmt.server")
+
+EMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Limits of the batcher (from :class:`server.config.ServerConfig`)."""
+
+    batch_tokens: int = 4096  # longest source (EOS incl.) x sentences
+    max_batch_sentences: int = 64
+    max_wait_seconds: float = 0.005
+    queue_size: int = 1024  # queued sentences (not yet in a batch)
+
+    @classmethod
+    def from_config(cls, config: Any) -> BatchPolicy:
+        return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
+                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size)
+
+
+class RequestHandle:
+    """Cancellation state and deadline of one request, shared by its sentences.
+
+    ``is_cancelled`` is called from the engine's worker thread; it only reads two attributes.
+    """
+
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline  # time.monotonic() seconds, None: no deadline
+        self._cancelled = False
+
+    @classmethod
+    def with_timeout(cls, seconds: float | None) -> RequestHandle:
+        return cls(None if seconds is None else time.monotonic() + seconds)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled or self.expired()
+
+    def error(self) -> ServingError:
+        if self.expired():
+            return DeadlineExceeded("deadline exceeded while the request was queued or being translated")
+        return Cancelled("request cancelled")
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: RequestHandle
+    sentence: SentenceRequest
+    tokens: int  # source tokens incl. EOS
+    future: asyncio.Future
+    enqueued: float
+    seq: int
+    key: tuple[int, bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.sentence.options.beam_size, self.sentence.options.return_attention)
+
+    @property
+    def cost(self) -> int:
+        return self.tokens * self.sentence.options.beam_size
+
+
+def _resolve(pending: _Pending, *, result: Translation | None = None, error: BaseException | None = None) -> None:
+    if pending.future.done():
+        return
+    if error is None:
+        pending.future.set_result(result)
+    elif pending.request.is_cancelled():
+        pending.future.cancel()  # nobody waits for it any more: no "exception never retrieved"
+    else:
+        pending.future.set_exception(error)
+
+
+def form_batch(candidates: Sequence[_Pending], oldest: _Pending, policy: BatchPolicy) -> list[_Pending]:
+    """The batch grown around ``oldest`` through ``candidates`` (same key) by length, within the policy."""
+    ordered = sorted(candidates, key=lambda p: (p.tokens, p.seq))
+    lo = hi = ordered.index(oldest)
+    width = oldest.tokens  # longest in the window (the window is sorted: ordered[hi].tokens)
+    while True:
+        count = hi - lo + 1
+        if count >= policy.max_batch_sentences:
+            break
+        options: list[tuple[int, int, str]] = []
+        if lo > 0 and (count + 1) * width <= policy.batch_tokens:
+            below = ordered[lo - 1]
+            options.append((width - below.tokens, below.seq, "lo"))
+        if hi + 1 < len(ordered) and (count + 1) * ordered[hi + 1].tokens <= policy.batch_tokens:
+            above = ordered[hi + 1]
+            options.append(((above.tokens - width) * count, above.seq, "hi"))
+        if not options:
+            break
+        _, _, side = min(options)  # least added padding, then the older sentence
+        if side == "lo":
+            lo -= 1
+        else:
+            hi += 1
+            width = ordered[hi].tokens
+    return ordered[lo : hi + 1]
+
+
+class ModelScheduler:
+    """Queue, batcher task and worker thread of one model version."""
+
+    def __init__(self, engine: Any, *, policy: BatchPolicy | None = None, metrics: Any = None,
+                 model: str = "", version: str = "") -> None:
+        self.engine = engine
+        self.policy = policy or BatchPolicy()
+        self.metrics = metrics
+        self.labels = (model, version)
+        self._queue: list[_Pending] = []  # arrival order
+        self._seq = itertools.count()
+        self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model}-{version}")
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._running: list[_Pending] = []
+        self._running_since = 0.0
+        self.seconds_per_cost: float | None = None  # EMA, see the module docstring
+        self.batches = 0
+        self.cancelled_sentences = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher-{self.labels}")
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Refuse new work, let queued and running sentences finish (up to ``timeout``), then stop."""
+        self._closed = True
+        self._arrived.set()
+        if self._queue or self._running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait_idle(), timeout)
+        for pending in list(self._queue):
+            _resolve(pending, error=Unavailable("server is shutting down"))
+        self._queue.clear()
+        self._update_depth()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _wait_idle(self) -> None:
+        while self._queue or self._running:
+            self._idle.clear()
+            await self._idle.wait()
+
+    @property
+    def queue_depth(self) -> int:
+        """Sentences waiting for a batch."""
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        """Sentences in the batch being decoded now."""
+        return len(self._running)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def translate(
+        self,
+        sentences: Sequence[tuple[Sequence[int], DecodingOptions]],
+        request: RequestHandle | None = None,
+    ) -> list[Translation]:
+        """Queue ``(source_ids, options)`` sentences of one request and return their translations in order."""
+        request = request or RequestHandle()
+        if self._closed:
+            raise Unavailable("server is shutting down")
+        if request.is_cancelled():
+            raise request.error()
+        if len(self._queue) + len(sentences) > self.policy.queue_size:
+            raise ResourceExhausted(
+                f"queue full for model {self.labels[0]} version {self.labels[1]}: {len(self._queue)} sentences "
+                f"queued, limit {self.policy.queue_size}; this request has {len(sentences)}; retry later")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        pendings = [
+            _Pending(request, SentenceRequest(list(ids), options, request.is_cancelled), len(ids) + 1,
+                     loop.create_future(), now, next(self._seq))
+            for ids, options in sentences
+        ]
+        self._admit_deadline(request, sum(p.cost for p in pendings))
+        self._queue.extend(pendings)
+        self._update_depth()
+        self._arrived.set()
+        futures = [p.future for p in pendings]
+        try:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            request.cancel()
+            self._withdraw(pendings)
+            raise
+        errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
+        if errors or any(f.cancelled() for f in futures):
+            request.cancel()
+            self._withdraw(pendings)
+            raise errors[0] if errors else request.error()
+        return [f.result() for f in futures]
+
+    def estimate_seconds(self, cost: int) -> float | None:
+        """Seconds until a new request of ``cost`` would be done, or None before the first batch."""
+        rate = self.seconds_per_cost
+        if rate is None:
+            return None
+        ahead = sum(p.cost for p in self._queue)
+        running = sum(p.cost for p in self._running)
+        running_left = max(0.0, rate * running - (time.monotonic() - self._running_since)) if running else 0.0
+        return rate * (ahead + cost) + running_left
+
+    def _admit_deadline(self, request: RequestHandle, cost: int) -> None:
+        remaining = request.remaining()
+        if remaining is None:
+            return
+        estimate = self.estimate_seconds(cost)
+        if estimate is not None and estimate > remaining:
+            raise DeadlineExceeded(
+                f"deadline cannot be met: {remaining * 1000:.0f} ms left, estimated {estimate * 1000:.0f} ms "
+                f"with {len(self._queue)} sentences queued ahead for model {self.labels[0]} "
+                f"version {self.labels[1]}; allow more time or send fewer texts")
+
+    def _withdraw(self, pendings: Sequence[_Pending]) -> None:
+        """Take a failed or cancelled request's sentences out of the queue; cancel their futures."""
+        gone = set(map(id, pendings))
+        before = len(self._queue)
+        self._queue = [p for p in self._queue if id(p) not in gone]
+        if len(self._queue) != before:
+            self._update_depth()
+        for p in pendings:
+            if not p.future.done():
+                p.future.cancel()
+            elif not p.future.cancelled():
+                p.future.exception()  # mark as retrieved
+        self._notify_idle()
+
+    def _update_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+
+    def _notify_idle(self) -> None:
+        if not self._queue and not self._running:
+            self._idle.set()
+
+    # ---- the batcher -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except Exception as error:  # noqa: BLE001 - a bug here must not strand every queued request
+                log.exception("batcher error", extra={"fields": {"model": self.labels[0], "version": self.labels[1]}})
+                for pending in self._queue:
+                    _resolve(pending, error=Internal(f"scheduler error: {type(error).__name__}: {error}"))
+                self._queue.clear()
+                self._update_depth()
+
+    async def _step(self) -> None:
+        """Wait for work, then form and run one batch (see the module docstring)."""
+        self._drop_cancelled()
+        if not self._queue:
+            self._notify_idle()
+            self._arrived.clear()
+            await self._arrived.wait()
+            return
+        oldest = self._queue[0]
+        wait = oldest.enqueued + self.policy.max_wait_seconds - time.monotonic()
+        if wait > 0 and not self._closed and not self._full_batch_queued(oldest.key):
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), wait)
+            return
+        batch = form_batch([p for p in self._queue if p.key == oldest.key], oldest, self.policy)
+        await self._execute(batch)
+
+    def _full_batch_queued(self, key: tuple[int, bool]) -> bool:
+        same = [p for p in self._queue if p.key == key]
+        if len(same) >= self.policy.max_batch_sentences:
+            return True
+        return sum(p.tokens for p in same) >= self.policy.batch_tokens
+
+    def _drop_cancelled(self) -> None:
+        dropped = [p for p in self._queue if p.request.is_cancelled()]
+        if dropped:
+            self._queue = [p for p in self._queue if not p.request.is_cancelled()]
+            for p in dropped:
+                _resolve(p, error=p.request.error())
+            self._update_depth()
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        """Run one batch on the worker thread and resolve its futures; never raises (the batcher lives on)."""
+        in_batch = set(map(id, batch))
+        self._queue = [p for p in self._queue if id(p) not in in_batch]
+        self._update_depth()
+        now = time.monotonic()
+        self._running, self._running_since = batch, now
+        m, labels = self.metrics, self.labels
+        try:
+            if m is not None:
+                for p in batch:
+                    m.queue_duration.labels(*labels).observe(now - p.enqueued)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, self.engine.translate_batch,
+                                                [p.sentence for p in batch])
+            if len(result.translations) != len(batch):
+                raise RuntimeError(f"the engine returned {len(result.translations)} results for {len(batch)} "
+                                   "sentences")
+            self._record(batch, result)
+        except Exception as error:  # noqa: BLE001 - a failing batch fails its requests, not the batcher
+            log.exception("batch failed", extra={"fields": {"model": labels[0], "version": labels[1],
+                                                            "sentences": len(batch)}})
+            for p in batch:
+                _resolve(p, error=Internal(f"inference failed for a batch of {len(batch)} sentences: "
+                                           f"{type(error).__name__}: {error}"))
+            return
+        finally:
+            self._running = []
+            self._notify_idle()
+        for p, translation in zip(batch, result.translations, strict=True):
+            if translation is None:
+                _resolve(p, error=p.request.error())
+            else:
+                _resolve(p, result=translation)
+
+    def _record(self, batch: list[_Pending], result: Any) -> None:
+        """Update the cost-rate estimate and the batch metrics from one engine result."""
+        self.batches += 1
+        self.cancelled_sentences += result.cancelled
+        compute = result.encode_seconds + result.decode_seconds
+        cost = sum(p.cost for p in batch)
+        if cost and result.cancelled == 0:  # cancelled sentences would make the batch look cheap
+            sample = compute / cost
+            rate = self.seconds_per_cost
+            self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
+        m, labels = self.metrics, self.labels
+        if m is None:
+            return
+        m.inference_duration.labels(*labels, "encode").observe(result.encode_seconds)
+        m.inference_duration.labels(*labels, "decode").observe(result.decode_seconds)
+        m.batch_sentences.labels(*labels).observe(len(batch))
+        m.batch_tokens.labels(*labels).observe(len(batch) * max(p.tokens for p in batch))
+        m.padding_ratio.labels(*labels).observe(result.padding_ratio)
+        m.generated_tokens.labels(*labels).inc(result.generated_tokens)
+        m.source_tokens.labels(*labels).inc(result.source_tokens)
+        if result.cancelled:
+            m.cancelled_sentences.labels(*labels).inc(result.cancelled)
