@@ -7,7 +7,9 @@ is fast; grpc, onnxruntime and the models load when the command runs.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from nmt.errors import NmtError
 from server.config import ServerConfig
 
 DESCRIPTION = """\
@@ -20,8 +22,18 @@ Every flag can also be set by the environment variable shown in its help (flags 
 lines on stderr. SIGTERM or SIGINT: health turns NOT_SERVING, new requests get UNAVAILABLE and
 in-flight ones finish within --grace-seconds.
 
-example:
+With --demo, an empty repository is first filled with the demo models (demo-transformer and
+demo-bahdanau, trained on the generated English->German dates corpus, exported and verified: a few
+minutes on 2 CPU cores; needs the train extra). A second run reuses them.
+
+examples:
+  nmt serve --demo
   nmt serve --model-repository models --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9400
+"""
+
+HOW_TO_CALL = """serving {models} on {listen} (metrics: http://{metrics}/metrics); try:
+  nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam 4 --n-best 3 --attention
+  nmt translate --server {listen} --list-models
 """
 
 
@@ -34,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ServerConfig.add_arguments(parser)
+    parser.add_argument(
+        "--demo", action="store_true",
+        help="if the model repository holds no model, build the demo models first (needs the train extra)",
+    )
+    parser.add_argument("--demo-runs", default="runs", help="where --demo keeps its training runs")
     parser.set_defaults(func=run)
     return parser
 
@@ -44,6 +61,24 @@ def run(args: argparse.Namespace) -> int:
     from server.app import configure_logging, serve
 
     config = ServerConfig.from_args(args)
+    if args.demo:
+        build_demo(config.model_repository, args.demo_runs)
     configure_logging(config.log_level)
+    models = sorted(p.parent.parent.name for p in Path(config.model_repository).glob("*/*/manifest.json"))
+    if models:
+        print(HOW_TO_CALL.format(models=", ".join(dict.fromkeys(models)), listen=config.listen,
+                                 metrics=config.metrics_listen or "(off)", model=models[0]), flush=True)
     asyncio.run(serve(config))
     return 0
+
+
+def build_demo(repository: str, runs: str) -> None:
+    """Train, export and verify the demo models unless the repository already holds models."""
+    if any(Path(repository).glob("*/*/manifest.json")):
+        return
+    try:
+        from export.demo import build_demo_models
+    except ImportError as error:
+        raise NmtError(f"--demo trains models and needs the train extra ({error}); run: pip install -e '.[train]'") \
+            from error
+    build_demo_models(repository, runs)
