@@ -214,6 +214,21 @@ def torch_runner(model, batch_sources: list[list[int]]) -> Callable[[], list[lis
     return run
 
 
+def attention_cost(engine, batch_sources: list[list[int]], repeats: int) -> tuple[float, float]:
+    """Median tokens/s of greedy decoding without and with attention output, interleaved."""
+    from server.types import DecodingOptions, SentenceRequest
+
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for attention in (False, True):
+            options = DecodingOptions(beam_size=1, max_length=OUTPUT_TOKENS, return_attention=attention)
+            requests = [SentenceRequest(ids, options) for ids in batch_sources]
+            start = time.perf_counter()
+            engine.translate_batch(requests)
+            runs[attention].append(len(batch_sources) * OUTPUT_TOKENS / (time.perf_counter() - start))
+    return statistics.median(runs[False]), statistics.median(runs[True])
+
+
 def timed(run: Callable[[], list[list[int]]], batch: int) -> float:
     start = time.perf_counter()
     run()
@@ -258,13 +273,18 @@ def main() -> None:
                 check = sources(8, SIZES[size]["vocab"], seed=7)
                 ours_tokens = project_runner(engine, check, 1)()
                 ct2_tokens = ct2_runner(translator, check, 1)()
-                agree = sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1] for a, b in zip(ours_tokens, ct2_tokens, strict=True))
+                pairs = zip(ours_tokens, ct2_tokens, strict=True)
+                agree = sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1] for a, b in pairs)
                 line = f"{size} {precision}: greedy outputs agree with CTranslate2 on {agree}/{len(check)} sentences"
                 if precision == "fp32":
                     torch_tokens = torch_runner(ours_torch, check)()
                     same = sum(a == b[: len(a)] for a, b in zip(ours_tokens, torch_tokens, strict=True))
                     line += f", with PyTorch on {same}/{len(check)}"
                 print(line, flush=True)
+                if precision == "fp32":
+                    plain, with_attention = attention_cost(engine, sources(32, SIZES[size]["vocab"]), args.repeats)
+                    print(f"{size} fp32 B=32 greedy: {plain:,.0f} tok/s without attention output, "
+                          f"{with_attention:,.0f} with ({with_attention / plain:.2f}x)", flush=True)
                 for batch in args.batches:
                     batch_sources = sources(batch, SIZES[size]["vocab"])
                     for beam in args.beams:
