@@ -1,7 +1,7 @@
 """Engine benchmark: this project's ONNX Runtime engine vs CTranslate2 vs PyTorch on the same weights.
 
-    python benchmarks/engine.py                 # SMALL and BASE, fp32 and int8, batch 1/8/32, beam 1/4
-    python benchmarks/engine.py --sizes SMALL --batches 1 32 --repeats 3
+    python benchmarks/engine_throughput.py                 # SMALL and BASE, fp32 and int8, batch 1/8/32, beam 1/4
+    python benchmarks/engine_throughput.py --sizes SMALL --batches 1 32 --repeats 3
 
 A random-weight Hugging Face ``MarianMTModel`` is built for each size, converted with CTranslate2's
 ``TransformersConverter`` and loaded into this project's Transformer, which the project's exporter

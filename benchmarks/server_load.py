@@ -1,6 +1,6 @@
 """Server benchmark: the bare engine vs the gRPC server under 1, 8, 32 and 128 concurrent callers.
 
-    python benchmarks/server.py --repository models --model demo-transformer
+    python benchmarks/server_load.py --repository models --model demo-transformer
 
 The same model and the same sentences go (a) straight to ``Engine.translate_batch`` in batches as
 large as the number of callers (ideal batching, no server) and (b) through ``nmt serve`` started as a
