@@ -1,0 +1,39 @@
+"""``nmt bench``: run one of the benchmark scripts in ``benchmarks/`` (from a source checkout)."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+from nmt.errors import NmtError
+
+SCRIPTS = {
+    "train": "train_quality.py",
+    "engine": "engine_throughput.py",
+    "server": "server_load.py",
+}
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark (training quality, engine throughput, server load)",
+        description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
+        "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
+        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load.",
+    )
+    p.add_argument("name", choices=sorted(SCRIPTS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    script = BENCHMARKS / SCRIPTS[args.name]
+    if not script.is_file():
+        raise NmtError(f"{script} not found: benchmarks run from a source checkout")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
