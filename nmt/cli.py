@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "export.train_cli",
     "export": "export.export_cli",
     "serve": "server.serve_cli",
+    "translate": "clients.translate_cli",
     "bench": "nmt.bench_cli",
 }
 

@@ -1,0 +1,557 @@
+"""Python client library of the ``translation.v1.Translator`` service.
+
+::
+
+    from clients.client import TranslatorClient, TranslationError
+
+    with TranslatorClient("127.0.0.1:50051") as client:
+        [result] = client.translate("one two", beam_size=4, num_hypotheses=2, scores=True, attention=True)
+        best = result.hypotheses[0]
+        print(best.text, best.score, best.attention.pharaoh)
+        for model in client.list_models():
+            print(model.name, model.version, model.architecture)
+
+:class:`AsyncTranslatorClient` is the ``grpc.aio`` twin (``async with`` / ``await client.translate(...)``).
+
+Protobufs stop here: results are the plain dataclasses below (:class:`Translation`, :class:`Hypothesis`,
+:class:`Attention`, :class:`ModelInfo`), and every failed call raises :class:`TranslationError` with the
+gRPC status code and the server's message.
+
+**Deadlines.** Every call has one: the client's ``timeout`` (default 30 s) unless the call passes its
+own. The deadline covers the whole call, retries and back-off included.
+
+**Retries** (:class:`RetryPolicy`) are done by a small explicit loop in this module rather than by a
+``retryPolicy`` in the channel's service config. Both would be correct here, because only idempotent
+reads are retried (``Translate`` and ``ListModels`` change nothing on the server); the loop was chosen
+because
+
+* the same policy object and the same code path serve the sync and the asyncio client, and tests can
+  check exactly what was retried and how often (:attr:`TranslationError.attempts`);
+* it is not capped at 5 attempts as gRPC's service-config retries are, it does not depend on the
+  ``grpc.enable_retries`` channel argument or on a resolver-provided service config replacing ours, and
+  every attempt carries the same ``x-request-id``, so the server's logs tie the attempts together;
+* the last attempt's status and message reach the caller unchanged, together with the attempt count.
+
+Retried: UNAVAILABLE (server draining on shutdown, connection refused or reset) and RESOURCE_EXHAUSTED
+(queue full), at most ``max_attempts`` attempts in all, sleeping ``uniform(0, min(max_backoff,
+initial_backoff * multiplier ** (attempt - 1)))`` between attempts (exponential back-off with "full
+jitter", the formula of gRPC's retry design A6), and never past the call's deadline. Never retried:
+INVALID_ARGUMENT, NOT_FOUND, DEADLINE_EXCEEDED, CANCELLED and every other code: repeating them cannot
+succeed, or would spend a deadline that has already passed. ``health`` is never retried (a probe must
+report the present state), and gRPC's own transparent retries (of calls that never left the client)
+stay on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nmt.errors import NmtError
+from server.protos import pb2, pb2_grpc
+
+log = logging.getLogger("nmt.client")
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 30.0  # seconds, per call, retries included
+REQUEST_ID_KEY = "x-request-id"
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024  # n-best attention matrices of 64 long texts exceed gRPC's 4 MiB default
+USER_AGENT = "nmt-client/0.1"
+
+
+# ---- results ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Word-level cross-attention of one hypothesis.
+
+    ``weights[t][s]`` is the attention of target word ``t`` (row) on source word ``s`` (column); each
+    row sums to 1. ``alignments`` are the hard word alignments as ``(source_index, target_index)``
+    pairs, the pairs ``pharaoh`` writes as ``"s-t s-t ..."``.
+    """
+
+    source_words: list[str]
+    target_words: list[str]
+    weights: list[list[float]]
+    alignments: list[tuple[int, int]]
+    pharaoh: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(target words, source words)``."""
+        return len(self.target_words), len(self.source_words)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One translation candidate.
+
+    ``tokens`` are the target words (the rows of ``attention``), ``subword_tokens`` the model's pieces.
+    ``score`` (length-normalised log-probability) and ``token_scores`` (per subword piece, end of sentence
+    included) are ``None`` unless the call asked for ``scores``; ``attention`` is ``None`` unless it asked
+    for ``attention``.
+    """
+
+    text: str
+    tokens: list[str]
+    subword_tokens: list[str]
+    score: float | None = None
+    token_scores: list[float] | None = None
+    attention: Attention | None = None
+
+
+@dataclass(frozen=True)
+class Translation:
+    """The translation of one text: its source words (the attention's columns) and hypotheses, best first."""
+
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+    model: str = ""  # the model and version that translated it
+    model_version: str = ""
+
+    @property
+    def best(self) -> Hypothesis:
+        return self.hypotheses[0]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One loaded model version, as ``ListModels`` describes it."""
+
+    name: str
+    version: str
+    architecture: str = ""
+    source_language: str = ""
+    target_language: str = ""
+    is_default: bool = False  # the model used when a request names none
+    is_latest: bool = False  # the version used when a request names none
+    execution_provider: str = ""
+    precision: str = ""
+    default_beam_size: int = 0
+    max_beam_size: int = 0
+    test_bleu: float = 0.0
+    training_corpus: str = ""
+
+
+class TranslationError(NmtError):
+    """A call failed: ``code`` is its gRPC status, ``message`` the server's (or gRPC's) explanation.
+
+    ``str(error)`` is ``"<STATUS>: <message>"``; ``request_id`` is the ``x-request-id`` the call carried
+    (search the server's logs for it) and ``attempts`` how many attempts were made.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str | None = None, *,
+                 attempts: int = 1) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.attempts = attempts
+
+    def __reduce__(self) -> Any:  # picklable despite the keyword-only argument
+        return _rebuild_error, (self.code, self.message, self.request_id, self.attempts)
+
+
+def _rebuild_error(code: grpc.StatusCode, message: str, request_id: str | None, attempts: int) -> TranslationError:
+    return TranslationError(code, message, request_id, attempts=attempts)
+
+
+# ---- retry policy ---------------------------------------------------------------------------------------------
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+NEVER_RETRIED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When and how idempotent calls (``Translate``, ``ListModels``) are retried; see the module docstring.
+
+    ``max_attempts=1`` turns retries off.
+    """
+
+    max_attempts: int = 3  # attempts in all, the first one included
+    initial_backoff: float = 0.1  # seconds: the upper bound of the first sleep
+    max_backoff: float = 2.0  # seconds: the largest upper bound of a sleep
+    backoff_multiplier: float = 2.0
+    retryable_codes: frozenset[grpc.StatusCode] = field(default=RETRYABLE_CODES)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.initial_backoff < 0 or self.max_backoff < 0 or self.backoff_multiplier < 1:
+            raise ValueError("backoffs must not be negative and backoff_multiplier must be at least 1")
+        unsafe = set(self.retryable_codes) & NEVER_RETRIED
+        if unsafe:
+            raise ValueError(f"never retried: {', '.join(sorted(c.name for c in unsafe))}")
+        object.__setattr__(self, "retryable_codes", frozenset(self.retryable_codes))
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to sleep after failed attempt number ``attempt`` (1-based): full jitter."""
+        ceiling = min(self.max_backoff, self.initial_backoff * self.backoff_multiplier ** (attempt - 1))
+        return (rng or random).uniform(0.0, ceiling)
+
+    def should_retry(self, code: grpc.StatusCode | None, attempt: int) -> bool:
+        return code in self.retryable_codes and attempt < self.max_attempts
+
+
+# ---- protobuf <-> dataclasses (the only place results meet protobufs) ---------------------------------------
+
+
+def _texts(texts: str | Iterable[str]) -> list[str]:
+    if isinstance(texts, str):
+        return [texts]
+    items = list(texts)
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
+    return items
+
+
+def _count(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32:
+        raise ValueError(f"{name} must be an integer >= 0 (0: the model's default), got {value!r}")
+    return value
+
+
+def build_request(texts: str | Iterable[str], *, model: str = "", version: str = "", beam_size: int = 0,
+                  num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
+                  attention: bool = False, scores: bool = False) -> Any:
+    """A ``TranslateRequest`` (zeros mean the model's defaults)."""
+    if not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
+                         f"got {length_penalty!r}")
+    options = pb2.DecodingOptions(
+        beam_size=_count("beam_size", beam_size), num_hypotheses=_count("num_hypotheses", num_hypotheses),
+        max_length=_count("max_length", max_length), length_penalty=float(length_penalty),
+        return_attention=bool(attention), return_scores=bool(scores),
+    )
+    return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options)
+
+
+def attention_from_pb(message: Any, source_words: Sequence[str], target_words: Sequence[str]) -> Attention:
+    rows, columns = int(message.target_length), int(message.source_length)
+    flat = list(message.weights)
+    if len(flat) != rows * columns:
+        raise TranslationError(grpc.StatusCode.INTERNAL, f"malformed attention: {len(flat)} weights for a "
+                                                         f"{rows} x {columns} matrix")
+    weights = [flat[r * columns:(r + 1) * columns] for r in range(rows)]
+    # the server names the rows and columns by the hypothesis' tokens and the source tokens
+    sources = list(source_words) if len(source_words) == columns else [str(i) for i in range(columns)]
+    targets = list(target_words) if len(target_words) == rows else [str(i) for i in range(rows)]
+    return Attention(
+        source_words=sources,
+        target_words=targets,
+        weights=weights,
+        alignments=[(int(a.source_index), int(a.target_index)) for a in message.word_alignments],
+        pharaoh=message.pharaoh,
+    )
+
+
+def hypothesis_from_pb(message: Any, source_words: Sequence[str], *, scores: bool) -> Hypothesis:
+    tokens = list(message.tokens)
+    return Hypothesis(
+        text=message.text,
+        tokens=tokens,
+        subword_tokens=list(message.subword_tokens),
+        score=float(message.score) if scores else None,
+        token_scores=[float(s) for s in message.token_scores] if scores else None,
+        attention=attention_from_pb(message.attention, source_words, tokens)
+        if message.HasField("attention") else None,
+    )
+
+
+def translations_from_pb(response: Any, *, scores: bool) -> list[Translation]:
+    result = []
+    for item in response.translations:
+        source = list(item.source_tokens)
+        result.append(Translation(
+            source_tokens=source,
+            hypotheses=[hypothesis_from_pb(h, source, scores=scores) for h in item.hypotheses],
+            model=response.model,
+            model_version=response.model_version,
+        ))
+    return result
+
+
+def model_info_from_pb(message: Any) -> ModelInfo:
+    return ModelInfo(
+        name=message.name, version=message.version, architecture=message.architecture,
+        source_language=message.source_language, target_language=message.target_language,
+        is_default=message.is_default, is_latest=message.is_latest,
+        execution_provider=message.execution_provider, precision=message.precision,
+        default_beam_size=int(message.default_beam_size), max_beam_size=int(message.max_beam_size),
+        test_bleu=float(message.test_bleu), training_corpus=message.training_corpus,
+    )
+
+
+def error_from_rpc(error: grpc.RpcError, request_id: str | None, attempts: int = 1) -> TranslationError:
+    """An ``RpcError`` (sync or aio) -> :class:`TranslationError` with its status code and message."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    details = error.details() if callable(getattr(error, "details", None)) else None
+    code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+    return TranslationError(code, details or code.name.lower().replace("_", " "), request_id, attempts=attempts)
+
+
+# ---- channels ---------------------------------------------------------------------------------------------------
+
+
+def _read_pem(value: bytes | str | os.PathLike | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as error:
+        raise NmtError(f"cannot read certificates from {value}: {error.strerror or error}") from error
+
+
+def _credentials(tls: bool, root_certificates: bytes | str | os.PathLike | None,
+                 credentials: grpc.ChannelCredentials | None) -> grpc.ChannelCredentials | None:
+    if credentials is not None:
+        return credentials
+    if tls or root_certificates is not None:
+        return grpc.ssl_channel_credentials(root_certificates=_read_pem(root_certificates))
+    return None
+
+
+def _channel_options(extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    options = {"grpc.max_receive_message_length": MAX_RECEIVE_BYTES, "grpc.primary_user_agent": USER_AGENT}
+    options.update(dict(extra))
+    return list(options.items())
+
+
+class _ClientBase:
+    """What the sync and the asyncio client share: configuration, requests and the retry decision.
+
+    ``address`` is ``host:port`` (or any gRPC target such as ``dns:///host:port``). Keyword arguments:
+    ``timeout`` (seconds per call, retries included; ``None``: no deadline), ``retry`` (a
+    :class:`RetryPolicy`) or just ``max_attempts``, ``tls=True`` for a TLS channel with the system's root
+    certificates, or ``root_certificates`` (PEM bytes or a file path; implies TLS), ``credentials`` (any
+    ``grpc.ChannelCredentials``, e.g. for mutual TLS), ``options`` (extra gRPC channel arguments).
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 retry: RetryPolicy | None = None, max_attempts: int | None = None, tls: bool = False,
+                 root_certificates: bytes | str | os.PathLike | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.address = address
+        self.timeout = timeout
+        policy = retry or RetryPolicy()
+        self.retry = replace(policy, max_attempts=max_attempts) if max_attempts is not None else policy
+        self._credentials = _credentials(tls, root_certificates, credentials)
+        self._options = _channel_options(options)
+        self._setup()
+
+    def _setup(self) -> None:
+        """Open the channel (sync) or prepare to (asyncio)."""
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        timeout = self.timeout if timeout is None else timeout
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None, request_id: str, attempts: int) -> float | None:
+        if deadline is None:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TranslationError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the call was sent",
+                                   request_id, attempts=attempts)
+        return remaining
+
+    def _next_sleep(self, error: grpc.RpcError, attempt: int, deadline: float | None, request_id: str) -> float:
+        """Seconds to wait before retrying, or raise the :class:`TranslationError` of ``error``."""
+        failure = error_from_rpc(error, request_id, attempt)
+        if not self.retry.should_retry(failure.code, attempt):
+            raise failure from None
+        delay = self.retry.backoff(attempt)
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            raise failure from None  # no time left for another attempt: the last status is the best answer
+        log.debug("retrying", extra={"fields": {"request_id": request_id, "attempt": attempt,
+                                                "code": failure.code.name, "backoff_seconds": round(delay, 3)}})
+        return delay
+
+    @staticmethod
+    def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+        return ((REQUEST_ID_KEY, request_id),)
+
+    @staticmethod
+    def _request_id(request_id: str | None) -> str:
+        """The caller's id, else a fresh one: every attempt of a call carries the same id."""
+        return request_id or uuid.uuid4().hex
+
+
+# ---- the synchronous client -------------------------------------------------------------------------------------
+
+
+class TranslatorClient(_ClientBase):
+    """Blocking client; the arguments are :class:`_ClientBase`'s::
+
+        TranslatorClient("127.0.0.1:50051", timeout=10, max_attempts=5)
+        TranslatorClient("translate.example.com:443", root_certificates="ca.pem")
+
+    Thread-safe; use as a context manager or call :meth:`close`.
+    """
+
+    def _setup(self) -> None:
+        if self._credentials is None:
+            self.channel = grpc.insecure_channel(self.address, options=self._options)
+        else:
+            self.channel = grpc.secure_channel(self.address, self._credentials, options=self._options)
+        self.stub = pb2_grpc.TranslatorStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
+                  num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
+                  attention: bool = False, scores: bool = False, timeout: float | None = None,
+                  request_id: str | None = None) -> list[Translation]:
+        """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
+
+        Zero options mean the model's defaults; ``model``/``version`` empty: the server's default model, its
+        newest version. ``attention`` and ``scores`` fill :attr:`Hypothesis.attention` and the scores.
+        ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
+        ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
+        """
+        request = build_request(texts, model=model, version=version, beam_size=beam_size,
+                                num_hypotheses=num_hypotheses, max_length=max_length,
+                                length_penalty=length_penalty, attention=attention, scores=scores)
+        response = self._call(self.stub.Translate, request, timeout, request_id)
+        return translations_from_pb(response, scores=scores)
+
+    def list_models(self, *, timeout: float | None = None, request_id: str | None = None) -> list[ModelInfo]:
+        """Every loaded model version."""
+        response = self._call(self.stub.ListModels, pb2.ListModelsRequest(), timeout, request_id)
+        return [model_info_from_pb(m) for m in response.models]
+
+    def health(self, model: str = "", *, timeout: float | None = None) -> str:
+        """``grpc.health.v1`` status of the server (``model=""``), of a model name or of a service name:
+        ``"SERVING"``, ``"NOT_SERVING"``...; an unknown name raises :class:`TranslationError` NOT_FOUND."""
+        deadline = self._deadline(timeout)
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=model),
+                                       timeout=self._remaining(deadline, "", 0))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, None) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def _call(self, method: Any, request: Any, timeout: float | None, request_id: str | None) -> Any:
+        deadline = self._deadline(timeout)
+        request_id = self._request_id(request_id)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return method(request, timeout=self._remaining(deadline, request_id, attempt - 1),
+                              metadata=self._metadata(request_id))
+            except grpc.RpcError as error:
+                time.sleep(self._next_sleep(error, attempt, deadline, request_id))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TranslatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the asyncio client -----------------------------------------------------------------------------------------
+
+
+class AsyncTranslatorClient(_ClientBase):
+    """The ``grpc.aio`` twin of :class:`TranslatorClient` (same arguments, same results, awaitable).
+
+    The channel is opened on first use, in the running event loop::
+
+        async with AsyncTranslatorClient("127.0.0.1:50051") as client:
+            results = await client.translate(["one two", "three"])
+    """
+
+    def _setup(self) -> None:
+        self.channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._health: Any = None
+
+    def _open(self) -> Any:
+        if self.channel is None:
+            if self._credentials is None:
+                self.channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            else:
+                self.channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+            self._stub = pb2_grpc.TranslatorStub(self.channel)
+            self._health = health_pb2_grpc.HealthStub(self.channel)
+        return self._stub
+
+    @property
+    def stub(self) -> Any:
+        return self._open()
+
+    async def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
+                        num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
+                        attention: bool = False, scores: bool = False, timeout: float | None = None,
+                        request_id: str | None = None) -> list[Translation]:
+        """See :meth:`TranslatorClient.translate`."""
+        request = build_request(texts, model=model, version=version, beam_size=beam_size,
+                                num_hypotheses=num_hypotheses, max_length=max_length,
+                                length_penalty=length_penalty, attention=attention, scores=scores)
+        response = await self._call(self._open().Translate, request, timeout, request_id)
+        return translations_from_pb(response, scores=scores)
+
+    async def list_models(self, *, timeout: float | None = None, request_id: str | None = None) -> list[ModelInfo]:
+        """Every loaded model version."""
+        response = await self._call(self._open().ListModels, pb2.ListModelsRequest(), timeout, request_id)
+        return [model_info_from_pb(m) for m in response.models]
+
+    async def health(self, model: str = "", *, timeout: float | None = None) -> str:
+        """See :meth:`TranslatorClient.health`."""
+        self._open()
+        deadline = self._deadline(timeout)
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=model),
+                                             timeout=self._remaining(deadline, "", 0))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, None) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def _call(self, method: Any, request: Any, timeout: float | None, request_id: str | None) -> Any:
+        deadline = self._deadline(timeout)
+        request_id = self._request_id(request_id)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(request, timeout=self._remaining(deadline, request_id, attempt - 1),
+                                    metadata=self._metadata(request_id))
+            except grpc.RpcError as error:
+                await asyncio.sleep(self._next_sleep(error, attempt, deadline, request_id))
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+
+    async def __aenter__(self) -> AsyncTranslatorClient:
+        self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,259 @@
+"""``nmt translate``: translate texts with a running ``nmt serve``, list its models, draw alignments.
+
+Only the standard library is imported to build the parser, so ``nmt translate --help`` is fast; grpc
+and the client load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+SERVER_ENV = "NMT_SERVER"
+BATCH_SIZE = 32  # texts per request when reading stdin (the server's default limit is 64)
+
+DESCRIPTION = f"""\
+Translate texts with a running translation server (nmt serve). Texts come from the arguments, else
+from stdin, one per line (blank lines skipped; sent in requests of up to {BATCH_SIZE} lines).
+
+Output: one translation per line; with --n-best above 1, --scores or --attention, the numbered
+hypotheses of each text with their scores, and with --attention the alignment grid (target words as
+rows, source words as columns, cells shaded by attention weight, [bracketed]: the hard alignment) and
+the Pharaoh alignments ("source-target" pairs). --json prints one JSON object per text instead.
+Errors print "nmt translate: error: <STATUS>: <message>" and exit with status 2.
+
+examples:
+  nmt translate "Tuesday, April 25, 2045" --model demo-transformer --beam 4 --n-best 3 --attention
+  nmt translate --plot alignment.png "Tuesday, April 25, 2045"
+  nmt translate --json < sentences.txt > translations.jsonl
+  nmt translate --list-models
+"""
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return number
+
+
+def _penalty(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return number
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``translate`` subcommand."""
+    parser = subparsers.add_parser(
+        "translate",
+        help="translate texts with a running server (the client)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to translate (default: lines of stdin)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--server", default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER, metavar="HOST:PORT",
+                        help=f"server address [env {SERVER_ENV}; default: {DEFAULT_SERVER}]")
+    server.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
+    server.add_argument("--ca-cert", metavar="PEM", help="root certificates for TLS (implies --tls)")
+    server.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="deadline of each request, retries included (default: 30)")
+    server.add_argument("--list-models", action="store_true", help="print the server's models and exit")
+    decoding = parser.add_argument_group("decoding (0: the model's default)")
+    decoding.add_argument("--model", default="", help="model name (default: the server's default model)")
+    decoding.add_argument("--version", "--model-version", dest="model_version", default="", metavar="VERSION",
+                          help="model version (default: the newest)")
+    decoding.add_argument("--beam", type=_count, default=0, metavar="N", help="beam size (1: greedy)")
+    decoding.add_argument("--n-best", type=_count, default=0, metavar="N",
+                          help="hypotheses per text, at most the beam size (default: 1)")
+    decoding.add_argument("--max-length", type=_count, default=0, metavar="N", help="most generated tokens")
+    decoding.add_argument("--length-penalty", type=_penalty, default=0.0, metavar="ALPHA",
+                          help="score = log-probability / length^ALPHA")
+    output = parser.add_argument_group("output")
+    output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
+    output.add_argument("--attention", action="store_true",
+                        help="print the alignment grid and Pharaoh alignments of each hypothesis")
+    output.add_argument("--plot", metavar="FILE",
+                        help="write the best hypothesis' attention heatmap: .png, .svg, .pdf (matplotlib) or "
+                             ".html; several texts: FILE-1.png, FILE-2.png...")
+    output.add_argument("--json", action="store_true", help="one JSON object per text (JSON lines)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+# ---- input ---------------------------------------------------------------------------------------------------
+
+
+def _batches(texts: list[str] | Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _stdin_lines(stream: TextIO) -> Iterator[str]:
+    for line in stream:
+        if line.strip():
+            yield line.rstrip("\r\n")
+
+
+def read_input(args: argparse.Namespace, stdin: TextIO) -> tuple[list[str] | Iterator[str], int, bool]:
+    """Texts, request size, and whether plots are numbered.
+
+    Arguments and piped stdin are read at once; an interactive terminal is translated line by line.
+    """
+    from nmt.errors import NmtError
+
+    if args.texts:
+        return list(args.texts), BATCH_SIZE, len(args.texts) > 1
+    interactive = bool(getattr(stdin, "isatty", lambda: False)())
+    if interactive:
+        return _stdin_lines(stdin), 1, True
+    texts = list(_stdin_lines(stdin))
+    if not texts:
+        raise NmtError("no text to translate: pass TEXT arguments or lines on stdin")
+    return texts, BATCH_SIZE, len(texts) > 1
+
+
+# ---- output --------------------------------------------------------------------------------------------------
+
+
+def _unicode_ok(stream: TextIO) -> bool:
+    try:
+        "░▒▓█…".encode(getattr(stream, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def format_translation(source: str, translation: Any, *, verbose: bool, attention: bool, ascii_only: bool,
+                       legend: bool = True) -> str:
+    """The text output of one translation (``verbose``: the source, numbered hypotheses, scores, grids;
+    ``legend``: explain the shades under the first grid)."""
+    from clients.render import alignment_grid
+
+    if not verbose:
+        return translation.hypotheses[0].text if translation.hypotheses else ""
+    lines = [f"> {source}"]
+    for rank, hypothesis in enumerate(translation.hypotheses, start=1):
+        score = f"  (score {hypothesis.score:.4f})" if hypothesis.score is not None else ""
+        lines.append(f"{rank}. {hypothesis.text}{score}")
+        if attention and hypothesis.attention is not None:
+            lines.append(f"   alignment: {hypothesis.attention.pharaoh}")
+            grid = alignment_grid(hypothesis.attention, ascii_only=ascii_only, legend=legend)
+            lines.append(_indent(grid, "   "))
+            legend = False
+    return "\n".join(lines) + "\n"
+
+
+def translation_json(source: str, translation: Any) -> dict[str, Any]:
+    """One text's result as a JSON-ready dict; absent scores and attention are left out."""
+    hypotheses = []
+    for hypothesis in translation.hypotheses:
+        entry = {k: v for k, v in asdict(hypothesis).items() if v is not None}
+        if "attention" in entry:
+            entry["attention"]["alignments"] = [list(pair) for pair in entry["attention"]["alignments"]]
+        hypotheses.append(entry)
+    return {"text": source, "model": translation.model, "model_version": translation.model_version,
+            "source_tokens": translation.source_tokens, "hypotheses": hypotheses}
+
+
+def plot_path(base: str, index: int, numbered: bool) -> Path:
+    """``out.png`` for a single text, ``out-<index>.png`` (1-based) for several."""
+    path = Path(base)
+    return path if not numbered else path.with_name(f"{path.stem}-{index}{path.suffix}")
+
+
+def format_models(models: list[Any]) -> str:
+    """A table of ``ModelInfo``."""
+    header = ("MODEL", "VERSION", "ARCHITECTURE", "LANGUAGES", "PROVIDER", "PRECISION", "BEAM", "BLEU",
+              "CORPUS", "")
+    rows = [header]
+    for m in models:
+        flags = ", ".join(flag for flag, on in (("default", m.is_default and m.is_latest), ("latest", m.is_latest))
+                          if on)
+        rows.append((m.name, m.version, m.architecture, f"{m.source_language}→{m.target_language}",
+                     m.execution_provider, m.precision, f"{m.default_beam_size}/{m.max_beam_size}",
+                     f"{m.test_bleu:.1f}" if m.test_bleu else "-", m.training_corpus or "-", flags))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
+        stderr: TextIO | None = None) -> int:
+    from clients.client import TranslatorClient
+    from clients.render import FORMATS, save_heatmap
+    from nmt.errors import NmtError
+
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if args.plot and Path(args.plot).suffix.lower() not in FORMATS:
+        raise NmtError(f"--plot {args.plot}: use one of {', '.join(FORMATS)}")
+    tls = args.tls or bool(args.ca_cert)
+    with TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert) as client:
+        if args.list_models:
+            models = client.list_models()
+            if args.json:
+                for model in models:
+                    print(json.dumps(asdict(model), ensure_ascii=False), file=stdout)
+            else:
+                print(format_models(models), file=stdout)
+            return 0
+
+        texts, batch_size, numbered = read_input(args, stdin)
+        scores = args.scores or args.n_best > 1
+        attention = args.attention or bool(args.plot)
+        verbose = args.n_best > 1 or args.scores or args.attention
+        ascii_only = not _unicode_ok(stdout)
+        index = 0
+        for batch in _batches(texts, batch_size):
+            results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam,
+                                       num_hypotheses=args.n_best, max_length=args.max_length,
+                                       length_penalty=args.length_penalty, attention=attention, scores=scores)
+            for source, translation in zip(batch, results, strict=True):
+                index += 1
+                if args.json:
+                    print(json.dumps(translation_json(source, translation), ensure_ascii=False), file=stdout)
+                else:
+                    print(format_translation(source, translation, verbose=verbose, attention=args.attention,
+                                             ascii_only=ascii_only, legend=index == 1), file=stdout)
+                if args.plot and translation.hypotheses and translation.hypotheses[0].attention is not None:
+                    path = save_heatmap(translation.hypotheses[0].attention, plot_path(args.plot, index, numbered))
+                    print(f"wrote {path}", file=stderr)
+            stdout.flush()
+    return 0
