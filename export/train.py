@@ -198,7 +198,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     train_config = dataclasses.asdict(cfg)
     start = time.monotonic()
     deadline = start + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not cfg.progress, unit="step", dynamic_ncols=True)
+    # a time-limited run has no meaningful step total: show the count, rate and minutes left instead
+    bar = tqdm(total=None if cfg.max_minutes else cfg.max_steps, initial=step, disable=not cfg.progress,
+               unit="step", dynamic_ncols=True, desc=f"{cfg.arch} on {cfg.corpus}")
     window_tokens, window_start, running_loss = 0, time.monotonic(), None
     stop = False
     while not stop:
@@ -245,8 +247,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 patience_over = cfg.patience is not None and stale >= cfg.patience
                 last_step = last_step or reached or patience_over
             seconds = max(time.monotonic() - window_start, 1e-9)
-            bar.set_postfix(loss=f"{running_loss:.3f}", tok_s=f"{window_tokens / seconds:,.0f}",
-                            bleu=f"{best_bleu:.1f}", refresh=False)
+            postfix = {"loss": f"{running_loss:.3f}", "tok_s": f"{window_tokens / seconds:,.0f}",
+                       "bleu": f"{max(best_bleu, 0.0):.1f}"}
+            if cfg.max_minutes:
+                postfix["min_left"] = f"{max(0.0, deadline - time.monotonic()) / 60:.1f}"
+            bar.set_postfix(postfix, refresh=False)
             if step % 50 == 0:
                 window_tokens, window_start = 0, time.monotonic()
             if last_step:
