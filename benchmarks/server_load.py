@@ -90,14 +90,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(repository: str, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(repository: str, threads: int, max_wait_ms: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     address = f"127.0.0.1:{port}"
     env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
          "--metrics-listen", "", "--intra-op-threads", str(threads), "--max-batch-sentences", "128",
-         "--queue-size", "4096"],
+         "--queue-size", "4096", "--max-wait-ms", str(max_wait_ms)],
         env=env, stdout=subprocess.DEVNULL,
     )
     import grpc
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256, help="sentences per concurrency level")
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (both sides)")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's batching wait")
     args = parser.parse_args()
 
     from server.engine import Engine
@@ -133,7 +134,7 @@ def main() -> None:
     if not versions:
         raise SystemExit(f"no {args.model} in {args.repository}: run `nmt serve --demo` first")
     engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads)
-    process, address = start_server(args.repository, args.threads)
+    process, address = start_server(args.repository, args.threads, args.max_wait_ms)
     rows = []
     try:
         for callers in args.callers:
@@ -151,7 +152,8 @@ def main() -> None:
 
     single = statistics.median(bench_engine(engine, sentences(32, seed=99), 1, args.beam)["latencies"])
     print()
-    print(f"model {args.model}, beam {args.beam}, {args.threads} threads, {args.requests} sentences per level")
+    print(f"model {args.model}, beam {args.beam}, {args.threads} threads, {args.requests} sentences per level, "
+          f"server max wait {args.max_wait_ms} ms")
     print("| callers | engine sent/s | server sent/s | ratio | server tok/s | engine p50/p95/p99 ms "
           "| server p50/p95/p99 ms |")
     print("|---|---|---|---|---|---|---|")
