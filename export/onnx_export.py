@@ -608,6 +608,9 @@ class ExportOptions:
     force: bool = False
     opset: int = 18
     parity_sentences: int = 20
+    # fp32 log-prob/attention tolerance; 1e-4 holds for trained models, random large-vocabulary weights
+    # (benchmarks) have logits in the hundreds where kernel reassociation alone moves them ~1e-3
+    parity_tolerance: float = LOGIT_TOLERANCE
     bleu_sentences: int = 200
     allow_unfused: bool = False
     source_language: str = "en"
@@ -814,16 +817,17 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
     runner = dict(start_id=cfg.decoder_start_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id, threads=options.threads)
     fp32_model = OrtModel(fp32_files, graph_set.decoder_static, graph_set.decoder_state, **runner)
     parity = check_parity(model, fp32_model, sources, targets, beam_size=4)
-    if not parity.ok():
+    if not parity.ok(options.parity_tolerance):
         details = "; ".join(parity.mismatches[:3])
         raise NmtError(
             f"ONNX parity check failed: max log-prob diff {parity.max_logit_diff:.2e}, max attention diff "
-            f"{parity.max_attention_diff:.2e} (tolerance {LOGIT_TOLERANCE:g}), greedy "
+            f"{parity.max_attention_diff:.2e} (tolerance {options.parity_tolerance:g}), greedy "
             f"{parity.greedy_match[0]}/{parity.greedy_match[1]}, beam-4 {parity.beam4_match[0]}/"
             f"{parity.beam4_match[1]} identical" + (f"; {details}" if details else "")
         )
     files, parity_int8, quantization = fp32_files, None, None
-    parity_record = {"precision": "fp32", "enforced": True, **parity.to_dict()}
+    parity_record = {"precision": "fp32", "enforced": True, **parity.to_dict(),
+                     "tolerance": options.parity_tolerance}
 
     if options.quantize:
         stage("quantize int8")
