@@ -25,6 +25,7 @@ from export.models.bahdanau import Bahdanau
 from export.onnx_export import (
     GraphSet,
     count_ops,
+    example_source,
     register_exporter,
     remove_output,
     set_io_shapes,
@@ -70,11 +71,7 @@ class StepGraph(nn.Module):
 def export_bahdanau(model: Bahdanau, opset: int) -> GraphSet:
     cfg = model.config
     model = untied_copy(model, "generator", "tgt_embed")
-    generator = torch.Generator().manual_seed(0)
-    src = torch.randint(4, max(cfg.vocab_size, 5), (3, 7), generator=generator)
-    src[:, -1] = cfg.eos_id
-    src[1, 4:] = cfg.pad_id
-    src[1, 3] = cfg.eos_id
+    src = example_source(cfg)
     with torch.no_grad():
         state = model.init_state(model.encode(src))
     batch = torch.export.Dim("batch", min=1, max=4096)

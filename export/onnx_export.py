@@ -102,6 +102,17 @@ def graph_exporter(arch: str) -> GraphExporter:
     return EXPORTERS[arch]
 
 
+def example_source(config: Any) -> Tensor:
+    """Export example ``src`` [3, 7]: one row padded after an early EOS, so padding is traced; its sizes
+    differ from every static dimension so the exporter cannot confuse dynamic axes with them."""
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, max(config.vocab_size, 5), (3, 7), generator=generator)
+    src[:, -1] = config.eos_id
+    src[1, 4:] = config.pad_id
+    src[1, 3] = config.eos_id
+    return src
+
+
 def untied_copy(model: Seq2SeqModel, projection: str, embedding: str) -> Seq2SeqModel:
     """A deep copy whose output projection owns its weight (numerically identical).
 

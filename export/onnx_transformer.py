@@ -35,6 +35,7 @@ from export.onnx_export import (
     GraphSet,
     cancel_transposes,
     count_ops,
+    example_source,
     perm,
     producers,
     prune,
@@ -101,11 +102,7 @@ class StepGraph(nn.Module):
 def _example_inputs(model: Transformer) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
     """Example tensors whose dynamic sizes (batch 3, src_len 7, past_len 2) differ from every static one."""
     cfg = model.config
-    generator = torch.Generator().manual_seed(0)
-    src = torch.randint(4, max(cfg.vocab_size, 5), (3, 7), generator=generator)
-    src[:, -1] = cfg.eos_id
-    src[1, 4:] = cfg.pad_id
-    src[1, 3] = cfg.eos_id
+    src = example_source(cfg)
     with torch.no_grad():
         state = model.init_state(model.encode(src))
         for token in (cfg.decoder_start_id, 5 % cfg.vocab_size):
