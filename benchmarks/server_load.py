@@ -7,7 +7,10 @@ large as the number of callers (ideal batching, no server) and (b) through ``nmt
 subprocess on a loopback port, driven by that many concurrent asyncio callers each sending one
 sentence per request. Prints sentences/s, target tokens/s and p50/p95/p99 latency for both, and the
 ratios the targets are stated in: server/engine throughput at 128 callers (target >= 0.9) and server
-p50 at 1 caller over the engine's single-sentence latency (target <= 1.2).
+p50 at 1 caller over the engine's single-sentence latency (the engine's p50 at 1 caller, target <= 1.2).
+
+Where the time goes, per request: CPU seconds of the server process (from /proc) and of the load
+generator (this process, idle engine), and the server's mean batch size (from its /metrics).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import asyncio
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:
@@ -84,20 +88,53 @@ async def bench_server(address: str, model: str, texts: list[str], callers: int,
     return {"sentences_s": len(texts) / seconds, "tokens_s": tokens / seconds, "latencies": latencies}
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def batch_totals(metrics_address: str) -> tuple[float, float]:
+    """(sentences batched, batches run) so far, from the server's ``nmt_batch_size_sentences``."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "nmt_batch_size_sentences":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
+def measure_server(process: subprocess.Popen, address: str, metrics: str, model: str, texts: list[str],
+                   callers: int, beam: int) -> dict[str, float]:
+    """:func:`bench_server` plus CPU per request on both sides and the server's mean batch size."""
+    client0, server0, (sent0, batches0) = time.process_time(), process_cpu_seconds(process.pid), batch_totals(metrics)
+    result = asyncio.run(bench_server(address, model, texts, callers, beam))
+    client1, server1, (sent1, batches1) = time.process_time(), process_cpu_seconds(process.pid), batch_totals(metrics)
+    result["client_cpu_ms"] = (client1 - client0) / len(texts) * 1000
+    result["server_cpu_ms"] = (server1 - server0) / len(texts) * 1000
+    result["mean_batch"] = (sent1 - sent0) / max(batches1 - batches0, 1)
+    return result
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(repository: str, threads: int, max_wait_ms: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+def start_server(repository: str, threads: int, max_wait_ms: float,
+                 extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
-         "--metrics-listen", "", "--intra-op-threads", str(threads), "--max-batch-sentences", "128",
-         "--queue-size", "4096", "--max-wait-ms", str(max_wait_ms)],
+         "--metrics-listen", metrics, "--intra-op-threads", str(threads), "--max-batch-sentences", "128",
+         "--queue-size", "4096", "--max-wait-ms", str(max_wait_ms), *extra],
         env=env, stdout=subprocess.DEVNULL,
     )
     import grpc
@@ -109,7 +146,7 @@ def start_server(repository: str, threads: int, max_wait_ms: float) -> tuple[sub
         while True:
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return process, address
+                    return process, address, metrics
             except grpc.RpcError:
                 if time.monotonic() > deadline or process.poll() is not None:
                     process.kill()
@@ -122,10 +159,11 @@ def main() -> None:
     parser.add_argument("--repository", default="models")
     parser.add_argument("--model", default="demo-transformer")
     parser.add_argument("--callers", nargs="+", type=int, default=[1, 8, 32, 128])
-    parser.add_argument("--requests", type=int, default=256, help="sentences per concurrency level")
+    parser.add_argument("--requests", type=int, default=1024, help="sentences per concurrency level")
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (both sides)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's batching wait")
+    parser.add_argument("--ort-spinning", action="store_true", help="let ONNX Runtime threads busy-wait (both sides)")
     args = parser.parse_args()
 
     from server.engine import Engine
@@ -133,8 +171,10 @@ def main() -> None:
     versions = sorted(Path(args.repository, args.model).glob("*/manifest.json"))
     if not versions:
         raise SystemExit(f"no {args.model} in {args.repository}: run `nmt serve --demo` first")
-    engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads)
-    process, address = start_server(args.repository, args.threads, args.max_wait_ms)
+    engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
+                         spinning=args.ort_spinning)
+    process, address, metrics = start_server(args.repository, args.threads, args.max_wait_ms,
+                                             ["--ort-spinning"] if args.ort_spinning else [])
     rows = []
     try:
         for callers in args.callers:
@@ -142,7 +182,7 @@ def main() -> None:
             bench_engine(engine, texts[:callers], callers, args.beam)  # warm up
             asyncio.run(bench_server(address, args.model, texts[:callers], callers, args.beam))
             bare = bench_engine(engine, texts, callers, args.beam)
-            served = asyncio.run(bench_server(address, args.model, texts, callers, args.beam))
+            served = measure_server(process, address, metrics, args.model, texts, callers, args.beam)
             rows.append((callers, bare, served))
             print(f"callers {callers}: engine {bare['sentences_s']:.1f} sent/s, server {served['sentences_s']:.1f} "
                   f"sent/s", flush=True)
@@ -150,22 +190,23 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=30)
 
-    single = statistics.median(bench_engine(engine, sentences(32, seed=99), 1, args.beam)["latencies"])
     print()
     print(f"model {args.model}, beam {args.beam}, {args.threads} threads, {args.requests} sentences per level, "
-          f"server max wait {args.max_wait_ms} ms")
+          f"server max wait {args.max_wait_ms} ms, ORT spinning {'on' if args.ort_spinning else 'off'}")
     print("| callers | engine sent/s | server sent/s | ratio | server tok/s | engine p50/p95/p99 ms "
-          "| server p50/p95/p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+          "| server p50/p95/p99 ms | server batch | server CPU ms/req | client CPU ms/req |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for callers, bare, served in rows:
         e, s = percentiles(bare["latencies"]), percentiles(served["latencies"])
         print(f"| {callers} | {bare['sentences_s']:.1f} | {served['sentences_s']:.1f} | "
               f"{served['sentences_s'] / bare['sentences_s']:.2f} | {served['tokens_s']:.0f} | "
-              f"{e[0]:.1f} / {e[1]:.1f} / {e[2]:.1f} | {s[0]:.1f} / {s[1]:.1f} / {s[2]:.1f} |")
-    one = next((s for c, _, s in rows if c == 1), None)
+              f"{e[0]:.1f} / {e[1]:.1f} / {e[2]:.1f} | {s[0]:.1f} / {s[1]:.1f} / {s[2]:.1f} | "
+              f"{served['mean_batch']:.1f} | {served['server_cpu_ms']:.2f} | {served['client_cpu_ms']:.2f} |")
+    one = next(((bare, served) for c, bare, served in rows if c == 1), None)
     if one is not None:
-        print(f"\nengine single-sentence latency {single * 1000:.1f} ms; server p50 at 1 caller "
-              f"{percentiles(one['latencies'])[0]:.1f} ms: {percentiles(one['latencies'])[0] / (single * 1000):.2f}x")
+        engine_p50, server_p50 = percentiles(one[0]["latencies"])[0], percentiles(one[1]["latencies"])[0]
+        print(f"\nengine single-sentence latency (p50) {engine_p50:.1f} ms; server p50 at 1 caller "
+              f"{server_p50:.1f} ms: {server_p50 / engine_p50:.2f}x")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ class TranslationServer:
         if self.repository is None:
             load = partial(ModelRepository.load, config.model_repository, default_model=config.default_model,
                            provider=config.provider, intra_op_threads=config.intra_op_threads,
-                           inter_op_threads=config.inter_op_threads, engine_loader=self.engine_loader)
+                           inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
+                           engine_loader=self.engine_loader)
             self.repository = await asyncio.get_running_loop().run_in_executor(None, load)
         policy = BatchPolicy.from_config(config)
         for mv in self.repository:

@@ -41,6 +41,7 @@ class ServerConfig:
     provider: str = _field("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
     intra_op_threads: int = _field(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = _field(1, "ONNX Runtime inter-op threads per model version")
+    ort_spinning: bool = _field(False, "let idle ONNX Runtime threads busy-wait (only on cores reserved for inference)")
     # batching
     batch_tokens: int = _field(4096, "token budget of a batch: source tokens including padding (longest x count)")
     max_batch_sentences: int = _field(64, "most sentences in one batch")
@@ -95,6 +96,13 @@ class ServerConfig:
             env = env_name(f.name)
             kind = _field_type(f)
             default = f.default if f.default is not MISSING else None
+            if kind is bool:  # --flag / --no-flag
+                if env in environ:
+                    default = _parse(bool, environ[env], env)
+                parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
+                                    action=argparse.BooleanOptionalAction,
+                                    help=f"{f.metadata['help']} [env {env}; default: {default!r}]")
+                continue
             if env in environ:
                 default = environ[env]  # argparse converts (and reports) string defaults with ``type``
             parser.add_argument(
@@ -141,11 +149,17 @@ def _is_host_port(value: str) -> bool:
 
 
 def _field_type(f: Any) -> type:
-    return {"str": str, "int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
+    return {"str": str, "int": int, "float": float, "bool": bool}[
+        f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _parse(kind: type, raw: str, env: str) -> Any:
     try:
+        if kind is bool:
+            return BOOLEANS[raw.strip().lower()]
         return kind(raw)
-    except ValueError as error:
+    except (KeyError, ValueError) as error:
         raise NmtError(f"environment variable {env}={raw!r} is not a valid {kind.__name__}") from error

@@ -101,9 +101,20 @@ class Engine:
 
     @classmethod
     def load(
-        cls, version_dir: str | Path, *, provider: str = "auto", intra_op_threads: int = 0, inter_op_threads: int = 1
+        cls,
+        version_dir: str | Path,
+        *,
+        provider: str = "auto",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 1,
+        spinning: bool = False,
     ) -> Engine:
-        """Load ``models/<name>/<version>/``: validate the manifest, open every graph."""
+        """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
+
+        ``spinning``: let ONNX Runtime's idle worker threads busy-wait for the next operator. It shaves
+        microseconds per operator on cores nobody else needs, and costs far more when the gRPC event
+        loop, tokenizer or load generator share the cores (see benchmarks/README.md), so it is off.
+        """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
         providers = resolve_providers(provider)
@@ -112,6 +123,7 @@ class Engine:
         options.inter_op_num_threads = inter_op_threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         sessions = {
             role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
             for role, filename in manifest.graphs.items()

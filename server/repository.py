@@ -21,15 +21,17 @@ log = logging.getLogger("nmt.server")
 
 MANIFEST = "manifest.json"
 
-# (version_dir, provider, intra_op_threads, inter_op_threads) -> an Engine
+# (version_dir, provider, intra_op_threads, inter_op_threads, spinning) -> an Engine
 EngineLoader = Callable[..., Any]
 
 
-def default_engine_loader(version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int) -> Any:
+def default_engine_loader(
+    version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False
+) -> Any:
     from server.engine import Engine  # onnxruntime is imported only when models are loaded
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
-                       inter_op_threads=inter_op_threads)
+                       inter_op_threads=inter_op_threads, spinning=spinning)
 
 
 def version_key(version: str) -> tuple[int, int, str]:
@@ -104,6 +106,7 @@ class ModelRepository:
         provider: str = "auto",
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
+        spinning: bool = False,
         engine_loader: EngineLoader | None = None,
     ) -> ModelRepository:
         """Load every version found under ``root`` (slow: call it off the event loop)."""
@@ -113,7 +116,7 @@ class ModelRepository:
             for version, path in versions:
                 try:
                     engine = loader(path, provider=provider, intra_op_threads=intra_op_threads,
-                                    inter_op_threads=inter_op_threads)
+                                    inter_op_threads=inter_op_threads, spinning=spinning)
                 except Exception as error:
                     raise NmtError(f"cannot load model {name} version {version} from {path}: {error}") from error
                 log.info("model loaded", extra={"fields": {

@@ -9,10 +9,15 @@ Batching policy
     * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
       (the engine decodes one beam width and one graph per batch); ``num_hypotheses``,
       ``max_length`` and ``length_penalty`` vary per sentence.
-    * A batch starts when its oldest sentence has waited ``max_wait`` (a few ms) or as soon as enough
-      sentences of its key are queued to fill a batch, and only when the worker is free: sentences
-      arriving while a batch runs accumulate, so batches grow with load and a lone request waits
-      at most ``max_wait``.
+    * A batch starts only when the worker is free: sentences arriving while a batch runs accumulate,
+      so batches grow with load. The batcher then waits for companions only as long as it has reason
+      to expect them: the *expected concurrency* is the most sentences outstanding (queued or
+      running) at any moment since the previous batch started. The batch starts as soon as the
+      queue holds that many sentences of its key (or a full batch), else once ``max_wait`` (a few
+      ms) has passed since the worker became free or the oldest sentence arrived, whichever is later.
+      A lone caller (expected concurrency 1) therefore never waits, while the callers of a batch
+      that just finished get ``max_wait`` to send their next sentences and join the queued ones,
+      instead of the load splitting into half-size batches that alternate.
     * The oldest queued sentence always goes into the next batch (no starvation); the batch is grown
       around it through the sentences of the same key sorted by length, each time taking the
       neighbour that adds the least padding, while ``longest x count <= batch_tokens`` (source
@@ -183,6 +188,8 @@ class ModelScheduler:
         self._closed = False
         self._running: list[_Pending] = []
         self._running_since = 0.0
+        self._free_since = 0.0  # when the worker last finished a batch
+        self._expected = 0  # most sentences outstanding since the last batch started (see the docstring)
         self.seconds_per_cost: float | None = None  # EMA, see the module docstring
         self.batches = 0
         self.cancelled_sentences = 0
@@ -250,6 +257,7 @@ class ModelScheduler:
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings))
         self._queue.extend(pendings)
+        self._expected = max(self._expected, len(self._queue) + len(self._running))
         self._update_depth()
         self._arrived.set()
         futures = [p.future for p in pendings]
@@ -331,8 +339,8 @@ class ModelScheduler:
             await self._arrived.wait()
             return
         oldest = self._queue[0]
-        wait = oldest.enqueued + self.policy.max_wait_seconds - time.monotonic()
-        if wait > 0 and not self._closed and not self._full_batch_queued(oldest.key):
+        wait = max(oldest.enqueued, self._free_since) + self.policy.max_wait_seconds - time.monotonic()
+        if wait > 0 and not self._closed and not self._enough_queued(oldest.key):
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait)
@@ -340,9 +348,10 @@ class ModelScheduler:
         batch = form_batch([p for p in self._queue if p.key == oldest.key], oldest, self.policy)
         await self._execute(batch)
 
-    def _full_batch_queued(self, key: tuple[int, bool]) -> bool:
+    def _enough_queued(self, key: tuple[int, bool]) -> bool:
+        """Whether the queue holds the expected concurrency or a full batch of ``key``."""
         same = [p for p in self._queue if p.key == key]
-        if len(same) >= self.policy.max_batch_sentences:
+        if len(same) >= min(self._expected, self.policy.max_batch_sentences):
             return True
         return sum(p.tokens for p in same) >= self.policy.batch_tokens
 
@@ -361,6 +370,7 @@ class ModelScheduler:
         self._update_depth()
         now = time.monotonic()
         self._running, self._running_since = batch, now
+        self._expected = len(self._queue) + len(batch)
         m, labels = self.metrics, self.labels
         try:
             if m is not None:
@@ -382,6 +392,7 @@ class ModelScheduler:
             return
         finally:
             self._running = []
+            self._free_since = time.monotonic()
             self._notify_idle()
         for p, translation in zip(batch, result.translations, strict=True):
             if translation is None:

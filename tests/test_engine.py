@@ -120,3 +120,12 @@ def test_providers(tiny_models):
             Engine.load(tiny_models["transformer"], provider="cuda")
     with pytest.raises(ValueError, match="unknown execution provider"):
         Engine.load(tiny_models["transformer"], provider="tpu")
+
+
+def test_thread_spinning_is_off_unless_asked(tiny_models):
+    def spinning(engine: Engine) -> set[str]:
+        return {session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+                for session in engine.model.sessions.values()}
+
+    assert spinning(Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)) == {"0"}
+    assert spinning(Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, spinning=True)) == {"1"}

@@ -32,9 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import TranslationServer
 from server.config import ServerConfig
+from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
-from server.scheduler import BatchPolicy, RequestHandle, _Pending, form_batch
-from server.types import DecodingOptions, SentenceRequest
+from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, _Pending, form_batch
+from server.types import DecodingOptions, SentenceRequest, Translation
 
 MODEL = "tiny"
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
@@ -590,6 +591,47 @@ def test_form_batch_respects_budget_and_sorts_by_length() -> None:
     assert [p.tokens for p in alone] == [50]  # the oldest always goes, even when nothing fits beside it
 
 
+class RecordingEngine:
+    """A stand-in engine for batching-policy tests: records batch sizes, takes ``seconds`` per batch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.batches = seconds, []
+
+    def translate_batch(self, requests: Any) -> BatchResult:
+        self.batches.append(len(requests))
+        time.sleep(self.seconds)
+        return BatchResult([Translation([], []) for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
+
+
+def test_batcher_waits_only_for_companions_it_can_expect() -> None:
+    """A lone caller never pays max_wait; callers of a finished batch get max_wait to come back together."""
+    options = DecodingOptions(beam_size=1)
+
+    async def scenario() -> tuple[float, float, list[int]]:
+        engine = RecordingEngine(seconds=0.02)
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=2.0))
+        scheduler.start()
+        start = time.monotonic()
+        await scheduler.translate([([5, 6], options)])
+        lone = time.monotonic() - start
+
+        async def caller(i: int) -> None:
+            await scheduler.translate([([5, 6], options)])
+            await asyncio.sleep(0.01 * i)  # the callers come back at different moments ...
+            await scheduler.translate([([5, 6], options)])
+
+        start = time.monotonic()
+        await asyncio.gather(*(caller(i) for i in range(4)))
+        together = time.monotonic() - start
+        await scheduler.close()
+        return lone, together, engine.batches
+
+    lone, together, batches = asyncio.run(scenario())
+    assert lone < 1.0  # not the 2 s max_wait: nothing else was outstanding
+    assert batches == [1, 4, 4]  # ... yet they are batched together again, without splitting
+    assert together < 1.0  # and without waiting out max_wait: the batch starts once all 4 are back
+
+
 def test_config_flags_env_and_validation(tmp_path: Path) -> None:
     import argparse
 
@@ -606,6 +648,13 @@ def test_config_flags_env_and_validation(tmp_path: Path) -> None:
         ServerConfig(batch_tokens=100, max_tokens=256).validate()
     with pytest.raises(NmtError, match="listen"):
         ServerConfig(listen="nowhere").validate()
+    parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(parser, environ={"NMT_ORT_SPINNING": "yes"})
+    assert ServerConfig.from_args(parser.parse_args([])).ort_spinning is True  # booleans: --flag / --no-flag
+    assert ServerConfig.from_args(parser.parse_args(["--no-ort-spinning"])).ort_spinning is False
+    assert ServerConfig.from_env({"NMT_ORT_SPINNING": "off"}).ort_spinning is False
+    with pytest.raises(NmtError, match="NMT_ORT_SPINNING"):
+        ServerConfig.from_env({"NMT_ORT_SPINNING": "maybe"})
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--listen", "--metrics-listen", "--batch-tokens", "--max-wait-ms", "--grace-seconds", "NMT_LISTEN"):
         assert flag in help_text
