@@ -8,6 +8,10 @@ best continuations of a sentence in order, finishing those that end in EOS and k
 until ``beam`` are live; a sentence is done once it holds ``beam`` finished hypotheses and its best
 live beam, scored as if it ended now, is no better than the worst of them (or nothing is live).
 Finished and cancelled sentences leave the batch, so later steps run on fewer rows.
+
+With ``beam_size == 1`` these rules reduce to arg-max decoding (the best token is kept; when it is
+EOS the sentence is done, since no live continuation can beat it), which :func:`beam_search` runs
+through a lean loop of a few array operations per step instead of the general candidate bookkeeping.
 """
 
 from __future__ import annotations
@@ -96,9 +100,93 @@ def beam_search(
     """Decode ``len(sentences)`` sentences together; ``encoded`` holds every static input and the
     initial value of every state entry, batch first. Returns one result per sentence, ``None`` for
     a sentence whose ``is_cancelled`` turned true."""
-    n = len(sentences)
     if any(not 1 <= s.num_hypotheses <= beam_size for s in sentences):
         raise ValueError("need 1 <= num_hypotheses <= beam_size")
+    search = _greedy if beam_size == 1 else _beam
+    return search(model, encoded, sentences, beam_size=beam_size, start_id=start_id, eos_id=eos_id,
+                  need_attention=need_attention)
+
+
+def _cancelled(sentence: BeamSentence) -> bool:
+    return sentence.is_cancelled is not None and sentence.is_cancelled()
+
+
+def _greedy(
+    model: StepModel,
+    encoded: dict[str, np.ndarray],
+    sentences: Sequence[BeamSentence],
+    *,
+    beam_size: int,
+    start_id: int,
+    eos_id: int,
+    need_attention: bool,
+) -> list[SearchResult | None]:
+    """:func:`beam_search` for ``beam_size == 1``: arg-max decoding, same results as :func:`_beam`."""
+    n = len(sentences)
+    limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
+    penalties = np.array([s.length_penalty for s in sentences])
+    results: list[SearchResult | None] = [None] * n
+    history = np.zeros((n, int(limits.max())), dtype=np.int64)
+    history_scores = np.zeros((n, int(limits.max())))
+    history_attention: np.ndarray | None = None
+    totals = np.zeros(n)
+
+    active = np.arange(n)  # sentence of each row
+    static = {name: encoded[name] for name in model.static_names}
+    state = {name: encoded[name] for name in model.state_names}
+    tokens = np.full(n, start_id, dtype=np.int64)
+    t = 0
+    while active.size:
+        log_probs, attention, state = model.step(tokens, static, state, need_attention)
+        forced = limits[active] - 1 == t
+        if forced.any():  # out of room: only EOS may follow
+            eos_scores = log_probs[forced, eos_id].copy()
+            log_probs[forced] = NEG_INF
+            log_probs[forced, eos_id] = eos_scores
+        tokens = log_probs.argmax(axis=1)
+        scores = log_probs[np.arange(active.size), tokens].astype(np.float64)
+        history[active, t] = tokens
+        history_scores[active, t] = scores
+        totals[active] += scores
+        if attention is not None:
+            if history_attention is None:
+                history_attention = np.zeros((n, history.shape[1], attention.shape[1]), dtype=np.float32)
+            history_attention[active, t] = attention
+        stop = (tokens == eos_id) | (scores == NEG_INF)  # EOS, or nothing left to choose
+        leaving = stop.copy()
+        for j, s in enumerate(active):
+            cancelled = _cancelled(sentences[s])
+            leaving[j] |= cancelled
+            if stop[j] and not cancelled and scores[j] > NEG_INF:
+                attention_rows = history_attention[s, : t + 1].copy() if history_attention is not None else None
+                hypothesis = FinishedHypothesis(tokens=history[s, : t + 1].tolist(),
+                                                score=float(totals[s] / (t + 1) ** penalties[s]),
+                                                token_scores=history_scores[s, : t + 1].tolist(),
+                                                attention=attention_rows)
+                results[s] = SearchResult([hypothesis])
+            elif stop[j] and not cancelled:
+                results[s] = SearchResult([])
+        if leaving.any():
+            stay = ~leaving
+            active, tokens = active[stay], tokens[stay]
+            static = {name: value[stay] for name, value in static.items()}
+            state = {name: value[stay] for name, value in state.items()}
+        t += 1
+    return results
+
+
+def _beam(
+    model: StepModel,
+    encoded: dict[str, np.ndarray],
+    sentences: Sequence[BeamSentence],
+    *,
+    beam_size: int,
+    start_id: int,
+    eos_id: int,
+    need_attention: bool,
+) -> list[SearchResult | None]:
+    """:func:`beam_search`'s general case (any beam size)."""
+    n = len(sentences)
     limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
     results: list[SearchResult | None] = [None] * n
@@ -170,7 +258,7 @@ def beam_search(
             done = not has_live[j] or (
                 len(finished[s]) == beam_size and best_live[j] / (t + 1) ** penalties[s] <= finished[s][-1].score
             )
-            cancelled = sentences[s].is_cancelled is not None and sentences[s].is_cancelled()
+            cancelled = _cancelled(sentences[s])
             if done and not cancelled:
                 results[s] = SearchResult(finished[s][: sentences[s].num_hypotheses])
             elif not done and not cancelled:

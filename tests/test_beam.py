@@ -8,7 +8,7 @@ import torch
 
 from export.models import build_model
 from export.search import translate_ids
-from server.beam import BeamSentence, beam_search
+from server.beam import BeamSentence, _beam, _greedy, beam_search
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 
 
@@ -63,11 +63,13 @@ def test_cancelled_sentence_leaves_the_batch():
         calls["n"] += 1
         return True
 
-    encoded = {"prefix": np.zeros((2, 0), dtype=np.int64)}
-    specs = [BeamSentence(1, 1, 10, 0.0), BeamSentence(1, 1, 10, 0.0, is_cancelled=cancel_after_first_step)]
-    results = beam_search(TableModel(), encoded, specs, beam_size=2, start_id=BOS, eos_id=EOS)
-    assert results[1] is None and calls["n"] == 1
-    assert [h.tokens for h in results[0].hypotheses] == [[B, EOS]]
+    for beam, best in ((2, [B, EOS]), (1, [A, A, EOS])):
+        calls["n"] = 0
+        encoded = {"prefix": np.zeros((2, 0), dtype=np.int64)}
+        specs = [BeamSentence(1, 1, 10, 0.0), BeamSentence(1, 1, 10, 0.0, is_cancelled=cancel_after_first_step)]
+        results = beam_search(TableModel(), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS)
+        assert results[1] is None and calls["n"] == 1
+        assert [h.tokens for h in results[0].hypotheses] == [best]
 
 
 class TorchStepModel:
@@ -117,3 +119,30 @@ def test_batched_search_matches_reference_one_by_one(arch, beam):
         for ours, theirs in zip(result.hypotheses, reference, strict=True):
             assert ours.score == pytest.approx(theirs.score, abs=1e-5)
             np.testing.assert_allclose(ours.attention[:, : len(source)], theirs.attention.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_greedy_loop_equals_the_general_search_at_beam_1(arch):
+    torch.manual_seed(2)
+    small = dict(d_model=32, heads=4, ffn_dim=64, encoder_layers=2, decoder_layers=2) if arch == "transformer" \
+        else dict(embed_dim=16, encoder_hidden=16, decoder_hidden=32, attention_dim=16)
+    model = build_model(arch, vocab_size=12, dropout=0.0, **small).eval()
+    with torch.no_grad():
+        bias = model.final_logits_bias if arch == "transformer" else model.generator.bias
+        bias[..., EOS] += 2.0
+    sources = [[5, 6, 7, 8, 9, 10, EOS], [9, EOS], [4, 4, 10, EOS], [11, 6, EOS], [7, EOS]]
+    width = max(map(len, sources))
+    src = np.array([s + [0] * (width - len(s)) for s in sources], dtype=np.int64)
+    adapter = TorchStepModel(model)
+    specs = [BeamSentence(len(s), 1, max_length=[3, 9, 9, 2, 9][i], length_penalty=[1.0, 0.6, 0.0, 1.0, 2.0][i])
+             for i, s in enumerate(sources)]
+    kwargs = dict(beam_size=1, start_id=BOS, eos_id=EOS, need_attention=True)
+    lean = _greedy(adapter, adapter.encode(src), specs, **kwargs)
+    general = _beam(adapter, adapter.encode(src), specs, **kwargs)
+    assert {len(r.hypotheses[0].tokens) for r in lean} != {len(lean[0].hypotheses[0].tokens)}  # lengths differ
+    for ours, reference in zip(lean, general, strict=True):
+        [a], [b] = ours.hypotheses, reference.hypotheses
+        assert a.tokens == b.tokens
+        assert a.score == pytest.approx(b.score, abs=1e-9)
+        assert a.token_scores == pytest.approx(b.token_scores, abs=1e-9)
+        np.testing.assert_array_equal(a.attention, b.attention)
