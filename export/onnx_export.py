@@ -47,7 +47,15 @@ from tqdm import tqdm
 from export.models import Seq2SeqModel, load_checkpoint
 from export.search import Hypothesis, StepFn, beam_search, max_target_length, translate_ids
 from nmt.errors import NmtError
-from server.manifest import MANIFEST_FILENAME, Manifest, StateTensor, sha256_file, write_manifest
+from server.manifest import (
+    MANIFEST_FILENAME,
+    TOP_K_INPUT,
+    TOP_K_OUTPUTS,
+    Manifest,
+    StateTensor,
+    sha256_file,
+    write_manifest,
+)
 from server.tokenizer import MODEL_FILENAME, UNK_ID, Tokenizer
 
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
@@ -288,6 +296,30 @@ def set_io_shapes(model: onnx.ModelProto, shapes: dict[str, Sequence[int | str]]
             else:
                 dim.dim_value = size
     del model.graph.value_info[:]
+
+
+def add_top_k(model: onnx.ModelProto, eos_id: int) -> None:
+    """Give a decoder step graph the outputs the serving search reads instead of the whole
+    distribution (in place): ``top_ids`` / ``top_log_probs`` [batch, top_k], the ``top_k`` best tokens
+    of each row (``TopK``: best first, ties to the lower id, like arg-max), and ``eos_log_prob`` [batch]
+    for rows that must end. ``top_k`` is an int64 [1] input defaulting to 1; ``log_probs`` stays an output
+    (the parity checks read it) but is no longer copied out of ONNX Runtime at every step."""
+    graph = model.graph
+    ids, top_scores, eos_scores = TOP_K_OUTPUTS
+    graph.input.append(helper.make_tensor_value_info(TOP_K_INPUT, TensorProto.INT64, [1]))
+    graph.initializer.extend([
+        onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), TOP_K_INPUT),  # the default
+        onnx.numpy_helper.from_array(np.array(eos_id, dtype=np.int64), "eos_id"),
+    ])
+    graph.node.extend([
+        helper.make_node("TopK", ["log_probs", TOP_K_INPUT], [top_scores, ids], axis=-1, largest=1, sorted=1),
+        helper.make_node("Gather", ["log_probs", "eos_id"], [eos_scores], axis=1),
+    ])
+    graph.output.extend([
+        helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "top_k"]),
+        helper.make_tensor_value_info(top_scores, TensorProto.FLOAT, ["batch", "top_k"]),
+        helper.make_tensor_value_info(eos_scores, TensorProto.FLOAT, ["batch"]),
+    ])
 
 
 def count_ops(model: onnx.ModelProto) -> Counter[str]:
@@ -818,6 +850,8 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
+    for step_graph in (graph_set.decoder, graph_set.decoder_attention):
+        add_top_k(step_graph, cfg.eos_id)
     fp32_files = {role: work / "fp32" / GRAPH_FILES[role] for role in GRAPH_FILES}
     fp32_files["encoder"].parent.mkdir()
     for role, graph in graph_set.graphs().items():

@@ -25,6 +25,26 @@ import numpy as np
 NEG_INF = -np.inf
 
 
+@dataclass
+class StepOutput:
+    """One decoding step of ``R`` rows, as the search reads it: the best few tokens of each row, not
+    the whole distribution (exported decoders compute them in the graph with ``TopK``)."""
+
+    top_ids: np.ndarray  # int64 [R, k]: each row's k most likely next tokens, best first (ties: lower id)
+    top_log_probs: np.ndarray  # float [R, k]: their log-probabilities
+    eos_log_prob: np.ndarray  # float [R]: log-probability of EOS (for rows out of room)
+    attention: np.ndarray | None  # float32 [R, S] cross-attention, when asked for
+    state: dict[str, np.ndarray]  # next recurrent state [R, ...]
+
+    @classmethod
+    def from_log_probs(cls, log_probs: np.ndarray, k: int, eos_id: int, attention: np.ndarray | None,
+                       state: dict[str, np.ndarray]) -> StepOutput:
+        """From a full distribution [R, V] (models without in-graph top-k, test models)."""
+        eos = log_probs[:, eos_id].copy()
+        ids, scores = best_tokens(log_probs, min(k, log_probs.shape[1]))
+        return cls(ids, scores, eos, attention, state)
+
+
 class StepModel(Protocol):
     """What beam search needs from a model.
 
@@ -35,11 +55,12 @@ class StepModel(Protocol):
     state_names: list[str]  # recurrent state, [R, ...] per row
 
     def step(
-        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool
-    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
+        k: int,
+    ) -> StepOutput:
         """``tokens`` int64 [R] (previous token of each row), ``static`` arrays [R, ...], ``state``
-        arrays [R, ...] -> (log-probabilities float32 [R, V], attention float32 [R, S] or None,
-        next state [R, ...] with the same names)."""
+        arrays [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
+        log-probabilities, the EOS log-probability, attention [R, S] (or None) and the next state."""
 
 
 @dataclass
@@ -137,14 +158,14 @@ def _greedy(
     tokens = np.full(n, start_id, dtype=np.int64)
     t = 0
     while active.size:
-        log_probs, attention, state = model.step(tokens, static, state, need_attention)
+        out = model.step(tokens, static, state, need_attention, 1)
+        attention, state = out.attention, out.state
+        tokens = out.top_ids[:, 0].astype(np.int64)
+        scores = out.top_log_probs[:, 0].astype(np.float64)
         forced = limits[active] - 1 == t
         if forced.any():  # out of room: only EOS may follow
-            eos_scores = log_probs[forced, eos_id].copy()
-            log_probs[forced] = NEG_INF
-            log_probs[forced, eos_id] = eos_scores
-        tokens = log_probs.argmax(axis=1)
-        scores = log_probs[np.arange(active.size), tokens].astype(np.float64)
+            tokens[forced] = eos_id
+            scores[forced] = out.eos_log_prob[forced]
         history[active, t] = tokens
         history_scores[active, t] = scores
         totals[active] += scores
@@ -205,16 +226,16 @@ def _beam(
 
     t = 0
     while active.size:
-        log_probs, attention, state = model.step(tokens, static, state, need_attention)
-        rows = log_probs.shape[0]
+        # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
+        out = model.step(tokens, static, state, need_attention, 2 * beam_size)
+        attention, state = out.attention, out.state
+        row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
+        rows, per_row = row_tokens.shape
         forced = np.repeat(limits[active] - 1 == t, width)
         if forced.any():  # out of room: only EOS may follow
-            eos_scores = log_probs[forced, eos_id].copy()
-            log_probs[forced] = NEG_INF
-            log_probs[forced, eos_id] = eos_scores
-        # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
-        per_row = min(2 * beam_size, log_probs.shape[1])
-        row_tokens, row_scores = best_tokens(log_probs, per_row)
+            row_tokens[forced] = eos_id
+            row_scores[forced] = NEG_INF
+            row_scores[forced, 0] = out.eos_log_prob[forced]
         candidates = (totals[:, None] + row_scores).reshape(active.size, width * per_row)
         order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam_size]
         top_scores = np.take_along_axis(candidates, order, 1)

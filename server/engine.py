@@ -16,8 +16,8 @@ import numpy as np
 import onnxruntime as ort
 
 from server.alignment import merge_to_words
-from server.beam import BeamSentence, SearchResult, beam_search
-from server.manifest import Manifest, read_manifest
+from server.beam import BeamSentence, SearchResult, StepOutput, beam_search
+from server.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, read_manifest
 from server.tokenizer import Tokenizer
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
@@ -57,7 +57,9 @@ class OnnxStepModel:
         self.sessions = sessions
         self.static_names = list(manifest.decoder_static)
         self.state = list(manifest.decoder_state)
-        self._input_types = {i.name: i.type for i in sessions["decoder"].get_inputs()}
+        self.eos_id = manifest.special_ids["eos"]
+        # versions exported before the in-graph top-k return only log_probs; the search then picks in NumPy
+        self.in_graph_top_k = TOP_K_OUTPUTS[0] in {o.name for o in sessions["decoder"].get_outputs()}
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
@@ -71,17 +73,25 @@ class OnnxStepModel:
         return encoded
 
     def step(
-        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool
-    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
-        """One decoding step: tokens [R] -> (log-probs [R, V], attention [R, S] or None, new state)."""
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
+        k: int,
+    ) -> StepOutput:
+        """One decoding step (see :class:`server.beam.StepModel`): only the ``k`` best tokens of each
+        row leave ONNX Runtime, not the [R, V] distribution."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state}
-        output_names = ["log_probs"] + [entry.output for entry in self.state]
+        heads = TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
+        if self.in_graph_top_k:
+            feeds[TOP_K_INPUT] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+        output_names = heads + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
         outputs = session.run(output_names, feeds)
-        new_state = {entry.input: outputs[1 + k] for k, entry in enumerate(self.state)}
-        return outputs[0], (outputs[-1] if need_attention else None), new_state
+        new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
+        attention = outputs[-1] if need_attention else None
+        if not self.in_graph_top_k:
+            return StepOutput.from_log_probs(outputs[0], k, self.eos_id, attention, new_state)
+        return StepOutput(outputs[0], outputs[1], outputs[2], attention, new_state)
 
     @property
     def state_names(self) -> list[str]:

@@ -9,7 +9,10 @@ graphs' I/O so the engine stays architecture-agnostic:
   ``"encoder"`` (under the entry's ``input`` name);
 * a decoder graph takes ``input_ids`` int64 [batch], the static inputs and the state inputs and returns
   ``log_probs`` float32 [batch, vocab], each state entry's ``output`` and (``decoder_attention`` only)
-  ``attention`` float32 [batch, src_len];
+  ``attention`` float32 [batch, src_len]; it also takes ``top_k`` int64 [1] (default 1) and returns
+  ``top_ids`` int64 / ``top_log_probs`` float32 [batch, top_k] (the best tokens of each row, best
+  first) and ``eos_log_prob`` float32 [batch], so the search never fetches the whole distribution
+  (versions exported before these existed lack them; the engine then selects in NumPy);
 * a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
   KV cache); its ``dtype`` is a NumPy dtype name;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
@@ -36,6 +39,8 @@ GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
 PRECISIONS = ("fp32", "int8")
 STATE_INITS = ("empty", "encoder")
 SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
+TOP_K_INPUT = "top_k"
+TOP_K_OUTPUTS = ["top_ids", "top_log_probs", "eos_log_prob"]
 
 
 class ManifestError(NmtError):

@@ -8,7 +8,7 @@ import torch
 
 from export.models import build_model
 from export.search import translate_ids
-from server.beam import BeamSentence, _beam, _greedy, beam_search
+from server.beam import BeamSentence, StepOutput, _beam, _greedy, beam_search
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 
 
@@ -18,7 +18,7 @@ class TableModel:
     static_names: list[str] = []
     state_names = ["prefix"]
 
-    def step(self, tokens, static, state, need_attention):
+    def step(self, tokens, static, state, need_attention, k):
         prefix = state["prefix"]
         if prefix.shape[1] or tokens[0] != BOS:
             prefix = np.concatenate([prefix, tokens[:, None]], 1)
@@ -27,7 +27,7 @@ class TableModel:
             for token, p in TABLE.get(tuple(row), {EOS: 1.0}).items():
                 log_probs[r, token] = math.log(p)
         attention = np.full((len(prefix), 2), 0.5, dtype=np.float32)
-        return log_probs, (attention if need_attention else None), {"prefix": prefix}
+        return StepOutput.from_log_probs(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix})
 
 
 def table_search(beam, n, length_penalty, max_length=10, sentences=1):
@@ -86,13 +86,14 @@ class TorchStepModel:
         self.static_names = []
         return {k: v.numpy() for k, v in state.items()}
 
-    def step(self, tokens, static, state, need_attention):
+    def step(self, tokens, static, state, need_attention, k):
         with torch.no_grad():
             logits, attention, new = self.model.decode_step(
                 torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in state.items()}, need_attention
             )
         log_probs = logits.float().log_softmax(-1).numpy()
-        return log_probs, (attention.numpy() if attention is not None else None), {k: v.numpy() for k, v in new.items()}
+        return StepOutput.from_log_probs(log_probs, k, EOS, None if attention is None else attention.numpy(),
+                                         {name: value.numpy() for name, value in new.items()})
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])

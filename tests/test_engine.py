@@ -37,6 +37,37 @@ def test_engine_matches_pytorch_reference(arch, beam, engines, tiny_runs):
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_in_graph_top_k_matches_the_full_distribution(arch, engines):
+    """The decoder's TopK outputs agree with picking from ``log_probs``, and a version exported
+    without them (selection in NumPy) decodes identically."""
+    engine = engines[arch]
+    model = engine.model
+    assert model.in_graph_top_k
+    src = np.array([engine.tokenize("three four five") + [engine.eos_id]], dtype=np.int64)
+    encoded = model.encode(src)
+    static = {name: encoded[name] for name in model.static_names}
+    state = {name: encoded[name] for name in model.state_names}
+    tokens = np.full(1, engine.start_id, dtype=np.int64)
+    session = model.sessions["decoder"]
+    log_probs, ids, scores, eos = session.run(["log_probs", "top_ids", "top_log_probs", "eos_log_prob"],
+                                              {"input_ids": tokens, **static, **state, "top_k": np.array([5])})
+    assert ids.shape == (1, 5) and (np.diff(scores, axis=1) <= 0).all()
+    np.testing.assert_array_equal(scores, np.take_along_axis(log_probs, ids, 1))
+    assert scores[0, 0] == log_probs.max() and eos[0] == log_probs[0, engine.eos_id]
+    assert set(ids[0]) == set(np.argsort(-log_probs[0], kind="stable")[:5])
+    options = DecodingOptions(beam_size=3, num_hypotheses=3)
+    in_graph = engine.translate(TEXTS, options)
+    model.in_graph_top_k = False
+    try:
+        in_numpy = engine.translate(TEXTS, options)
+    finally:
+        model.in_graph_top_k = True
+    for a, b in zip(in_graph, in_numpy, strict=True):
+        assert [h.token_ids for h in a.hypotheses] == [h.token_ids for h in b.hypotheses]
+        assert [h.score for h in a.hypotheses] == pytest.approx([h.score for h in b.hypotheses], abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
 def test_mixed_length_batch_equals_one_by_one(arch, engines):
     engine = engines[arch]
     options = DecodingOptions(beam_size=3, num_hypotheses=2, return_attention=True)
