@@ -12,7 +12,9 @@ measured pairwise: each sentence goes once to the engine and once through the se
 client), alternately, so drift in the machine's speed hits both sides alike.
 
 Where the time goes, per request: CPU seconds of the server process (from /proc) and of the load
-generator (this process, idle engine), and the server's mean batch size (from its /metrics).
+generator (this process, idle engine), and the server's mean batch size (from its /metrics). The
+same load against a bare ``grpc.aio`` servicer that answers at once (``--echo-server``, started as a
+subprocess) gives the floor any Python gRPC server pays per request on this machine.
 
 The server's cost per request is roughly fixed (gRPC, protobuf, asyncio), so the ratios depend on
 how much compute a sentence needs. ``--marian SMALL`` (or BASE) serves a random-weight Marian model
@@ -49,6 +51,50 @@ def sentences(count: int, seed: int = 0) -> list[str]:
               "October", "November", "December"]
     return [f"{rng.choice(days)}, {rng.choice(months)} {rng.randint(1, 28)}, {rng.randint(1900, 2099)}"
             for _ in range(count)]
+
+
+def serve_echo(port: int) -> None:
+    """Serve a ``Translator`` that answers at once: what gRPC alone costs per request."""
+    import grpc
+
+    from server.protos import pb2, pb2_grpc
+
+    class EchoTranslator(pb2_grpc.TranslatorServicer):
+        async def Translate(self, request, context):  # noqa: N802 - gRPC method name
+            response = pb2.TranslateResponse(model=request.model)
+            response.translations.add().hypotheses.add(text=request.texts[0],
+                                                       subword_tokens=request.texts[0].split())
+            return response
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb2_grpc.add_TranslatorServicer_to_server(EchoTranslator(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_floor(texts: list[str], callers: int) -> dict[str, float]:
+    """Requests/s and CPU ms per request of client and server against :func:`serve_echo`'s servicer."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)])
+    try:
+        import grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        asyncio.run(bench_server(f"127.0.0.1:{port}", "", texts[:callers], callers, 1))  # warm up
+        client0, server0 = time.process_time(), process_cpu_seconds(process.pid)
+        result = asyncio.run(bench_server(f"127.0.0.1:{port}", "", texts, callers, 1))
+        client1, server1 = time.process_time(), process_cpu_seconds(process.pid)
+    finally:
+        process.kill()
+        process.wait()
+    result["client_cpu_ms"] = (client1 - client0) / len(texts) * 1000
+    result["server_cpu_ms"] = (server1 - server0) / len(texts) * 1000
+    return result
 
 
 def placeholder_sentences(vocab: int) -> Callable[[int, int], list[str]]:
@@ -209,7 +255,11 @@ def main() -> None:
     parser.add_argument("--ort-spinning", action="store_true", help="let ONNX Runtime threads busy-wait (both sides)")
     parser.add_argument("--marian", choices=["SMALL", "BASE"],
                         help="serve a random-weight Marian model of this size instead of --model")
+    parser.add_argument("--echo-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
+    if args.echo_server:
+        serve_echo(args.echo_server)
+        return
     with tempfile.TemporaryDirectory() as work:
         if args.marian:
             from engine_throughput import SIZES, export_project, marian_model
@@ -261,6 +311,12 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
               f"{served['sentences_s'] / bare['sentences_s']:.2f} | {served['tokens_s']:.0f} | "
               f"{e[0]:.1f} / {e[1]:.1f} / {e[2]:.1f} | {s[0]:.1f} / {s[1]:.1f} / {s[2]:.1f} | "
               f"{served['mean_batch']:.1f} | {served['server_cpu_ms']:.2f} | {served['client_cpu_ms']:.2f} |")
+    print("\ngRPC alone (a servicer that answers at once, same load generator):")
+    for callers in (1, 128):
+        floor = grpc_floor(make_texts(max(args.requests, callers), callers), callers)
+        p50 = percentiles(floor["latencies"])[0]
+        print(f"  {callers} callers: {floor['sentences_s']:,.0f} requests/s, p50 {p50:.2f} ms, server CPU "
+              f"{floor['server_cpu_ms']:.2f} ms/req, client CPU {floor['client_cpu_ms']:.2f} ms/req")
     engine_p50, server_p50 = single[0] * 1000, single[1] * 1000
     print(f"\nsingle sentence, engine and server alternating ({args.requests} sentences): engine p50 "
           f"{engine_p50:.2f} ms, server p50 {server_p50:.2f} ms: {server_p50 / engine_p50:.2f}x")
