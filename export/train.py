@@ -198,8 +198,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     train_config = dataclasses.asdict(cfg)
     start = time.monotonic()
     deadline = start + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    # a time-limited run has no meaningful step total: show the count, rate and minutes left instead
-    bar = tqdm(total=None if cfg.max_minutes else cfg.max_steps, initial=step, disable=not cfg.progress,
+    # a run limited only by time has no meaningful step total: show the count, rate and minutes left instead
+    time_only = cfg.max_minutes is not None and cfg.max_steps == TrainConfig.max_steps
+    bar = tqdm(total=None if time_only else cfg.max_steps, initial=step, disable=not cfg.progress,
                unit="step", dynamic_ncols=True, desc=f"{cfg.arch} on {cfg.corpus}")
     window_tokens, window_start, running_loss = 0, time.monotonic(), None
     stop = False
