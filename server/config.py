@@ -57,6 +57,12 @@ class ServerConfig:
     grace_seconds: float = _field(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
     log_level: str = _field("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
 
+    def __post_init__(self) -> None:
+        # choices are case-insensitive everywhere (flags, environment, code): store the canonical spelling
+        for f in fields(self):
+            if "choices" in f.metadata:
+                object.__setattr__(self, f.name, _canonical_choice(getattr(self, f.name), f.metadata["choices"]))
+
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
         positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
@@ -74,7 +80,7 @@ class ServerConfig:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         if self.provider not in PROVIDERS:
             raise NmtError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
-        if self.log_level.upper() not in LOG_LEVELS:
+        if self.log_level not in LOG_LEVELS:
             raise NmtError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in ("listen", "metrics_listen"):
             value = getattr(self, name)
@@ -105,13 +111,14 @@ class ServerConfig:
                 continue
             if env in environ:
                 default = environ[env]  # argparse converts (and reports) string defaults with ``type``
+            choices = f.metadata.get("choices")
             parser.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
-                type=kind,
+                type=(lambda value, choices=choices: _canonical_choice(value, choices)) if choices else kind,
                 default=default,
-                choices=f.metadata.get("choices"),
-                metavar=f.name.upper() if "choices" not in f.metadata else None,
+                choices=choices,
+                metavar=f.name.upper() if not choices else None,
                 help=f"{f.metadata['help']} [env {env}; default: {default!r}]",
             )
 
@@ -151,6 +158,15 @@ def _is_host_port(value: str) -> bool:
 def _field_type(f: Any) -> type:
     return {"str": str, "int": int, "float": float, "bool": bool}[
         f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def _canonical_choice(value: Any, choices: tuple[str, ...]) -> Any:
+    """``"debug"`` -> ``"DEBUG"`` when that is a choice; anything else unchanged (validation reports it)."""
+    if isinstance(value, str):
+        for choice in choices:
+            if value.strip().lower() == choice.lower():
+                return choice
+    return value
 
 
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

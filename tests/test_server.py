@@ -655,6 +655,15 @@ def test_config_flags_env_and_validation(tmp_path: Path) -> None:
     assert ServerConfig.from_env({"NMT_ORT_SPINNING": "off"}).ort_spinning is False
     with pytest.raises(NmtError, match="NMT_ORT_SPINNING"):
         ServerConfig.from_env({"NMT_ORT_SPINNING": "maybe"})
+    parser = argparse.ArgumentParser()  # choices are case-insensitive and stored in their canonical spelling
+    ServerConfig.add_arguments(parser, environ={"NMT_PROVIDER": "CPU"})
+    config = ServerConfig.from_args(parser.parse_args(["--log-level", "debug"]))
+    assert (config.provider, config.log_level) == ("cpu", "DEBUG")
+    assert ServerConfig.from_env({"NMT_LOG_LEVEL": "warning"}).log_level == "WARNING"
+    with pytest.raises(NmtError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR, got 'loud'"):
+        ServerConfig(log_level="loud").validate()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--provider", "tpu"])
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--listen", "--metrics-listen", "--batch-tokens", "--max-wait-ms", "--grace-seconds", "NMT_LISTEN"):
         assert flag in help_text
