@@ -250,7 +250,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             seconds = max(time.monotonic() - window_start, 1e-9)
             postfix = {"loss": f"{running_loss:.3f}", "tok_s": f"{window_tokens / seconds:,.0f}",
                        "bleu": f"{max(best_bleu, 0.0):.1f}"}
-            if cfg.max_minutes:
+            if time_only:  # otherwise the bar's own estimate (steps left / rate) says it
                 postfix["min_left"] = f"{max(0.0, deadline - time.monotonic()) / 60:.1f}"
             bar.set_postfix(postfix, refresh=False)
             if step % 50 == 0:
