@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,11 +34,11 @@ class StepOutput:
     top_log_probs: np.ndarray  # float [R, k]: their log-probabilities
     eos_log_prob: np.ndarray  # float [R]: log-probability of EOS (for rows out of room)
     attention: np.ndarray | None  # float32 [R, S] cross-attention, when asked for
-    state: dict[str, np.ndarray]  # next recurrent state [R, ...]
+    state: dict[str, Any]  # next recurrent state [R, ...], kept where the model keeps it
 
     @classmethod
     def from_log_probs(cls, log_probs: np.ndarray, k: int, eos_id: int, attention: np.ndarray | None,
-                       state: dict[str, np.ndarray]) -> StepOutput:
+                       state: dict[str, Any]) -> StepOutput:
         """From a full distribution [R, V] (models without in-graph top-k, test models)."""
         eos = log_probs[:, eos_id].copy()
         ids, scores = best_tokens(log_probs, min(k, log_probs.shape[1]))
@@ -49,18 +49,28 @@ class StepModel(Protocol):
     """What beam search needs from a model.
 
     Shapes: ``R`` live rows (sentences x their live beams), ``S`` source length, ``V`` vocabulary.
+    The ``static`` and ``state`` tensors are whatever the model keeps them as (NumPy arrays, or
+    buffers on a GPU): the search only hands them back and picks rows through :meth:`select_rows`.
     """
 
     static_names: list[str]  # encoder outputs fed unchanged every step, [N, ...] per sentence
     state_names: list[str]  # recurrent state, [R, ...] per row
 
     def step(
-        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int,
+        self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], need_attention: bool, k: int,
     ) -> StepOutput:
-        """``tokens`` int64 [R] (previous token of each row), ``static`` arrays [R, ...], ``state``
-        arrays [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
+        """``tokens`` int64 [R] (previous token of each row), ``static`` tensors [R, ...], ``state``
+        tensors [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
         log-probabilities, the EOS log-probability, attention [R, S] (or None) and the next state."""
+
+    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+        """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
+        leave the batch and beams follow the rows they extend. :func:`take_rows` for NumPy arrays."""
+
+
+def take_rows(tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays."""
+    return {name: value[rows] for name, value in tensors.items()}
 
 
 @dataclass
@@ -110,7 +120,7 @@ def max_target_length(source_length: int, max_length: int = 256, ratio: float = 
 
 def beam_search(
     model: StepModel,
-    encoded: dict[str, np.ndarray],
+    encoded: dict[str, Any],
     sentences: Sequence[BeamSentence],
     *,
     beam_size: int,
@@ -134,7 +144,7 @@ def _cancelled(sentence: BeamSentence) -> bool:
 
 def _greedy(
     model: StepModel,
-    encoded: dict[str, np.ndarray],
+    encoded: dict[str, Any],
     sentences: Sequence[BeamSentence],
     *,
     beam_size: int,
@@ -188,17 +198,16 @@ def _greedy(
             elif stop[j] and not cancelled:
                 results[s] = SearchResult([])
         if leaving.any():
-            stay = ~leaving
+            stay = np.flatnonzero(~leaving)
             active, tokens = active[stay], tokens[stay]
-            static = {name: value[stay] for name, value in static.items()}
-            state = {name: value[stay] for name, value in state.items()}
+            static, state = model.select_rows(static, stay), model.select_rows(state, stay)
         t += 1
     return results
 
 
 def _beam(
     model: StepModel,
-    encoded: dict[str, np.ndarray],
+    encoded: dict[str, Any],
     sentences: Sequence[BeamSentence],
     *,
     beam_size: int,
@@ -306,10 +315,10 @@ def _beam(
             history_attention = np.concatenate([history_attention[index], attention[index][:, None]], axis=1)
         if width != beam_size or len(survivors) != active.size:
             active = active[keep_rows]
-            static = {name: value[np.repeat(active, beam_size)] for name, value in static_all.items()}
+            static = model.select_rows(static_all, np.repeat(active, beam_size))
         width = beam_size
         if not np.array_equal(index, np.arange(rows)):
-            state = {name: value[index] for name, value in state.items()}
+            state = model.select_rows(state, index)
         tokens = flat_token.astype(np.int64)
         totals = new_totals.reshape(-1)
         t += 1

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnx import TensorProto, helper
 
 from server.alignment import merge_to_words
-from server.beam import BeamSentence, SearchResult, StepOutput, beam_search
+from server.beam import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, read_manifest
 from server.tokenizer import Tokenizer
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
@@ -93,9 +94,106 @@ class OnnxStepModel:
             return StepOutput.from_log_probs(outputs[0], k, self.eos_id, attention, new_state)
         return StepOutput(outputs[0], outputs[1], outputs[2], attention, new_state)
 
+    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+        return take_rows(tensors, rows)
+
     @property
     def state_names(self) -> list[str]:
         return [entry.input for entry in self.state]
+
+
+class DeviceStepModel(OnnxStepModel):
+    """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
+    Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
+    selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
+    top-k, the EOS log-prob and (when asked) the attention back to the host.
+
+    For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
+    it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
+    binding logic on machines without a GPU."""
+
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
+        super().__init__(manifest, sessions)
+        self.device = device
+        self._gathers: dict[str, ort.InferenceSession] = {}  # element type -> Gather session
+
+    def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue]:
+        session = self.sessions["encoder"]
+        binding = session.io_binding()
+        binding.bind_cpu_input("src_ids", src)
+        names = [o.name for o in session.get_outputs()]
+        for name in names:
+            binding.bind_output(name, self.device)
+        session.run_with_iobinding(binding)
+        encoded = dict(zip(names, binding.get_outputs(), strict=True))
+        for entry in self.state:
+            if entry.init == "empty":
+                zeros = np.zeros((src.shape[0], *entry.shape), dtype=entry.dtype or "float32")
+                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
+        return encoded
+
+    def step(
+        self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
+        need_attention: bool, k: int,
+    ) -> StepOutput:
+        session = self.sessions["decoder_attention" if need_attention else "decoder"]
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", tokens)
+        for name, value in (static | state).items():
+            binding.bind_ortvalue_input(name, value)
+        heads = TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
+        if self.in_graph_top_k:
+            # an overridable initializer: only an OrtValue binds to it
+            top_k = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+            binding.bind_ortvalue_input(TOP_K_INPUT, ort.OrtValue.ortvalue_from_numpy(top_k))
+        for name in heads:
+            binding.bind_output(name, "cpu")
+        for entry in self.state:
+            binding.bind_output(entry.output, self.device)
+        if need_attention:
+            binding.bind_output("attention", "cpu")
+        session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()  # in binding order
+        host = [value.numpy() for value in outputs[: len(heads)]]
+        new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
+        attention = outputs[-1].numpy() if need_attention else None
+        if not self.in_graph_top_k:
+            return StepOutput.from_log_probs(host[0], k, self.eos_id, attention, new_state)
+        return StepOutput(host[0], host[1], host[2], attention, new_state)
+
+    def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
+        selected = {}
+        for name, value in tensors.items():
+            session = self._gather_session(value.data_type())
+            binding = session.io_binding()
+            binding.bind_ortvalue_input("x", value)
+            binding.bind_cpu_input("rows", rows.astype(np.int64, copy=False))
+            binding.bind_output("y", self.device)
+            session.run_with_iobinding(binding)
+            selected[name] = binding.get_outputs()[0]
+        return selected
+
+    def _gather_session(self, element_type: str) -> ort.InferenceSession:
+        """A one-node ``Gather(x, rows, axis=0)`` session for tensors of ``element_type`` ("tensor(float)")."""
+        if element_type not in self._gathers:
+            dtype = _ELEMENT_TYPES[element_type]
+            graph = helper.make_graph(
+                [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "select_rows",
+                [helper.make_tensor_value_info("x", dtype, None),
+                 helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])],
+                [helper.make_tensor_value_info("y", dtype, None)],
+            )
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+            decoder = self.sessions["decoder"]
+            self._gathers[element_type] = ort.InferenceSession(
+                model.SerializeToString(), decoder.get_session_options(), providers=decoder.get_providers()
+            )
+        return self._gathers[element_type]
+
+
+_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
+                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
+                  "tensor(bool)": TensorProto.BOOL}
 
 
 class Engine:
@@ -118,12 +216,16 @@ class Engine:
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
         spinning: bool = False,
+        device_state: bool | None = None,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
         ``spinning``: let ONNX Runtime's idle worker threads busy-wait for the next operator. It shaves
         microseconds per operator on cores nobody else needs, and costs far more when the gRPC event
         loop, tokenizer or load generator share the cores (see benchmarks/README.md), so it is off.
+
+        ``device_state``: keep the encoder outputs and the KV cache on the execution provider's device
+        between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
         """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
@@ -139,7 +241,12 @@ class Engine:
             for role, filename in manifest.graphs.items()
         }
         tokenizer = Tokenizer.load(version_dir)
-        return cls(manifest, tokenizer, OnnxStepModel(manifest, sessions), providers[0])
+        on_gpu = providers[0] == "CUDAExecutionProvider"
+        if device_state or (device_state is None and on_gpu):
+            model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu")
+        else:
+            model = OnnxStepModel(manifest, sessions)
+        return cls(manifest, tokenizer, model, providers[0])
 
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded)."""

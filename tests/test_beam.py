@@ -8,7 +8,7 @@ import torch
 
 from export.models import build_model
 from export.search import translate_ids
-from server.beam import BeamSentence, StepOutput, _beam, _greedy, beam_search
+from server.beam import BeamSentence, StepOutput, _beam, _greedy, beam_search, take_rows
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 
 
@@ -28,6 +28,9 @@ class TableModel:
                 log_probs[r, token] = math.log(p)
         attention = np.full((len(prefix), 2), 0.5, dtype=np.float32)
         return StepOutput.from_log_probs(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix})
+
+    def select_rows(self, tensors, rows):
+        return take_rows(tensors, rows)
 
 
 def table_search(beam, n, length_penalty, max_length=10, sentences=1):
@@ -94,6 +97,9 @@ class TorchStepModel:
         log_probs = logits.float().log_softmax(-1).numpy()
         return StepOutput.from_log_probs(log_probs, k, EOS, None if attention is None else attention.numpy(),
                                          {name: value.numpy() for name, value in new.items()})
+
+    def select_rows(self, tensors, rows):
+        return take_rows(tensors, rows)
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])

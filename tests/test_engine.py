@@ -37,6 +37,23 @@ def test_engine_matches_pytorch_reference(arch, beam, engines, tiny_runs):
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_device_state_decodes_like_numpy_state(arch, engines, tiny_models):
+    """The I/O-binding model (the CUDA path: encoder outputs and KV cache stay in ONNX Runtime as
+    OrtValues, rows are selected by a Gather graph) gives the NumPy model's results; run here on the CPU."""
+    bound = Engine.load(tiny_models[arch], provider="cpu", intra_op_threads=1, device_state=True)
+    src = np.array([bound.tokenize("three four five") + [bound.eos_id]], dtype=np.int64)
+    assert all(isinstance(value, ort.OrtValue) for value in bound.model.encode(src).values())
+    for beam in (1, 4):
+        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
+        expected, got = engines[arch].translate(TEXTS, options), bound.translate(TEXTS, options)
+        for theirs, ours in zip(expected, got, strict=True):
+            assert [h.token_ids for h in ours.hypotheses] == [h.token_ids for h in theirs.hypotheses]
+            for a, b in zip(ours.hypotheses, theirs.hypotheses, strict=True):
+                assert a.score == pytest.approx(b.score, abs=1e-6)
+                np.testing.assert_allclose(a.attention.subword_weights, b.attention.subword_weights, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
 def test_in_graph_top_k_matches_the_full_distribution(arch, engines):
     """The decoder's TopK outputs agree with picking from ``log_probs``, and a version exported
     without them (selection in NumPy) decodes identically."""
