@@ -2,7 +2,9 @@
 
 No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
 (encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
-:func:`server.beam.beam_search` drives any model through the :class:`StepModel` contract.
+:func:`server.beam.beam_search` drives any model through the :class:`StepModel` contract. On the
+CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
+(:class:`DeviceStepModel`).
 """
 
 from __future__ import annotations
