@@ -7,7 +7,7 @@ import pytest
 from export.models import load_checkpoint
 from export.search import translate_ids
 from server.alignment import merge_to_words, word_groups
-from server.engine import Engine
+from server.engine import DeviceStepModel, Engine
 from server.types import DecodingOptions, SentenceRequest
 
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
@@ -168,6 +168,20 @@ def test_providers(tiny_models):
             Engine.load(tiny_models["transformer"], provider="cuda")
     with pytest.raises(ValueError, match="unknown execution provider"):
         Engine.load(tiny_models["transformer"], provider="tpu")
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs a CUDA build and GPU")
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_cuda_keeps_state_on_the_gpu_and_decodes_like_the_cpu(arch, engines, tiny_models):
+    gpu = Engine.load(tiny_models[arch], provider="cuda")
+    assert isinstance(gpu.model, DeviceStepModel) and gpu.model.device == "cuda"
+    for beam in (1, 4):
+        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
+        for cpu_result, gpu_result in zip(engines[arch].translate(TEXTS, options), gpu.translate(TEXTS, options),
+                                          strict=True):
+            assert [h.token_ids for h in gpu_result.hypotheses] == [h.token_ids for h in cpu_result.hypotheses]
+            for a, b in zip(gpu_result.hypotheses, cpu_result.hypotheses, strict=True):
+                assert a.score == pytest.approx(b.score, abs=1e-3)
 
 
 def test_thread_spinning_is_off_unless_asked(tiny_models):
