@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -83,18 +84,29 @@ class OnnxStepModel:
         row leave ONNX Runtime, not the [R, V] distribution."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state}
-        heads = TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
+        heads = self._heads()
         if self.in_graph_top_k:
-            feeds[TOP_K_INPUT] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+            feeds[TOP_K_INPUT] = self._top_k(k)
         output_names = heads + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
         outputs = session.run(output_names, feeds)
         new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
         attention = outputs[-1] if need_attention else None
+        return self._step_output(outputs[: len(heads)], k, attention, new_state)
+
+    def _heads(self) -> list[str]:
+        """The outputs the search reads: the in-graph top-k, or the whole distribution (older versions)."""
+        return TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
+
+    def _top_k(self, k: int) -> np.ndarray:
+        return np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+
+    def _step_output(self, heads: list[np.ndarray], k: int, attention: np.ndarray | None,
+                     state: dict[str, Any]) -> StepOutput:
         if not self.in_graph_top_k:
-            return StepOutput.from_log_probs(outputs[0], k, self.eos_id, attention, new_state)
-        return StepOutput(outputs[0], outputs[1], outputs[2], attention, new_state)
+            return StepOutput.from_log_probs(heads[0], k, self.eos_id, attention, state)
+        return StepOutput(heads[0], heads[1], heads[2], attention, state)
 
     def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
         return take_rows(tensors, rows)
@@ -143,11 +155,9 @@ class DeviceStepModel(OnnxStepModel):
         binding.bind_cpu_input("input_ids", tokens)
         for name, value in (static | state).items():
             binding.bind_ortvalue_input(name, value)
-        heads = TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
-        if self.in_graph_top_k:
-            # an overridable initializer: only an OrtValue binds to it
-            top_k = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
-            binding.bind_ortvalue_input(TOP_K_INPUT, ort.OrtValue.ortvalue_from_numpy(top_k))
+        heads = self._heads()
+        if self.in_graph_top_k:  # an overridable initializer: only an OrtValue binds to it
+            binding.bind_ortvalue_input(TOP_K_INPUT, ort.OrtValue.ortvalue_from_numpy(self._top_k(k)))
         for name in heads:
             binding.bind_output(name, "cpu")
         for entry in self.state:
@@ -156,20 +166,18 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_output("attention", "cpu")
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()  # in binding order
-        host = [value.numpy() for value in outputs[: len(heads)]]
         new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
         attention = outputs[-1].numpy() if need_attention else None
-        if not self.in_graph_top_k:
-            return StepOutput.from_log_probs(host[0], k, self.eos_id, attention, new_state)
-        return StepOutput(host[0], host[1], host[2], attention, new_state)
+        return self._step_output([value.numpy() for value in outputs[: len(heads)]], k, attention, new_state)
 
     def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
         selected = {}
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
         for name, value in tensors.items():
             session = self._gather_session(value.data_type())
             binding = session.io_binding()
             binding.bind_ortvalue_input("x", value)
-            binding.bind_cpu_input("rows", rows.astype(np.int64, copy=False))
+            binding.bind_ortvalue_input("rows", rows_value)
             binding.bind_output("y", self.device)
             session.run_with_iobinding(binding)
             selected[name] = binding.get_outputs()[0]
