@@ -7,7 +7,8 @@ Pipeline (each stage is a step of the progress bar):
 2. **export** the architecture's graphs (:data:`EXPORTERS`, filled by :mod:`export.onnx_transformer`
    and :mod:`export.onnx_bahdanau`): ``encoder.onnx``, ``decoder.onnx`` (one step) and
    ``decoder_attention.onnx`` (the same step plus ``attention``); the I/O contract is described in
-   :mod:`server.manifest`;
+   :mod:`server.manifest`. Projections that read the same input are packed into one MatMul
+   (:func:`pack_parallel_matmuls`);
 3. **verify** with ONNX Runtime against PyTorch on held-out sentences: teacher-forced step log-probs
    and attention within :data:`LOGIT_TOLERANCE`, identical greedy and beam-4 hypotheses
    (:class:`OrtModel` plugs into the reference :func:`export.search.beam_search`);
@@ -272,6 +273,76 @@ def cancel_transposes(model: onnx.ModelProto) -> int:
                     node.input[position] = rename[name]
         prune(model)
     return len(rename)
+
+
+def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
+    """Merge the projections that read the same input into one (in place): ``MatMul(x, W_i) [+ b_i]``
+    for i = 1..n with constant 2-D ``W_i`` becomes ``Split(MatMul(x, [W_1 ... W_n]) [+ [b_1 ... b_n]])``,
+    whose pieces keep the original output names. Attention's query/key/value projections and the
+    cross-attention key/value projections of every decoder layer are such groups: one wide product
+    uses both cores where the narrow ones leave one idle, and costs one kernel launch instead of n.
+    Returns the number of MatMuls removed."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {output.name for output in graph.output}
+
+    def bias_of(matmul: onnx.NodeProto) -> tuple[onnx.NodeProto, str] | None:
+        """The ``Add(matmul, b)`` with constant 1-D ``b`` that alone reads this MatMul's output, and ``b``."""
+        users = consumers.get(matmul.output[0], [])
+        if len(users) != 1 or users[0].op_type != "Add" or matmul.output[0] in graph_outputs:
+            return None
+        add = users[0]
+        bias = add.input[1] if add.input[0] == matmul.output[0] else add.input[0]
+        return (add, bias) if bias in initializers and len(initializers[bias].dims) == 1 else None
+
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if (node.op_type == "MatMul" and node.input[1] in initializers
+                and len(initializers[node.input[1]].dims) == 2):
+            groups.setdefault(node.input[0], []).append(node)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> the nodes taking its place
+    removed: set[int] = set()
+    for index, (source, members) in enumerate(groups.items()):
+        biases = [bias_of(member) for member in members]
+        if len(members) < 2 or any(biases) != all(biases):
+            continue
+        name = f"packed_{index}"
+        weights = [onnx.numpy_helper.to_array(initializers[member.input[1]]) for member in members]
+        graph.initializer.extend([
+            onnx.numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight"),
+            onnx.numpy_helper.from_array(np.array([w.shape[1] for w in weights], dtype=np.int64), f"{name}_split"),
+        ])
+        nodes = [helper.make_node("MatMul", [source, f"{name}_weight"], [f"{name}_product"], name=name)]
+        ends = members
+        if all(biases):
+            adds = [add for add, _ in biases]
+            packed_bias = np.concatenate([onnx.numpy_helper.to_array(initializers[b]) for _, b in biases])
+            graph.initializer.append(onnx.numpy_helper.from_array(packed_bias, f"{name}_bias"))
+            nodes.append(helper.make_node("Add", [f"{name}_product", f"{name}_bias"], [f"{name}_biased"],
+                                          name=f"{name}_add"))
+            removed.update(id(add) for add in adds)
+            ends = adds
+        nodes.append(helper.make_node("Split", [nodes[-1].output[0], f"{name}_split"],
+                                      [end.output[0] for end in ends], axis=-1, name=f"{name}_split"))
+        replaced[id(members[0])] = nodes
+        removed.update(id(member) for member in members)
+    if not replaced:
+        return 0
+    # the packed nodes take the first member's place: every member and consumer comes after it
+    order: list[onnx.NodeProto] = []
+    for node in graph.node:
+        order.extend(replaced.get(id(node), []))
+        if id(node) not in removed:
+            order.append(node)
+    before = count_ops(model)["MatMul"]
+    del graph.node[:]
+    graph.node.extend(order)
+    prune(model)
+    return before - count_ops(model)["MatMul"]
 
 
 def perm(node: onnx.NodeProto) -> list[int] | None:
@@ -850,6 +921,8 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
+    for graph in graph_set.graphs().values():
+        pack_parallel_matmuls(graph)
     for step_graph in (graph_set.decoder, graph_set.decoder_attention):
         add_top_k(step_graph, cfg.eos_id)
     fp32_files = {role: work / "fp32" / GRAPH_FILES[role] for role in GRAPH_FILES}

@@ -28,6 +28,7 @@ from export.onnx_export import (
     export_model,
     graph_exporter,
     next_version,
+    pack_parallel_matmuls,
 )
 from export.search import translate_ids
 from nmt.cli import main as nmt_main
@@ -155,6 +156,64 @@ def test_transformer_attention_is_fused(tiny_runs, tiny_models):
                     assert node.input[2].startswith("cross_value_")
             consumers = {i for node in graph.node if node.op_type != "MultiHeadAttention" for i in node.input}
             assert not any(name.startswith("cross_") for name in consumers), "per-step transpose of cross K/V"
+
+
+def test_projections_of_one_input_are_packed(tiny_models):
+    """Self-attention Q/K/V read one input and run as one MatMul; so do the encoder's cross K/V of
+    every decoder layer."""
+    manifest = read_manifest(tiny_models["transformer"])
+    layers = manifest.dimensions["decoder_layers"]
+    for role in ("encoder", "decoder"):
+        graph = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES[role])).graph
+        sources = [node.input[0] for node in graph.node if node.op_type == "MatMul"]
+        assert len(sources) == len(set(sources)), f"{role}: MatMuls reading the same input are not packed"
+    decoder = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES["decoder"])).graph
+    made = {output: node for node in decoder.node for output in node.output}
+    for node in decoder.node:
+        if node.op_type == "MultiHeadAttention" and len(node.input) > 6 and node.input[6].startswith("past_key_"):
+            assert {made[name].op_type for name in node.input[:3]} == {"Split"}
+    assert sum(node.op_type == "Split" for node in decoder.node) == layers
+
+
+def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:
+    """x [batch, 3] -> one MatMul (+ optional bias Add) per entry of ``with_bias``, plus an unrelated MatMul."""
+    rng = np.random.default_rng(0)
+    nodes, inits, outputs = [], [], []
+    for i, bias in enumerate(with_bias):
+        inits.append(onnx.numpy_helper.from_array(rng.standard_normal((3, i + 2)).astype(np.float32), f"w{i}"))
+        nodes.append(onnx.helper.make_node("MatMul", ["x", f"w{i}"], [f"p{i}"]))
+        name = f"p{i}"
+        if bias:
+            inits.append(onnx.numpy_helper.from_array(rng.standard_normal(i + 2).astype(np.float32), f"b{i}"))
+            nodes.append(onnx.helper.make_node("Add", [f"b{i}", f"p{i}"], [f"y{i}"]))  # bias first: either side
+            name = f"y{i}"
+        nodes.append(onnx.helper.make_node("Relu", [name], [f"out{i}"]))
+        outputs.append(onnx.helper.make_tensor_value_info(f"out{i}", onnx.TensorProto.FLOAT, None))
+    inits.append(onnx.numpy_helper.from_array(rng.standard_normal((2, 2)).astype(np.float32), "w_other"))
+    nodes.append(onnx.helper.make_node("MatMul", ["out0", "w_other"], ["other"]))
+    outputs.append(onnx.helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, None))
+    graph = onnx.helper.make_graph(nodes, "projections", [onnx.helper.make_tensor_value_info(
+        "x", onnx.TensorProto.FLOAT, ["batch", 3])], outputs, inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("with_bias", [[True, True, True], [False, False]])
+def test_pack_parallel_matmuls_keeps_every_output(with_bias):
+    model = _projection_graph(with_bias)
+    x = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert pack_parallel_matmuls(model) == len(with_bias) - 1
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("MatMul") == 2 and ops.count("Split") == 1 and ops.count("Add") == int(with_bias[0])
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-6)
+
+
+def test_pack_parallel_matmuls_leaves_mixed_bias_groups_alone():
+    model = _projection_graph([True, False])
+    assert pack_parallel_matmuls(model) == 0
+    assert [node.op_type for node in model.graph.node].count("MatMul") == 3
 
 
 def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
