@@ -3,11 +3,13 @@
 Thin wrapper modules call the model's own submodules; ``torch.onnx.export(dynamo=True)`` traces them
 and onnxscript's ``optimize_for_ort`` lowers every attention block to ``com.microsoft.MultiHeadAttention``
 (encoder self-attention, decoder self-attention with ``past``/``present`` K/V, cross-attention) and
-residual + LayerNorm pairs to ``SkipLayerNormalization``. Two edits follow on the ONNX graph:
+residual + LayerNorm pairs to ``SkipLayerNormalization``. Three edits follow on the ONNX graph:
 
 * cross-attention reads the precomputed ``cross_key_{i}``/``cross_value_{i}`` [batch, heads, src_len,
   head_dim] directly (the fused op accepts that 4-D layout), instead of the rewriter's per-step
   transpose back to [batch, src_len, d_model];
+* every attention node reads ``src_mask`` as its ``key_padding_mask`` instead of an additive padding
+  bias rebuilt from it (in the decoder, at every step);
 * ``decoder_attention.onnx`` adds the optional ``qk`` output (scaled scores, masked) of the alignment
   layer's cross-attention node and turns it into ``attention`` = mean over heads of softmax, with padding
   set to exactly 0.
@@ -161,6 +163,50 @@ def feed_cross_kv_directly(model: onnx.ModelProto) -> list[int]:
     return sorted(layers)
 
 
+def _padding_condition(graph: onnx.GraphProto, bias: str) -> bool:
+    """Is ``bias`` the additive padding mask ``[Expand](Where(cond, 0, very negative))`` whose ``cond``
+    comes from ``src_ids``/``src_mask`` through Equal/Not/Unsqueeze/Cast alone?"""
+    made = producers(graph)
+    constants = {init.name: init for init in graph.initializer}
+    node = made.get(bias)
+    if node is not None and node.op_type == "Expand":
+        node = made.get(node.input[0])
+    if node is None or node.op_type != "Where" or not all(name in constants for name in node.input[1:]):
+        return False
+    keep, drop = (float(onnx.numpy_helper.to_array(constants[name])) for name in node.input[1:])
+    if keep != 0.0 or drop > -1e30:
+        return False
+    frontier = [node.input[0]]
+    while frontier:
+        name = frontier.pop()
+        if name in ("src_ids", "src_mask") or name in constants:
+            continue
+        step = made.get(name)
+        if step is None or step.op_type not in ("Equal", "Not", "Unsqueeze", "Cast"):
+            return False
+        frontier.extend(step.input)
+    return True
+
+
+def use_key_padding_mask(model: onnx.ModelProto) -> int:
+    """Hand every fused attention node the ``src_mask`` (int32, 1 = token) as its ``key_padding_mask``
+    instead of the additive [batch, 1, query, src_len] bias the rewriter builds from it: the graph no
+    longer materialises that bias (once per step in the decoder), and ONNX Runtime's kernel applies the
+    mask more cheaply. Returns the number of attention nodes changed."""
+    graph = model.graph
+    names = {value.name for value in [*graph.input, *graph.output]} | {o for node in graph.node for o in node.output}
+    if "src_mask" not in names:
+        return 0
+    changed = 0
+    for node in graph.node:
+        if (node.op_type == MHA and len(node.input) > 5 and node.input[5] and not node.input[4]
+                and _padding_condition(graph, node.input[5])):
+            node.input[4], node.input[5] = "src_mask", ""
+            changed += 1
+    prune(model)
+    return changed
+
+
 def cross_attention_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto | None:
     for node in model.graph.node:
         if node.op_type == MHA and len(node.input) > 1 and node.input[1] == f"cross_key_{layer}":
@@ -234,8 +280,9 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
     decoder = torch_to_onnx(StepGraph(model), step_inputs, output_names=["log_probs", *present_names],
                             what="Transformer decoder step", **step_args)
     cross_layers = feed_cross_kv_directly(decoder)
-    cancel_transposes(encoder)
-    cancel_transposes(decoder)
+    for graph in (encoder, decoder):
+        cancel_transposes(graph)
+        use_key_padding_mask(graph)
 
     shapes: dict[str, list] = {"src_ids": ["batch", "src_len"], "src_mask": ["batch", "src_len"],
                                "input_ids": ["batch"], "log_probs": ["batch", cfg.vocab_size],
@@ -258,6 +305,7 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
         )
         feed_cross_kv_directly(decoder_attention)
         cancel_transposes(decoder_attention)
+        use_key_padding_mask(decoder_attention)
         set_io_shapes(decoder_attention, shapes)
 
     return GraphSet(

@@ -150,6 +150,10 @@ def test_transformer_attention_is_fused(tiny_runs, tiny_models):
         ops = [node.op_type for node in graph.node]
         assert ops.count("MultiHeadAttention") == manifest.fused_ops[role][mha]
         assert "Softmax" not in ops or role == "decoder_attention", f"unfused attention left in {role}"
+        for node in graph.node:  # encoder and cross-attention get the padding as key_padding_mask, not a bias
+            if node.op_type == "MultiHeadAttention" and len(node.input) <= 6:
+                assert node.input[4] == "src_mask" and node.input[5:6] in ([], [""]), (role, list(node.input))
+        assert "Where" not in ops or role == "decoder_attention"
         if role != "encoder":
             for node in graph.node:  # cross K/V go to the fused op 4-D, straight from the graph inputs
                 if node.op_type == "MultiHeadAttention" and node.input[1].startswith("cross_key_"):
