@@ -306,6 +306,7 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
             groups.setdefault(node.input[0], []).append(node)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> the nodes taking its place
     removed: set[int] = set()
+    merged = 0
     for index, (source, members) in enumerate(groups.items()):
         biases = [bias_of(member) for member in members]
         if len(members) < 2 or any(biases) != all(biases):
@@ -330,7 +331,8 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
                                       [end.output[0] for end in ends], axis=-1, name=f"{name}_split"))
         replaced[id(members[0])] = nodes
         removed.update(id(member) for member in members)
-    if not replaced:
+        merged += len(members) - 1
+    if not merged:
         return 0
     # the packed nodes take the first member's place: every member and consumer comes after it
     order: list[onnx.NodeProto] = []
@@ -338,11 +340,10 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
         order.extend(replaced.get(id(node), []))
         if id(node) not in removed:
             order.append(node)
-    before = count_ops(model)["MatMul"]
     del graph.node[:]
     graph.node.extend(order)
     prune(model)
-    return before - count_ops(model)["MatMul"]
+    return merged
 
 
 def perm(node: onnx.NodeProto) -> list[int] | None:

@@ -163,11 +163,10 @@ def feed_cross_kv_directly(model: onnx.ModelProto) -> list[int]:
     return sorted(layers)
 
 
-def _padding_condition(graph: onnx.GraphProto, bias: str) -> bool:
+def _padding_condition(bias: str, made: dict[str, onnx.NodeProto], constants: dict[str, onnx.TensorProto]) -> bool:
     """Is ``bias`` the additive padding mask ``[Expand](Where(cond, 0, very negative))`` whose ``cond``
-    comes from ``src_ids``/``src_mask`` through Equal/Not/Unsqueeze/Cast alone?"""
-    made = producers(graph)
-    constants = {init.name: init for init in graph.initializer}
+    comes from ``src_ids``/``src_mask`` through Equal/Not/Unsqueeze/Cast alone? (``made``: each
+    tensor's producer; ``constants``: the initializers.)"""
     node = made.get(bias)
     if node is not None and node.op_type == "Expand":
         node = made.get(node.input[0])
@@ -197,10 +196,11 @@ def use_key_padding_mask(model: onnx.ModelProto) -> int:
     names = {value.name for value in [*graph.input, *graph.output]} | {o for node in graph.node for o in node.output}
     if "src_mask" not in names:
         return 0
+    made, constants = producers(graph), {init.name: init for init in graph.initializer}
     changed = 0
     for node in graph.node:
         if (node.op_type == MHA and len(node.input) > 5 and node.input[5] and not node.input[4]
-                and _padding_condition(graph, node.input[5])):
+                and _padding_condition(node.input[5], made, constants)):
             node.input[4], node.input[5] = "src_mask", ""
             changed += 1
     prune(model)
