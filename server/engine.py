@@ -64,6 +64,7 @@ class OnnxStepModel:
         self.eos_id = manifest.special_ids["eos"]
         # versions exported before the in-graph top-k return only log_probs; the search then picks in NumPy
         self.in_graph_top_k = TOP_K_OUTPUTS[0] in {o.name for o in sessions["decoder"].get_outputs()}
+        self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
@@ -100,7 +101,9 @@ class OnnxStepModel:
         return TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
 
     def _top_k(self, k: int) -> np.ndarray:
-        return np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+        if k not in self._top_k_feeds:
+            self._top_k_feeds[k] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+        return self._top_k_feeds[k]
 
     def _step_output(self, heads: list[np.ndarray], k: int, attention: np.ndarray | None,
                      state: dict[str, Any]) -> StepOutput:
@@ -130,6 +133,7 @@ class DeviceStepModel(OnnxStepModel):
         super().__init__(manifest, sessions)
         self.device = device
         self._gathers: dict[str, ort.InferenceSession] = {}  # element type -> Gather session
+        self._top_k_values: dict[int, ort.OrtValue] = {}  # k -> top_k as an OrtValue (wraps the cached feed)
 
     def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue]:
         session = self.sessions["encoder"]
@@ -157,7 +161,9 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_ortvalue_input(name, value)
         heads = self._heads()
         if self.in_graph_top_k:  # an overridable initializer: only an OrtValue binds to it
-            binding.bind_ortvalue_input(TOP_K_INPUT, ort.OrtValue.ortvalue_from_numpy(self._top_k(k)))
+            if k not in self._top_k_values:
+                self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
+            binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_values[k])
         for name in heads:
             binding.bind_output(name, "cpu")
         for entry in self.state:
