@@ -119,7 +119,7 @@ def placeholder_tokenizer(size: int):
     vocabulary matches the model's."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
-    from server.tokenizer import Tokenizer, train_tokenizer
+    from nmt.model_format.tokenizer import Tokenizer, train_tokenizer
 
     proto = spm_pb2.ModelProto()
     proto.ParseFromString(train_tokenizer(["a b c d e f g"] * 10, vocab_size=20).model_proto)
@@ -137,11 +137,10 @@ def placeholder_tokenizer(size: int):
 
 def export_project(model, work: Path, quantize: str | None):
     """Load the Marian weights into this project's Transformer and export a model version."""
-    from export.models import build_model
-    from export.models.base import save_checkpoint
-    from export.models.transformer import marian_state_dict
-    from export.onnx_export import ExportOptions, export_model
+    from export.pipeline import ExportOptions, export_model
     from server.engine import Engine
+    from training.models.checkpoint import build_model, save_checkpoint
+    from training.models.transformer import marian_state_dict
 
     c = model.config
     ours = build_model(
@@ -208,7 +207,7 @@ def ct2_runner(translator, batch_sources: list[list[int]], beam: int) -> Callabl
 
 
 def torch_runner(model, batch_sources: list[list[int]]) -> Callable[[], list[list[int]]]:
-    from export.search import greedy_batch
+    from training.search import greedy_batch
 
     pad = model.config.pad_id
     src = torch.tensor([ids + [model.config.eos_id] for ids in batch_sources])

@@ -13,8 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-from export.presets import PRESETS
-from export.train import TrainConfig, train
+from training.presets import PRESETS
+from training.train import TrainConfig, train
 
 
 def main() -> None:

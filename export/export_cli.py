@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from export.onnx_export import ExportOptions, export_model, manifest_summary
+        from export.pipeline import ExportOptions, export_model, manifest_summary
     except ImportError as error:
         from nmt.errors import NmtError
 

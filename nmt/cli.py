@@ -15,10 +15,10 @@ from nmt.errors import NmtError
 
 # subcommand -> module that defines add_parser(subparsers); order is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
-    "data": "export.data_cli",
-    "train": "export.train_cli",
+    "data": "training.data_cli",
+    "train": "training.train_cli",
     "export": "export.export_cli",
-    "serve": "server.serve_cli",
+    "serve": "nmt.serve_cli",
     "translate": "clients.translate_cli",
     "bench": "nmt.bench_cli",
 }

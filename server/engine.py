@@ -2,7 +2,7 @@
 
 No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
 (encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
-:func:`server.beam.beam_search` drives any model through the :class:`StepModel` contract. On the
+:func:`server.search.beam_search` drives any model through the :class:`StepModel` contract. On the
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 """
@@ -13,16 +13,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
+from nmt.model_format.tokenizer import Tokenizer
 from server.alignment import merge_to_words
-from server.beam import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
-from server.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, read_manifest
-from server.tokenizer import Tokenizer
+from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -54,7 +53,7 @@ class BatchResult:
 
 
 class OnnxStepModel:
-    """The :class:`server.beam.StepModel` of an exported model version: encoder + one-step decoder."""
+    """The :class:`server.search.StepModel` of an exported model version: encoder + one-step decoder."""
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
         self.manifest = manifest
@@ -62,8 +61,11 @@ class OnnxStepModel:
         self.static_names = list(manifest.decoder_static)
         self.state = list(manifest.decoder_state)
         self.eos_id = manifest.special_ids["eos"]
-        # versions exported before the in-graph top-k return only log_probs; the search then picks in NumPy
-        self.in_graph_top_k = TOP_K_OUTPUTS[0] in {o.name for o in sessions["decoder"].get_outputs()}
+        for role in ("decoder", "decoder_attention"):
+            missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
+            if missing:
+                raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
+                                    "format: export the model again with this version of nmt export")
         self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
@@ -81,35 +83,23 @@ class OnnxStepModel:
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
         k: int,
     ) -> StepOutput:
-        """One decoding step (see :class:`server.beam.StepModel`): only the ``k`` best tokens of each
+        """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
         row leave ONNX Runtime, not the [R, V] distribution."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        feeds = {"input_ids": tokens, **static, **state}
-        heads = self._heads()
-        if self.in_graph_top_k:
-            feeds[TOP_K_INPUT] = self._top_k(k)
-        output_names = heads + [entry.output for entry in self.state]
+        feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
+        output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
         outputs = session.run(output_names, feeds)
-        new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
+        heads = len(TOP_K_OUTPUTS)
+        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
         attention = outputs[-1] if need_attention else None
-        return self._step_output(outputs[: len(heads)], k, attention, new_state)
-
-    def _heads(self) -> list[str]:
-        """The outputs the search reads: the in-graph top-k, or the whole distribution (older versions)."""
-        return TOP_K_OUTPUTS if self.in_graph_top_k else ["log_probs"]
+        return StepOutput(*outputs[:heads], attention, new_state)
 
     def _top_k(self, k: int) -> np.ndarray:
         if k not in self._top_k_feeds:
             self._top_k_feeds[k] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
         return self._top_k_feeds[k]
-
-    def _step_output(self, heads: list[np.ndarray], k: int, attention: np.ndarray | None,
-                     state: dict[str, Any]) -> StepOutput:
-        if not self.in_graph_top_k:
-            return StepOutput.from_log_probs(heads[0], k, self.eos_id, attention, state)
-        return StepOutput(heads[0], heads[1], heads[2], attention, state)
 
     def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
         return take_rows(tensors, rows)
@@ -159,12 +149,10 @@ class DeviceStepModel(OnnxStepModel):
         binding.bind_cpu_input("input_ids", tokens)
         for name, value in (static | state).items():
             binding.bind_ortvalue_input(name, value)
-        heads = self._heads()
-        if self.in_graph_top_k:  # an overridable initializer: only an OrtValue binds to it
-            if k not in self._top_k_values:
-                self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
-            binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_values[k])
-        for name in heads:
+        if k not in self._top_k_values:  # an overridable initializer: only an OrtValue binds to it
+            self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
+        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_values[k])
+        for name in TOP_K_OUTPUTS:
             binding.bind_output(name, "cpu")
         for entry in self.state:
             binding.bind_output(entry.output, self.device)
@@ -172,9 +160,10 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_output("attention", "cpu")
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()  # in binding order
-        new_state = {entry.input: outputs[len(heads) + i] for i, entry in enumerate(self.state)}
+        heads = len(TOP_K_OUTPUTS)
+        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
         attention = outputs[-1].numpy() if need_attention else None
-        return self._step_output([value.numpy() for value in outputs[: len(heads)]], k, attention, new_state)
+        return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state)
 
     def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
         selected = {}
@@ -289,6 +278,31 @@ class Engine:
         the other options may differ per sentence. Cancelled sentences leave the batch between steps."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
+        results, src, encode_seconds, decode_seconds = self._search(requests)
+        translations = [
+            None if result is None else self._to_translation(request, result)
+            for request, result in zip(requests, results, strict=True)
+        ]
+        source_tokens = sum(len(r.source_ids) + 1 for r in requests)  # EOS included, padding not
+        return BatchResult(
+            translations=translations,
+            encode_seconds=encode_seconds,
+            decode_seconds=decode_seconds,
+            generated_tokens=sum(len(h.tokens) for r in results if r is not None for h in r.hypotheses),
+            source_tokens=source_tokens,
+            padding_ratio=1.0 - source_tokens / src.size,
+            cancelled=sum(r is None for r in results),
+        )
+
+    def search(self, requests: Sequence[SentenceRequest]) -> list[SearchResult | None]:
+        """:meth:`translate_batch` before detokenization: token ids, scores and subword attention
+        [tokens incl. EOS, source tokens incl. EOS] of each sentence's hypotheses."""
+        return self._search(requests)[0] if requests else []
+
+    def _search(
+        self, requests: Sequence[SentenceRequest]
+    ) -> tuple[list[SearchResult | None], np.ndarray, float, float]:
+        """Encode and search; returns the results, the padded source batch and the seconds of both stages."""
         first = requests[0].options
         if any(
             r.options.beam_size != first.beam_size or r.options.return_attention != first.return_attention
@@ -300,7 +314,6 @@ class Engine:
         src = np.full((len(sources), width), self.pad_id, dtype=np.int64)
         for i, ids in enumerate(sources):
             src[i, : len(ids)] = ids
-        source_tokens = sum(len(s) for s in sources)
 
         start = time.perf_counter()
         encoded = self.model.encode(src)
@@ -326,21 +339,7 @@ class Engine:
             eos_id=self.eos_id,
             need_attention=first.return_attention,
         )
-        decode_seconds = time.perf_counter() - start
-        translations = [
-            None if result is None else self._to_translation(request, result)
-            for request, result in zip(requests, results, strict=True)
-        ]
-        generated = sum(len(h.tokens) for r in results if r is not None for h in r.hypotheses)
-        return BatchResult(
-            translations=translations,
-            encode_seconds=encode_seconds,
-            decode_seconds=decode_seconds,
-            generated_tokens=generated,
-            source_tokens=source_tokens,
-            padding_ratio=1.0 - source_tokens / src.size,
-            cancelled=sum(r is None for r in results),
-        )
+        return results, src, encode_seconds, time.perf_counter() - start
 
     def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
         source_pieces = self.tokenizer.pieces(request.source_ids)

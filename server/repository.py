@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from nmt.errors import NmtError
+from nmt.model_format.layout import discover_versions
 from server.errors import NotFound
 
 log = logging.getLogger("nmt.server")
-
-MANIFEST = "manifest.json"
 
 # (version_dir, provider, intra_op_threads, inter_op_threads, spinning) -> an Engine
 EngineLoader = Callable[..., Any]
@@ -32,24 +31,6 @@ def default_engine_loader(
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
                        inter_op_threads=inter_op_threads, spinning=spinning)
-
-
-def version_key(version: str) -> tuple[int, int, str]:
-    """Integers first, numerically; then any other version by name."""
-    return (0, int(version), "") if version.isdigit() else (1, 0, version)
-
-
-def discover(root: str | Path) -> dict[str, list[tuple[str, Path]]]:
-    """``{name: [(version, dir), ...oldest to newest]}`` for every version directory holding a manifest."""
-    root = Path(root)
-    if not root.is_dir():
-        raise NmtError(f"model repository {root} is not a directory")
-    found: dict[str, list[tuple[str, Path]]] = {}
-    for name_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        versions = [(d.name, d) for d in name_dir.iterdir() if d.is_dir() and (d / MANIFEST).is_file()]
-        if versions:
-            found[name_dir.name] = sorted(versions, key=lambda item: version_key(item[0]))
-    return found
 
 
 @dataclass
@@ -112,7 +93,7 @@ class ModelRepository:
         """Load every version found under ``root`` (slow: call it off the event loop)."""
         loader = engine_loader or default_engine_loader
         models: dict[str, list[ModelVersion]] = {}
-        for name, versions in discover(root).items():
+        for name, versions in discover_versions(root).items():
             for version, path in versions:
                 try:
                     engine = loader(path, provider=provider, intra_op_threads=intra_op_threads,

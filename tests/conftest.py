@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.models import build_model
-from export.models.base import save_checkpoint
-from export.onnx_export import ExportOptions, export_model
-from export.train import collate, encode_pairs
+from export.pipeline import ExportOptions, export_model
 from nmt.cli import main as nmt_main
-from server.tokenizer import PAD_ID, train_tokenizer
+from nmt.model_format.tokenizer import PAD_ID, train_tokenizer
+from training.models.checkpoint import build_model, save_checkpoint
+from training.train import collate, encode_pairs
 
 EN = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 DE = ["eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn"]
@@ -46,7 +45,7 @@ def make_run(directory, arch: str, steps: int = 150):
     torch.manual_seed(0)
     model = build_model(arch, vocab_size=tokenizer.vocab_size, **TINY[arch])
 
-    class P:  # export.train.encode_pairs takes objects with .source/.target
+    class P:  # training.train.encode_pairs takes objects with .source/.target
         def __init__(self, source, target):
             self.source, self.target = source, target
 

@@ -6,10 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from export.models import build_model
-from export.search import translate_ids
-from server.beam import BeamSentence, StepOutput, _beam, _greedy, beam_search, take_rows
+from server.search import BeamSentence, StepOutput, _beam, _greedy, beam_search, take_rows
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
+from training.models.checkpoint import build_model
+from training.search import translate_ids
+
+
+def step_output(log_probs, k, eos_id, attention, state):
+    """A :class:`StepOutput` from a whole [R, V] distribution, as an exported decoder's ``TopK`` computes it
+    (best first, ties to the lower id)."""
+    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, : min(k, log_probs.shape[1])]
+    return StepOutput(ids, np.take_along_axis(log_probs, ids, 1).astype(np.float64), log_probs[:, eos_id].copy(),
+                      attention, state)
 
 
 class TableModel:
@@ -27,7 +35,7 @@ class TableModel:
             for token, p in TABLE.get(tuple(row), {EOS: 1.0}).items():
                 log_probs[r, token] = math.log(p)
         attention = np.full((len(prefix), 2), 0.5, dtype=np.float32)
-        return StepOutput.from_log_probs(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix})
+        return step_output(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix})
 
     def select_rows(self, tensors, rows):
         return take_rows(tensors, rows)
@@ -95,7 +103,7 @@ class TorchStepModel:
                 torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in state.items()}, need_attention
             )
         log_probs = logits.float().log_softmax(-1).numpy()
-        return StepOutput.from_log_probs(log_probs, k, EOS, None if attention is None else attention.numpy(),
+        return step_output(log_probs, k, EOS, None if attention is None else attention.numpy(),
                                          {name: value.numpy() for name, value in new.items()})
 
     def select_rows(self, tensors, rows):

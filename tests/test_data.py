@@ -1,4 +1,4 @@
-"""Tests for export.data (corpora) and the ``nmt data`` command."""
+"""Tests for training.data (corpora) and the ``nmt data`` command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from export.data import (
+from nmt.errors import NmtError
+from training.data import (
     CorpusError,
     Pair,
     Splits,
@@ -22,7 +23,6 @@ from export.data import (
     split,
     write_tsv,
 )
-from nmt.errors import NmtError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
@@ -273,7 +273,7 @@ def cli_main(monkeypatch: pytest.MonkeyPatch):
     """``nmt.cli.main`` with only the ``data`` subcommand registered (the others are not under test)."""
     import nmt.cli
 
-    monkeypatch.setattr(nmt.cli, "SUBCOMMANDS", {"data": "export.data_cli"})
+    monkeypatch.setattr(nmt.cli, "SUBCOMMANDS", {"data": "training.data_cli"})
     return nmt.cli.main
 
 
@@ -306,7 +306,7 @@ def test_cli_module_import_is_light() -> None:
     import sys
 
     code = (
-        "import sys, export.data_cli; print(any(m in sys.modules for m in ('babel', 'num2words', 'torch')))"
+        "import sys, training.data_cli; print(any(m in sys.modules for m in ('babel', 'num2words', 'torch')))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],

@@ -4,11 +4,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from export.models import load_checkpoint
-from export.search import translate_ids
+from nmt.model_format.manifest import TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, word_groups
-from server.engine import DeviceStepModel, Engine
+from server.engine import DeviceStepModel, Engine, OnnxStepModel
 from server.types import DecodingOptions, SentenceRequest
+from training.models.checkpoint import load_checkpoint
+from training.search import translate_ids
 
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
 
@@ -55,11 +56,9 @@ def test_device_state_decodes_like_numpy_state(arch, engines, tiny_models):
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
 def test_in_graph_top_k_matches_the_full_distribution(arch, engines):
-    """The decoder's TopK outputs agree with picking from ``log_probs``, and a version exported
-    without them (selection in NumPy) decodes identically."""
+    """The decoder's TopK outputs agree with picking from ``log_probs``; a decoder without them is refused."""
     engine = engines[arch]
     model = engine.model
-    assert model.in_graph_top_k
     src = np.array([engine.tokenize("three four five") + [engine.eos_id]], dtype=np.int64)
     encoded = model.encode(src)
     static = {name: encoded[name] for name in model.static_names}
@@ -72,16 +71,17 @@ def test_in_graph_top_k_matches_the_full_distribution(arch, engines):
     np.testing.assert_array_equal(scores, np.take_along_axis(log_probs, ids, 1))
     assert scores[0, 0] == log_probs.max() and eos[0] == log_probs[0, engine.eos_id]
     assert set(ids[0]) == set(np.argsort(-log_probs[0], kind="stable")[:5])
-    options = DecodingOptions(beam_size=3, num_hypotheses=3)
-    in_graph = engine.translate(TEXTS, options)
-    model.in_graph_top_k = False
-    try:
-        in_numpy = engine.translate(TEXTS, options)
-    finally:
-        model.in_graph_top_k = True
-    for a, b in zip(in_graph, in_numpy, strict=True):
-        assert [h.token_ids for h in a.hypotheses] == [h.token_ids for h in b.hypotheses]
-        assert [h.score for h in a.hypotheses] == pytest.approx([h.score for h in b.hypotheses], abs=1e-6)
+
+    class WithoutTopK:  # a decoder session as graphs exported before the in-graph TopK looked
+        def __init__(self, session):
+            self.session = session
+
+        def get_outputs(self):
+            return [o for o in self.session.get_outputs() if o.name not in TOP_K_OUTPUTS]
+
+    sessions = {**model.sessions, "decoder": WithoutTopK(session)}
+    with pytest.raises(ManifestError, match="top_ids"):
+        OnnxStepModel(model.manifest, sessions)
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])

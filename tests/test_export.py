@@ -16,25 +16,19 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.models import load_checkpoint
-from export.onnx_export import (
-    EXPORTERS,
-    GRAPH_FILES,
-    LOGIT_TOLERANCE,
-    ExportOptions,
-    GraphSet,
-    OrtModel,
-    check_parity,
-    export_model,
-    graph_exporter,
-    next_version,
-    pack_parallel_matmuls,
-)
-from export.search import translate_ids
+from export.graph_passes import pack_parallel_matmuls
+from export.graphs import GraphSet
+from export.pipeline import ExportOptions, export_model
+from export.registry import EXPORTERS, graph_exporter
+from export.verify import LOGIT_TOLERANCE, check_parity, engine_step_log_probs, engine_translate_ids
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
-from server.manifest import MANIFEST_FILENAME, ManifestError, read_manifest
-from server.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, next_version
+from nmt.model_format.manifest import ManifestError, read_manifest
+from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from server.engine import Engine
+from training.models.checkpoint import load_checkpoint
+from training.search import translate_ids
 
 PARITY_SENTENCES = 8
 
@@ -65,20 +59,20 @@ def test_export_matches_pytorch(arch, tiny_runs, tiny_models):
     """Re-check the written version: logits and attention within 1e-4, identical greedy and beam-4 output."""
     model, _ = load_checkpoint(tiny_runs[arch] / "best.pt")
     manifest = read_manifest(tiny_models[arch])
-    onnx_model = OrtModel.from_manifest(tiny_models[arch], manifest)
+    engine = Engine.load(tiny_models[arch], provider="cpu")
     sources, targets = held_out_ids(tiny_runs[arch])
-    report = check_parity(model, onnx_model, sources, targets)
+    report = check_parity(model, engine, sources, targets)
     assert report.max_logit_diff <= LOGIT_TOLERANCE and report.max_attention_diff <= LOGIT_TOLERANCE
     assert report.greedy_match == (len(sources), len(sources))
     assert report.beam4_match == (len(sources), len(sources))
     assert report.teacher_forced_steps > len(sources)
     for source in sources[:3]:  # the whole hypothesis, attention included
         reference = translate_ids(model, source, beam_size=4, num_hypotheses=2, need_attention=True)
-        candidate = onnx_model.translate_ids(source, beam_size=4, num_hypotheses=2, need_attention=True)
+        candidate = engine_translate_ids(engine, source, beam_size=4, num_hypotheses=2, need_attention=True)
         assert [h.tokens for h in candidate] == [h.tokens for h in reference]
         for ours, theirs in zip(candidate, reference, strict=True):
             assert ours.score == pytest.approx(theirs.score, abs=1e-4)
-            torch.testing.assert_close(ours.attention, theirs.attention, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.from_numpy(ours.attention), theirs.attention, atol=1e-4, rtol=0)
     assert manifest.parity["greedy_match"] == f"{PARITY_SENTENCES}/{PARITY_SENTENCES}"
     assert manifest.parity["beam4_match"] == f"{PARITY_SENTENCES}/{PARITY_SENTENCES}"
     assert manifest.parity["max_logit_diff"] <= LOGIT_TOLERANCE
@@ -118,15 +112,18 @@ def test_one_step_by_hand(arch, tiny_runs, tiny_models):
 def test_attention_rows_sum_to_one(tiny_runs, tiny_models):
     for arch, version_dir in tiny_models.items():
         manifest = read_manifest(version_dir)
-        onnx_model = OrtModel.from_manifest(version_dir, manifest)
+        engine = Engine.load(version_dir, provider="cpu")
         sources, _ = held_out_ids(tiny_runs[arch])
         src = np.full((len(sources), max(map(len, sources))), PAD_ID, dtype=np.int64)
         for i, row in enumerate(sources):
             src[i, : len(row)] = row
-        state = onnx_model.initial_state(src)
-        tokens = torch.full((len(sources),), manifest.special_ids["decoder_start"])
+        encoded = engine.model.encode(src)
+        static = {name: encoded[name] for name in engine.model.static_names}
+        state = {name: encoded[name] for name in engine.model.state_names}
+        tokens = np.full(len(sources), manifest.special_ids["decoder_start"], dtype=np.int64)
         for _ in range(4):
-            log_probs, attention, state = onnx_model.step(tokens, state, need_attention=True)
+            log_probs, attention, state = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
+            attention = torch.from_numpy(attention)
             torch.testing.assert_close(attention.sum(-1), torch.ones(len(sources)), atol=1e-5, rtol=0)
             assert (attention[torch.from_numpy(src == PAD_ID)] == 0).all()
             tokens = log_probs.argmax(-1)
@@ -276,7 +273,7 @@ def test_manifest_contents(tiny_runs, tiny_models):
     assert set(manifest.files) == {*GRAPH_FILES.values(), "spm.model"}
     exported_tokenizer = (tiny_models["transformer"] / "spm.model").read_bytes()
     assert exported_tokenizer == (tiny_runs["transformer"] / "spm.model").read_bytes()
-    raw = json.loads((tiny_models["transformer"] / MANIFEST_FILENAME).read_text())
+    raw = json.loads((tiny_models["transformer"] / MANIFEST_FILE).read_text())
     assert raw["decoder_state"][0] == {"input": "past_key_0", "output": "present_key_0", "init": "empty",
                                       "shape": [4, 0, 8], "dtype": "float32"}
 
@@ -300,12 +297,12 @@ def test_tampered_files_are_rejected(tiny_models, tmp_path):
     (copy / "decoder.onnx").unlink()
     with pytest.raises(ManifestError, match="decoder.onnx is listed .* but missing"):
         read_manifest(copy)
-    data = json.loads((copy / MANIFEST_FILENAME).read_text())
+    data = json.loads((copy / MANIFEST_FILE).read_text())
     del data["decoder_state"]
-    (copy / MANIFEST_FILENAME).write_text(json.dumps(data))
+    (copy / MANIFEST_FILE).write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="missing required fields: decoder_state"):
         read_manifest(copy, verify=False)
-    (copy / MANIFEST_FILENAME).write_text("{not json")
+    (copy / MANIFEST_FILE).write_text("{not json")
     with pytest.raises(ManifestError, match="cannot read"):
         read_manifest(copy)
     with pytest.raises(ManifestError, match="not a model version"):
@@ -316,14 +313,14 @@ def test_tampered_files_are_rejected(tiny_models, tmp_path):
 
 
 def test_refuses_to_overwrite_and_numbers_versions(tiny_runs, tiny_models, tiny_repository, capsys):
-    before = (tiny_models["transformer"] / MANIFEST_FILENAME).read_bytes()
+    before = (tiny_models["transformer"] / MANIFEST_FILE).read_bytes()
     with pytest.raises(NmtError, match="already exists; use --force"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer", version="1",
                                    repository=str(tiny_repository), progress=False))
     status = nmt_main(["export", str(tiny_runs["transformer"]), "--name", "tiny-transformer", "--version", "1",
                        "--repository", str(tiny_repository), "--no-progress"])
     assert status == 2 and "already exists" in capsys.readouterr().err
-    assert (tiny_models["transformer"] / MANIFEST_FILENAME).read_bytes() == before
+    assert (tiny_models["transformer"] / MANIFEST_FILE).read_bytes() == before
     assert next_version(tiny_repository / "tiny-transformer") == "2"
     assert next_version(tiny_repository / "no-such-model") == "1"
     assert not [p for p in (tiny_repository / "tiny-transformer").iterdir() if p.name.startswith(".")]
@@ -383,8 +380,9 @@ def test_int8_export_records_quantization(tiny_runs, tiny_repository):
     ops = {node.op_type for node in onnx.load(str(result.version_dir / "decoder.onnx")).graph.node}
     assert ops & {"DynamicQuantizeMatMul", "MatMulInteger"}, ops
     assert manifest.attention_blocks["fused"] == manifest.attention_blocks["total"]
-    onnx_model = OrtModel.from_manifest(result.version_dir, manifest)
+    engine = Engine.load(result.version_dir, provider="cpu")
     sources, _ = held_out_ids(tiny_runs["transformer"], 2)
-    hypothesis = onnx_model.translate_ids(sources[0], beam_size=2, need_attention=True)[0]
+    hypothesis = engine_translate_ids(engine, sources[0], beam_size=2, need_attention=True)[0]
     assert hypothesis.tokens[-1] == EOS_ID
-    torch.testing.assert_close(hypothesis.attention.sum(-1), torch.ones(len(hypothesis.tokens)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(hypothesis.attention).sum(-1), torch.ones(len(hypothesis.tokens)),
+                               atol=1e-5, rtol=0)

@@ -4,11 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.models import build_model, load_checkpoint
-from export.models.base import save_checkpoint
-from export.search import greedy_batch, translate_ids
-from export.train import collate
 from nmt.errors import NmtError
+from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint
+from training.search import greedy_batch, translate_ids
+from training.train import collate
 
 TINY = {
     "transformer": dict(d_model=32, heads=4, ffn_dim=64, encoder_layers=2, decoder_layers=2),
@@ -114,7 +113,7 @@ def test_bad_checkpoints_and_configs_are_clear_errors(tmp_path):
 
 def test_marian_weights_load_and_give_the_same_logits():
     transformers = pytest.importorskip("transformers")
-    from export.models.transformer import marian_state_dict
+    from training.models.transformer import marian_state_dict
 
     config = transformers.MarianConfig(
         vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

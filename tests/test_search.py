@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from export.search import Hypothesis, beam_search
+from training.search import ScoredSequence, beam_search
 
 PAD, BOS, EOS, A, B = 0, 2, 3, 4, 5
 VOCAB = 6
@@ -36,7 +36,7 @@ def table_step(tokens: torch.Tensor, state: dict[str, torch.Tensor]):
     return torch.stack(rows), attention, {"prefix": prefix}
 
 
-def search(beam: int, n: int, length_penalty: float, max_length: int = 10) -> list[Hypothesis]:
+def search(beam: int, n: int, length_penalty: float, max_length: int = 10) -> list[ScoredSequence]:
     return beam_search(
         table_step, {"prefix": torch.zeros(1, 0, dtype=torch.long)}, start_id=BOS, eos_id=EOS,
         beam_size=beam, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,

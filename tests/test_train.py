@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from export.train import make_batches
 from nmt.cli import main
-from server.tokenizer import Tokenizer, train_tokenizer
+from nmt.model_format.tokenizer import Tokenizer, train_tokenizer
+from training.train import make_batches
 
 PAIRS = [(f"number {n}", f"Nummer {n}") for n in range(40)] + [(f"day {n} of May", f"{n}. Mai") for n in range(1, 29)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from export.presets import PRESETS
 from nmt.errors import NmtError
+from training.presets import PRESETS
 
 # flag -> (architecture it applies to, model config field)
 MODEL_FLAGS: dict[str, tuple[str, str]] = {
@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "directory receives spm.model, best.pt, last.pt, history.json, curves.png and summary.json.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named recipe (export/presets.py); "
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named recipe (training/presets.py); "
                    "other flags override its values")
     p.add_argument("--arch", choices=["transformer", "bahdanau"], help="model family (required without --preset)")
     p.add_argument("--corpus", help="dates | ding | FILE.tsv | SRC.txt,TGT.txt (required without --preset)")
@@ -81,7 +81,7 @@ def model_overrides(args: argparse.Namespace, target_arch: str) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from export.train import TrainConfig, train
+        from training.train import TrainConfig, train
     except ImportError as error:
         raise NmtError(f"training needs the train extra ({error}); run: pip install -e '.[train]'") from error
 

@@ -1,6 +1,6 @@
 """``nmt data``: build or inspect a corpus (load, clean, split, show samples, write TSV splits).
 
-Only the standard library is imported at module level; ``export.data`` (and through it Babel and
+Only the standard library is imported at module level; ``training.data`` (and through it Babel and
 num2words) is imported when the command runs, so ``nmt --help`` stays fast.
 """
 
@@ -63,7 +63,7 @@ def _average_words(texts: list[str]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Load, clean and split the corpus; print statistics and samples; optionally write the splits."""
-    from export.data import CorpusError, clean, load_corpus, split, write_tsv
+    from training.data import CorpusError, clean, load_corpus, split, write_tsv
 
     if args.size <= 0:
         raise CorpusError(f"--size must be positive, got {args.size}")

@@ -1,13 +1,12 @@
 """Batched beam search (greedy = beam 1) in NumPy, shared by every architecture.
 
 The model is reached only through :class:`StepModel`; the search never knows whether it drives a
-Transformer or an RNN. Scoring rules are those of the PyTorch reference (``export/search.py``):
-a hypothesis' score is its summed log-probability over ``length ** length_penalty`` (length counts
-EOS); at a sentence's last allowed step only EOS may follow; each step walks the ``2 * beam``
-best continuations of a sentence in order, finishing those that end in EOS and keeping the others
-until ``beam`` are live; a sentence is done once it holds ``beam`` finished hypotheses and its best
-live beam, scored as if it ended now, is no better than the worst of them (or nothing is live).
-Finished and cancelled sentences leave the batch, so later steps run on fewer rows.
+Transformer or an RNN. Length and scoring rules are those of :mod:`nmt.model_format.decoding`, as in
+the PyTorch reference (``training/search.py``). Each step walks the ``2 * beam`` best continuations
+of a sentence in order, finishing those that end in EOS and keeping the others until ``beam`` are
+live; a sentence is done once it holds ``beam`` finished hypotheses and its best live beam, scored
+as if it ended now, is no better than the worst of them (or nothing is live). Finished and
+cancelled sentences leave the batch, so later steps run on fewer rows.
 
 With ``beam_size == 1`` these rules reduce to arg-max decoding (the best token is kept; when it is
 EOS the sentence is done, since no live continuation can beat it), which :func:`beam_search` runs
@@ -22,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from nmt.model_format.decoding import max_target_length
+
 NEG_INF = -np.inf
 
 
@@ -35,14 +36,6 @@ class StepOutput:
     eos_log_prob: np.ndarray  # float [R]: log-probability of EOS (for rows out of room)
     attention: np.ndarray | None  # float32 [R, S] cross-attention, when asked for
     state: dict[str, Any]  # next recurrent state [R, ...], kept where the model keeps it
-
-    @classmethod
-    def from_log_probs(cls, log_probs: np.ndarray, k: int, eos_id: int, attention: np.ndarray | None,
-                       state: dict[str, Any]) -> StepOutput:
-        """From a full distribution [R, V] (models without in-graph top-k, test models)."""
-        eos = log_probs[:, eos_id].copy()
-        ids, scores = best_tokens(log_probs, min(k, log_probs.shape[1]))
-        return cls(ids, scores, eos, attention, state)
 
 
 class StepModel(Protocol):
@@ -85,7 +78,9 @@ class BeamSentence:
 
 
 @dataclass
-class FinishedHypothesis:
+class ScoredSequence:
+    """A finished hypothesis of the search: token ids and scores (text comes later, in the engine)."""
+
     tokens: list[int]  # ends with EOS
     score: float
     token_scores: list[float]
@@ -94,28 +89,7 @@ class FinishedHypothesis:
 
 @dataclass
 class SearchResult:
-    hypotheses: list[FinishedHypothesis] = field(default_factory=list)
-
-
-def best_tokens(log_probs: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``count`` best tokens of each row, best first: (ids int64 [R, count], scores float64 [R, count]).
-
-    Repeated arg-max is several times faster than a partition for the few candidates beam search
-    needs; it overwrites the picked entries of ``log_probs`` with -inf."""
-    rows = np.arange(log_probs.shape[0])
-    ids = np.empty((log_probs.shape[0], count), dtype=np.int64)
-    scores = np.empty((log_probs.shape[0], count))
-    for j in range(count):
-        best = log_probs.argmax(axis=1)
-        ids[:, j] = best
-        scores[:, j] = log_probs[rows, best]
-        log_probs[rows, best] = NEG_INF
-    return ids, scores
-
-
-def max_target_length(source_length: int, max_length: int = 256, ratio: float = 2.0, extra: int = 10) -> int:
-    """Longest allowed output (EOS included): ``min(max_length, ratio * source_length + extra)``."""
-    return max(1, min(max_length, int(ratio * source_length + extra)))
+    hypotheses: list[ScoredSequence] = field(default_factory=list)
 
 
 def beam_search(
@@ -190,7 +164,7 @@ def _greedy(
             leaving[j] |= cancelled
             if stop[j] and not cancelled and scores[j] > NEG_INF:
                 attention_rows = history_attention[s, : t + 1].copy() if history_attention is not None else None
-                hypothesis = FinishedHypothesis(tokens=history[s, : t + 1].tolist(),
+                hypothesis = ScoredSequence(tokens=history[s, : t + 1].tolist(),
                                                 score=float(totals[s] / (t + 1) ** penalties[s]),
                                                 token_scores=history_scores[s, : t + 1].tolist(),
                                                 attention=attention_rows)
@@ -220,7 +194,7 @@ def _beam(
     limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
     results: list[SearchResult | None] = [None] * n
-    finished: list[list[FinishedHypothesis]] = [[] for _ in range(n)]
+    finished: list[list[ScoredSequence]] = [[] for _ in range(n)]
 
     active = np.arange(n)  # sentences still decoding, in row-block order
     width = 1  # rows per active sentence (1 before the first expansion)
@@ -265,7 +239,7 @@ def _beam(
                 past = history_attention[row] if history_attention is not None else np.zeros((0, attention.shape[1]))
                 attention_rows = np.concatenate([past, attention[row][None]])
             finished[s].append(
-                FinishedHypothesis(
+                ScoredSequence(
                     tokens=history[row].tolist() + [eos_id],
                     score=float(top_scores[j, c] / (t + 1) ** penalties[s]),
                     token_scores=history_scores[row].tolist() + [float(token_score[j, c])],

@@ -1,11 +1,10 @@
 """Reference greedy and beam search in PyTorch: the oracle the ONNX engine must reproduce.
 
-Clarity over speed: one sentence at a time, beams as the batch. Scoring rules (shared with the
-serving engine): a hypothesis' ``score`` is its summed token log-probability divided by
-``length ** length_penalty`` where ``length`` counts generated tokens including EOS; at the last
-allowed step only EOS may be chosen. Beam search keeps the best ``beam_size`` finished hypotheses
-and stops once it has that many and the best live beam, scored as if it ended now, is no better
-than the worst of them (or when no live beam is left).
+Clarity over speed: one sentence at a time, beams as the batch. The length and scoring rules are
+those of :mod:`nmt.model_format.decoding`, shared with the serving engine (:mod:`server.search`).
+Beam search keeps the best ``beam_size`` finished hypotheses and stops once it has that many and
+the best live beam, scored as if it ended now, is no better than the worst of them (or when no live
+beam is left).
 """
 
 from __future__ import annotations
@@ -16,23 +15,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from export.models.base import DecoderState, Seq2SeqModel
-from server.beam import max_target_length
+from nmt.model_format.decoding import max_target_length, normalized_score
+from training.models.interface import DecoderState, Seq2SeqModel
 
 # step(previous tokens [k], state) -> (log-probabilities [k, V], attention [k, S] or None, new state)
 StepFn = Callable[[Tensor, DecoderState], tuple[Tensor, Tensor | None, DecoderState]]
 
 
 @dataclass
-class Hypothesis:
+class ScoredSequence:
+    """A finished output of the search (the serving engine's :class:`server.search.ScoredSequence` twin)."""
+
     tokens: list[int]  # generated ids, ending with EOS
     score: float  # length-normalised
     token_scores: list[float] = field(default_factory=list)
     attention: Tensor | None = None  # [len(tokens), S]
-
-
-def normalized(total: float, length: int, length_penalty: float) -> float:
-    return total / (length**length_penalty)
 
 
 def beam_search(
@@ -45,7 +42,7 @@ def beam_search(
     num_hypotheses: int,
     max_length: int,
     length_penalty: float = 1.0,
-) -> list[Hypothesis]:
+) -> list[ScoredSequence]:
     """Beam search for one sentence; ``state`` has batch 1 and is expanded to the live beams.
 
     Each step scores every (beam, token) continuation by summed log-probability and walks the
@@ -60,7 +57,7 @@ def beam_search(
     token_scores: list[list[float]] = [[]]
     attentions: list[list[Tensor]] = [[]]
     totals = torch.zeros(1, dtype=torch.float64)
-    finished: list[Hypothesis] = []
+    finished: list[ScoredSequence] = []
     for t in range(max_length):
         log_probs, attention, state = step(tokens, state)
         log_probs = log_probs.double()
@@ -80,9 +77,9 @@ def beam_search(
             if token == eos_id:
                 rows = attentions[beam] + ([attention[beam]] if attention is not None else [])
                 finished.append(
-                    Hypothesis(
+                    ScoredSequence(
                         tokens=histories[beam] + [token],
-                        score=normalized(total, t + 1, length_penalty),
+                        score=normalized_score(total, t + 1, length_penalty),
                         token_scores=token_scores[beam] + [token_score],
                         attention=torch.stack(rows) if rows else None,
                     )
@@ -94,7 +91,7 @@ def beam_search(
         finished.sort(key=lambda hyp: hyp.score, reverse=True)  # stable: ties keep discovery order
         del finished[beam_size:]
         if not keep or (
-            len(finished) == beam_size and normalized(keep[0][2], t + 1, length_penalty) <= finished[-1].score
+            len(finished) == beam_size and normalized_score(keep[0][2], t + 1, length_penalty) <= finished[-1].score
         ):
             break
         index = torch.tensor([beam for beam, _, _ in keep])
@@ -130,7 +127,7 @@ def translate_ids(
     max_length: int = 256,
     length_penalty: float = 1.0,
     need_attention: bool = False,
-) -> list[Hypothesis]:
+) -> list[ScoredSequence]:
     """Decode one source sentence (ids ending with EOS); beam 1 is greedy search."""
     model.eval()
     cfg = model.config

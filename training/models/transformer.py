@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.models.base import DecoderState, EncoderOutput, Seq2SeqModel, register
-from server.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from training.models.interface import DecoderState, EncoderOutput, Seq2SeqModel
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu}
 
@@ -152,11 +152,12 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(layers)
 
 
-@register("transformer", TransformerConfig)
 class Transformer(Seq2SeqModel):
     """Encoder-decoder Transformer; decoder state holds per-layer self-attention K/V caches
     (``self_key.N``/``self_value.N`` [B, H, t, Dh]) and precomputed cross-attention K/V
     (``cross_key.N``/``cross_value.N`` [B, H, S, Dh]) plus the source mask ``src_mask`` [B, 1, 1, S]."""
+
+    arch = "transformer"
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()

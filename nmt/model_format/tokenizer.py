@@ -13,8 +13,9 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from nmt.model_format.layout import TOKENIZER_FILE
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-MODEL_FILENAME = "spm.model"
 
 
 class Tokenizer:
@@ -30,11 +31,11 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
         """Load ``spm.model`` from a checkpoint or model-version directory."""
-        return cls((Path(directory) / MODEL_FILENAME).read_bytes())
+        return cls((Path(directory) / TOKENIZER_FILE).read_bytes())
 
     def save(self, directory: str | Path) -> Path:
         """Write ``spm.model`` into ``directory`` and return its path."""
-        path = Path(directory) / MODEL_FILENAME
+        path = Path(directory) / TOKENIZER_FILE
         path.write_bytes(self._model_proto)
         return path
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from export.models.base import DecoderState, EncoderOutput, Seq2SeqModel, register
-from server.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from training.models.interface import DecoderState, EncoderOutput, Seq2SeqModel
 
 SCORES = ("additive", "general", "dot")
 
@@ -52,10 +52,11 @@ def reverse_within_length(x: Tensor, lengths: Tensor) -> Tensor:
     return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[2]))
 
 
-@register("bahdanau", BahdanauConfig)
 class Bahdanau(Seq2SeqModel):
     """Decoder state: ``hidden`` [B, Hd], ``context`` [B, 2He] (input feeding), ``memory`` [B, S, 2He],
     ``keys`` [B, S, A or Hd or 2He] (precomputed source side of the score) and ``src_mask`` [B, S]."""
+
+    arch = "bahdanau"
 
     def __init__(self, config: BahdanauConfig) -> None:
         super().__init__()

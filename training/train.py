@@ -21,14 +21,21 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from export.data import Pair, clean, load_corpus, split, write_tsv
-from export.models import Seq2SeqModel, build_model
-from export.models.base import save_checkpoint
-from export.search import greedy_batch, max_target_length
 from nmt.errors import NmtError
-from server.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-
-RUN_FILES = ("best.pt", "last.pt", "spm.model", "history.json")
+from nmt.model_format.layout import (
+    BEST_CHECKPOINT,
+    CURVES_FILE,
+    HISTORY_FILE,
+    LAST_CHECKPOINT,
+    RUN_FILES,
+    SUMMARY_FILE,
+    TEST_SPLIT_FILE,
+)
+from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from training.data import Pair, clean, load_corpus, split, write_tsv
+from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint
+from training.models.interface import Seq2SeqModel
+from training.search import greedy_batch, max_target_length
 
 
 @dataclass
@@ -144,8 +151,8 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     existing = [name for name in RUN_FILES if (out / name).exists()]
     if cfg.resume:
-        if not (out / "last.pt").exists():
-            raise NmtError(f"cannot resume: {out / 'last.pt'} does not exist")
+        if not (out / LAST_CHECKPOINT).exists():
+            raise NmtError(f"cannot resume: {out / LAST_CHECKPOINT} does not exist")
     elif existing and not cfg.force:
         raise NmtError(f"{out} already holds a run ({', '.join(existing)}); use --force to overwrite or --resume")
     out.mkdir(parents=True, exist_ok=True)
@@ -171,11 +178,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     rng = random.Random(cfg.seed)
     train_pairs, valid_pairs, test_pairs = load_splits(cfg)
     log(f"corpus {cfg.corpus}: {len(train_pairs)} train / {len(valid_pairs)} valid / {len(test_pairs)} test pairs")
-    write_tsv(test_pairs, out / "test.tsv")
+    write_tsv(test_pairs, out / TEST_SPLIT_FILE)
 
     if cfg.resume:
         tokenizer = Tokenizer.load(out)
-        last = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+        last = torch.load(out / LAST_CHECKPOINT, map_location="cpu", weights_only=True)
         model = build_model(last["arch"], **last["config"])
         model.load_state_dict(last["model"])
     else:
@@ -191,7 +198,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     if last is not None:
         optimizer.load_state_dict(last["optimizer"])
         step, best_bleu = int(last["step"]), float(last["best_valid_bleu"])
-        history = json.loads((out / "history.json").read_text())
+        history = json.loads((out / HISTORY_FILE).read_text())
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, vocabulary {tokenizer.vocab_size}")
 
@@ -236,14 +243,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 history["valid_bleu"].append(round(valid_bleu, 2))
                 if valid_bleu > best_bleu:
                     best_bleu, stale = valid_bleu, 0
-                    save_checkpoint(out / "best.pt", model, step=step, valid_bleu=valid_bleu, train_config=train_config)
+                    save_checkpoint(out / BEST_CHECKPOINT, model, step=step, valid_bleu=valid_bleu,
+                                    train_config=train_config)
                 else:
                     stale += 1
                 save_checkpoint(
-                    out / "last.pt", model, step=step, best_valid_bleu=best_bleu,
+                    out / LAST_CHECKPOINT, model, step=step, best_valid_bleu=best_bleu,
                     optimizer=optimizer.state_dict(), train_config=train_config,
                 )
-                (out / "history.json").write_text(json.dumps(history))
+                (out / HISTORY_FILE).write_text(json.dumps(history))
                 reached = cfg.target_bleu is not None and valid_bleu >= cfg.target_bleu
                 patience_over = cfg.patience is not None and stale >= cfg.patience
                 last_step = last_step or reached or patience_over
@@ -261,7 +269,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     bar.close()
     seconds = time.monotonic() - start
 
-    best_model, payload = _load_best(out)
+    best_model, payload = load_checkpoint(out / BEST_CHECKPOINT)
     test_bleu = evaluate(best_model, tokenizer, test_pairs)
     summary = {
         "arch": cfg.arch, "corpus": cfg.corpus, "steps": step, "train_seconds": round(seconds, 1),
@@ -269,16 +277,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         "train_pairs": len(train_pairs), "valid_pairs": len(valid_pairs), "test_pairs": len(test_pairs),
         "parameters": n_params, "vocab_size": tokenizer.vocab_size, "train_config": train_config,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(history, out / "curves.png", title=f"{cfg.arch} on {cfg.corpus}")
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    plot_curves(history, out / CURVES_FILE, title=f"{cfg.arch} on {cfg.corpus}")
     log(f"done: {step} steps in {seconds:.0f}s, best valid BLEU {best_bleu:.2f}, test BLEU {test_bleu:.2f} -> {out}")
     return TrainResult(out=out, best_valid_bleu=best_bleu, test_bleu=test_bleu, steps=step, seconds=seconds)
-
-
-def _load_best(out: Path) -> tuple[Seq2SeqModel, dict[str, Any]]:
-    from export.models import load_checkpoint
-
-    return load_checkpoint(out / "best.pt")
 
 
 def plot_curves(history: dict[str, list], path: Path, title: str) -> None:

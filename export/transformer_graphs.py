@@ -14,7 +14,7 @@ residual + LayerNorm pairs to ``SkipLayerNormalization``. Three edits follow on 
   layer's cross-attention node and turns it into ``attention`` = mean over heads of softmax, with padding
   set to exactly 0.
 
-Graph I/O (the contract of :mod:`server.manifest`):
+Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
 
 * encoder: ``src_ids`` int64 [batch, src_len] -> ``src_mask`` int32 [batch, src_len] (1 = token, 0 = pad),
   ``cross_key_{i}``, ``cross_value_{i}`` float32 [batch, heads, src_len, head_dim];
@@ -32,22 +32,12 @@ import torch
 from onnx import TensorProto, helper
 from torch import Tensor, nn
 
-from export.models.transformer import Transformer
-from export.onnx_export import (
-    GraphSet,
-    cancel_transposes,
-    count_ops,
-    example_source,
-    perm,
-    producers,
-    prune,
-    register_exporter,
-    set_io_shapes,
-    torch_to_onnx,
-    untied_copy,
-)
+from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
+from export.graphs import GraphSet
+from export.tracing import example_source, torch_to_onnx, untied_copy
 from nmt.errors import NmtError
-from server.manifest import StateTensor
+from nmt.model_format.manifest import StateTensor
+from training.models.transformer import Transformer
 
 MHA = "MultiHeadAttention"
 
@@ -252,8 +242,8 @@ def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto) -> None:
     graph.output.append(helper.make_tensor_value_info("attention", TensorProto.FLOAT, ["batch", "src_len"]))
 
 
-@register_exporter("transformer")
 def export_transformer(model: Transformer, opset: int) -> GraphSet:
+    """The fused encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
     cfg = model.config
     layers, heads = cfg.decoder_layers, cfg.heads
     head_dim = cfg.d_model // heads

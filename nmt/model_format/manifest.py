@@ -12,7 +12,7 @@ graphs' I/O so the engine stays architecture-agnostic:
   ``attention`` float32 [batch, src_len]; it also takes ``top_k`` int64 [1] (default 1) and returns
   ``top_ids`` int64 / ``top_log_probs`` float32 [batch, top_k] (the best tokens of each row, best
   first) and ``eos_log_prob`` float32 [batch], so the search never fetches the whole distribution
-  (versions exported before these existed lack them; the engine then selects in NumPy);
+  (the engine refuses a decoder without them);
 * a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
   KV cache); its ``dtype`` is a NumPy dtype name;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from nmt.errors import NmtError
+from nmt.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
 
-MANIFEST_FILENAME = "manifest.json"
 FORMAT = "nmt-model/1"
 GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
 PRECISIONS = ("fp32", "int8")
@@ -80,7 +80,7 @@ class Manifest:
     decoder_static: list[str]
     decoder_state: list[StateTensor]
     files: dict[str, str]  # file name -> sha256 hex digest (every file but the manifest)
-    tokenizer: str = "spm.model"
+    tokenizer: str = TOKENIZER_FILE
     static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
     fused_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> op type -> count
     attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
@@ -98,7 +98,7 @@ class Manifest:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_FILENAME) -> Manifest:
+    def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_FILE) -> Manifest:
         """Build and validate a manifest from parsed JSON; raises :class:`ManifestError`."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object")
@@ -123,7 +123,7 @@ class Manifest:
         manifest.validate(where=where)
         return manifest
 
-    def validate(self, *, where: str = MANIFEST_FILENAME) -> None:
+    def validate(self, *, where: str = MANIFEST_FILE) -> None:
         """Check types and cross-references between fields (not the files; see :func:`verify_files`)."""
         problems: list[str] = []
         for name in ("name", "version", "architecture", "source_language", "target_language", "tokenizer"):
@@ -193,11 +193,11 @@ def verify_files(manifest: Manifest, version_dir: str | Path) -> None:
     for filename, expected in manifest.files.items():
         path = version_dir / filename
         if not path.is_file():
-            raise ManifestError(f"{version_dir}: {filename} is listed in {MANIFEST_FILENAME} but missing")
+            raise ManifestError(f"{version_dir}: {filename} is listed in {MANIFEST_FILE} but missing")
         actual = sha256_file(path)
         if actual != expected:
             raise ManifestError(
-                f"{version_dir}: {filename} does not match its sha256 in {MANIFEST_FILENAME} "
+                f"{version_dir}: {filename} does not match its sha256 in {MANIFEST_FILE} "
                 f"(expected {expected[:12]}..., found {actual[:12]}...): the file was changed or truncated"
             )
 
@@ -205,9 +205,9 @@ def verify_files(manifest: Manifest, version_dir: str | Path) -> None:
 def read_manifest(version_dir: str | Path, *, verify: bool = True) -> Manifest:
     """Load and validate ``<version_dir>/manifest.json`` (and, with ``verify``, the files' sha256)."""
     version_dir = Path(version_dir)
-    path = version_dir / MANIFEST_FILENAME
+    path = version_dir / MANIFEST_FILE
     if not path.is_file():
-        raise ManifestError(f"{version_dir} is not a model version: {MANIFEST_FILENAME} not found")
+        raise ManifestError(f"{version_dir} is not a model version: {MANIFEST_FILE} not found")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -220,9 +220,9 @@ def read_manifest(version_dir: str | Path, *, verify: bool = True) -> Manifest:
 
 def write_manifest(manifest: Manifest, version_dir: str | Path) -> Path:
     """Validate ``manifest`` and write it as ``<version_dir>/manifest.json`` (atomically)."""
-    manifest.validate(where=str(Path(version_dir) / MANIFEST_FILENAME))
-    path = Path(version_dir) / MANIFEST_FILENAME
-    tmp = path.with_name(f".{MANIFEST_FILENAME}.tmp")
+    manifest.validate(where=str(Path(version_dir) / MANIFEST_FILE))
+    path = Path(version_dir) / MANIFEST_FILE
+    tmp = path.with_name(f".{MANIFEST_FILE}.tmp")
     tmp.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path

@@ -77,7 +77,7 @@ def build_demo(repository: str, runs: str) -> None:
     if any(Path(repository).glob("*/*/manifest.json")):
         return
     try:
-        from export.demo import build_demo_models
+        from nmt.demo import build_demo_models
     except ImportError as error:
         raise NmtError(f"--demo trains models and needs the train extra ({error}); run: pip install -e '.[train]'") \
             from error

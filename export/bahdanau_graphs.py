@@ -4,7 +4,7 @@ The recurrent layers export as ONNX ``GRU`` nodes (PyTorch's gate order and ``li
 are handled by the exporter): two in the encoder (forward and, over each sentence reversed within its
 length, backward), one with sequence length 1 in the decoder step. No Loop or Scan anywhere.
 
-Graph I/O (the contract of :mod:`server.manifest`):
+Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
 
 * encoder: ``src_ids`` int64 [batch, src_len] -> ``memory`` [batch, src_len, 2 * encoder_hidden],
   ``keys`` [batch, src_len, K] (``U h``, computed once per sentence; ``K`` = attention_dim for additive,
@@ -21,19 +21,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from export.models.bahdanau import Bahdanau
-from export.onnx_export import (
-    GraphSet,
-    count_ops,
-    example_source,
-    register_exporter,
-    remove_output,
-    set_io_shapes,
-    torch_to_onnx,
-    untied_copy,
-)
+from export.graph_passes import count_ops, remove_output, set_io_shapes
+from export.graphs import GraphSet
+from export.tracing import example_source, torch_to_onnx, untied_copy
 from nmt.errors import NmtError
-from server.manifest import StateTensor
+from nmt.model_format.manifest import StateTensor
+from training.models.bahdanau import Bahdanau
 
 STATIC = ["memory", "keys", "src_mask"]
 STATE = [("hidden", "hidden_out"), ("context", "context_out")]
@@ -67,8 +60,8 @@ class StepGraph(nn.Module):
         return logits.log_softmax(-1), state["hidden"], state["context"], attention
 
 
-@register_exporter("bahdanau")
 def export_bahdanau(model: Bahdanau, opset: int) -> GraphSet:
+    """The encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
     cfg = model.config
     model = untied_copy(model, "generator", "tgt_embed")
     src = example_source(cfg)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from export.onnx_export import ExportOptions, export_model, manifest_summary
-from export.presets import PRESETS
-from export.train import TrainConfig, train
+from export.pipeline import ExportOptions, export_model, manifest_summary
+from training.presets import PRESETS
+from training.train import TrainConfig, train
 
 # served model name -> training preset
 DEMO_MODELS = {"demo-transformer": "dates-transformer", "demo-bahdanau": "dates-bahdanau"}

@@ -1,0 +1,268 @@
+"""Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
+projections, the decoder's in-graph top-k, Gemm -> MatMul for quantization, and op counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from export.tracing import MAX_IR_VERSION
+from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS
+
+FUSED_STANDARD_OPS = {"LayerNormalization", "GRU", "LSTM", "RNN", "Attention", "RMSNormalization"}
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Each tensor name -> the node producing it."""
+    return {output: node for node in graph.node for output in node.output if output}
+
+
+def prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop nodes, initializers and value infos that no graph output depends on (in place)."""
+    graph = model.graph
+    needed = {output.name for output in graph.output}
+    keep: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        if any(output in needed for output in node.output):
+            keep.append(node)
+            needed.update(name for name in node.input if name)
+            for attribute in node.attribute:  # subgraphs (If/Loop) read outer names implicitly
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    needed.update(_subgraph_inputs(attribute.g))
+    keep.reverse()
+    del graph.node[:]
+    graph.node.extend(keep)
+    initializers = [init for init in graph.initializer if init.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    infos = [info for info in graph.value_info if info.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    return model
+
+
+def _subgraph_inputs(graph: onnx.GraphProto) -> set[str]:
+    names = {name for node in graph.node for name in node.input}
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names |= _subgraph_inputs(attribute.g)
+    return names
+
+
+def remove_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """A copy of ``model`` without graph output ``name`` (and whatever only it needed)."""
+    clone = onnx.ModelProto()
+    clone.CopyFrom(model)
+    outputs = [output for output in clone.graph.output if output.name != name]
+    del clone.graph.output[:]
+    clone.graph.output.extend(outputs)
+    return prune(clone)
+
+
+def cancel_transposes(model: onnx.ModelProto) -> int:
+    """Bypass ``Transpose(Transpose(x, p), q)`` pairs that compose to the identity; returns how many."""
+    graph = model.graph
+    made = producers(graph)
+    rename: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type != "Transpose" or not node.input:
+            continue
+        inner = made.get(node.input[0])
+        if inner is None or inner.op_type != "Transpose":
+            continue
+        outer_perm, inner_perm = perm(node), perm(inner)
+        if outer_perm is None or inner_perm is None or len(outer_perm) != len(inner_perm):
+            continue
+        if [inner_perm[axis] for axis in outer_perm] == list(range(len(outer_perm))):
+            rename[node.output[0]] = inner.input[0]
+    if rename:
+        graph_outputs = {output.name for output in graph.output}
+        rename = {old: new for old, new in rename.items() if old not in graph_outputs}
+        for node in graph.node:
+            for position, name in enumerate(node.input):
+                if name in rename:
+                    node.input[position] = rename[name]
+        prune(model)
+    return len(rename)
+
+
+def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
+    """Merge the projections that read the same input into one (in place): ``MatMul(x, W_i) [+ b_i]``
+    for i = 1..n with constant 2-D ``W_i`` becomes ``Split(MatMul(x, [W_1 ... W_n]) [+ [b_1 ... b_n]])``,
+    whose pieces keep the original output names. Attention's query/key/value projections and the
+    cross-attention key/value projections of every decoder layer are such groups: one wide product
+    uses both cores where the narrow ones leave one idle, and costs one kernel launch instead of n.
+    Returns the number of MatMuls removed."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {output.name for output in graph.output}
+
+    def bias_of(matmul: onnx.NodeProto) -> tuple[onnx.NodeProto, str] | None:
+        """The ``Add(matmul, b)`` with constant 1-D ``b`` that alone reads this MatMul's output, and ``b``."""
+        users = consumers.get(matmul.output[0], [])
+        if len(users) != 1 or users[0].op_type != "Add" or matmul.output[0] in graph_outputs:
+            return None
+        add = users[0]
+        bias = add.input[1] if add.input[0] == matmul.output[0] else add.input[0]
+        return (add, bias) if bias in initializers and len(initializers[bias].dims) == 1 else None
+
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if (node.op_type == "MatMul" and node.input[1] in initializers
+                and len(initializers[node.input[1]].dims) == 2):
+            groups.setdefault(node.input[0], []).append(node)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> the nodes taking its place
+    removed: set[int] = set()
+    merged = 0
+    for index, (source, members) in enumerate(groups.items()):
+        biases = [bias_of(member) for member in members]
+        if len(members) < 2 or any(biases) != all(biases):
+            continue
+        name = f"packed_{index}"
+        weights = [onnx.numpy_helper.to_array(initializers[member.input[1]]) for member in members]
+        graph.initializer.extend([
+            onnx.numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight"),
+            onnx.numpy_helper.from_array(np.array([w.shape[1] for w in weights], dtype=np.int64), f"{name}_split"),
+        ])
+        nodes = [helper.make_node("MatMul", [source, f"{name}_weight"], [f"{name}_product"], name=name)]
+        ends = members
+        if all(biases):
+            adds = [add for add, _ in biases]
+            packed_bias = np.concatenate([onnx.numpy_helper.to_array(initializers[b]) for _, b in biases])
+            graph.initializer.append(onnx.numpy_helper.from_array(packed_bias, f"{name}_bias"))
+            nodes.append(helper.make_node("Add", [f"{name}_product", f"{name}_bias"], [f"{name}_biased"],
+                                          name=f"{name}_add"))
+            removed.update(id(add) for add in adds)
+            ends = adds
+        nodes.append(helper.make_node("Split", [nodes[-1].output[0], f"{name}_split"],
+                                      [end.output[0] for end in ends], axis=-1, name=f"{name}_split"))
+        replaced[id(members[0])] = nodes
+        removed.update(id(member) for member in members)
+        merged += len(members) - 1
+    if not merged:
+        return 0
+    # the packed nodes take the first member's place: every member and consumer comes after it
+    order: list[onnx.NodeProto] = []
+    for node in graph.node:
+        order.extend(replaced.get(id(node), []))
+        if id(node) not in removed:
+            order.append(node)
+    del graph.node[:]
+    graph.node.extend(order)
+    prune(model)
+    return merged
+
+
+def perm(node: onnx.NodeProto) -> list[int] | None:
+    """A Transpose node's ``perm`` attribute (None when absent)."""
+    for attribute in node.attribute:
+        if attribute.name == "perm":
+            return list(attribute.ints)
+    return None
+
+
+def set_io_shapes(model: onnx.ModelProto, shapes: dict[str, Sequence[int | str]]) -> None:
+    """Overwrite the declared shapes of graph inputs/outputs (the exporter sometimes records the
+    example's sizes for dynamic axes) and drop intermediate shape annotations."""
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name not in shapes:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        del dims[:]
+        for size in shapes[value.name]:
+            dim = dims.add()
+            if isinstance(size, str):
+                dim.dim_param = size
+            else:
+                dim.dim_value = size
+    del model.graph.value_info[:]
+
+
+def add_top_k(model: onnx.ModelProto, eos_id: int) -> None:
+    """Give a decoder step graph the outputs the serving search reads instead of the whole
+    distribution (in place): ``top_ids`` / ``top_log_probs`` [batch, top_k], the ``top_k`` best tokens
+    of each row (``TopK``: best first, ties to the lower id, like arg-max), and ``eos_log_prob`` [batch]
+    for rows that must end. ``top_k`` is an int64 [1] input defaulting to 1; ``log_probs`` stays an output
+    (the parity checks read it) but is no longer copied out of ONNX Runtime at every step."""
+    graph = model.graph
+    ids, top_scores, eos_scores = TOP_K_OUTPUTS
+    graph.input.append(helper.make_tensor_value_info(TOP_K_INPUT, TensorProto.INT64, [1]))
+    graph.initializer.extend([
+        onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), TOP_K_INPUT),  # the default
+        onnx.numpy_helper.from_array(np.array(eos_id, dtype=np.int64), "eos_id"),
+    ])
+    graph.node.extend([
+        helper.make_node("TopK", ["log_probs", TOP_K_INPUT], [top_scores, ids], axis=-1, largest=1, sorted=1),
+        helper.make_node("Gather", ["log_probs", "eos_id"], [eos_scores], axis=1),
+    ])
+    graph.output.extend([
+        helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "top_k"]),
+        helper.make_tensor_value_info(top_scores, TensorProto.FLOAT, ["batch", "top_k"]),
+        helper.make_tensor_value_info(eos_scores, TensorProto.FLOAT, ["batch"]),
+    ])
+
+
+def gemm_to_matmul(model: onnx.ModelProto) -> int:
+    """Rewrite ``Gemm(x, W, b, transB=1)`` with constant ``W`` as ``MatMul(x, W^T) + b`` (in place), so
+    dynamic quantization, which skips Gemm, covers those layers too. Returns the number rewritten."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    nodes: list[onnx.NodeProto] = []
+    rewritten = 0
+    for node in graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (
+            node.op_type != "Gemm"
+            or node.input[1] not in initializers
+            or attributes.get("transA", 0)
+            or attributes.get("alpha", 1.0) != 1.0
+            or attributes.get("beta", 1.0) != 1.0
+        ):
+            nodes.append(node)
+            continue
+        weight = onnx.numpy_helper.to_array(initializers[node.input[1]])
+        if attributes.get("transB", 0):
+            weight = weight.T
+        name = f"{node.input[1]}__matmul_{rewritten}"
+        graph.initializer.append(onnx.numpy_helper.from_array(np.ascontiguousarray(weight), name))
+        product = node.output[0] + "__matmul" if len(node.input) > 2 and node.input[2] else node.output[0]
+        nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}_matmul"))
+        if product != node.output[0]:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_bias"))
+        rewritten += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    prune(model)
+    return rewritten
+
+
+def count_ops(model: onnx.ModelProto) -> Counter[str]:
+    """Nodes by op type."""
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def fused_op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Counts of the fused operators in a graph: every ``com.microsoft`` op plus standard fused ops."""
+    counts: Counter[str] = Counter()
+    for node in model.graph.node:
+        if node.domain == "com.microsoft":
+            counts[f"com.microsoft.{node.op_type}"] += 1
+        elif node.op_type in FUSED_STANDARD_OPS:
+            counts[node.op_type] += 1
+    return dict(sorted(counts.items()))
+
+
+def save_graph(model: onnx.ModelProto, path: Path) -> None:
+    """Save with the IR version capped at what the supported onnxruntime reads."""
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.save(model, str(path))

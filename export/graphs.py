@@ -1,0 +1,26 @@
+"""What an architecture's graph exporter returns (see :mod:`export.registry` for the exporters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from nmt.model_format.manifest import StateTensor
+
+
+@dataclass
+class GraphSet:
+    """What an architecture exporter produces: three graphs and their I/O description."""
+
+    encoder: onnx.ModelProto
+    decoder: onnx.ModelProto
+    decoder_attention: onnx.ModelProto
+    decoder_static: list[str]
+    decoder_state: list[StateTensor]
+    static_src_axes: dict[str, int]
+    attention_total: int  # attention blocks that have a fused ONNX Runtime lowering (all must be fused)
+    attention_fused: int
+
+    def graphs(self) -> dict[str, onnx.ModelProto]:
+        return {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}

@@ -1,0 +1,394 @@
+"""``nmt export``: a training run -> a verified ONNX model version in the model repository.
+
+:func:`export_model` reads as its stages (each a step of the progress bar):
+
+1. **validate** the inputs before writing anything: the checkpoint (loaded with ``weights_only=True``),
+   the tokenizer beside it, the target directory (refused if it exists, unless ``force``);
+2. **export graphs**: the architecture's exporter (:mod:`export.registry`) traces ``encoder.onnx``,
+   ``decoder.onnx`` (one step) and ``decoder_attention.onnx`` (the same step plus ``attention``) with
+   fused attention; graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
+   decoder's in-graph top-k. The I/O contract is described in :mod:`nmt.model_format.manifest`;
+3. **verify parity**: the version is written and loaded with the serving engine, which must match
+   PyTorch (:mod:`export.verify`);
+4. optionally **quantize** (dynamic int8, :mod:`export.quantize`), verify again and score held-out BLEU
+   of fp32 vs int8;
+5. **write**: the manifest records the parity figures; the version is renamed into place from a hidden
+   temporary directory, so a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import torch
+from tqdm import tqdm
+
+from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
+from export.graphs import GraphSet
+from export.quantize import quantize_int8
+from export.registry import graph_exporter
+from export.tracing import torch_threads
+from export.verify import LOGIT_TOLERANCE, ParityReport, check_parity, greedy_texts
+from nmt.errors import NmtError
+from nmt.model_format.layout import (
+    BEST_CHECKPOINT,
+    GRAPH_FILES,
+    SUMMARY_FILE,
+    TEST_SPLIT_FILE,
+    TOKENIZER_FILE,
+    next_version,
+)
+from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
+from nmt.model_format.tokenizer import UNK_ID, Tokenizer
+from server.engine import Engine
+from training.data import load_tsv
+from training.models.checkpoint import load_checkpoint
+from training.models.interface import Seq2SeqModel
+from training.train import bleu
+
+OPSETS = range(18, 23)  # opset 23 turns SDPA into ONNX Attention, which ORT's CPU kernel rejects with our masks
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class ExportOptions:
+    """Everything ``nmt export`` takes (see :mod:`export.export_cli` for the flags' help)."""
+
+    checkpoint: str  # run directory (best.pt + spm.model) or a checkpoint file with spm.model beside it
+    name: str
+    version: str | None = None  # default: next integer after the existing versions
+    repository: str = "models"
+    quantize: str | None = None  # None or "int8"
+    per_channel: bool = False  # per-tensor scales measured closer to fp32 on the dates models
+    force: bool = False
+    opset: int = 18
+    parity_sentences: int = 20
+    # fp32 log-prob/attention tolerance; 1e-4 holds for trained models, random large-vocabulary weights
+    # (benchmarks) have logits in the hundreds where kernel reassociation alone moves them ~1e-3
+    parity_tolerance: float = LOGIT_TOLERANCE
+    bleu_sentences: int = 200
+    allow_unfused: bool = False
+    source_language: str = "en"
+    target_language: str = "de"
+    beam_size: int = 4  # serving defaults recorded in the manifest
+    length_penalty: float = 1.0
+    max_length: int = 256
+    threads: int = 1  # ONNX Runtime and torch threads while verifying
+    progress: bool = True
+
+
+@dataclass
+class ExportResult:
+    version_dir: Path
+    manifest: Manifest
+    parity: ParityReport
+    parity_int8: ParityReport | None = None
+
+
+@dataclass
+class _Inputs:
+    checkpoint: Path
+    run_dir: Path
+    model: Seq2SeqModel
+    payload: dict[str, Any]
+    tokenizer: Tokenizer
+    summary: dict[str, Any]
+    pairs: list[tuple[str, str]]  # held-out (source, target) texts; empty if the run has no test.tsv
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """A run directory or a checkpoint file -> (checkpoint file, directory holding spm.model)."""
+    path = Path(path)
+    if path.is_dir():
+        checkpoint = path / BEST_CHECKPOINT
+        if not checkpoint.is_file():
+            raise NmtError(f"{path} holds no {BEST_CHECKPOINT}; pass a training run directory or a checkpoint file")
+        return checkpoint, path
+    if not path.exists():
+        raise NmtError(f"checkpoint not found: {path}")
+    return path, path.parent
+
+
+def _load_inputs(options: ExportOptions) -> _Inputs:
+    checkpoint, run_dir = resolve_checkpoint(options.checkpoint)
+    spm_path = run_dir / TOKENIZER_FILE
+    if not spm_path.is_file():
+        raise NmtError(f"tokenizer not found: {spm_path} (the run directory's {TOKENIZER_FILE} must sit beside "
+                       f"the checkpoint)")
+    model, payload = load_checkpoint(checkpoint)
+    try:
+        tokenizer = Tokenizer.load(run_dir)
+    except Exception as error:
+        raise NmtError(f"cannot load tokenizer {spm_path}: {error}") from error
+    cfg = model.config
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise NmtError(f"tokenizer {spm_path} has {tokenizer.vocab_size} pieces but the model expects "
+                       f"{cfg.vocab_size}: they come from different runs")
+    summary: dict[str, Any] = {}
+    if (run_dir / SUMMARY_FILE).is_file():
+        try:
+            summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        except json.JSONDecodeError as error:
+            raise NmtError(f"cannot read {run_dir / SUMMARY_FILE}: {error}") from error
+    pairs: list[tuple[str, str]] = []
+    if (run_dir / TEST_SPLIT_FILE).is_file():
+        pairs = [(p.source, p.target) for p in load_tsv(run_dir / TEST_SPLIT_FILE)]
+    if options.quantize and not pairs:
+        raise NmtError(f"--quantize {options.quantize} scores held-out BLEU and needs {run_dir / TEST_SPLIT_FILE}")
+    return _Inputs(checkpoint, run_dir, model, payload, tokenizer, summary, pairs)
+
+
+def _validate_options(options: ExportOptions) -> None:
+    if not NAME_PATTERN.match(options.name):
+        raise NmtError(f"bad model name {options.name!r}: use letters, digits, '.', '_' and '-'")
+    if options.version is not None and not NAME_PATTERN.match(options.version):
+        raise NmtError(f"bad version {options.version!r}: use letters, digits, '.', '_' and '-'")
+    if options.quantize not in (None, "int8"):
+        raise NmtError(f"unknown quantization {options.quantize!r}; the only choice is int8")
+    if options.opset not in OPSETS:
+        raise NmtError(f"opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
+    if options.parity_sentences < 1:
+        raise NmtError("--parity-sentences must be at least 1")
+    if options.beam_size < 1 or options.max_length < 1:
+        raise NmtError("--beam-size and --max-length must be positive")
+
+
+def _parity_pairs(inputs: _Inputs, count: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Held-out sentences as ids (sources end with EOS); random id strings if the run has no test.tsv."""
+    cfg = inputs.model.config
+    if inputs.pairs:
+        chosen = inputs.pairs[:count]
+        sources = [ids + [cfg.eos_id] for ids in inputs.tokenizer.encode_batch([s for s, _ in chosen])]
+        targets = inputs.tokenizer.encode_batch([t for _, t in chosen])
+        return sources, targets
+    generator = torch.Generator().manual_seed(0)
+    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, UNK_ID}
+    ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
+    sources, targets = [], []
+    for _ in range(count):
+        length = int(torch.randint(3, 12, (1,), generator=generator))
+        picks = ordinary[torch.randint(len(ordinary), (2, length), generator=generator)]
+        sources.append(picks[0].tolist() + [cfg.eos_id])
+        targets.append(picks[1].tolist())
+    return sources, targets
+
+
+def _training_info(inputs: _Inputs) -> dict[str, Any]:
+    summary, payload = inputs.summary, inputs.payload
+    train_config = summary.get("train_config") or payload.get("train_config") or {}
+    return {
+        "corpus": summary.get("corpus", train_config.get("corpus")),
+        "valid_bleu": summary.get("best_valid_bleu", payload.get("valid_bleu")),
+        "test_bleu": summary.get("test_bleu"),
+        "steps": summary.get("steps", payload.get("step")),
+        "checkpoint_step": payload.get("step"),
+    }
+
+
+class _Stages:
+    """The progress bar over the export's stages."""
+
+    def __init__(self, names: Sequence[str], enabled: bool) -> None:
+        self.bar = tqdm(total=len(names), disable=not enabled, unit="stage", dynamic_ncols=True, leave=False)
+        self.started = False
+
+    def __call__(self, name: str) -> None:
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_description(name)
+
+    def close(self) -> None:
+        if self.started:
+            self.bar.update(1)
+        self.bar.close()
+
+
+def export_model(options: ExportOptions) -> ExportResult:
+    """Run the whole export (see the module docstring); returns the new version and its manifest."""
+    _validate_options(options)
+    names = ["validate", "export graphs", "verify parity"] + (["quantize int8"] if options.quantize else []) + ["write"]
+    stage = _Stages(names, options.progress)
+    created: list[Path] = []
+    try:
+        with torch_threads(options.threads):
+            stage("validate")
+            inputs = _load_inputs(options)
+            model_dir = Path(options.repository) / options.name
+            version = options.version or next_version(model_dir)
+            version_dir = model_dir / version
+            if version_dir.exists() and not options.force:
+                raise NmtError(f"{version_dir} already exists; use --force to overwrite it or --version for another")
+            for directory in reversed([model_dir, *model_dir.parents]):
+                if not directory.exists():
+                    directory.mkdir()
+                    created.append(directory)
+            with tempfile.TemporaryDirectory(prefix=f".export-{version}-", dir=model_dir) as tmp:
+                result = _export(options, inputs, version, Path(tmp), stage)
+                _move_into_place(result.version_dir, version_dir, Path(tmp))
+                result.version_dir = version_dir
+            created.clear()
+            return result
+    finally:
+        stage.close()
+        for directory in reversed(created):  # a failed first export leaves no empty model directory
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, stage: _Stages) -> ExportResult:
+    """Export, verify (and quantize) into ``work``; returns the result with ``version_dir`` under ``work``."""
+    model = inputs.model
+    stage("export graphs")
+    graph_set = graph_exporter(model.arch)(model, options.opset)
+    if graph_set.attention_fused < graph_set.attention_total and not options.allow_unfused:
+        raise NmtError(
+            f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
+            "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
+        )
+    for graph in graph_set.graphs().values():
+        pack_parallel_matmuls(graph)
+    for step_graph in (graph_set.decoder, graph_set.decoder_attention):
+        add_top_k(step_graph, model.config.eos_id)
+
+    stage("verify parity")
+    fp32_dir = work / "fp32"
+    fp32_dir.mkdir()
+    for role, graph in graph_set.graphs().items():
+        save_graph(graph, fp32_dir / GRAPH_FILES[role])
+    manifest = _write_version(fp32_dir, options, inputs, graph_set, version, precision="fp32")
+    fp32_engine = _load_engine(fp32_dir, options)
+    sources, targets = _parity_pairs(inputs, options.parity_sentences)
+    parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
+    if not parity.ok(options.parity_tolerance):
+        details = "; ".join(parity.mismatches[:3])
+        raise NmtError(
+            f"ONNX parity check failed: max log-prob diff {parity.max_logit_diff:.2e}, max attention diff "
+            f"{parity.max_attention_diff:.2e} (tolerance {options.parity_tolerance:g}), greedy "
+            f"{parity.greedy_match[0]}/{parity.greedy_match[1]}, beam-4 {parity.beam4_match[0]}/"
+            f"{parity.beam4_match[1]} identical" + (f"; {details}" if details else "")
+        )
+    manifest.parity = {"precision": "fp32", "enforced": True, **parity.to_dict(), "tolerance": options.parity_tolerance}
+    version_dir, parity_int8 = fp32_dir, None
+
+    if options.quantize:
+        stage("quantize int8")
+        int8_dir = work / "int8"
+        int8_dir.mkdir()
+        for filename in GRAPH_FILES.values():
+            quantize_int8(fp32_dir / filename, int8_dir / filename, per_channel=options.per_channel)
+        int8_manifest = _write_version(int8_dir, options, inputs, graph_set, version, precision="int8")
+        int8_engine = _load_engine(int8_dir, options)
+        parity_int8 = check_parity(model, int8_engine, sources, targets, beam_size=4)
+        int8_manifest.parity = {"precision": "int8", "enforced": False, **parity_int8.to_dict(),
+                                "fp32": manifest.parity}
+        int8_manifest.quantization = _bleu_comparison(inputs, options, fp32_engine, int8_engine)
+        version_dir, manifest = int8_dir, int8_manifest
+
+    stage("write")
+    write_manifest(manifest, version_dir)
+    return ExportResult(version_dir=version_dir, manifest=manifest, parity=parity, parity_int8=parity_int8)
+
+
+def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, graph_set: GraphSet, version: str,
+                   *, precision: str) -> Manifest:
+    """Complete the model version in ``directory`` (whose graphs are written): tokenizer and a manifest
+    without parity figures yet. Returns the manifest."""
+    model, cfg = inputs.model, inputs.model.config
+    inputs.tokenizer.save(directory)
+    manifest = Manifest(
+        name=options.name,
+        version=version,
+        architecture=model.arch,
+        source_language=options.source_language,
+        target_language=options.target_language,
+        vocab_size=cfg.vocab_size,
+        dimensions=dataclasses.asdict(cfg),
+        special_ids={"pad": cfg.pad_id, "unk": UNK_ID, "bos": cfg.bos_id, "eos": cfg.eos_id,
+                     "decoder_start": cfg.decoder_start_id},
+        opset=options.opset,
+        onnxruntime_version=ort.__version__,
+        precision=precision,
+        graphs=dict(GRAPH_FILES),
+        decoder_static=graph_set.decoder_static,
+        decoder_state=graph_set.decoder_state,
+        static_src_axes=graph_set.static_src_axes,
+        tokenizer=TOKENIZER_FILE,
+        fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in GRAPH_FILES.items()},
+        attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
+        training=_training_info(inputs),
+        defaults={"beam_size": options.beam_size, "length_penalty": options.length_penalty,
+                  "max_length": options.max_length},
+        files={name: sha256_file(directory / name) for name in [*GRAPH_FILES.values(), TOKENIZER_FILE]},
+        created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+    )
+    write_manifest(manifest, directory)
+    return manifest
+
+
+def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
+    """The version as ``nmt serve`` loads it (CPU, ``options.threads`` threads)."""
+    return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1)
+
+
+def _bleu_comparison(inputs: _Inputs, options: ExportOptions, fp32: Engine, int8: Engine) -> dict[str, Any]:
+    """Greedy held-out BLEU of the fp32 and int8 versions (serving engine, sacrebleu)."""
+    pairs = inputs.pairs[: options.bleu_sentences]
+    sources = [source for source, _ in pairs]
+    references = [target for _, target in pairs]
+    scores = {label: round(bleu(greedy_texts(engine, sources), references), 2)
+              for label, engine in (("fp32", fp32), ("int8", int8))}
+    return {
+        "method": "onnxruntime quantize_dynamic: int8 MatMul weights, "
+        + ("per-channel" if options.per_channel else "per-tensor") + " scales",
+        "bleu_fp32": scores["fp32"],
+        "bleu_int8": scores["int8"],
+        "delta": round(scores["int8"] - scores["fp32"], 2),
+        "test_sentences": len(pairs),
+    }
+
+
+def _move_into_place(new: Path, target: Path, scratch: Path) -> None:
+    """Rename ``new`` to ``target``; an existing ``target`` (``--force``) is moved aside first."""
+    old = None
+    if target.exists():
+        old = scratch / "replaced"
+        os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except OSError:
+        if old is not None:
+            os.replace(old, target)
+        raise
+
+
+def manifest_summary(manifest: Manifest) -> str:
+    """A few lines for the terminal after an export."""
+    parity = manifest.parity
+    lines = [
+        f"{manifest.name}/{manifest.version}: {manifest.architecture}, {manifest.precision}, opset {manifest.opset}",
+        f"  attention blocks fused: {manifest.attention_blocks.get('fused')}/{manifest.attention_blocks.get('total')}",
+        "  fused ops: " + "; ".join(
+            f"{role} " + ", ".join(f"{op.removeprefix('com.microsoft.')} {n}" for op, n in ops.items())
+            for role, ops in manifest.fused_ops.items()
+        ),
+        f"  parity: max log-prob diff {parity.get('max_logit_diff')}, max attention diff "
+        f"{parity.get('max_attention_diff')}, greedy {parity.get('greedy_match')}, beam-4 {parity.get('beam4_match')}",
+    ]
+    if manifest.quantization:
+        q = manifest.quantization
+        lines.append(f"  BLEU on {q['test_sentences']} held-out sentences: fp32 {q['bleu_fp32']}, "
+                     f"int8 {q['bleu_int8']} (delta {q['delta']:+})")
+    return "\n".join(lines)

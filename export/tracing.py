@@ -1,0 +1,107 @@
+"""PyTorch -> ONNX: tracing with ``torch.onnx.export(dynamo=True)`` and ONNX Runtime's fusions, and the
+example inputs and model copies the architecture exporters trace."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import onnx
+import torch
+from torch import Tensor, nn
+
+from nmt.errors import NmtError
+from training.models.interface import Seq2SeqModel
+
+MAX_IR_VERSION = 10  # what onnxruntime >= 1.20 reads; onnx 1.23 would write a newer one for edited graphs
+
+
+def example_source(config: Any) -> Tensor:
+    """Export example ``src`` [3, 7]: one row padded after an early EOS, so padding is traced; its sizes
+    differ from every static dimension so the exporter cannot confuse dynamic axes with them."""
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, max(config.vocab_size, 5), (3, 7), generator=generator)
+    src[:, -1] = config.eos_id
+    src[1, 4:] = config.pad_id
+    src[1, 3] = config.eos_id
+    return src
+
+
+def untied_copy(model: Seq2SeqModel, projection: str, embedding: str) -> Seq2SeqModel:
+    """A deep copy whose output projection owns its weight (numerically identical).
+
+    A projection tied to the embedding becomes one initializer read by both a Gather and a transposed
+    MatMul/Gemm; dynamic int8 quantization then rewrites the shared tensor and breaks the Gather.
+    """
+    clone = copy.deepcopy(model).eval()
+    layer = getattr(clone, projection)
+    if layer.weight is getattr(clone, embedding).weight:
+        layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+    return clone
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[io.StringIO]:
+    """Silence the exporter's progress prints, warnings and log lines; yields what it printed."""
+    buffer = io.StringIO()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            warnings.simplefilter("ignore")
+            yield buffer
+    finally:
+        logging.disable(disabled)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch with ``count`` intra-op threads (tiny decoding steps are far slower with more on a busy host)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, count))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def torch_to_onnx(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_shapes: tuple[Any, ...],
+    opset: int,
+    fuse: bool = False,
+    what: str = "graph",
+) -> onnx.ModelProto:
+    """``torch.onnx.export(dynamo=True)``, then (``fuse``) ONNX Runtime fusions via onnxscript's
+    ``optimize_for_ort`` (attention -> ``com.microsoft.MultiHeadAttention``, residual + LayerNorm ->
+    ``SkipLayerNormalization``)."""
+    import onnx_ir as ir
+
+    module.eval()
+    with quiet() as printed, torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                module, args, dynamo=True, opset_version=opset, input_names=list(input_names),
+                output_names=list(output_names), dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
+            )
+            model = program.model
+            if fuse:
+                from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+                model, _ = optimize_for_ort(model)
+        except Exception as error:  # the exporter raises many types; all mean "this graph did not export"
+            tail = printed.getvalue().strip().splitlines()[-5:]
+            raise NmtError(f"exporting the {what} failed: {type(error).__name__}: {str(error)[:2000]}"
+                           + ("\n" + "\n".join(tail) if tail else "")) from error
+    proto = ir.serde.serialize_model(model)
+    proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
+    return proto

@@ -1,0 +1,164 @@
+"""Verification of a written model version: the serving engine against the PyTorch reference.
+
+The version is loaded exactly as ``nmt serve`` loads it (:class:`server.engine.Engine`), so the check
+covers the graphs, the in-graph top-k, the manifest's I/O description and the engine's batched search:
+
+* teacher-forced steps over held-out targets (the whole batch at once, so padding is exercised)
+  compare every log-probability (``decoder.onnx``, read through its top-k with k = vocabulary) and the
+  attention (``decoder_attention.onnx``) with PyTorch's at every real position;
+* greedy and beam search run one sentence at a time through the engine and the reference search
+  (:mod:`training.search`) and must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from server.engine import Engine
+from server.search import ScoredSequence
+from server.types import DecodingOptions, SentenceRequest
+from training.models.interface import Seq2SeqModel
+from training.search import translate_ids
+
+LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
+
+
+@dataclass
+class ParityReport:
+    max_logit_diff: float
+    max_attention_diff: float
+    max_attention_row_error: float  # max |row sum - 1| of decoder_attention's output
+    greedy_match: tuple[int, int]
+    beam4_match: tuple[int, int]
+    sentences: int
+    teacher_forced_steps: int
+    mismatches: list[str] = field(default_factory=list)
+
+    def ok(self, tolerance: float = LOGIT_TOLERANCE) -> bool:
+        return (
+            self.max_logit_diff <= tolerance
+            and self.max_attention_diff <= tolerance
+            and self.greedy_match[0] == self.greedy_match[1]
+            and self.beam4_match[0] == self.beam4_match[1]
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_logit_diff": float(f"{self.max_logit_diff:.3g}"),
+            "max_attention_diff": float(f"{self.max_attention_diff:.3g}"),
+            "max_attention_row_error": float(f"{self.max_attention_row_error:.3g}"),
+            "greedy_match": f"{self.greedy_match[0]}/{self.greedy_match[1]}",
+            "beam4_match": f"{self.beam4_match[0]}/{self.beam4_match[1]}",
+            "sentences": self.sentences,
+            "teacher_forced_steps": self.teacher_forced_steps,
+            "tolerance": LOGIT_TOLERANCE,
+        }
+
+
+def engine_translate_ids(
+    engine: Engine,
+    source_ids: Sequence[int],
+    *,
+    beam_size: int = 1,
+    num_hypotheses: int = 1,
+    max_length: int = 256,
+    length_penalty: float = 1.0,
+    need_attention: bool = False,
+) -> list[ScoredSequence]:
+    """The serving engine's twin of :func:`training.search.translate_ids`: one source sentence (ids
+    ending with EOS) -> its hypotheses as token ids (EOS included), scores and attention."""
+    options = DecodingOptions(beam_size=beam_size, num_hypotheses=num_hypotheses, max_length=max_length,
+                              length_penalty=length_penalty, return_attention=need_attention)
+    ids = list(source_ids)
+    [result] = engine.search([SentenceRequest(ids[:-1] if ids[-1:] == [engine.eos_id] else ids, options)])
+    return result.hypotheses
+
+
+def engine_step_log_probs(engine: Engine, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any],
+                          need_attention: bool) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+    """One decoding step through the engine's step model, with the whole distribution rebuilt from its
+    top-k (k = vocabulary): (log-probabilities [R, V], attention [R, S] or None, next state)."""
+    vocab = engine.manifest.vocab_size
+    out = engine.model.step(tokens, static, state, need_attention, vocab)
+    log_probs = np.full((len(tokens), vocab), -np.inf, dtype=np.float32)
+    np.put_along_axis(log_probs, out.top_ids, out.top_log_probs, axis=1)
+    return log_probs, out.attention, out.state
+
+
+@torch.no_grad()
+def check_parity(
+    model: Seq2SeqModel,
+    engine: Engine,
+    sources: Sequence[list[int]],
+    targets: Sequence[list[int]],
+    *,
+    beam_size: int = 4,
+    max_target_steps: int = 64,
+) -> ParityReport:
+    """Compare the serving engine with PyTorch on ``sources`` (ids ending with EOS); see the module docstring."""
+    model.eval()
+    cfg = model.config
+    src = pad_rows(sources, cfg.pad_id)
+    tgt_in = [[cfg.decoder_start_id] + list(target)[: max_target_steps - 1] for target in targets]
+    lengths = np.array([len(row) for row in tgt_in])
+    tgt = pad_rows(tgt_in, cfg.pad_id)
+    torch_state = model.init_state(model.encode(torch.from_numpy(src)))
+    encoded = engine.model.encode(src)
+    static = {name: encoded[name] for name in engine.model.static_names}
+    state = {name: encoded[name] for name in engine.model.state_names}
+    max_logit = max_attention = max_row_error = 0.0
+    steps = 0
+    for t in range(tgt.shape[1]):
+        rows = lengths > t
+        tokens = np.ascontiguousarray(tgt[:, t])
+        logits, attention, torch_state = model.decode_step(torch.from_numpy(tokens), torch_state, need_attention=True)
+        log_probs = logits.float().log_softmax(-1).numpy()
+        onnx_log_probs, _, next_state = engine_step_log_probs(engine, tokens, static, state, need_attention=False)
+        _, onnx_attention, _ = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
+        state = next_state
+        max_logit = max(max_logit, float(np.abs(onnx_log_probs - log_probs)[rows].max()))
+        max_attention = max(max_attention, float(np.abs(onnx_attention - attention.numpy())[rows].max()))
+        max_row_error = max(max_row_error, float(np.abs(onnx_attention[rows].sum(-1) - 1).max()))
+        steps += int(rows.sum())
+
+    greedy = beam = 0
+    mismatches: list[str] = []
+    for index, source in enumerate(sources):
+        for size in (1, beam_size):
+            reference = translate_ids(model, list(source), beam_size=size)[0].tokens
+            candidate = engine_translate_ids(engine, source, beam_size=size)[0].tokens
+            if reference == candidate:
+                greedy += size == 1
+                beam += size != 1
+            else:
+                mismatches.append(f"sentence {index}, beam {size}: torch {reference} vs onnx {candidate}")
+    return ParityReport(
+        max_logit_diff=max_logit, max_attention_diff=max_attention, max_attention_row_error=max_row_error,
+        greedy_match=(greedy, len(sources)), beam4_match=(beam, len(sources)), sentences=len(sources),
+        teacher_forced_steps=steps, mismatches=mismatches,
+    )
+
+
+def greedy_texts(engine: Engine, texts: Sequence[str], batch_size: int = 32) -> list[str]:
+    """Greedy translations of ``texts`` by the serving engine, in batches of similar length."""
+    outputs = [""] * len(texts)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    options = DecodingOptions(beam_size=1)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        for i, translation in zip(chunk, engine.translate([texts[i] for i in chunk], options), strict=True):
+            outputs[i] = translation.hypotheses[0].text if translation.hypotheses else ""
+    return outputs
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+    width = max(len(row) for row in rows)
+    array = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return array
