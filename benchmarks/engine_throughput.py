@@ -159,8 +159,9 @@ def export_project(model, work: Path, quantize: str | None):
     rng = np.random.default_rng(0)
     lines = [" ".join(f"t{i}" for i in rng.integers(2, c.vocab_size - 1, 8)) for _ in range(20)]
     (run / "test.tsv").write_text("".join(f"{line}\t{line}\n" for line in lines))
-    options = ExportOptions(checkpoint=str(run), name=f"bench-{quantize or 'fp32'}", repository=str(work / "models"),
-                            quantize=quantize, force=True, progress=False, threads=THREADS,
+    options = ExportOptions(checkpoint=str(run), name=f"bench-{quantize or 'fp32'}",
+                            model_repository=str(work / "models"), quantize=quantize,
+                            force=True, progress=False, threads=THREADS,
                             parity_tolerance=1e-2)  # random weights: logits in the hundreds
     result = export_model(options)
     return ours, Engine.load(result.version_dir, provider="cpu", intra_op_threads=THREADS)

@@ -1,6 +1,6 @@
 """Server benchmark: the bare engine vs the gRPC server under 1, 8, 32 and 128 concurrent callers.
 
-    python benchmarks/server_load.py --repository models --model demo-transformer
+    python benchmarks/server_load.py --model-repository models --model demo-transformer
 
 The same model and the same sentences go (a) straight to ``Engine.translate_batch`` in batches as
 large as the number of callers (ideal batching, no server) and (b) through ``nmt serve`` started as a
@@ -245,7 +245,7 @@ def start_server(repository: str, threads: int, max_wait_ms: float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", default="models")
+    parser.add_argument("--model-repository", default="models")
     parser.add_argument("--model", default="demo-transformer")
     parser.add_argument("--callers", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--requests", type=int, default=1024, help="sentences per concurrency level")
@@ -265,7 +265,7 @@ def main() -> None:
             from engine_throughput import SIZES, export_project, marian_model
 
             export_project(marian_model(args.marian), Path(work), None)  # -> work/models/bench-fp32/1
-            args.repository, args.model = str(Path(work, "models")), "bench-fp32"
+            args.model_repository, args.model = str(Path(work, "models")), "bench-fp32"
             make_texts = placeholder_sentences(SIZES[args.marian]["vocab"])
         else:
             make_texts = sentences
@@ -276,12 +276,12 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     """Both benchmarks for every number of callers, then the tables."""
     from server.engine import Engine
 
-    versions = sorted(Path(args.repository, args.model).glob("*/manifest.json"))
+    versions = sorted(Path(args.model_repository, args.model).glob("*/manifest.json"))
     if not versions:
-        raise SystemExit(f"no {args.model} in {args.repository}: run `nmt serve --demo` first")
+        raise SystemExit(f"no {args.model} in {args.model_repository}: run `nmt serve --demo` first")
     engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
                          spinning=args.ort_spinning)
-    process, address, metrics = start_server(args.repository, args.threads, args.max_wait_ms,
+    process, address, metrics = start_server(args.model_repository, args.threads, args.max_wait_ms,
                                              ["--ort-spinning"] if args.ort_spinning else [])
     rows = []
     try:

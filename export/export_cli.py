@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR_OR_FILE", help="training run directory or checkpoint file")
     p.add_argument("--name", required=True, help="model name in the repository (letters, digits, '.', '_', '-')")
     p.add_argument("--version", help="version directory name (default: next integer after the existing versions)")
-    p.add_argument("--repository", default="models", help="model repository directory (default: models)")
+    p.add_argument("--model-repository", default="models", help="model repository directory (default: models)")
     p.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of the MatMul weights; records "
                    "held-out BLEU of fp32 vs int8 in the manifest (needs the run's test.tsv)")
     p.add_argument("--per-channel", action="store_true", help="int8: one scale per output channel instead of per "
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise NmtError(f"export needs the train extra ({error}); run: pip install -e '.[train]'") from error
 
     options = ExportOptions(
-        checkpoint=args.checkpoint, name=args.name, version=args.version, repository=args.repository,
+        checkpoint=args.checkpoint, name=args.name, version=args.version, model_repository=args.model_repository,
         quantize=args.quantize, per_channel=args.per_channel, force=args.force, opset=args.opset,
         parity_sentences=args.parity_sentences, bleu_sentences=args.bleu_sentences,
         allow_unfused=args.allow_unfused, source_language=args.source_language,

@@ -69,7 +69,7 @@ class ExportOptions:
     checkpoint: str  # run directory (best.pt + spm.model) or a checkpoint file with spm.model beside it
     name: str
     version: str | None = None  # default: next integer after the existing versions
-    repository: str = "models"
+    model_repository: str = "models"
     quantize: str | None = None  # None or "int8"
     per_channel: bool = False  # per-tensor scales measured closer to fp32 on the dates models
     force: bool = False
@@ -226,7 +226,7 @@ def export_model(options: ExportOptions) -> ExportResult:
         with torch_threads(options.threads):
             stage("validate")
             inputs = _load_inputs(options)
-            model_dir = Path(options.repository) / options.name
+            model_dir = Path(options.model_repository) / options.name
             version = options.version or next_version(model_dir)
             version_dir = model_dir / version
             if version_dir.exists() and not options.force:

@@ -30,7 +30,7 @@ def build_demo_models(
         settings = dict(PRESETS[preset])
         train(TrainConfig(**settings, out=str(run_dir), force=True, progress=progress), log=log)
         result = export_model(
-            ExportOptions(checkpoint=str(run_dir), name=name, repository=str(repository), progress=progress)
+            ExportOptions(checkpoint=str(run_dir), name=name, model_repository=str(repository), progress=progress)
         )
         log(manifest_summary(result.manifest))
         created.append(result.version_dir)

@@ -91,11 +91,11 @@ def tiny_repository(tmp_path_factory):
 def tiny_models(tiny_runs, tiny_repository):
     """Both architectures exported once: Transformer through the API, Bahdanau through ``nmt export``."""
     result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
-                                        repository=str(tiny_repository), parity_sentences=PARITY_SENTENCES,
+                                        model_repository=str(tiny_repository), parity_sentences=PARITY_SENTENCES,
                                         progress=False))
     assert result.version_dir == tiny_repository / "tiny-transformer" / "1"
     status = nmt_main(["export", str(tiny_runs["bahdanau"]), "--name", "tiny-bahdanau",
-                       "--repository", str(tiny_repository), "--parity-sentences", str(PARITY_SENTENCES),
+                       "--model-repository", str(tiny_repository), "--parity-sentences", str(PARITY_SENTENCES),
                        "--no-progress"])
     assert status == 0
     return {"transformer": result.version_dir, "bahdanau": tiny_repository / "tiny-bahdanau" / "1"}

@@ -228,7 +228,7 @@ def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
     monkeypatch.setitem(EXPORTERS, "transformer", partly_fused)
     with pytest.raises(NmtError, match="5 of 6 attention blocks"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="unfused",
-                                   repository=str(tiny_repository), progress=False))
+                                   model_repository=str(tiny_repository), progress=False))
     assert not (tiny_repository / "unfused").exists(), "a failed export leaves nothing behind"
     assert real is not partly_fused
 
@@ -316,9 +316,9 @@ def test_refuses_to_overwrite_and_numbers_versions(tiny_runs, tiny_models, tiny_
     before = (tiny_models["transformer"] / MANIFEST_FILE).read_bytes()
     with pytest.raises(NmtError, match="already exists; use --force"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer", version="1",
-                                   repository=str(tiny_repository), progress=False))
+                                   model_repository=str(tiny_repository), progress=False))
     status = nmt_main(["export", str(tiny_runs["transformer"]), "--name", "tiny-transformer", "--version", "1",
-                       "--repository", str(tiny_repository), "--no-progress"])
+                       "--model-repository", str(tiny_repository), "--no-progress"])
     assert status == 2 and "already exists" in capsys.readouterr().err
     assert (tiny_models["transformer"] / MANIFEST_FILE).read_bytes() == before
     assert next_version(tiny_repository / "tiny-transformer") == "2"
@@ -330,7 +330,7 @@ def test_checkpoint_problems_are_clear_errors(tiny_runs, tmp_path):
     lonely = tmp_path / "lonely"
     lonely.mkdir()
     shutil.copy(tiny_runs["bahdanau"] / "best.pt", lonely / "model.pt")
-    options = dict(name="x", repository=str(tmp_path / "models"), progress=False)
+    options = dict(name="x", model_repository=str(tmp_path / "models"), progress=False)
     with pytest.raises(NmtError, match="tokenizer not found"):
         export_model(ExportOptions(checkpoint=str(lonely / "model.pt"), **options))
     with pytest.raises(NmtError, match="holds no best.pt"):
@@ -353,7 +353,7 @@ def test_failed_export_leaves_nothing(tiny_runs, tiny_repository, monkeypatch):
     before = sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir())
     with pytest.raises(NmtError, match="boom"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["bahdanau"]), name="tiny-bahdanau",
-                                   repository=str(tiny_repository), progress=False))
+                                   model_repository=str(tiny_repository), progress=False))
     assert sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir()) == before
 
 
@@ -365,8 +365,8 @@ def test_int8_export_records_quantization(tiny_runs, tiny_repository):
     stale.mkdir(parents=True)
     (stale / "leftover.txt").write_text("an older export")
     result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
-                                        version="int8", repository=str(tiny_repository), quantize="int8", force=True,
-                                        parity_sentences=4, bleu_sentences=12, progress=False))
+                                        version="int8", model_repository=str(tiny_repository), quantize="int8",
+                                        force=True, parity_sentences=4, bleu_sentences=12, progress=False))
     assert result.version_dir == stale and not (stale / "leftover.txt").exists(), "--force replaces the directory"
     manifest = read_manifest(result.version_dir)
     assert manifest.precision == "int8"
