@@ -137,7 +137,8 @@ def placeholder_tokenizer(size: int):
 
 def export_project(model, work: Path, quantize: str | None):
     """Load the Marian weights into this project's Transformer and export a model version."""
-    from export.pipeline import ExportOptions, export_model
+    from export.options import ExportOptions
+    from export.pipeline import export_model
     from server.engine import Engine
     from training.models.checkpoint import build_model, save_checkpoint
     from training.models.transformer import marian_state_dict

@@ -13,8 +13,9 @@ import argparse
 import time
 from pathlib import Path
 
+from training.config import TrainConfig
 from training.presets import PRESETS
-from training.train import TrainConfig, train
+from training.train import train
 
 
 def main() -> None:

@@ -37,10 +37,11 @@ from tqdm import tqdm
 
 from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
 from export.graphs import GraphSet
+from export.options import OPSETS, ExportOptions
 from export.quantize import quantize_int8
 from export.registry import graph_exporter
 from export.tracing import torch_threads
-from export.verify import LOGIT_TOLERANCE, ParityReport, check_parity, greedy_texts
+from export.verify import ParityReport, check_parity, greedy_texts
 from nmt.errors import NmtError
 from nmt.model_format.layout import (
     BEST_CHECKPOINT,
@@ -58,35 +59,7 @@ from training.models.checkpoint import load_checkpoint
 from training.models.interface import Seq2SeqModel
 from training.train import bleu
 
-OPSETS = range(18, 23)  # opset 23 turns SDPA into ONNX Attention, which ORT's CPU kernel rejects with our masks
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass
-class ExportOptions:
-    """Everything ``nmt export`` takes (see :mod:`export.export_cli` for the flags' help)."""
-
-    checkpoint: str  # run directory (best.pt + spm.model) or a checkpoint file with spm.model beside it
-    name: str
-    version: str | None = None  # default: next integer after the existing versions
-    model_repository: str = "models"
-    quantize: str | None = None  # None or "int8"
-    per_channel: bool = False  # per-tensor scales measured closer to fp32 on the dates models
-    force: bool = False
-    opset: int = 18
-    parity_sentences: int = 20
-    # fp32 log-prob/attention tolerance; 1e-4 holds for trained models, random large-vocabulary weights
-    # (benchmarks) have logits in the hundreds where kernel reassociation alone moves them ~1e-3
-    parity_tolerance: float = LOGIT_TOLERANCE
-    bleu_sentences: int = 200
-    allow_unfused: bool = False
-    source_language: str = "en"
-    target_language: str = "de"
-    beam_size: int = 4  # serving defaults recorded in the manifest
-    length_penalty: float = 1.0
-    max_length: int = 256
-    threads: int = 1  # ONNX Runtime and torch threads while verifying
-    progress: bool = True
 
 
 @dataclass

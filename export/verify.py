@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from export.options import LOGIT_TOLERANCE
 from server.engine import Engine
 from server.search import ScoredSequence
 from server.types import DecodingOptions, SentenceRequest
 from training.models.interface import Seq2SeqModel
 from training.search import translate_ids
-
-LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
 
 
 @dataclass

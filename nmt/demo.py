@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from export.pipeline import ExportOptions, export_model, manifest_summary
+from export.options import ExportOptions
+from export.pipeline import export_model, manifest_summary
+from training.config import TrainConfig
 from training.presets import PRESETS
-from training.train import TrainConfig, train
+from training.train import train
 
 # served model name -> training preset
 DEMO_MODELS = {"demo-transformer": "dates-transformer", "demo-bahdanau": "dates-bahdanau"}

@@ -12,18 +12,23 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from nmt.errors import NmtError
+from nmt.options import (
+    add_arguments,
+    canonicalize_choices,
+    env_name,
+    field_type,
+    option,
+    parse_value,
+    values_from_args,
+)
 
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def _field(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - mirrors argparse
-    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
@@ -31,37 +36,34 @@ class ServerConfig:
     """Everything ``nmt serve`` can be told; see each field's help."""
 
     # network
-    listen: str = _field("127.0.0.1:50051", "gRPC listen address host:port (port 0 picks a free port)")
-    metrics_listen: str = _field(
+    listen: str = option("127.0.0.1:50051", "gRPC listen address host:port (port 0 picks a free port)")
+    metrics_listen: str = option(
         "127.0.0.1:9400", "Prometheus /metrics HTTP address host:port; empty disables the metrics endpoint"
     )
     # models
-    model_repository: str = _field("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
-    default_model: str = _field("", "model used when a request names none (default: the first by name)")
-    provider: str = _field("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
-    intra_op_threads: int = _field(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
-    inter_op_threads: int = _field(1, "ONNX Runtime inter-op threads per model version")
-    ort_spinning: bool = _field(False, "let idle ONNX Runtime threads busy-wait (only on cores reserved for inference)")
+    model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
+    default_model: str = option("", "model used when a request names none (default: the first by name)")
+    provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
+    intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
+    inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
+    ort_spinning: bool = option(False, "let idle ONNX Runtime threads busy-wait (only on cores reserved for inference)")
     # batching
-    batch_tokens: int = _field(4096, "token budget of a batch: source tokens including padding (longest x count)")
-    max_batch_sentences: int = _field(64, "most sentences in one batch")
-    max_wait_ms: float = _field(5.0, "longest a sentence waits for companions before its batch starts")
-    queue_size: int = _field(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
+    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
+    max_batch_sentences: int = option(64, "most sentences in one batch")
+    max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts")
+    queue_size: int = option(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
     # request limits
-    max_beam: int = _field(8, "largest beam_size a request may ask for")
-    max_texts: int = _field(64, "most texts in one request")
-    max_chars: int = _field(2000, "most characters in one text")
-    max_tokens: int = _field(256, "most source subword tokens in one text (EOS excluded)")
-    max_length: int = _field(512, "largest max_length (generated tokens, EOS included) a request may ask for")
+    max_beam: int = option(8, "largest beam_size a request may ask for")
+    max_texts: int = option(64, "most texts in one request")
+    max_chars: int = option(2000, "most characters in one text")
+    max_tokens: int = option(256, "most source subword tokens in one text (EOS excluded)")
+    max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for")
     # lifecycle and logs
-    grace_seconds: float = _field(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
-    log_level: str = _field("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
+    grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
+    log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        # choices are case-insensitive everywhere (flags, environment, code): store the canonical spelling
-        for f in fields(self):
-            if "choices" in f.metadata:
-                object.__setattr__(self, f.name, _canonical_choice(getattr(self, f.name), f.metadata["choices"]))
+        canonicalize_choices(self)  # choices are case-insensitive everywhere (flags, environment, code)
 
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
@@ -97,35 +99,11 @@ class ServerConfig:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
         """One ``--flag`` per field; its default comes from the environment variable when set."""
-        environ = os.environ if environ is None else environ
-        for f in fields(cls):
-            env = env_name(f.name)
-            kind = _field_type(f)
-            default = f.default if f.default is not MISSING else None
-            if kind is bool:  # --flag / --no-flag
-                if env in environ:
-                    default = _parse(bool, environ[env], env)
-                parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
-                                    action=argparse.BooleanOptionalAction,
-                                    help=f"{f.metadata['help']} [env {env}; default: {default!r}]")
-                continue
-            if env in environ:
-                default = environ[env]  # argparse converts (and reports) string defaults with ``type``
-            choices = f.metadata.get("choices")
-            parser.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f.name,
-                type=(lambda value, choices=choices: _canonical_choice(value, choices)) if choices else kind,
-                default=default,
-                choices=choices,
-                metavar=f.name.upper() if not choices else None,
-                help=f"{f.metadata['help']} [env {env}; default: {default!r}]",
-            )
+        add_arguments(cls, parser, env_prefix=ENV_PREFIX, environ=environ)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**values).validate()
+        return cls(**values_from_args(cls, args)).validate()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
@@ -133,15 +111,11 @@ class ServerConfig:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
-            env = env_name(f.name)
+            env = env_name(f, ENV_PREFIX)
             if env in environ:
-                values[f.name] = _parse(_field_type(f), environ[env], env)
+                values[f.name] = parse_value(field_type(f), environ[env], env)
         values.update(overrides)
         return cls(**values).validate()
-
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -153,29 +127,3 @@ def split_host_port(address: str) -> tuple[str, int]:
 def _is_host_port(value: str) -> bool:
     host, sep, port = value.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
-
-
-def _field_type(f: Any) -> type:
-    return {"str": str, "int": int, "float": float, "bool": bool}[
-        f.type if isinstance(f.type, str) else f.type.__name__]
-
-
-def _canonical_choice(value: Any, choices: tuple[str, ...]) -> Any:
-    """``"debug"`` -> ``"DEBUG"`` when that is a choice; anything else unchanged (validation reports it)."""
-    if isinstance(value, str):
-        for choice in choices:
-            if value.strip().lower() == choice.lower():
-                return choice
-    return value
-
-
-BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-def _parse(kind: type, raw: str, env: str) -> Any:
-    try:
-        if kind is bool:
-            return BOOLEANS[raw.strip().lower()]
-        return kind(raw)
-    except (KeyError, ValueError) as error:
-        raise NmtError(f"environment variable {env}={raw!r} is not a valid {kind.__name__}") from error

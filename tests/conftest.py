@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.pipeline import ExportOptions, export_model
+from export.options import ExportOptions
+from export.pipeline import export_model
 from nmt.cli import main as nmt_main
 from nmt.model_format.tokenizer import PAD_ID, train_tokenizer
 from training.models.checkpoint import build_model, save_checkpoint

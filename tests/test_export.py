@@ -18,9 +18,10 @@ import torch
 
 from export.graph_passes import pack_parallel_matmuls
 from export.graphs import GraphSet
-from export.pipeline import ExportOptions, export_model
+from export.options import LOGIT_TOLERANCE, ExportOptions
+from export.pipeline import export_model
 from export.registry import EXPORTERS, graph_exporter
-from export.verify import LOGIT_TOLERANCE, check_parity, engine_step_log_probs, engine_translate_ids
+from export.verify import check_parity, engine_step_log_probs, engine_translate_ids
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, next_version

@@ -12,9 +12,8 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,37 +31,11 @@ from nmt.model_format.layout import (
     TEST_SPLIT_FILE,
 )
 from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from training.config import ARCHITECTURES, TrainConfig
 from training.data import Pair, clean, load_corpus, split, write_tsv
 from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint
 from training.models.interface import Seq2SeqModel
 from training.search import greedy_batch, max_target_length
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run needs; saved as ``train_config`` inside checkpoints and in ``summary.json``."""
-
-    arch: str
-    corpus: str
-    out: str
-    corpus_size: int = 30000
-    seed: int = 0
-    vocab_size: int = 8000
-    model: dict[str, Any] = field(default_factory=dict)  # architecture config overrides
-    batch_tokens: int = 4096
-    lr: float | None = None  # default: 7e-4 (transformer peak), 1e-3 (bahdanau)
-    warmup_steps: int = 1000
-    label_smoothing: float = 0.1
-    clip_norm: float = 1.0
-    max_steps: int = 100_000
-    max_minutes: float | None = None
-    valid_every: int = 500
-    valid_size: int = 500
-    patience: int | None = None  # stop after this many validations without BLEU improvement
-    target_bleu: float | None = None  # stop once validation BLEU reaches this
-    resume: bool = False
-    force: bool = False
-    progress: bool = True
 
 
 @dataclass
@@ -171,8 +144,8 @@ def load_splits(cfg: TrainConfig) -> tuple[list[Pair], list[Pair], list[Pair]]:
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     """Train one model as configured; returns where it went and how good it is."""
-    if cfg.arch not in ("transformer", "bahdanau"):
-        raise NmtError(f"unknown architecture {cfg.arch!r}; choose transformer or bahdanau")
+    if cfg.arch not in ARCHITECTURES:
+        raise NmtError(f"unknown architecture {cfg.arch!r}; choose {' or '.join(ARCHITECTURES)}")
     out = prepare_run_dir(cfg)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)

@@ -1,0 +1,45 @@
+"""What ``nmt export`` takes: one dataclass whose fields document themselves and generate the flags
+(:mod:`nmt.options`). Standard library only, so ``nmt export --help`` needs no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmt.options import option
+
+LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
+OPSETS = range(18, 23)  # opset 23 turns SDPA into ONNX Attention, which ORT's CPU kernel rejects with our masks
+SERVING_DEFAULTS = "serving defaults recorded in the manifest (what a request that sends 0 gets)"
+
+
+@dataclass
+class ExportOptions:
+    """Everything ``nmt export`` takes."""
+
+    checkpoint: str = option(help="training run directory (best.pt, spm.model, summary.json, test.tsv) or a "
+                             "checkpoint file with spm.model beside it", positional=True,
+                             metavar="CHECKPOINT_DIR_OR_FILE")
+    name: str = option(help="model name in the repository (letters, digits, '.', '_', '-')")
+    version: str | None = option(None, "version directory name (default: next integer after the existing "
+                                 "versions)")
+    model_repository: str = option("models", "model repository directory", env="NMT_MODEL_REPOSITORY")
+    quantize: str | None = option(None, "dynamic int8 quantization of the MatMul weights; records held-out BLEU "
+                                  "of fp32 vs int8 in the manifest (needs the run's test.tsv)", choices=("int8",))
+    per_channel: bool = option(False, "int8: one scale per output channel instead of per weight tensor "
+                               "(measured further from fp32 on the dates models)")
+    force: bool = option(False, "overwrite an existing version directory")
+    opset: int = option(18, f"ONNX opset, {OPSETS.start}..{OPSETS.stop - 1}")
+    parity_sentences: int = option(20, "held-out sentences for the parity check", metavar="N")
+    # 1e-4 holds for trained models; random large-vocabulary weights (benchmarks) have logits in the
+    # hundreds, where kernel reassociation alone moves them ~1e-3
+    parity_tolerance: float = option(LOGIT_TOLERANCE, "fp32 parity tolerance: max |log-prob difference| and max "
+                                     "|attention difference| against PyTorch", metavar="TOLERANCE")
+    bleu_sentences: int = option(200, "held-out sentences scored for --quantize", metavar="N")
+    allow_unfused: bool = option(False, "export even if some attention blocks were not fused (slower serving)")
+    source_language: str = option("en", "source language code")
+    target_language: str = option("de", "target language code")
+    beam_size: int = option(4, "default beam size", group=SERVING_DEFAULTS)
+    length_penalty: float = option(1.0, "default length penalty", group=SERVING_DEFAULTS)
+    max_length: int = option(256, "default maximum output tokens (EOS included)", group=SERVING_DEFAULTS)
+    threads: int = option(1, "torch and ONNX Runtime threads while verifying")
+    progress: bool = option(True, "show a progress bar")

@@ -1,0 +1,39 @@
+"""The configuration of a training run: one dataclass whose fields document themselves and generate the
+``nmt train`` flags (:mod:`nmt.options`). Standard library only, so ``nmt train --help`` needs no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nmt.options import option
+
+ARCHITECTURES = ("transformer", "bahdanau")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; saved as ``train_config`` inside checkpoints and in ``summary.json``."""
+
+    arch: str = option(help="model family (required without --preset)", choices=ARCHITECTURES)
+    corpus: str = option(help="dates | ding | FILE.tsv | SRC.txt,TGT.txt (required without --preset)")
+    out: str = option(help="run directory", required=True)
+    corpus_size: int = option(30000, "pairs to generate for the dates corpus", flag="--size")
+    seed: int = option(0, "random seed (corpus generation, initialisation, batch order)")
+    vocab_size: int = option(8000, "SentencePiece vocabulary, an upper bound")
+    model: dict[str, Any] = field(default_factory=dict)  # architecture config overrides (the model flags)
+    batch_tokens: int = option(4096, "padded tokens per batch", group="optimisation")
+    lr: float | None = option(None, "peak (transformer) or constant (bahdanau) learning rate (default: 7e-4 for "
+                              "the transformer, 1e-3 for bahdanau)", group="optimisation")
+    warmup_steps: int = option(1000, "transformer warmup steps", flag="--warmup", group="optimisation")
+    label_smoothing: float = option(0.1, "label smoothing of the cross-entropy", group="optimisation")
+    clip_norm: float = option(1.0, "gradient norm clipping", group="optimisation")
+    max_steps: int = option(100_000, "maximum optimisation steps", flag="--steps", group="optimisation")
+    max_minutes: float | None = option(None, "stop after this much training time", group="optimisation")
+    valid_every: int = option(500, "steps between validations", group="optimisation")
+    valid_size: int = option(500, "validation sentences scored with BLEU", group="optimisation")
+    patience: int | None = option(None, "stop after N validations without improvement", group="optimisation")
+    target_bleu: float | None = option(None, "stop once validation BLEU reaches this", group="optimisation")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint")
+    force: bool = option(False, "overwrite a run already in --out")
+    progress: bool = option(True, "show a progress bar")
