@@ -1,5 +1,5 @@
 """The configuration of a training run: one dataclass whose fields document themselves and generate the
-``nmt train`` flags (:mod:`nmt.options`). Standard library only, so ``nmt train --help`` needs no torch."""
+``nmt train`` flags (:mod:`nmt.options`). No torch here, so ``nmt train --help`` is fast."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nmt.options import option
+from training.data import DATES_SIZE
 
 ARCHITECTURES = ("transformer", "bahdanau")
 
@@ -18,7 +19,7 @@ class TrainConfig:
     arch: str = option(help="model family (required without --preset)", choices=ARCHITECTURES)
     corpus: str = option(help="dates | ding | FILE.tsv | SRC.txt,TGT.txt (required without --preset)")
     out: str = option(help="run directory", required=True)
-    corpus_size: int = option(30000, "pairs to generate for the dates corpus", flag="--size")
+    corpus_size: int = option(DATES_SIZE, "pairs to generate for the dates corpus", flag="--size")
     seed: int = option(0, "random seed (corpus generation, initialisation, batch order)")
     vocab_size: int = option(8000, "SentencePiece vocabulary, an upper bound")
     model: dict[str, Any] = field(default_factory=dict)  # architecture config overrides (the model flags)

@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 DING_PATH = Path("/usr/share/trans/de-en")
+DATES_SIZE = 30000  # pairs of the generated corpus, unless asked otherwise
+MAX_WORDS = 60  # longest side kept by clean()
 
 CORPUS_FORMS = (
     "'dates' (generated English->German dates and numbers), "
@@ -99,7 +101,7 @@ def _random_number(rng: random.Random) -> int:
     return rng.randint(1000, 9999)
 
 
-def generate_dates_corpus(size: int = 30000, seed: int = 0) -> list[Pair]:
+def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
     """Generate ``size`` distinct English->German pairs of dates and number words, deterministic in ``seed``.
 
     Half the pairs (as far as there are enough distinct numbers) are dates between 1900 and 2099
@@ -304,7 +306,7 @@ def _looks_like_path(spec: str) -> bool:
     return "/" in spec or "\\" in spec or "," in spec or Path(spec).suffix != "" or spec.startswith("~")
 
 
-def load_corpus(spec: str, *, size: int = 30000, seed: int = 0) -> list[Pair]:
+def load_corpus(spec: str, *, size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
     """Load a corpus by name or path: ``dates``, ``ding``, ``PATH.tsv`` or ``SRC_PATH,TGT_PATH``.
 
     ``size`` and ``seed`` apply to the generated ``dates`` corpus only. Raises CorpusError for a missing
@@ -340,7 +342,7 @@ def load_corpus(spec: str, *, size: int = 30000, seed: int = 0) -> list[Pair]:
 
 
 def clean(
-    pairs: Iterable[Pair], *, min_words: int = 1, max_words: int = 60, max_ratio: float = 3.0
+    pairs: Iterable[Pair], *, min_words: int = 1, max_words: int = MAX_WORDS, max_ratio: float = 3.0
 ) -> list[Pair]:
     """Normalize whitespace, filter by length and length ratio, and drop exact duplicate pairs (first kept).
 

@@ -1,7 +1,7 @@
 """``nmt data``: build or inspect a corpus (load, clean, split, show samples, write TSV splits).
 
-Only the standard library is imported at module level; ``training.data`` (and through it Babel and
-num2words) is imported when the command runs, so ``nmt --help`` stays fast.
+Only the standard library and :mod:`training.data` (which imports Babel and num2words only when it
+generates) are imported at module level, so ``nmt --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import argparse
 import random
 import sys
 from pathlib import Path
+
+from nmt.model_format.layout import TEST_SPLIT_FILE
+from training.data import DATES_SIZE, MAX_WORDS, CorpusError, clean, load_corpus, split, write_tsv
 
 DESCRIPTION = """\
 Load a corpus, clean it (whitespace, length and ratio filters, exact duplicates), split it into
@@ -25,7 +28,7 @@ CORPUS is one of:
   SRC_PATH,TGT_PATH   two line-aligned text files, English and German
 """
 
-SPLIT_FILES = ("train.tsv", "valid.tsv", "test.tsv")
+SPLIT_FILES = ("train.tsv", "valid.tsv", TEST_SPLIT_FILE)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "corpus", metavar="CORPUS", help="dates, ding, PATH.tsv or SRC_PATH,TGT_PATH (see above)"
     )
     parser.add_argument(
-        "--size", type=int, default=30000, help="pairs to generate for 'dates' (default: 30000)"
+        "--size", type=int, default=DATES_SIZE, help=f"pairs to generate for 'dates' (default: {DATES_SIZE})"
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for 'dates' and for the samples (default: 0)"
@@ -52,7 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--samples", type=int, default=5, metavar="K", help="random pairs to print (default: 5)"
     )
-    parser.add_argument("--max-words", type=int, default=60, help="drop pairs longer than this (default: 60)")
+    parser.add_argument("--max-words", type=int, default=MAX_WORDS,
+                        help=f"drop pairs longer than this (default: {MAX_WORDS})")
     parser.set_defaults(func=run)
     return parser
 
@@ -63,8 +67,6 @@ def _average_words(texts: list[str]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Load, clean and split the corpus; print statistics and samples; optionally write the splits."""
-    from training.data import CorpusError, clean, load_corpus, split, write_tsv
-
     if args.size <= 0:
         raise CorpusError(f"--size must be positive, got {args.size}")
     if args.samples < 0:
