@@ -1,0 +1,142 @@
+"""The import graph keeps the data's path: no circles, and arrows only point down the design's picture.
+
+``server/`` never imports ``training/``, ``export/`` or torch; ``training/`` never imports ``server/``;
+``export/`` takes only the serving engine (and the types of its API) from ``server/``, to verify what
+it wrote. Imports inside functions count: a lazy import is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("nmt", "training", "export", "server", "clients", "loadtests")
+# what export/ may take from server/: the engine it verifies with, and the types of the engine's API
+EXPORT_MAY_USE = {"server.engine", "server.search", "server.types"}
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module name an ``import`` or ``from ... import`` statement of the file names, at any depth."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(project module -> project modules it imports, project module -> third-party top-level packages)."""
+    modules = project_modules()
+    edges: dict[str, set[str]] = {}
+    external: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        names = imported_names(path)
+        edges[module] = {name for name in names if name in modules and name != module}
+        external[module] = {name.split(".")[0] for name in names if name.split(".")[0] not in PACKAGES}
+    return edges, external
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in edges[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, frontier = set(), [start]
+    while frontier:
+        for target in edges[frontier.pop()]:
+            if target not in seen:
+                seen.add(target)
+                frontier.append(target)
+    return seen
+
+
+def test_the_import_graph_has_no_circles() -> None:
+    edges, _ = import_graph()
+    assert len(edges) > 40  # the walk found the project
+    assert circles(edges) == []
+
+
+def test_arrows_point_down_the_design() -> None:
+    edges, external = import_graph()
+    for module in edges:
+        package = module.split(".")[0]
+        closure = reachable(edges, module) | {module}
+        if package == "server":
+            assert not {m for m in closure if m.split(".")[0] in ("training", "export")}, module
+            assert not any("torch" in external[m] for m in closure), f"{module} reaches torch"
+        if package == "training":
+            assert not {m for m in edges[module] if m.split(".")[0] in ("server", "export")}, module
+        if package == "export":
+            assert {m for m in edges[module] if m.split(".")[0] == "server"} <= EXPORT_MAY_USE, module
+        if module.startswith("nmt.model_format"):  # the shared format stands on nothing but nmt's own base
+            assert all(m.startswith("nmt.") for m in edges[module]), module
+
+
+def test_a_planted_circle_is_found() -> None:
+    """The checker itself can fail."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_serving_and_clients_never_load_torch() -> None:
+    """What a serving-only install runs (every server and client module, the ``nmt`` parser) leaves
+    torch unloaded; the same check run on a training module proves the probe sees torch."""
+    serving = [m for m in project_modules() if m.split(".")[0] in ("server", "clients")]
+    probe = ("import importlib, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    importlib.import_module(name)\n"
+             "from nmt.cli import build_parser\n"
+             "build_parser()\n"
+             "print('torch' in sys.modules)\n")
+    for modules, loads_torch in ((serving, False), (["training.models.checkpoint"], True)):
+        result = subprocess.run([sys.executable, "-c", probe, *modules], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == str(loads_torch), modules
