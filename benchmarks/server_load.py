@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--model", default="demo-transformer")
     parser.add_argument("--callers", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--requests", type=int, default=1024, help="sentences per concurrency level")
-    parser.add_argument("--beam", type=int, default=1)
+    parser.add_argument("--beam-size", "--beam", dest="beam_size", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (both sides)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's batching wait")
     parser.add_argument("--ort-spinning", action="store_true", help="let ONNX Runtime threads busy-wait (both sides)")
@@ -287,14 +287,14 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     try:
         for callers in args.callers:
             texts = make_texts(max(args.requests, callers), callers)
-            bench_engine(engine, texts[:callers], callers, args.beam)  # warm up
-            asyncio.run(bench_server(address, args.model, texts[:callers], callers, args.beam))
-            bare = bench_engine(engine, texts, callers, args.beam)
-            served = measure_server(process, address, metrics, args.model, texts, callers, args.beam)
+            bench_engine(engine, texts[:callers], callers, args.beam_size)  # warm up
+            asyncio.run(bench_server(address, args.model, texts[:callers], callers, args.beam_size))
+            bare = bench_engine(engine, texts, callers, args.beam_size)
+            served = measure_server(process, address, metrics, args.model, texts, callers, args.beam_size)
             rows.append((callers, bare, served))
             print(f"callers {callers}: engine {bare['sentences_s']:.1f} sent/s, server {served['sentences_s']:.1f} "
                   f"sent/s", flush=True)
-        single = paired_single_latency(engine, address, args.model, make_texts(args.requests, 99), args.beam)
+        single = paired_single_latency(engine, address, args.model, make_texts(args.requests, 99), args.beam_size)
     finally:
         process.terminate()
         process.wait(timeout=30)

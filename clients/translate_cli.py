@@ -23,14 +23,14 @@ DESCRIPTION = f"""\
 Translate texts with a running translation server (nmt serve). Texts come from the arguments, else
 from stdin, one per line (blank lines skipped; sent in requests of up to {BATCH_SIZE} lines).
 
-Output: one translation per line; with --n-best above 1, --scores or --attention, the numbered
+Output: one translation per line; with --num-hypotheses above 1, --scores or --attention, the numbered
 hypotheses of each text with their scores, and with --attention the alignment grid (target words as
 rows, source words as columns, cells shaded by attention weight, [bracketed]: the hard alignment) and
 the Pharaoh alignments ("source-target" pairs). --json prints one JSON object per text instead.
 Errors print "nmt translate: error: <STATUS>: <message>" and exit with status 2.
 
 examples:
-  nmt translate "Tuesday, April 25, 2045" --model demo-transformer --beam 4 --n-best 3 --attention
+  nmt translate "Tuesday, April 25, 2045" --model demo-transformer --beam-size 4 --num-hypotheses 3 --attention
   nmt translate --plot alignment.png "Tuesday, April 25, 2045"
   nmt translate --json < sentences.txt > translations.jsonl
   nmt translate --list-models
@@ -88,8 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     decoding.add_argument("--model", default="", help="model name (default: the server's default model)")
     decoding.add_argument("--version", "--model-version", dest="model_version", default="", metavar="VERSION",
                           help="model version (default: the newest)")
-    decoding.add_argument("--beam", type=_count, default=0, metavar="N", help="beam size (1: greedy)")
-    decoding.add_argument("--n-best", type=_count, default=0, metavar="N",
+    decoding.add_argument("--beam-size", "--beam", dest="beam_size", type=_count, default=0, metavar="N",
+                          help="beam size (1: greedy); the same name as nmt export's default")
+    decoding.add_argument("--num-hypotheses", "--n-best", dest="num_hypotheses", type=_count, default=0, metavar="N",
                           help="hypotheses per text, at most the beam size (default: 1)")
     decoding.add_argument("--max-length", type=_count, default=0, metavar="N", help="most generated tokens")
     decoding.add_argument("--length-penalty", type=_penalty, default=0.0, metavar="ALPHA",
@@ -236,14 +237,14 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
             return 0
 
         texts, batch_size, numbered = read_input(args, stdin)
-        scores = args.scores or args.n_best > 1
+        scores = args.scores or args.num_hypotheses > 1
         attention = args.attention or bool(args.plot)
-        verbose = args.n_best > 1 or args.scores or args.attention
+        verbose = args.num_hypotheses > 1 or args.scores or args.attention
         ascii_only = not _unicode_ok(stdout)
         index = 0
         for batch in _batches(texts, batch_size):
-            results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam,
-                                       num_hypotheses=args.n_best, max_length=args.max_length,
+            results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam_size,
+                                       num_hypotheses=args.num_hypotheses, max_length=args.max_length,
                                        length_penalty=args.length_penalty, attention=attention, scores=scores)
             for source, translation in zip(batch, results, strict=True):
                 index += 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from export.options import ExportOptions
 from export.pipeline import export_model, manifest_summary
+from nmt.model_format.layout import discover_versions
 from training.config import TrainConfig
 from training.presets import PRESETS
 from training.train import train
@@ -23,9 +24,10 @@ def build_demo_models(
 ) -> list[Path]:
     """Train and export every demo model missing from ``repository``; returns the new version dirs."""
     repository, runs = Path(repository), Path(runs)
+    existing = discover_versions(repository) if repository.is_dir() else {}
     created = []
     for name, preset in DEMO_MODELS.items():
-        if (repository / name).is_dir() and any((repository / name).glob("*/manifest.json")):
+        if name in existing:
             continue
         log(f"building {name}: training preset {preset} (a few minutes on 2 CPU cores)")
         run_dir = runs / name

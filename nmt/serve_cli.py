@@ -1,15 +1,17 @@
-"""``nmt serve``: the gRPC translation server.
+"""``nmt serve``: the gRPC translation server, and with ``--demo`` the demo models it serves.
 
-Only :mod:`server.config` (standard library) is imported to build the parser, so ``nmt serve --help``
-is fast; grpc, onnxruntime and the models load when the command runs.
+It lives in ``nmt`` (the layer that composes the parts) rather than in ``server/``: building the demo
+models needs training and export, and ``server/`` never imports those. Only :mod:`server.config`
+(standard library) is imported to build the parser, so ``nmt serve --help`` is fast; grpc,
+onnxruntime and the models load when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from nmt.errors import NmtError
+from nmt.model_format.layout import discover_versions, has_models
 from server.config import ServerConfig
 
 DESCRIPTION = """\
@@ -32,7 +34,7 @@ examples:
 """
 
 HOW_TO_CALL = """serving {models} on {listen} (metrics: http://{metrics}/metrics); try:
-  nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam 4 --n-best 3 --attention
+  nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam-size 4 --num-hypotheses 3 --attention
   nmt translate --server {listen} --list-models
 """
 
@@ -64,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         build_demo(config.model_repository, args.demo_runs)
     configure_logging(config.log_level)
-    models = sorted(p.parent.parent.name for p in Path(config.model_repository).glob("*/*/manifest.json"))
+    models = list(discover_versions(config.model_repository)) if has_models(config.model_repository) else []
     if models:
-        print(HOW_TO_CALL.format(models=", ".join(dict.fromkeys(models)), listen=config.listen,
+        print(HOW_TO_CALL.format(models=", ".join(models), listen=config.listen,
                                  metrics=config.metrics_listen or "(off)", model=models[0]), flush=True)
     asyncio.run(serve(config))
     return 0
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_demo(repository: str, runs: str) -> None:
     """Train, export and verify the demo models unless the repository already holds models."""
-    if any(Path(repository).glob("*/*/manifest.json")):
+    if has_models(repository):
         return
     try:
         from nmt.demo import build_demo_models
