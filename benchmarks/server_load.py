@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
         process.wait(timeout=30)
 
     print()
-    print(f"model {args.model}, beam {args.beam}, {args.threads} threads, {args.requests} sentences per level, "
+    print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads, {args.requests} sentences per level, "
           f"server max wait {args.max_wait_ms} ms, ORT spinning {'on' if args.ort_spinning else 'off'}")
     print("| callers | engine sent/s | server sent/s | ratio | server tok/s | engine p50/p95/p99 ms "
           "| server p50/p95/p99 ms | server batch | server CPU ms/req | client CPU ms/req |")
