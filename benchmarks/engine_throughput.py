@@ -139,6 +139,7 @@ def export_project(model, work: Path, quantize: str | None):
     """Load the Marian weights into this project's Transformer and export a model version."""
     from export.options import ExportOptions
     from export.pipeline import export_model
+    from nmt.model_format.layout import BEST_CHECKPOINT, TEST_SPLIT_FILE
     from server.engine import Engine
     from training.models.checkpoint import build_model, save_checkpoint
     from training.models.transformer import marian_state_dict
@@ -153,13 +154,13 @@ def export_project(model, work: Path, quantize: str | None):
     ours.load_state_dict(marian_state_dict(model.state_dict()))
     run = work / "run"
     run.mkdir(exist_ok=True)
-    save_checkpoint(run / "best.pt", ours)
+    save_checkpoint(run / BEST_CHECKPOINT, ours)
     placeholder_tokenizer(c.vocab_size).save(run)
     # int8 export scores held-out BLEU: random "sentences" of placeholder pieces (the figure is meaningless
     # for random weights; the export only needs the file)
     rng = np.random.default_rng(0)
     lines = [" ".join(f"t{i}" for i in rng.integers(2, c.vocab_size - 1, 8)) for _ in range(20)]
-    (run / "test.tsv").write_text("".join(f"{line}\t{line}\n" for line in lines))
+    (run / TEST_SPLIT_FILE).write_text("".join(f"{line}\t{line}\n" for line in lines))
     options = ExportOptions(checkpoint=str(run), name=f"bench-{quantize or 'fp32'}",
                             model_repository=str(work / "models"), quantize=quantize,
                             force=True, progress=False, threads=THREADS,
