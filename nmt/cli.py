@@ -1,7 +1,8 @@
 """``nmt`` command dispatcher.
 
-Each subcommand lives in the package that owns it and exposes ``add_parser(subparsers)``.
-Those modules import heavy dependencies (torch, onnxruntime) only inside the command body, so
+Each subcommand lives in the package that owns it and exposes ``add_parser(subparsers)``; ``serve``
+lives here in ``nmt`` because its ``--demo`` composes training and export, which ``server/`` never
+imports. Those modules import heavy dependencies (torch, onnxruntime) only inside the command body, so
 ``nmt serve --help`` works on a serving-only install and ``nmt train`` errors clearly without torch.
 """
 
