@@ -19,6 +19,28 @@ class DecodingOptions:
     return_attention: bool = False
 
 
+@dataclass(frozen=True)
+class RequestedOptions:
+    """Decoding options as sent (0 / 0.0 = the model's default), not yet validated."""
+
+    beam_size: int = 0
+    num_hypotheses: int = 0
+    max_length: int = 0
+    length_penalty: float = 0.0
+    return_attention: bool = False
+    return_scores: bool = False
+
+
+@dataclass(frozen=True)
+class TranslateCall:
+    """One translation request as sent: texts, the model (version) asked for ("" = default) and options."""
+
+    texts: list[str]
+    model: str = ""
+    model_version: str = ""
+    options: RequestedOptions = field(default_factory=RequestedOptions)
+
+
 @dataclass
 class WordAlignment:
     source_index: int  # word position in the source

@@ -1,0 +1,114 @@
+"""Protobuf messages <-> the plain dataclasses of :mod:`server.types`, at the servicer's edge.
+
+With :mod:`server.app` (which registers the services), the only server module that imports
+:mod:`server.protos`: validation, the scheduler and the engine work on dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from server.alignment import word_groups, words
+from server.protos import pb2
+from server.repository import ModelRepository, ModelVersion
+from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
+
+
+def from_pb(request: Any) -> TranslateCall:
+    """``TranslateRequest`` -> :class:`TranslateCall`."""
+    o = request.options
+    return TranslateCall(
+        texts=list(request.texts),
+        model=request.model,
+        model_version=request.model_version,
+        options=RequestedOptions(
+            beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
+            length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,
+        ),
+    )
+
+
+def _words(pieces: Sequence[str], text: str) -> list[str]:
+    """Words of a tokenized text: ``text.split()`` when it agrees with the pieces' word boundaries
+    (it keeps characters the tokenizer maps to ``<unk>``), else the pieces merged at word starts."""
+    merged = words(list(pieces), word_groups(list(pieces)))
+    split = text.split()
+    return split if len(split) == len(merged) else merged
+
+
+def source_words(translation: Translation, text: str) -> list[str]:
+    """Source words of ``text`` (the attention's columns)."""
+    for hypothesis in translation.hypotheses:
+        if hypothesis.attention is not None:
+            columns = list(hypothesis.attention.source_words)
+            split = text.split()
+            return split if len(split) == len(columns) else columns
+    return _words(translation.source_tokens, text)
+
+
+def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_attention: bool) -> Any:
+    """:class:`Hypothesis` -> ``Hypothesis`` message (scores and attention only when asked for)."""
+    attention = hypothesis.attention
+    if attention is not None:
+        rows = list(attention.target_words)
+        split = hypothesis.text.split()
+        target_words = split if len(split) == len(rows) else rows
+    else:
+        target_words = _words(hypothesis.tokens, hypothesis.text)
+    message = pb2.Hypothesis(text=hypothesis.text, tokens=target_words, subword_tokens=list(hypothesis.tokens))
+    if return_scores:
+        message.score = float(hypothesis.score)
+        message.token_scores.extend(float(s) for s in hypothesis.token_scores)
+    if return_attention and attention is not None:
+        weights = attention.weights
+        message.attention.target_length = int(weights.shape[0])
+        message.attention.source_length = int(weights.shape[1])
+        message.attention.weights.extend(weights.astype(float).ravel(order="C").tolist())
+        message.attention.word_alignments.extend(
+            pb2.WordAlignment(source_index=a.source_index, target_index=a.target_index) for a in attention.alignments
+        )
+        message.attention.pharaoh = attention.pharaoh()
+    return message
+
+
+def to_pb(translations: Sequence[Translation], texts: Sequence[str], model: ModelVersion,
+          options: RequestedOptions) -> Any:
+    """Translations of ``texts`` by ``model`` -> ``TranslateResponse``."""
+    response = pb2.TranslateResponse(model=model.name, model_version=model.version)
+    for translation, text in zip(translations, texts, strict=True):
+        item = response.translations.add()
+        item.source_tokens.extend(source_words(translation, text))
+        item.hypotheses.extend(
+            hypothesis_to_pb(h, return_scores=options.return_scores, return_attention=options.return_attention)
+            for h in translation.hypotheses
+        )
+    return response
+
+
+def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> Any:
+    """:class:`ModelVersion` -> ``ModelInfo`` message."""
+    defaults, training = model.defaults, model.training
+    bleu = training.get("test_bleu")
+    return pb2.ModelInfo(
+        name=model.name,
+        version=model.version,
+        architecture=str(model.manifest_value("architecture")),
+        source_language=str(model.manifest_value("source_language")),
+        target_language=str(model.manifest_value("target_language")),
+        is_default=is_default,
+        is_latest=model.is_latest,
+        execution_provider=str(getattr(model.engine, "provider", "")),
+        precision=str(model.manifest_value("precision")),
+        default_beam_size=min(int(defaults.get("beam_size", 1) or 1), max_beam),
+        max_beam_size=max_beam,
+        test_bleu=float(bleu) if isinstance(bleu, int | float) else 0.0,
+        training_corpus=str(training.get("corpus") or ""),
+    )
+
+
+def model_list_pb(repository: ModelRepository, *, max_beam: int) -> Any:
+    """Every loaded version -> ``ListModelsResponse``."""
+    return pb2.ListModelsResponse(models=[
+        model_info_pb(mv, is_default=mv.name == repository.default_model, max_beam=max_beam) for mv in repository
+    ])
