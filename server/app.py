@@ -1,4 +1,4 @@
-"""Server assembly: repository, schedulers, gRPC server, health, reflection, metrics and shutdown.
+"""Server assembly: model repository, gRPC server, health, reflection, metrics and shutdown.
 
 ::
 
@@ -7,9 +7,13 @@
     ...
     await server.shutdown()              # what SIGTERM / SIGINT do
 
+The repository is the one registry of the served models: each model version owns its engine and its
+scheduler (created at load, started and closed here through the repository); the servicer resolves a
+model version there and hands it the request.
+
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), new
 Translator requests get UNAVAILABLE while in-flight ones finish within ``grace_seconds``, the
-schedulers stop, the gRPC server stops (cancelling whatever is left) and the metrics endpoint closes.
+gRPC server stops (cancelling whatever is left), the schedulers stop and the metrics endpoint closes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from server.config import ServerConfig
 from server.metrics import MetricsInterceptor, ServerMetrics
 from server.protos import SERVICE_NAME, pb2_grpc
 from server.repository import EngineLoader, ModelRepository
-from server.scheduler import BatchPolicy, ModelScheduler
+from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
 
 log = logging.getLogger("nmt.server")
@@ -85,7 +89,6 @@ class TranslationServer:
         self.metrics = ServerMetrics(registry)
         self.engine_loader = engine_loader
         self.repository = repository
-        self.schedulers: dict[tuple[str, str], ModelScheduler] = {}
         self.health = health.aio.HealthServicer()
         self.servicer: TranslatorService | None = None
         self.server: grpc.aio.Server | None = None
@@ -99,28 +102,24 @@ class TranslationServer:
     # ---- start -----------------------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Load the models (off the event loop), start schedulers and servers; return the gRPC port."""
+        """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port."""
         config = self.config
         if self.repository is None:
             load = partial(ModelRepository.load, config.model_repository, default_model=config.default_model,
                            provider=config.provider, intra_op_threads=config.intra_op_threads,
                            inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
-                           engine_loader=self.engine_loader)
+                           engine_loader=self.engine_loader, policy=BatchPolicy.from_config(config),
+                           metrics=self.metrics)
             self.repository = await asyncio.get_running_loop().run_in_executor(None, load)
-        policy = BatchPolicy.from_config(config)
+        self.repository.start()
         for mv in self.repository:
-            scheduler = ModelScheduler(mv.engine, policy=policy, metrics=self.metrics, model=mv.name,
-                                       version=mv.version)
-            scheduler.start()
-            self.schedulers[mv.key] = scheduler
             self.metrics.model_info.labels(mv.name, mv.version, str(mv.manifest_value("architecture")),
                                            str(getattr(mv.engine, "provider", ""))).set(1)
             for metric in (self.metrics.queue_depth, self.metrics.generated_tokens, self.metrics.source_tokens,
                            self.metrics.cancelled_sentences):
                 metric.labels(mv.name, mv.version)  # exported as 0 from the start, so rate() works
 
-        self.servicer = TranslatorService(repository=self.repository, schedulers=self.schedulers, config=config,
-                                          metrics=self.metrics)
+        self.servicer = TranslatorService(repository=self.repository, config=config, metrics=self.metrics)
         self.server = grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)],
                                       options=[("grpc.so_reuseport", 0)])
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
@@ -171,7 +170,8 @@ class TranslationServer:
             # Translator calls are done (or out of time); what is left are health watches and reflection
             # streams, which never end by themselves: give them a moment, not the rest of the grace period.
             await self.server.stop(min(STOP_SECONDS, max(0.0, deadline - time.monotonic())))
-        await asyncio.gather(*(s.close(timeout=0) for s in self.schedulers.values()))
+        if self.repository is not None:
+            await self.repository.close(timeout=0)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()

@@ -1,13 +1,18 @@
-"""The model repository: every ``<root>/<name>/<version>/manifest.json`` loaded as an engine.
+"""The model repository: every ``<root>/<name>/<version>/manifest.json`` loaded as an engine with its scheduler.
 
 Like Triton's layout: the directory names are the model name and version (the manifest's own
 ``name``/``version`` are informational). Versions sort numerically when they are integers (``2`` <
 ``10``), other versions sort after them by name; the last one is the newest and serves requests that
 name no version. The default model is the configured one, else the first name in sorted order.
+
+The repository is the one registry of the served models: each :class:`ModelVersion` owns its engine
+and the :class:`server.scheduler.ModelScheduler` that is the one way into it; the repository starts
+and closes the schedulers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +22,7 @@ from typing import Any
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions
 from server.errors import NotFound
+from server.scheduler import BatchPolicy, ModelScheduler
 
 log = logging.getLogger("nmt.server")
 
@@ -35,17 +41,14 @@ def default_engine_loader(
 
 @dataclass
 class ModelVersion:
-    """One loaded version of a model."""
+    """One loaded version of a model: its engine and the scheduler that batches requests into it."""
 
     name: str
     version: str
     path: Path
     engine: Any  # server.engine.Engine (or anything with the same API)
+    scheduler: ModelScheduler
     is_latest: bool = False
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.name, self.version)
 
     @property
     def manifest(self) -> Any:
@@ -89,8 +92,11 @@ class ModelRepository:
         inter_op_threads: int = 1,
         spinning: bool = False,
         engine_loader: EngineLoader | None = None,
+        policy: BatchPolicy | None = None,
+        metrics: Any = None,
     ) -> ModelRepository:
-        """Load every version found under ``root`` (slow: call it off the event loop)."""
+        """Load every version found under ``root``, each with a scheduler of ``policy`` reporting to
+        ``metrics`` (a :class:`server.metrics.ServerMetrics`, or None); slow: call it off the event loop."""
         loader = engine_loader or default_engine_loader
         models: dict[str, list[ModelVersion]] = {}
         for name, versions in discover_versions(root).items():
@@ -102,8 +108,18 @@ class ModelRepository:
                     raise NmtError(f"cannot load model {name} version {version} from {path}: {error}") from error
                 log.info("model loaded", extra={"fields": {
                     "model": name, "version": version, "provider": getattr(engine, "provider", "")}})
-                models.setdefault(name, []).append(ModelVersion(name, version, path, engine))
+                scheduler = ModelScheduler(engine, policy=policy, metrics=metrics, model=name, version=version)
+                models.setdefault(name, []).append(ModelVersion(name, version, path, engine, scheduler))
         return cls(models, default_model)
+
+    def start(self) -> None:
+        """Start every version's scheduler (on the running event loop)."""
+        for mv in self:
+            mv.scheduler.start()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Close every version's scheduler: queued and running sentences get ``timeout`` seconds to finish."""
+        await asyncio.gather(*(mv.scheduler.close(timeout=timeout) for mv in self))
 
     def __iter__(self) -> Iterator[ModelVersion]:
         for name in sorted(self._models):

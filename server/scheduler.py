@@ -1,9 +1,12 @@
 """Dynamic batching of sentences for one model version, with cancellation and deadline-aware admission.
 
-A request's texts become sentences in this model version's queue; one batcher task forms batches
-and runs :meth:`Engine.translate_batch` on the version's own single worker thread, so the event loop
-never blocks on inference and one version's batches never overlap. Results go back to each
-request's futures and are reassembled in request order.
+The one way into a model version: the servicer hands a request's texts, resolved options and
+:class:`RequestHandle` to :meth:`ModelScheduler.translate`, which tokenizes the texts (on a worker
+thread when the request is large), refuses a text over the token limit and queues them as sentences
+in this model version's queue. One batcher task forms batches and runs :meth:`Engine.translate_batch`
+on the version's own single worker thread, so the event loop never blocks on inference and one
+version's batches never overlap. Results go back to each request's futures and are reassembled in
+request order.
 
 Batching policy
     * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
@@ -60,25 +63,30 @@ from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.types import DecodingOptions, SentenceRequest, Translation
+from server.validation import tokenize_texts
 
 log = logging.getLogger("nmt.server")
 
 EMA_ALPHA = 0.2
+TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    """Limits of the batcher (from :class:`server.config.ServerConfig`)."""
+    """Limits of the scheduler (from :class:`server.config.ServerConfig`)."""
 
     batch_tokens: int = 4096  # longest source (EOS incl.) x sentences
     max_batch_sentences: int = 64
     max_wait_seconds: float = 0.005
     queue_size: int = 1024  # queued sentences (not yet in a batch)
+    max_tokens: int = 256  # source tokens of one text (EOS excl.); longer texts are refused
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:
+        """The policy of ``config`` (a :class:`server.config.ServerConfig`)."""
         return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
-                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size)
+                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
+                   max_tokens=config.max_tokens)
 
 
 class RequestHandle:
@@ -234,26 +242,31 @@ class ModelScheduler:
     # ---- requests --------------------------------------------------------------------------------
 
     async def translate(
-        self,
-        sentences: Sequence[tuple[Sequence[int], DecodingOptions]],
-        request: RequestHandle | None = None,
+        self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None
     ) -> list[Translation]:
-        """Queue ``(source_ids, options)`` sentences of one request and return their translations in order."""
+        """Translate the texts of one request: tokenize them (on a worker thread when the request is
+        large), refuse a text over ``policy.max_tokens`` tokens, queue them as sentences and return
+        their translations in order."""
+        tokenize, limit = self.engine.tokenize, self.policy.max_tokens
+        if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
+            sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, limit)
+        else:
+            sources = tokenize_texts(texts, tokenize, limit)
         request = request or RequestHandle()
         if self._closed:
             raise Unavailable("server is shutting down")
         if request.is_cancelled():
             raise request.error()
-        if len(self._queue) + len(sentences) > self.policy.queue_size:
+        if len(self._queue) + len(sources) > self.policy.queue_size:
             raise ResourceExhausted(
                 f"queue full for model {self.labels[0]} version {self.labels[1]}: {len(self._queue)} sentences "
-                f"queued, limit {self.policy.queue_size}; this request has {len(sentences)}; retry later")
+                f"queued, limit {self.policy.queue_size}; this request has {len(sources)}; retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pendings = [
-            _Pending(request, SentenceRequest(list(ids), options, request.is_cancelled), len(ids) + 1,
+            _Pending(request, SentenceRequest(ids, options, request.is_cancelled), len(ids) + 1,
                      loop.create_future(), now, next(self._seq))
-            for ids, options in sentences
+            for ids in sources
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings))
         self._queue.extend(pendings)

@@ -2,8 +2,9 @@
 
 A handler reads as from_pb -> work -> to_pb: :mod:`server.convert` turns the ``TranslateRequest`` into
 a :class:`server.types.TranslateCall` and the translations into the response; :mod:`server.validation`
-checks the call against the configured limits and the model's defaults; the model's scheduler
-translates. Every handler is wrapped by :func:`server.errors.grpc_errors`, so they simply raise typed errors.
+checks the call against the configured limits and the model's defaults; the resolved model version's
+scheduler tokenizes and translates. Every handler is wrapped by :func:`server.errors.grpc_errors`, so
+they simply raise typed errors.
 
 Each request gets a request id (the ``x-request-id`` metadata when given, else a fresh one), echoed
 in trailing metadata and written in the request's JSON log line.
@@ -26,14 +27,13 @@ from server.convert import from_pb, model_list_pb, to_pb
 from server.errors import Unavailable, grpc_errors, status_of
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
-from server.scheduler import ModelScheduler, RequestHandle
-from server.validation import check_texts, resolve_options, tokenize_texts
+from server.scheduler import RequestHandle
+from server.validation import check_texts, resolve_options
 
 log = logging.getLogger("nmt.server")
 
 REQUEST_ID_KEY = "x-request-id"
 STREAM_WINDOW = 32  # requests of one stream translated concurrently
-TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
 # ---- the servicer ----------------------------------------------------------------------------------
@@ -64,12 +64,10 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str:
 
 
 class TranslatorService:
-    """``Translate``, ``TranslateStream`` and ``ListModels`` over the repository's schedulers."""
+    """``Translate``, ``TranslateStream`` and ``ListModels`` over the repository's model versions."""
 
-    def __init__(self, *, repository: ModelRepository, schedulers: dict[tuple[str, str], ModelScheduler],
-                 config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, *, repository: ModelRepository, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.repository = repository
-        self.schedulers = schedulers
         self.config = config
         self.metrics = metrics
         self.draining = False
@@ -210,13 +208,8 @@ class TranslatorService:
             model = self.repository.resolve(call.model, call.model_version)
             record.model, record.version = model.name, model.version
             options = resolve_options(call.options, model.defaults, self.config)
-            if sum(map(len, call.texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
-                ids = await asyncio.to_thread(tokenize_texts, call.texts, model.engine.tokenize,
-                                              self.config.max_tokens)
-            else:
-                ids = tokenize_texts(call.texts, model.engine.tokenize, self.config.max_tokens)
             handle = RequestHandle.with_timeout(context.time_remaining())
-            translations = await self.schedulers[model.key].translate([(s, options) for s in ids], handle)
+            translations = await model.scheduler.translate(call.texts, options, handle)
             return to_pb(translations, call.texts, model, call.options)
         except BaseException as exc:
             error = exc

@@ -98,7 +98,7 @@ class ServerHarness:
         return asyncio.run_coroutine_threadsafe(self.server.shutdown(grace), self.loop)
 
     def scheduler(self, version: str = "10") -> Any:
-        return self.server.schedulers[(MODEL, version)]
+        return self.server.repository.resolve(MODEL, version).scheduler
 
     def engine(self, version: str = "10") -> Any:
         return self.server.repository.resolve(MODEL, version).engine
@@ -597,6 +597,9 @@ class RecordingEngine:
     def __init__(self, seconds: float) -> None:
         self.seconds, self.batches = seconds, []
 
+    def tokenize(self, text: str) -> list[int]:
+        return [5, 6]
+
     def translate_batch(self, requests: Any) -> BatchResult:
         self.batches.append(len(requests))
         time.sleep(self.seconds)
@@ -612,13 +615,13 @@ def test_batcher_waits_only_for_companions_it_can_expect() -> None:
         scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=2.0))
         scheduler.start()
         start = time.monotonic()
-        await scheduler.translate([([5, 6], options)])
+        await scheduler.translate(["five six"], options)
         lone = time.monotonic() - start
 
         async def caller(i: int) -> None:
-            await scheduler.translate([([5, 6], options)])
+            await scheduler.translate(["five six"], options)
             await asyncio.sleep(0.01 * i)  # the callers come back at different moments ...
-            await scheduler.translate([([5, 6], options)])
+            await scheduler.translate(["five six"], options)
 
         start = time.monotonic()
         await asyncio.gather(*(caller(i) for i in range(4)))
