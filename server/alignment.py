@@ -1,4 +1,4 @@
-"""Subword attention -> word-level attention matrix and hard word alignments."""
+"""Words of tokenized texts, and subword attention -> word-level attention matrix and hard word alignments."""
 
 from __future__ import annotations
 
@@ -21,15 +21,35 @@ def word_groups(pieces: list[str]) -> list[list[int]]:
 
 
 def words(pieces: list[str], groups: list[list[int]]) -> list[str]:
+    """The pieces of each group joined, without the word-boundary marker."""
     return ["".join(pieces[i] for i in group).replace(WORD_START, "") for group in groups]
 
 
-def merge_to_words(subword_weights: np.ndarray, source_pieces: list[str], target_pieces: list[str]) -> Attention:
+def segment_words(pieces: list[str], text: str = "") -> list[str]:
+    """The words of ``text``, tokenized as ``pieces``: one word per word group of the pieces.
+
+    ``text.split()`` when it has as many words as the pieces have groups (it keeps characters the
+    tokenizer maps to ``<unk>``), else the pieces merged at word starts.
+    """
+    merged = words(pieces, word_groups(pieces))
+    split = text.split()
+    return split if len(split) == len(merged) else merged
+
+
+def merge_to_words(
+    subword_weights: np.ndarray,
+    source_pieces: list[str],
+    target_pieces: list[str],
+    source_words: list[str] | None = None,
+    target_words: list[str] | None = None,
+) -> Attention:
     """Merge a [target pieces (+EOS), source pieces (+EOS)] attention matrix into words.
 
     The end-of-sentence row and column are dropped; a source word receives the attention mass of
     its pieces (sum), a target word the mean of its pieces' rows; rows are renormalised to sum to 1.
-    Each target word is aligned to the source word it attends to most.
+    Each target word is aligned to the source word it attends to most. The matrix's words are
+    ``source_words`` / ``target_words`` (one per word group, see :func:`segment_words`), by default
+    the pieces merged at word starts.
     """
     source_groups, target_groups = word_groups(source_pieces), word_groups(target_pieces)
     core = np.asarray(subword_weights, dtype=np.float64)[: len(target_pieces), : len(source_pieces)]
@@ -43,8 +63,8 @@ def merge_to_words(subword_weights: np.ndarray, source_pieces: list[str], target
     matrix = np.where(totals > 1e-12, matrix / np.where(totals > 1e-12, totals, 1.0), uniform)
     alignments = [WordAlignment(source_index=int(row.argmax()), target_index=i) for i, row in enumerate(matrix)]
     return Attention(
-        source_words=words(source_pieces, source_groups),
-        target_words=words(target_pieces, target_groups),
+        source_words=words(source_pieces, source_groups) if source_words is None else source_words,
+        target_words=words(target_pieces, target_groups) if target_words is None else target_words,
         weights=matrix.astype(np.float32),
         alignments=alignments if matrix.shape[1] else [],
         subword_weights=np.asarray(subword_weights, dtype=np.float32),

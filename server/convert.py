@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from server.alignment import word_groups, words
 from server.protos import pb2
 from server.repository import ModelRepository, ModelVersion
 from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
@@ -29,34 +28,10 @@ def from_pb(request: Any) -> TranslateCall:
     )
 
 
-def _words(pieces: Sequence[str], text: str) -> list[str]:
-    """Words of a tokenized text: ``text.split()`` when it agrees with the pieces' word boundaries
-    (it keeps characters the tokenizer maps to ``<unk>``), else the pieces merged at word starts."""
-    merged = words(list(pieces), word_groups(list(pieces)))
-    split = text.split()
-    return split if len(split) == len(merged) else merged
-
-
-def source_words(translation: Translation, text: str) -> list[str]:
-    """Source words of ``text`` (the attention's columns)."""
-    for hypothesis in translation.hypotheses:
-        if hypothesis.attention is not None:
-            columns = list(hypothesis.attention.source_words)
-            split = text.split()
-            return split if len(split) == len(columns) else columns
-    return _words(translation.source_tokens, text)
-
-
 def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_attention: bool) -> Any:
     """:class:`Hypothesis` -> ``Hypothesis`` message (scores and attention only when asked for)."""
     attention = hypothesis.attention
-    if attention is not None:
-        rows = list(attention.target_words)
-        split = hypothesis.text.split()
-        target_words = split if len(split) == len(rows) else rows
-    else:
-        target_words = _words(hypothesis.tokens, hypothesis.text)
-    message = pb2.Hypothesis(text=hypothesis.text, tokens=target_words, subword_tokens=list(hypothesis.tokens))
+    message = pb2.Hypothesis(text=hypothesis.text, tokens=hypothesis.words, subword_tokens=hypothesis.tokens)
     if return_scores:
         message.score = float(hypothesis.score)
         message.token_scores.extend(float(s) for s in hypothesis.token_scores)
@@ -72,13 +47,12 @@ def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_atte
     return message
 
 
-def to_pb(translations: Sequence[Translation], texts: Sequence[str], model: ModelVersion,
-          options: RequestedOptions) -> Any:
-    """Translations of ``texts`` by ``model`` -> ``TranslateResponse``."""
+def to_pb(translations: Sequence[Translation], model: ModelVersion, options: RequestedOptions) -> Any:
+    """Translations by ``model`` -> ``TranslateResponse`` (the words are the engine's, copied)."""
     response = pb2.TranslateResponse(model=model.name, model_version=model.version)
-    for translation, text in zip(translations, texts, strict=True):
+    for translation in translations:
         item = response.translations.add()
-        item.source_tokens.extend(source_words(translation, text))
+        item.source_tokens.extend(translation.source_words)
         item.hypotheses.extend(
             hypothesis_to_pb(h, return_scores=options.return_scores, return_attention=options.return_attention)
             for h in translation.hypotheses

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import Tokenizer
-from server.alignment import merge_to_words
+from server.alignment import merge_to_words, segment_words
 from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
@@ -270,7 +270,7 @@ class Engine:
     def translate(self, texts: Sequence[str], options: DecodingOptions | None = None) -> list[Translation]:
         """Translate ``texts`` in one batch (convenience for scripts and tests)."""
         options = options or self.default_options()
-        requests = [SentenceRequest(self.tokenize(text), options) for text in texts]
+        requests = [SentenceRequest(self.tokenize(text), options, text=text) for text in texts]
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
@@ -342,22 +342,29 @@ class Engine:
         return results, src, encode_seconds, time.perf_counter() - start
 
     def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
+        """Detokenize one sentence's result: pieces, text and words (computed once here, see
+        :func:`server.alignment.segment_words`) and word-level attention over those same words."""
         source_pieces = self.tokenizer.pieces(request.source_ids)
+        source_words = segment_words(source_pieces, request.text)
         hypotheses = []
         for hyp in result.hypotheses:
             ids = hyp.tokens[:-1] if hyp.tokens and hyp.tokens[-1] == self.eos_id else hyp.tokens
             pieces = self.tokenizer.pieces(ids)
+            text = self.tokenizer.decode(ids)
+            words = segment_words(pieces, text)
             attention = None
             if hyp.attention is not None:
-                attention = merge_to_words(hyp.attention[:, : len(source_pieces) + 1], source_pieces, pieces)
+                attention = merge_to_words(hyp.attention[:, : len(source_pieces) + 1], source_pieces, pieces,
+                                           source_words, words)
             hypotheses.append(
                 Hypothesis(
-                    text=self.tokenizer.decode(ids),
+                    text=text,
                     tokens=pieces,
+                    words=words,
                     token_ids=list(ids),
                     score=hyp.score,
                     token_scores=hyp.token_scores,
                     attention=attention,
                 )
             )
-        return Translation(source_tokens=source_pieces, hypotheses=hypotheses)
+        return Translation(source_tokens=source_pieces, source_words=source_words, hypotheses=hypotheses)

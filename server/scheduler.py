@@ -264,9 +264,9 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pendings = [
-            _Pending(request, SentenceRequest(ids, options, request.is_cancelled), len(ids) + 1,
+            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text), len(ids) + 1,
                      loop.create_future(), now, next(self._seq))
-            for ids in sources
+            for ids, text in zip(sources, texts, strict=True)
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings))
         self._queue.extend(pendings)

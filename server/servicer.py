@@ -210,7 +210,7 @@ class TranslatorService:
             options = resolve_options(call.options, model.defaults, self.config)
             handle = RequestHandle.with_timeout(context.time_remaining())
             translations = await model.scheduler.translate(call.texts, options, handle)
-            return to_pb(translations, call.texts, model, call.options)
+            return to_pb(translations, model, call.options)
         except BaseException as exc:
             error = exc
             raise

@@ -49,7 +49,10 @@ class WordAlignment:
 
 @dataclass
 class Attention:
-    """Word-level cross-attention of one hypothesis: ``weights`` [target words, source words], rows sum to 1."""
+    """Word-level cross-attention of one hypothesis: ``weights`` [target words, source words], rows sum to 1.
+
+    ``source_words`` and ``target_words`` are the translation's ``source_words`` and the hypothesis' ``words``.
+    """
 
     source_words: list[str]
     target_words: list[str]
@@ -66,6 +69,7 @@ class Attention:
 class Hypothesis:
     text: str
     tokens: list[str]  # subword pieces, EOS excluded
+    words: list[str]  # words of ``text`` (server.alignment.segment_words)
     token_ids: list[int]  # EOS excluded
     score: float  # length-normalised log-probability
     token_scores: list[float]  # log-probability of each token, EOS included (len(tokens) + 1)
@@ -74,7 +78,8 @@ class Hypothesis:
 
 @dataclass
 class Translation:
-    source_tokens: list[str]
+    source_tokens: list[str]  # subword pieces, EOS excluded
+    source_words: list[str]  # words of the source text (server.alignment.segment_words)
     hypotheses: list[Hypothesis]
 
 
@@ -89,3 +94,4 @@ class SentenceRequest:
     source_ids: list[int]  # subword ids, EOS excluded (the engine appends it)
     options: DecodingOptions = field(default_factory=DecodingOptions)
     is_cancelled: Callable[[], bool] | None = None
+    text: str = ""  # the original text, for its words ("": words merged from the subword pieces)

@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,7 @@ class SlowEngine:
 
             return polled
 
-        wrapped = [SentenceRequest(r.source_ids, r.options, slow(r.is_cancelled)) for r in requests]
+        wrapped = [replace(r, is_cancelled=slow(r.is_cancelled)) for r in requests]
         result = self.engine.translate_batch(wrapped)
         self.results.append(result)
         return result
@@ -603,7 +604,7 @@ class RecordingEngine:
     def translate_batch(self, requests: Any) -> BatchResult:
         self.batches.append(len(requests))
         time.sleep(self.seconds)
-        return BatchResult([Translation([], []) for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
+        return BatchResult([Translation([], [], []) for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
 
 
 def test_batcher_waits_only_for_companions_it_can_expect() -> None:
