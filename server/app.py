@@ -1,4 +1,4 @@
-"""Server assembly: model repository, gRPC server, health, reflection, metrics and shutdown.
+"""Server assembly: model repository, interceptor, servicer, gRPC server, health, reflection, metrics and shutdown.
 
 ::
 
@@ -9,11 +9,13 @@
 
 The repository is the one registry of the served models: each model version owns its engine and its
 scheduler (created at load, started and closed here through the repository); the servicer resolves a
-model version there and hands it the request.
+model version there and hands it the request. The interceptor (:mod:`server.interceptor`) does what
+every call shares: request ids, request logs, request and gRPC metrics, the in-flight count.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), new
-Translator requests get UNAVAILABLE while in-flight ones finish within ``grace_seconds``, the
-gRPC server stops (cancelling whatever is left), the schedulers stop and the metrics endpoint closes.
+Translator requests get UNAVAILABLE (the servicer) while those in flight (counted by the
+interceptor) finish within ``grace_seconds``, the gRPC server stops (cancelling whatever is left),
+the schedulers stop and the metrics endpoint closes.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from prometheus_client import CollectorRegistry
 
 from nmt.errors import NmtError
 from server.config import ServerConfig
-from server.metrics import MetricsInterceptor, ServerMetrics
+from server.interceptor import RequestInterceptor
+from server.metrics import ServerMetrics
 from server.protos import SERVICE_NAME, pb2_grpc
 from server.repository import EngineLoader, ModelRepository
 from server.scheduler import BatchPolicy
@@ -87,6 +90,7 @@ class TranslationServer:
     ) -> None:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
+        self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME)
         self.engine_loader = engine_loader
         self.repository = repository
         self.health = health.aio.HealthServicer()
@@ -119,8 +123,8 @@ class TranslationServer:
                            self.metrics.cancelled_sentences):
                 metric.labels(mv.name, mv.version)  # exported as 0 from the start, so rate() works
 
-        self.servicer = TranslatorService(repository=self.repository, config=config, metrics=self.metrics)
-        self.server = grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)],
+        self.servicer = TranslatorService(repository=self.repository, config=config)
+        self.server = grpc.aio.server(interceptors=[self.interceptor],
                                       options=[("grpc.so_reuseport", 0)])
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -163,7 +167,7 @@ class TranslationServer:
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
         if self.servicer is not None:
             self.servicer.start_draining()
-            drained = await self.servicer.wait_idle(max(0.0, deadline - time.monotonic()))
+            drained = await self.interceptor.wait_idle(max(0.0, deadline - time.monotonic()))
             if not drained:
                 log.warning("grace period over with requests in flight; cancelling them")
         if self.server is not None:

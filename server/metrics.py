@@ -1,24 +1,19 @@
-"""Prometheus metrics of the translation server and the standard gRPC server metrics interceptor.
+"""Prometheus metrics of the translation server, and the standard gRPC server metrics.
 
 Every metric lives in an injected :class:`CollectorRegistry` (tests use a fresh one); names follow
 ``nmt_<thing>_<unit>``; label values are bounded (model names and versions, method names, status
 codes, stages) and never carry texts or request ids. The ``grpc_server_*`` family matches the
-go-grpc-prometheus / py-grpc-prometheus names so stock Grafana dashboards work.
+go-grpc-prometheus / py-grpc-prometheus names so stock Grafana dashboards work. The request and
+``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from server.config import split_host_port
-from server.errors import status_of
 
 # seconds: 1 ms .. 60 s
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -33,7 +28,7 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        # requests, seen by the servicer
+        # requests, seen by the interceptor
         self.requests = Counter("nmt_requests", "Translator requests by model, method and status code",
                                 ["model", "method", "code"], registry=r)
         self.request_duration = Histogram("nmt_request_duration_seconds",
@@ -77,115 +72,3 @@ class ServerMetrics:
         host, port = split_host_port(address)
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server
-
-
-def _grpc_type(handler: grpc.RpcMethodHandler) -> str:
-    if handler.request_streaming and handler.response_streaming:
-        return "BIDI_STREAMING"
-    if handler.request_streaming:
-        return "CLIENT_STREAMING"
-    if handler.response_streaming:
-        return "SERVER_STREAMING"
-    return "UNARY"
-
-
-def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    code = context.code() if hasattr(context, "code") else None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):  # some grpcio versions return the raw cygrpc integer
-        for status in grpc.StatusCode:
-            if status.value[0] == code:
-                return status.name
-    if error is None:
-        return "OK"
-    if isinstance(error, asyncio.CancelledError):
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return "DEADLINE_EXCEEDED"  # the server cancels a handler whose deadline has passed
-    return status_of(error)[0].name
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """``grpc_server_started_total``, ``grpc_server_handled_total`` and ``grpc_server_handling_seconds``.
-
-    The instrumented handler of each method is built once and reused (with its metric children), so
-    a call pays two counter increments and one histogram observation, not a new handler.
-    """
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        cached = self._wrapped.get(handler_call_details.method)
-        if cached is None or cached[0] is not handler:
-            cached = self._wrapped[handler_call_details.method] = (handler, self._wrap(handler_call_details, handler))
-        return cached[1]
-
-    def _wrap(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        service, _, method = details.method.lstrip("/").rpartition("/")
-        labels = (_grpc_type(handler), service, method)
-        metrics = self.metrics
-        started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)
-
-        def finish(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> None:
-            metrics.grpc_handled.labels(*labels, _code_of(context, error)).inc()
-            handling.observe(time.perf_counter() - start)
-
-        if handler.response_streaming:
-            behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
-
-            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                started.inc()
-                start, error = time.perf_counter(), None
-                try:
-                    result = behavior(request, context)
-                    if hasattr(result, "__aiter__"):
-                        async for response in result:
-                            yield response
-                    elif inspect.isawaitable(result):  # a coroutine that writes with context.write()
-                        await result
-                    else:  # a plain iterator
-                        for response in result:
-                            yield response
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    finish(context, start, error)
-
-            wrapped = streaming
-        else:
-            behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                started.inc()
-                start, error = time.perf_counter(), None
-                try:
-                    result = behavior(request, context)
-                    return await result if inspect.isawaitable(result) else result
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    finish(context, start, error)
-
-            wrapped = unary
-
-        factory = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return factory(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )

@@ -1,0 +1,242 @@
+"""The server interceptor: the work every call shares, done around the handlers (as TGI's server does).
+
+For every method of every service: the standard ``grpc_server_started_total``,
+``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (the go-grpc-prometheus names).
+
+For the methods of the accounted service (the Translator), besides:
+    * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
+    * ``nmt_requests_total{model,method,code}`` and one JSON log line ("request") per call: request id,
+      method, model, version, texts, code, seconds and, for a failure, its message;
+    * for the calls that translate (all but ``ListModels``): ``nmt_request_duration_seconds`` and the
+      in-flight count (``nmt_inflight_requests``), whose return to zero :meth:`RequestInterceptor.wait_idle`
+      awaits for the graceful drain.
+
+The interceptor does not know models: a handler writes the model version it resolved and the number of
+texts on the call's :class:`CallRecord` (:func:`current_call`, a context variable the interceptor sets
+for the call; tasks the handler starts see it too). A ``TranslateStream`` is one call: one count, one
+duration and one log line for the whole stream, with the texts of all its requests and the model of the
+last one resolved.
+
+:func:`code_name` alone decides the status code of a finished call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from server.errors import status_of
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("nmt.server")
+
+REQUEST_ID_KEY = "x-request-id"
+LOOKUP_METHODS = frozenset({"ListModels"})  # counted and logged, but neither timed nor in flight
+
+
+@dataclass
+class CallRecord:
+    """What one call's log line and request metrics say; the handler fills in the model part."""
+
+    method: str
+    request_id: str
+    model: str = ""
+    version: str = ""
+    texts: int = 0
+
+
+# Each RPC runs in its own task, so the variable set at the start of a call is that call's.
+_CALL: ContextVar[CallRecord | None] = ContextVar("nmt_call", default=None)
+
+
+def current_call() -> CallRecord:
+    """The record of the call being handled (outside the interceptor: a detached one nobody reads)."""
+    record = _CALL.get()
+    return record if record is not None else CallRecord("", "")
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str:
+    """The call's ``x-request-id`` metadata (at most 128 characters), else a fresh id."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and value:
+            return str(value)[:128]
+    return uuid.uuid4().hex
+
+
+def code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The status code of a finished call: the one set on the call (an abort), else OK without an error,
+    DEADLINE_EXCEEDED for a cancellation once the deadline has passed (gRPC cancels such a handler),
+    else the error's own code (:func:`server.errors.status_of`)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # some grpcio versions return the raw cygrpc integer
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status.name
+    if error is None:
+        return "OK"
+    if isinstance(error, asyncio.CancelledError):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED"
+    return status_of(error)[0].name
+
+
+def _error_message(context: grpc.aio.ServicerContext, error: BaseException | None) -> str | None:
+    """What a failed call told its client (None for a success or a cancellation)."""
+    if error is None or isinstance(error, asyncio.CancelledError):
+        return None
+    return context.details() or status_of(error)[1]
+
+
+def _grpc_type(handler: grpc.RpcMethodHandler) -> str:
+    if handler.request_streaming and handler.response_streaming:
+        return "BIDI_STREAMING"
+    if handler.request_streaming:
+        return "CLIENT_STREAMING"
+    if handler.response_streaming:
+        return "SERVER_STREAMING"
+    return "UNARY"
+
+
+class RequestInterceptor(grpc.aio.ServerInterceptor):
+    """Request ids, request logs, request metrics and the in-flight count (see the module docstring).
+
+    The instrumented handler of each method is built once and reused (with its metric children), so
+    a call pays a few counter increments and histogram observations, not a new handler.
+    """
+
+    def __init__(self, metrics: ServerMetrics, *, service: str) -> None:
+        self.metrics = metrics
+        self.service = service  # the accounted service, e.g. "translation.v1.Translator"
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no translating call is in flight (True) or ``timeout`` passes (False)."""
+        if self._inflight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[handler_call_details.method] = (handler, self._wrap(handler_call_details, handler))
+        return cached[1]
+
+    def _wrap(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        labels = (_grpc_type(handler), service, method)
+        metrics = self.metrics
+        started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)
+        accounted = service == self.service
+        translating = accounted and method not in LOOKUP_METHODS
+
+        def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
+            started.inc()
+            record = None
+            if accounted:
+                record = CallRecord(method, request_id_of(context))
+                context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
+                _CALL.set(record)
+            if translating:
+                self._inflight += 1
+                self._idle.clear()
+                metrics.inflight.inc()
+            return time.perf_counter(), record
+
+        def finish(context: grpc.aio.ServicerContext, start: float, record: CallRecord | None,
+                   error: BaseException | None) -> None:
+            seconds = time.perf_counter() - start
+            code = code_name(context, error)
+            metrics.grpc_handled.labels(*labels, code).inc()
+            handling.observe(seconds)
+            if record is not None:
+                metrics.requests.labels(record.model, method, code).inc()
+                if translating:
+                    metrics.request_duration.labels(record.model, method).observe(seconds)
+                fields: dict[str, Any] = {"request_id": record.request_id, "method": method, "model": record.model,
+                                          "version": record.version, "texts": record.texts, "code": code,
+                                          "seconds": round(seconds, 6)}
+                message = _error_message(context, error)
+                if message is not None:
+                    fields["error"] = message
+                log.info("request", extra={"fields": fields})
+            if translating:
+                self._inflight -= 1
+                metrics.inflight.dec()
+                if self._inflight == 0:
+                    self._idle.set()
+
+        if handler.response_streaming:
+            behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
+
+            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                start, record = begin(context)
+                error = None
+                try:
+                    result = behavior(request, context)
+                    if hasattr(result, "__aiter__"):
+                        async for response in result:
+                            yield response
+                    elif inspect.isawaitable(result):  # a coroutine that writes with context.write()
+                        await result
+                    else:  # a plain iterator
+                        for response in result:
+                            yield response
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    finish(context, start, record, error)
+
+            wrapped = streaming
+        else:
+            behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                start, record = begin(context)
+                error = None
+                try:
+                    result = behavior(request, context)
+                    return await result if inspect.isawaitable(result) else result
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    finish(context, start, record, error)
+
+            wrapped = unary
+
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return factory(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
