@@ -1,8 +1,8 @@
 """The client library, the alignment rendering and ``nmt translate``, against a real in-process server.
 
 The server (:class:`TranslationServer` on 127.0.0.1 port 0, on its own event loop in a background
-thread) serves the session's tiny exported models (``tests/conftest.py``), trained for seconds to
-translate English number words into German in reverse order ("one two" -> "zwei eins"). Such a model
+thread, ``tests/harness.py``) serves the session's tiny exported models (``tests/conftest.py``), trained
+for seconds to translate English number words into German in reverse order ("one two" -> "zwei eins"). Such a model
 is not always right, so the known answers here are the server's own: each result is checked against
 the raw ``TranslateResponse`` of the same request, and the command line against the library. Retries are
 tested against a scripted fake ``Translator`` whose calls fail with chosen status codes, then succeed.
@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 
 from clients.client import (
     AsyncTranslatorClient,
@@ -41,9 +40,9 @@ from clients.client import (
 from clients.render import alignment_grid, save_heatmap
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
-from server.app import TranslationServer
 from server.config import ServerConfig
 from server.protos import pb2, pb2_grpc
+from tests.harness import ServerHarness
 
 MODEL = "tiny-transformer"
 TEXTS = ["one two", "three four five", "seven", "eight nine ten one"]
@@ -52,32 +51,6 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
 
 
 # ---- a real server ---------------------------------------------------------------------------------------------
-
-
-class ServerHarness:
-    """A :class:`TranslationServer` on a background event loop."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-clients-server", daemon=True)
-        self.thread.start()
-
-        async def make() -> TranslationServer:
-            return TranslationServer(config, registry=CollectorRegistry())
-
-        self.server = self.run(make())
-        self.address = f"127.0.0.1:{self.run(self.server.start())}"
-
-    def run(self, coroutine: Any, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def close(self) -> None:
-        try:
-            self.run(self.server.shutdown(grace=0))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The gRPC translation server, in-process on 127.0.0.1 port 0, with a real exported tiny model.
 
-Servers run on their own event loop in a background thread (``ServerHarness``); the tests are plain
-synchronous gRPC clients. Slow and failing variants wrap the real engine (``SlowEngine``,
+Servers run on their own event loop in a background thread (``tests/harness.py: ServerHarness``); the
+tests are plain synchronous gRPC clients. Slow and failing variants wrap the real engine (``SlowEngine``,
 ``FailingEngine``): the slowness comes from the engine's own per-step cancellation poll, so the
 deadline and drain tests exercise the real "leave the batch" path.
 """
@@ -16,7 +16,6 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,16 +26,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
+from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import TranslationServer
 from server.config import ServerConfig
 from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, _Pending, form_batch
 from server.types import DecodingOptions, SentenceRequest, Translation
+from tests.harness import ServerHarness
 
 MODEL = "tiny"
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
@@ -70,51 +68,6 @@ def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 # ---- harness -----------------------------------------------------------------------------------------
-
-
-class ServerHarness:
-    """A :class:`TranslationServer` on a background event loop, with a blocking client stub."""
-
-    def __init__(self, config: ServerConfig, engine_loader: Callable[..., Any] | None = None) -> None:
-        self.registry = CollectorRegistry()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
-        self.thread.start()
-
-        async def make() -> TranslationServer:
-            return TranslationServer(config, registry=self.registry, engine_loader=engine_loader)
-
-        self.server = self.run(make())
-        self.port = self.run(self.server.start())
-        self.address = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = pb2_grpc.TranslatorStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def run(self, coroutine: Any, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def start_shutdown(self, grace: float) -> Any:
-        """What SIGTERM does; returns a concurrent future that completes when the server has stopped."""
-        return asyncio.run_coroutine_threadsafe(self.server.shutdown(grace), self.loop)
-
-    def scheduler(self, version: str = "10") -> Any:
-        return self.server.repository.resolve(MODEL, version).scheduler
-
-    def engine(self, version: str = "10") -> Any:
-        return self.server.repository.resolve(MODEL, version).engine
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
-
-    def close(self) -> None:
-        self.channel.close()
-        try:
-            self.run(self.server.shutdown(grace=0))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
 
 def test_config(repo: Path, **changes: Any) -> ServerConfig:
