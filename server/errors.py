@@ -1,8 +1,8 @@
 """Typed serving errors and the one place that maps them to gRPC status codes.
 
-Handlers, the model repository and the scheduler raise the exceptions below (they never touch a
-gRPC context); :func:`grpc_errors` decorates every servicer method and turns them into a status with
-the exception's message. Anything else becomes INTERNAL, logged with its traceback, so an
+Handlers, request validation, the model repository and the scheduler raise the exceptions below
+(they never touch a gRPC context); :func:`grpc_errors` decorates every servicer method and turns them
+into a status with the exception's message. Anything else becomes INTERNAL, logged with its traceback, so an
 unexpected failure never leaks a stack trace to the client nor kills the server.
 """
 

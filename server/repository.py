@@ -22,6 +22,7 @@ from typing import Any
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions
 from server.errors import NotFound
+from server.metrics import ServerMetrics
 from server.scheduler import BatchPolicy, ModelScheduler
 
 log = logging.getLogger("nmt.server")
@@ -93,10 +94,10 @@ class ModelRepository:
         spinning: bool = False,
         engine_loader: EngineLoader | None = None,
         policy: BatchPolicy | None = None,
-        metrics: Any = None,
+        metrics: ServerMetrics | None = None,
     ) -> ModelRepository:
         """Load every version found under ``root``, each with a scheduler of ``policy`` reporting to
-        ``metrics`` (a :class:`server.metrics.ServerMetrics`, or None); slow: call it off the event loop."""
+        ``metrics`` (slow: call it off the event loop)."""
         loader = engine_loader or default_engine_loader
         models: dict[str, list[ModelVersion]] = {}
         for name, versions in discover_versions(root).items():
