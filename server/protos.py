@@ -8,7 +8,7 @@ appended to ``sys.path`` because that is the include path the runtime compiler s
 generated modules are registered as ``translation.v1.translation_pb2`` / ``_pb2_grpc``, the names
 the generated code itself imports.
 
-Only the gRPC edge (``server/servicer.py``, ``server/app.py``, clients) imports this module; the
+Only the gRPC edge (``server/convert.py``, ``server/app.py``, clients) imports this module; the
 scheduler and the engine work on :mod:`server.types`.
 
 For editors and type checkers, ``python -m server.protos --out DIR`` writes the same stubs plus
