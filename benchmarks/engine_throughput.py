@@ -1,30 +1,45 @@
-"""Engine benchmark: this project's ONNX Runtime engine vs CTranslate2 vs PyTorch on the same weights.
+"""Engine benchmark: this project's ONNX Runtime engine vs CTranslate2 vs PyTorch on the same weights,
+each runtime alone in its own process.
 
     python benchmarks/engine_throughput.py                 # SMALL and BASE, fp32 and int8, batch 1/8/32, beam 1/4
     python benchmarks/engine_throughput.py --sizes SMALL --batches 1 32 --repeats 3
 
 A random-weight Hugging Face ``MarianMTModel`` is built for each size, converted with CTranslate2's
 ``TransformersConverter`` and loaded into this project's Transformer, which the project's exporter
-turns into a model version. Greedy outputs are checked to agree token for token, then target
-tokens/s are measured with the output forced to 24 tokens (EOS suppressed through
-``final_logits_bias``), runtimes interleaved, 2 threads each. Prints medians with min-max and ratios,
-plus this machine's fp32 GEMM rate (the compute ceiling) and the share of it each batch-32 cell uses.
+turns into a model version. This process only builds those artifacts; every measurement runs in a
+worker process (``runtime_worker.py``) that imports one runtime and nothing else: torch and
+CTranslate2 in one process slowed CTranslate2 up to 8x (two OpenMP runtimes; see
+benchmarks/README.md), and the benchmark refuses a project or CTranslate2 worker in which torch was
+loaded.
+
+Each worker warms up, then decodes each batch back to back for a fixed wall time (``--seconds``) and
+reports target tokens/s; outputs are forced to 24 tokens (EOS suppressed through
+``final_logits_bias``), 20-token sources, 2 threads each. Workers of the different runtimes alternate
+(the order rotates every repeat) with a pause between them; the tables give medians with min-max and
+the project/CTranslate2 ratio of the medians. Greedy outputs are checked to agree token for token.
+Printed beside the tables: the CPU model and instruction set, each runtime's backend (CTranslate2 with
+``CT2_VERBOSE=1``: its CPU ISA and GEMM backend), and the machine's fp32 GEMM rate (the compute
+ceiling) with the share of it each batch-32 cell uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 SIZES = {
+    "TINY": dict(d_model=32, layers=1, heads=2, ffn=64, vocab=64),  # for the benchmark's own test
     "SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
     "BASE": dict(d_model=512, layers=6, heads=8, ffn=2048, vocab=32000),
 }
@@ -32,34 +47,9 @@ OUTPUT_TOKENS = 24
 SOURCE_TOKENS = 20
 THREADS = 2
 EOS, UNK = 0, 1  # Marian's layout; pad is the last id
-
-
-def gemm_ceiling(threads: int = THREADS, n: int = 1024, repeats: int = 10) -> float:
-    """fp32 GEMM FLOP/s of this machine through ONNX Runtime's MatMul (MLAS), ``threads`` threads."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT, [n, n])],
-        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    a = np.random.rand(n, n).astype(np.float32)
-    feeds = {"a": a, "b": a}
-    session.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    del onnx
-    return 2 * n**3 / statistics.median(times)
+WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
+RUNTIMES = ("project", "ctranslate2", "pytorch")
+WITHOUT_TORCH = ("project", "ctranslate2")
 
 
 def marian_model(size: str, seed: int = 0):
@@ -75,6 +65,8 @@ def marian_model(size: str, seed: int = 0):
         eos_token_id=EOS, decoder_start_token_id=vocab - 1, max_position_embeddings=256, dropout=0.0,
         attention_dropout=0.0, activation_dropout=0.0,
     )
+    import torch
+
     torch.manual_seed(seed)
     model = MarianMTModel(config).eval()
     with torch.no_grad():
@@ -135,12 +127,12 @@ def placeholder_tokenizer(size: int):
     return Tokenizer(proto.SerializeToString())
 
 
-def export_project(model, work: Path, quantize: str | None):
-    """Load the Marian weights into this project's Transformer and export a model version."""
+def export_project(model, work: Path, quantize: str | None) -> tuple[Path, Path]:
+    """Load the Marian weights into this project's Transformer and export a model version; returns the
+    version directory and the PyTorch checkpoint."""
     from export.options import ExportOptions
     from export.pipeline import export_model
     from nmt.model_format.layout import BEST_CHECKPOINT, TEST_SPLIT_FILE
-    from server.engine import Engine
     from training.models.checkpoint import build_model, save_checkpoint
     from training.models.transformer import marian_state_dict
 
@@ -165,13 +157,28 @@ def export_project(model, work: Path, quantize: str | None):
                             model_repository=str(work / "models"), quantize=quantize,
                             force=True, progress=False, threads=THREADS,
                             parity_tolerance=1e-2)  # random weights: logits in the hundreds
-    result = export_model(options)
-    return ours, Engine.load(result.version_dir, provider="cpu", intra_op_threads=THREADS)
+    return export_model(options).version_dir, run / BEST_CHECKPOINT
 
 
 def sources(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, vocab - 1, SOURCE_TOKENS).tolist() for _ in range(batch)]
+
+
+def host() -> str:
+    """CPU model and the widest vector instruction set it offers (from /proc/cpuinfo)."""
+    model, flags = "unknown CPU", set()
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"),
+                                        ("avx", "AVX")) if flag in flags), "SSE")
+    extras = [flag for flag in ("avx512_vnni", "avx512_bf16", "avx_vnni") if flag in flags]
+    return f"{model}, {os.cpu_count()} cores, {isa}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 @dataclass
@@ -180,67 +187,112 @@ class Cell:
     precision: str
     batch: int
     beam: int
-    runs: dict[str, list[float]]  # runtime -> tokens/s per repeat
+    runs: dict[str, list[float]] = field(default_factory=dict)  # runtime -> tokens/s per repeat
 
 
-def project_runner(engine, batch_sources: list[list[int]], beam: int) -> Callable[[], list[list[int]]]:
-    from server.types import DecodingOptions, SentenceRequest
-
-    options = DecodingOptions(beam_size=beam, num_hypotheses=1, max_length=OUTPUT_TOKENS, length_penalty=1.0)
-    requests = [SentenceRequest(ids, options) for ids in batch_sources]
-
-    def run() -> list[list[int]]:
-        result = engine.translate_batch(requests)
-        return [t.hypotheses[0].token_ids for t in result.translations]
-
-    return run
-
-
-def ct2_runner(translator, batch_sources: list[list[int]], beam: int) -> Callable[[], list[list[int]]]:
-    tokens = [[f"t{i}" for i in ids] + ["</s>"] for ids in batch_sources]
-
-    def run() -> list[list[int]]:
-        results = translator.translate_batch(
-            tokens, beam_size=beam, max_decoding_length=OUTPUT_TOKENS, min_decoding_length=OUTPUT_TOKENS,
-            max_batch_size=0,
-        )
-        return [[int(t[1:]) for t in r.hypotheses[0]] for r in results]  # pieces are "t<id>"
-
-    return run
+def run_worker(runtime: str, model: Path, job: Path, *, load_torch: bool = False) -> tuple[dict, str]:
+    """One worker process; returns its report and the backend lines of its stderr (CTranslate2's ISA)."""
+    env = {**os.environ, "CT2_VERBOSE": "1"}
+    command = [sys.executable, str(WORKER), runtime, str(model), str(job)] + (["--load-torch"] if load_torch else [])
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    if result.returncode != 0:
+        raise SystemExit(f"{runtime} worker failed:\n{result.stderr[-3000:]}")
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    backend = [re.sub(r"^(\s*\[[^\]]*\])+\s*-?\s*", "", line) for line in result.stderr.splitlines()
+               if "ctranslate2" in line and ("CPU:" in line or "ISA" in line or "backend" in line.lower())]
+    return report, "; ".join(backend)
 
 
-def torch_runner(model, batch_sources: list[list[int]]) -> Callable[[], list[list[int]]]:
-    from training.search import greedy_batch
+def measure(size: str, precision: str, models: dict[str, Path], args: argparse.Namespace, work: Path,
+            notes: dict[str, str], torch_loaded: dict[str, bool]) -> tuple[list[Cell], list[float]]:
+    """Every runtime's workers for one model, alternating; returns the cells and the GEMM rates seen, and
+    fills in each runtime's backend note and whether torch was loaded in its workers."""
+    vocab = SIZES[size]["vocab"]
+    cells = [Cell(size, precision, batch, beam) for batch in args.batches for beam in args.beams]
+    jobs = {}
+    for runtime in models:
+        wanted = [(c.batch, c.beam) for c in cells if runtime != "pytorch" or c.beam == 1]
+        job = {"threads": THREADS, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS, "precision": precision,
+               "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
+               "check": sources(8, vocab, seed=7),
+               "attention_cell": max(args.batches) if precision == "fp32" else None}
+        jobs[runtime] = work / f"job-{runtime}.json"
+        jobs[runtime].write_text(json.dumps(job))
+    order, reports, gemm = list(models), {runtime: [] for runtime in models}, []
+    for repeat in range(args.repeats):
+        for runtime in order[repeat % len(order):] + order[: repeat % len(order)]:
+            report, backend = run_worker(runtime, models[runtime], jobs[runtime])
+            if report["torch_loaded"] and runtime in WITHOUT_TORCH:
+                raise SystemExit(f"the {runtime} worker loaded torch: its figures would not be its own")
+            notes.setdefault(runtime, report["backend"] + (f"; {backend}" if backend else ""))
+            torch_loaded[runtime] = torch_loaded.get(runtime, False) or report["torch_loaded"]
+            gemm += [report["gemm_gflops"]] if "gemm_gflops" in report else []
+            reports[runtime].append(report)
+            time.sleep(args.pause)
+    for cell in cells:
+        for runtime, runs in reports.items():
+            key = f"{cell.batch}x{cell.beam}"
+            if key in runs[0]["tok_s"]:
+                cell.runs[runtime] = [run["tok_s"][key] for run in runs]
+    check = {runtime: runs[0]["check"] for runtime, runs in reports.items()}
+    agree = {runtime: sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1]
+                          for a, b in zip(check["project"], outputs, strict=True))
+             for runtime, outputs in check.items() if runtime != "project"}
+    print(f"{size} {precision}: greedy outputs agree with the project's on "
+          + ", ".join(f"{runtime} {n}/{len(check['project'])}" for runtime, n in agree.items()), flush=True)
+    if "project" in reports and precision == "fp32":
+        key = f"{max(args.batches)}x1"
+        plain = statistics.median(run["tok_s"][key] for run in reports["project"])
+        attention = statistics.median(run["tok_s"][key + "+attention"] for run in reports["project"])
+        print(f"{size} fp32 B={max(args.batches)} greedy: {plain:,.0f} tok/s without attention output, "
+              f"{attention:,.0f} with ({attention / plain:.2f}x)", flush=True)
+    return cells, gemm
 
-    pad = model.config.pad_id
-    src = torch.tensor([ids + [model.config.eos_id] for ids in batch_sources])
-    del pad
 
-    def run() -> list[list[int]]:
-        return greedy_batch(model, src, OUTPUT_TOKENS)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["SMALL", "BASE"], choices=list(SIZES))
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES,
+                        help="which runtimes to measure (the project's is always included)")
+    parser.add_argument("--repeats", type=int, default=5, help="worker runs per runtime, alternating")
+    parser.add_argument("--seconds", type=float, default=1.5, help="sustained timing per cell and worker run")
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds between worker runs")
+    args = parser.parse_args()
+    runtimes = ["project"] + [r for r in args.runtimes if r != "project"]
 
-    return run
-
-
-def attention_cost(engine, batch_sources: list[list[int]], repeats: int) -> tuple[float, float]:
-    """Median tokens/s of greedy decoding without and with attention output, interleaved."""
-    from server.types import DecodingOptions, SentenceRequest
-
-    runs: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
-        for attention in (False, True):
-            options = DecodingOptions(beam_size=1, max_length=OUTPUT_TOKENS, return_attention=attention)
-            requests = [SentenceRequest(ids, options) for ids in batch_sources]
-            start = time.perf_counter()
-            engine.translate_batch(requests)
-            runs[attention].append(len(batch_sources) * OUTPUT_TOKENS / (time.perf_counter() - start))
-    return statistics.median(runs[False]), statistics.median(runs[True])
-
-
-def timed(run: Callable[[], list[list[int]]], batch: int) -> float:
-    start = time.perf_counter()
-    run()
-    return batch * OUTPUT_TOKENS / (time.perf_counter() - start)
+    print(f"host: {host()}; {THREADS} threads per runtime, each runtime in its own process", flush=True)
+    cells: list[Cell] = []
+    gemm: list[float] = []
+    notes: dict[str, str] = {}
+    torch_loaded: dict[str, bool] = {}
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            hf = marian_model(size)
+            for precision in args.precisions:
+                quantize = "int8" if precision == "int8" else None
+                version_dir, checkpoint = export_project(hf, work, quantize)
+                models = {"project": version_dir}
+                if "ctranslate2" in runtimes:
+                    models["ctranslate2"] = convert_ctranslate2(hf, work, quantize)
+                if "pytorch" in runtimes and precision == "fp32":
+                    models["pytorch"] = checkpoint
+                measured, rates = measure(size, precision, models, args, work, notes, torch_loaded)
+                cells += measured
+                gemm += rates
+                for cell in measured:
+                    print(format_cell(cell, max(gemm, default=0.0)), flush=True)
+    print("\nbackends:\n" + "\n".join(f"  {runtime}: {note}" for runtime, note in notes.items()))
+    print("torch loaded in the workers: " + ", ".join(f"{r} {'yes' if loaded else 'no'}"
+                                                       for r, loaded in torch_loaded.items()))
+    if gemm:
+        print(f"fp32 GEMM ceiling (ORT MatMul 1024^3, {THREADS} threads): {max(gemm):.1f} GFLOP/s, the best of "
+              f"{len(gemm)} measurements spread over the run (range {min(gemm):.1f}-{max(gemm):.1f})")
+    print(f"\nhost: {host()}")
+    print(table(cells, max(gemm, default=0.0)))
 
 
 def flops_per_token(size: str, beam: int) -> float:
@@ -254,105 +306,39 @@ def flops_per_token(size: str, beam: int) -> float:
     return beam * decoder + encoder * SOURCE_TOKENS / OUTPUT_TOKENS
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-
-    import ctranslate2
-
-    torch.set_num_threads(THREADS)
-    # the machine's speed drifts (a shared host measured 35 and 70 GFLOP/s an hour apart): the ceiling is
-    # the best of measurements spread over the run, so a slow moment cannot make the shares exceed 100 %
-    ceilings = [gemm_ceiling()]
-    print(f"fp32 GEMM rate (ORT MatMul 1024^3, {THREADS} threads): {ceilings[0] / 1e9:.1f} GFLOP/s", flush=True)
-    cells: list[Cell] = []
-    for size in args.sizes:
-        if cells:
-            ceilings.append(gemm_ceiling())
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            hf = marian_model(size)
-            for precision in args.precisions:
-                quantize = "int8" if precision == "int8" else None
-                ours_torch, engine = export_project(hf, work, quantize)
-                translator = ctranslate2.Translator(
-                    str(convert_ctranslate2(hf, work, quantize)), device="cpu", compute_type=precision.replace(
-                        "fp32", "float32"), inter_threads=1, intra_threads=THREADS,
-                )
-                check = sources(8, SIZES[size]["vocab"], seed=7)
-                ours_tokens = project_runner(engine, check, 1)()
-                ct2_tokens = ct2_runner(translator, check, 1)()
-                pairs = zip(ours_tokens, ct2_tokens, strict=True)
-                agree = sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1] for a, b in pairs)
-                line = f"{size} {precision}: greedy outputs agree with CTranslate2 on {agree}/{len(check)} sentences"
-                if precision == "fp32":
-                    torch_tokens = torch_runner(ours_torch, check)()
-                    same = sum(a == b[: len(a)] for a, b in zip(ours_tokens, torch_tokens, strict=True))
-                    line += f", with PyTorch on {same}/{len(check)}"
-                print(line, flush=True)
-                if precision == "fp32":
-                    plain, with_attention = attention_cost(engine, sources(32, SIZES[size]["vocab"]), args.repeats)
-                    print(f"{size} fp32 B=32 greedy: {plain:,.0f} tok/s without attention output, "
-                          f"{with_attention:,.0f} with ({with_attention / plain:.2f}x)", flush=True)
-                for batch in args.batches:
-                    batch_sources = sources(batch, SIZES[size]["vocab"])
-                    for beam in args.beams:
-                        runners = {
-                            "project": project_runner(engine, batch_sources, beam),
-                            "ctranslate2": ct2_runner(translator, batch_sources, beam),
-                        }
-                        if precision == "fp32" and beam == 1:
-                            runners["pytorch"] = torch_runner(ours_torch, batch_sources)
-                        for run in runners.values():
-                            run()  # warm up
-                        runs: dict[str, list[float]] = {name: [] for name in runners}
-                        for _ in range(args.repeats):
-                            for name, run in runners.items():
-                                runs[name].append(timed(run, batch))
-                        cell = Cell(size, precision, batch, beam, runs)
-                        cells.append(cell)
-                        print(format_cell(cell, max(ceilings)), flush=True)
-                del translator, engine
-    ceilings.append(gemm_ceiling())
-    print(f"\nfp32 GEMM ceiling: {max(ceilings) / 1e9:.1f} GFLOP/s, the best of "
-          f"{', '.join(f'{c / 1e9:.1f}' for c in ceilings)} measured through the run")
-    print(table(cells, max(ceilings)))
-
-
 def _stat(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
-def format_cell(cell: Cell, ceiling: float) -> str:
-    ours, ct2 = statistics.median(cell.runs["project"]), statistics.median(cell.runs["ctranslate2"])
+def _ratio(cell: Cell) -> str:
+    if "ctranslate2" not in cell.runs:
+        return "-"
+    return f"{statistics.median(cell.runs['project']) / statistics.median(cell.runs['ctranslate2']):.2f}x"
+
+
+def _share(cell: Cell, gflops: float) -> str:
+    if cell.precision != "fp32" or cell.batch < 32 or not gflops:
+        return "-"
+    return f"{statistics.median(cell.runs['project']) * flops_per_token(cell.size, cell.beam) / (gflops * 1e9):.0%}"
+
+
+def format_cell(cell: Cell, gflops: float) -> str:
     parts = [f"{cell.size:<5} {cell.precision:<4} B={cell.batch:<3} beam={cell.beam}",
-             f"project {_stat(cell.runs['project'])}", f"ct2 {_stat(cell.runs['ctranslate2'])}",
-             f"ratio {ours / ct2:.2f}x"]
-    if "pytorch" in cell.runs:
-        parts.append(f"pytorch {_stat(cell.runs['pytorch'])}")
-    if cell.precision == "fp32" and cell.batch >= 32:
-        parts.append(f"ceiling share {ours * flops_per_token(cell.size, cell.beam) / ceiling:.0%}")
-    return " | ".join(parts)
+             *(f"{runtime} {_stat(runs)}" for runtime, runs in cell.runs.items()), f"ratio {_ratio(cell)}"]
+    return " | ".join(parts) + (f" | ceiling share {_share(cell, gflops)}" if _share(cell, gflops) != "-" else "")
 
 
-def table(cells: list[Cell], ceiling: float) -> str:
+def table(cells: list[Cell], gflops: float) -> str:
     lines = [
-        "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | ratio | PyTorch tok/s "
+        "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | project/CT2 | PyTorch tok/s "
         "| % of fp32 ceiling |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
-        ours, ct2 = statistics.median(c.runs["project"]), statistics.median(c.runs["ctranslate2"])
+        ct2 = _stat(c.runs["ctranslate2"]) if "ctranslate2" in c.runs else "-"
         torch_cell = _stat(c.runs["pytorch"]) if "pytorch" in c.runs else "-"
-        share = (f"{ours * flops_per_token(c.size, c.beam) / ceiling:.0%}"
-                 if c.precision == "fp32" and c.batch >= 32 else "-")
-        lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | {_stat(c.runs['project'])} | "
-                     f"{_stat(c.runs['ctranslate2'])} | {ours / ct2:.2f}x | {torch_cell} | {share} |")
+        lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | {_stat(c.runs['project'])} | {ct2} | "
+                     f"{_ratio(c)} | {torch_cell} | {_share(c, gflops)} |")
     return "\n".join(lines)
 
 

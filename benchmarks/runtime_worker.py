@@ -1,0 +1,163 @@
+"""One runtime of the engine benchmark, alone in its own process (started by ``engine_throughput.py``).
+
+    python benchmarks/runtime_worker.py RUNTIME MODEL JOB.json [--load-torch]
+
+RUNTIME is ``project`` (this project's ONNX Runtime engine; MODEL is a model version directory),
+``ctranslate2`` (MODEL is a converted CTranslate2 directory) or ``pytorch`` (MODEL is a checkpoint;
+greedy only). The worker imports only what its runtime needs, so no other runtime's thread pool or
+OpenMP library shares the process. For each (batch, beam) cell of the job it warms up, then decodes
+the same batch back to back for the job's fixed wall time and reports target tokens/s.
+
+It prints one JSON object on its last stdout line: tokens/s per cell, the greedy outputs of the
+job's agreement batch, whether ``torch`` was loaded in the process, and a line describing the
+runtime's backend. ``--load-torch`` imports torch and runs a few matrix products first (it reproduces
+the same-process slowdown the old benchmark suffered; see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the source checkout's packages
+
+Decode = Callable[[list[list[int]], int], list[list[int]]]  # (sources, beam) -> output ids per sentence
+
+
+def project(model: str, job: dict) -> tuple[Decode, str]:
+    """This project's engine: the model version, CPU, ``threads`` intra-op threads."""
+    import onnxruntime as ort
+
+    from server.engine import Engine
+    from server.types import DecodingOptions, SentenceRequest
+
+    engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1)
+
+    def decode(sources: list[list[int]], beam: int, attention: bool = False) -> list[list[int]]:
+        options = DecodingOptions(beam_size=beam, max_length=job["output_tokens"], return_attention=attention)
+        result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
+        return [t.hypotheses[0].token_ids for t in result.translations]
+
+    return decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS"
+
+
+def ctranslate2(model: str, job: dict) -> tuple[Decode, str]:
+    """CTranslate2's Translator on the converted model; tokens are its ``t<id>`` pieces."""
+    import ctranslate2 as ct2
+
+    compute_type = {"fp32": "float32", "int8": "int8"}[job["precision"]]
+    translator = ct2.Translator(model, device="cpu", compute_type=compute_type, inter_threads=1,
+                                intra_threads=job["threads"])
+    length = job["output_tokens"]
+
+    def decode(sources: list[list[int]], beam: int) -> list[list[int]]:
+        tokens = [[f"t{i}" for i in ids] + ["</s>"] for ids in sources]
+        results = translator.translate_batch(tokens, beam_size=beam, max_decoding_length=length,
+                                             min_decoding_length=length, max_batch_size=0)
+        return [[int(piece[1:]) for piece in r.hypotheses[0]] for r in results]
+
+    return decode, f"ctranslate2 {ct2.__version__}, compute type {compute_type}"
+
+
+def pytorch(model: str, job: dict) -> tuple[Decode, str]:
+    """This project's PyTorch Transformer with its batched greedy decoder (KV cache)."""
+    import torch
+
+    from training.models.checkpoint import load_checkpoint
+    from training.search import greedy_batch
+
+    torch.set_num_threads(job["threads"])
+    net, _ = load_checkpoint(model)
+
+    def decode(sources: list[list[int]], beam: int) -> list[list[int]]:
+        if beam != 1:
+            raise ValueError("the PyTorch runtime decodes greedily only")
+        src = torch.tensor([ids + [net.config.eos_id] for ids in sources])
+        return greedy_batch(net, src, job["output_tokens"])
+
+    return decode, f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch}
+
+
+def load_torch() -> None:
+    """Import torch and run a few matrix products, as the old single-process benchmark did."""
+    import torch
+
+    a = torch.rand(256, 256)
+    for _ in range(10):
+        a = (a @ a).clamp(-1, 1)
+
+
+def sustained(decode: Callable[[], object], seconds: float) -> tuple[int, float]:
+    """Calls of ``decode`` back to back for at least ``seconds`` (after one warm-up call): (calls, elapsed)."""
+    decode()
+    calls, start = 0, time.perf_counter()
+    while True:
+        decode()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return calls, elapsed
+
+
+def gemm_gflops(threads: int, n: int = 1024, repeats: int = 10) -> float:
+    """fp32 GEMM rate of this machine through ONNX Runtime's MatMul (MLAS), ``threads`` threads."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [n, n])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    a = np.random.rand(n, n).astype(np.float32)
+    session.run(None, {"a": a, "b": a})
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(None, {"a": a, "b": a})
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runtime", choices=sorted(RUNTIMES))
+    parser.add_argument("model", help="model version directory, CTranslate2 directory or checkpoint")
+    parser.add_argument("job", type=Path, help="the job JSON written by engine_throughput.py")
+    parser.add_argument("--load-torch", action="store_true", help="import torch and use it before measuring")
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    if args.load_torch:
+        load_torch()
+    decode, backend = RUNTIMES[args.runtime](args.model, job)
+    report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}}
+    report["check"] = decode(job["check"], 1)
+    for batch, beam in job["cells"]:
+        sources = job["sources"][str(batch)]
+        calls, elapsed = sustained(lambda sources=sources, beam=beam: decode(sources, beam), job["seconds"])
+        report["tok_s"][f"{batch}x{beam}"] = calls * batch * job["output_tokens"] / elapsed
+    if args.runtime == "project" and job.get("attention_cell"):
+        batch = job["attention_cell"]
+        sources = job["sources"][str(batch)]
+        calls, elapsed = sustained(lambda: decode(sources, 1, True), job["seconds"])
+        report["tok_s"][f"{batch}x1+attention"] = calls * batch * job["output_tokens"] / elapsed
+        report["gemm_gflops"] = gemm_gflops(job["threads"])
+    report["torch_loaded"] = "torch" in sys.modules
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The engine benchmark measures each runtime alone: a real run on a tiny random Marian model.
+
+Its CTranslate2 and ONNX Runtime workers must never load torch (torch's OpenMP runtime in the same
+process slowed CTranslate2 up to 8x); the PyTorch worker reporting torch proves the probe sees it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("ctranslate2")
+pytest.importorskip("transformers")
+
+
+def test_each_runtime_alone_in_its_process() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "engine_throughput.py"), "--sizes", "TINY",
+               "--precisions", "fp32", "--batches", "2", "--beams", "1", "2", "--repeats", "2", "--seconds", "0.1",
+               "--pause", "0"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "torch loaded in the workers: project no, ctranslate2 no, pytorch yes" in out
+    assert "greedy outputs agree with the project's on ctranslate2 8/8, pytorch 8/8" in out
+    assert "Selected ISA" in out and "onnxruntime" in out and "CPU capability" in out  # backends beside the table
+    assert out.count("host: ") == 2
+    rows = [line for line in out.splitlines() if line.startswith("| TINY | fp32 | 2 |")]
+    assert len(rows) == 2  # greedy and beam 2
+    greedy = rows[0].split(" | ")
+    assert greedy[5] != "-" and greedy[7] != "-" and greedy[6].endswith("x")  # CTranslate2, PyTorch, ratio
+
+
+def test_a_worker_that_loaded_torch_says_so(tmp_path: Path) -> None:
+    """``--load-torch`` (the old benchmark's situation) shows up in the worker's report."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import engine_throughput as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model = bench.convert_ctranslate2(bench.marian_model("TINY"), tmp_path, None)
+    job = tmp_path / "job.json"
+    job.write_text('{"threads": 1, "seconds": 0.05, "output_tokens": 24, "precision": "fp32", "cells": [[1, 1]], '
+                   '"sources": {"1": [[5, 6, 7]]}, "check": [[5, 6, 7]]}')
+    alone, _ = bench.run_worker("ctranslate2", model, job)
+    beside_torch, _ = bench.run_worker("ctranslate2", model, job, load_torch=True)
+    assert (alone["torch_loaded"], beside_torch["torch_loaded"]) == (False, True)
+    assert alone["check"] == beside_torch["check"] and len(alone["check"][0]) == 24
