@@ -201,6 +201,20 @@ _ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorP
                   "tensor(bool)": TensorProto.BOOL}
 
 
+STEP_ROLES = ("decoder", "decoder_attention")  # the graphs run at every decoding step
+
+
+def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:
+    """ONNX Runtime options of one graph's session (each session has its own thread pool)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = inter_op_threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    return options
+
+
 class Engine:
     """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
 
@@ -225,9 +239,12 @@ class Engine:
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
-        ``spinning``: let ONNX Runtime's idle worker threads busy-wait for the next operator. It shaves
-        microseconds per operator on cores nobody else needs, and costs far more when the gRPC event
-        loop, tokenizer or load generator share the cores (see benchmarks/README.md), so it is off.
+        ``spinning``: let the idle worker threads of the decoder step sessions busy-wait for the next
+        operator instead of sleeping (the encoder's never spin: each session has its own pool, and two
+        spinning pools on the same cores fight; all sessions spinning was 0.45x of none at batch 1).
+        Decoder spinning alone makes the bare engine 1.2-1.6x faster at batch <= 8 on 2 cores, but it
+        burns CPU the gRPC event loop needs under load (the server at 128 callers: 0.84-1.03x), so it
+        is off unless the cores are reserved for inference (see benchmarks/README.md).
 
         ``device_state``: keep the encoder outputs and the KV cache on the execution provider's device
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
@@ -235,14 +252,12 @@ class Engine:
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
         providers = resolve_providers(provider)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = inter_op_threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         sessions = {
-            role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
+            role: ort.InferenceSession(
+                str(version_dir / filename),
+                session_options(intra_op_threads, inter_op_threads, spinning=spinning and role in STEP_ROLES),
+                providers=providers,
+            )
             for role, filename in manifest.graphs.items()
         }
         tokenizer = Tokenizer.load(version_dir)
