@@ -35,5 +35,6 @@ def run(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise NmtError(f"{script} not found: benchmarks run from a source checkout")
     sys.argv = [str(script), *args.args]
+    sys.path.insert(0, str(BENCHMARKS))  # as `python benchmarks/<script>.py` would: the scripts import each other
     runpy.run_path(str(script), run_name="__main__")
     return 0
