@@ -252,7 +252,8 @@ def main() -> None:
     parser.add_argument("--beam-size", "--beam", dest="beam_size", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (both sides)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's batching wait")
-    parser.add_argument("--ort-spinning", action="store_true", help="let ONNX Runtime threads busy-wait (both sides)")
+    parser.add_argument("--ort-spinning", action=argparse.BooleanOptionalAction, default=True,
+                        help="ONNX Runtime threads busy-wait within a run (both sides; the server's default)")
     parser.add_argument("--marian", choices=["SMALL", "BASE"],
                         help="serve a random-weight Marian model of this size instead of --model")
     parser.add_argument("--echo-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # internal
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
                          spinning=args.ort_spinning)
     process, address, metrics = start_server(args.model_repository, args.threads, args.max_wait_ms,
-                                             ["--ort-spinning"] if args.ort_spinning else [])
+                                             ["--ort-spinning" if args.ort_spinning else "--no-ort-spinning"])
     rows = []
     try:
         for callers in args.callers:

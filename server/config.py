@@ -46,8 +46,8 @@ class ServerConfig:
     provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
-    ort_spinning: bool = option(False, "let the idle ONNX Runtime threads of the decoder step busy-wait (faster "
-                                "at small batches; only on cores reserved for inference)")
+    ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
+                                "runs (they stop when it returns); off where other processes need the cores")
     # batching
     batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
     max_batch_sentences: int = option(64, "most sentences in one batch")

@@ -201,17 +201,18 @@ _ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorP
                   "tensor(bool)": TensorProto.BOOL}
 
 
-STEP_ROLES = ("decoder", "decoder_attention")  # the graphs run at every decoding step
-
-
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:
-    """ONNX Runtime options of one graph's session (each session has its own thread pool)."""
+    """ONNX Runtime options of a model version's sessions. With ``spinning``, idle workers busy-wait for
+    the next operator only while a ``run`` is in progress (``session.force_spinning_stop``): each session
+    has its own thread pool, and pools left spinning between runs fight each other, the Python search
+    and the gRPC event loop for the cores."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1" if spinning else "0")
     return options
 
 
@@ -234,17 +235,16 @@ class Engine:
         provider: str = "auto",
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
-        spinning: bool = False,
+        spinning: bool = True,
         device_state: bool | None = None,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
-        ``spinning``: let the idle worker threads of the decoder step sessions busy-wait for the next
-        operator instead of sleeping (the encoder's never spin: each session has its own pool, and two
-        spinning pools on the same cores fight; all sessions spinning was 0.45x of none at batch 1).
-        Decoder spinning alone makes the bare engine 1.2-1.6x faster at batch <= 8 on 2 cores, but it
-        burns CPU the gRPC event loop needs under load (the server at 128 callers: 0.84-1.03x), so it
-        is off unless the cores are reserved for inference (see benchmarks/README.md).
+        ``spinning``: while a ``run`` is in progress, idle worker threads busy-wait for the next operator
+        instead of sleeping; they stop when it returns (:func:`session_options`). On 2 cores it makes
+        the SMALL engine 1.4-1.6x faster at batch 1 and the server 1.05-1.6x faster at 1-128 callers
+        with no more CPU per request (benchmarks/README.md). Turn it off where other processes need
+        the cores more than inference does.
 
         ``device_state``: keep the encoder outputs and the KV cache on the execution provider's device
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
@@ -252,12 +252,9 @@ class Engine:
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
         providers = resolve_providers(provider)
+        options = session_options(intra_op_threads, inter_op_threads, spinning=spinning)
         sessions = {
-            role: ort.InferenceSession(
-                str(version_dir / filename),
-                session_options(intra_op_threads, inter_op_threads, spinning=spinning and role in STEP_ROLES),
-                providers=providers,
-            )
+            role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
             for role, filename in manifest.graphs.items()
         }
         tokenizer = Tokenizer.load(version_dir)

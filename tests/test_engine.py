@@ -184,13 +184,13 @@ def test_cuda_keeps_state_on_the_gpu_and_decodes_like_the_cpu(arch, engines, tin
                 assert a.score == pytest.approx(b.score, abs=1e-3)
 
 
-def test_thread_spinning_is_off_unless_asked_and_then_only_in_the_decoder_step(tiny_models):
-    """Each session has its own thread pool; a spinning encoder pool would fight the decoder's."""
-    def spinning(engine: Engine) -> dict[str, str]:
-        return {role: session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
-                for role, session in engine.model.sessions.items()}
+def test_thread_spinning_only_within_a_run_unless_turned_off(tiny_models):
+    """Each session has its own thread pool: pools left spinning between runs would fight for the cores."""
+    def spinning(engine: Engine) -> set[tuple[str, str]]:
+        return {(options.get_session_config_entry("session.intra_op.allow_spinning"),
+                 options.get_session_config_entry("session.force_spinning_stop"))
+                for options in (session.get_session_options() for session in engine.model.sessions.values())}
 
-    quiet = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)
-    assert set(spinning(quiet).values()) == {"0"}
-    busy = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, spinning=True)
-    assert spinning(busy) == {"encoder": "0", "decoder": "1", "decoder_attention": "1"}
+    assert spinning(Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)) == {("1", "1")}
+    quiet = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, spinning=False)
+    assert spinning(quiet) == {("0", "0")}
