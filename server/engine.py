@@ -60,7 +60,6 @@ class OnnxStepModel:
         self.sessions = sessions
         self.static_names = list(manifest.decoder_static)
         self.state = list(manifest.decoder_state)
-        self.eos_id = manifest.special_ids["eos"]
         for role in ("decoder", "decoder_attention"):
             missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
             if missing:
@@ -242,7 +241,7 @@ class Engine:
 
         ``spinning``: while a ``run`` is in progress, idle worker threads busy-wait for the next operator
         instead of sleeping; they stop when it returns (:func:`session_options`). On 2 cores it makes
-        the SMALL engine 1.4-1.6x faster at batch 1 and the server 1.05-1.6x faster at 1-128 callers
+        the SMALL engine 1.5-1.6x faster at batch 1 and the server 1.05-1.6x faster at 1-128 callers
         with no more CPU per request (benchmarks/README.md). Turn it off where other processes need
         the cores more than inference does.
 

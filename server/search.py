@@ -165,9 +165,9 @@ def _greedy(
             if stop[j] and not cancelled and scores[j] > NEG_INF:
                 attention_rows = history_attention[s, : t + 1].copy() if history_attention is not None else None
                 hypothesis = ScoredSequence(tokens=history[s, : t + 1].tolist(),
-                                                score=float(totals[s] / (t + 1) ** penalties[s]),
-                                                token_scores=history_scores[s, : t + 1].tolist(),
-                                                attention=attention_rows)
+                                            score=float(totals[s] / (t + 1) ** penalties[s]),
+                                            token_scores=history_scores[s, : t + 1].tolist(),
+                                            attention=attention_rows)
                 results[s] = SearchResult([hypothesis])
             elif stop[j] and not cancelled:
                 results[s] = SearchResult([])
