@@ -213,6 +213,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     for runtime in models:
         wanted = [(c.batch, c.beam) for c in cells if runtime != "pytorch" or c.beam == 1]
         job = {"threads": THREADS, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS, "precision": precision,
+               "ort_spinning": args.ort_spinning,
                "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
                "check": sources(8, vocab, seed=7),
                "attention_cell": max(args.batches) if precision == "fp32" else None}
@@ -238,8 +239,9 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     agree = {runtime: sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1]
                           for a, b in zip(check["project"], outputs, strict=True))
              for runtime, outputs in check.items() if runtime != "project"}
-    print(f"{size} {precision}: greedy outputs agree with the project's on "
-          + ", ".join(f"{runtime} {n}/{len(check['project'])}" for runtime, n in agree.items()), flush=True)
+    if agree:
+        print(f"{size} {precision}: greedy outputs agree with the project's on "
+              + ", ".join(f"{runtime} {n}/{len(check['project'])}" for runtime, n in agree.items()), flush=True)
     if "project" in reports and precision == "fp32":
         key = f"{max(args.batches)}x1"
         plain = statistics.median(run["tok_s"][key] for run in reports["project"])
@@ -260,6 +262,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="worker runs per runtime, alternating")
     parser.add_argument("--seconds", type=float, default=1.5, help="sustained timing per cell and worker run")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between worker runs")
+    parser.add_argument("--ort-spinning", action=argparse.BooleanOptionalAction, default=True,
+                        help="the project's ONNX Runtime threads busy-wait within a run (the engine's default)")
     args = parser.parse_args()
     runtimes = ["project"] + [r for r in args.runtimes if r != "project"]
 

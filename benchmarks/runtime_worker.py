@@ -35,14 +35,16 @@ def project(model: str, job: dict) -> tuple[Decode, str]:
     from server.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 
-    engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1)
+    engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1,
+                         spinning=job.get("ort_spinning", True))
 
     def decode(sources: list[list[int]], beam: int, attention: bool = False) -> list[list[int]]:
         options = DecodingOptions(beam_size=beam, max_length=job["output_tokens"], return_attention=attention)
         result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
         return [t.hypotheses[0].token_ids for t in result.translations]
 
-    return decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS"
+    spinning = "on" if job.get("ort_spinning", True) else "off"
+    return decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}"
 
 
 def ctranslate2(model: str, job: dict) -> tuple[Decode, str]:
