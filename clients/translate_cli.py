@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     decoding.add_argument("--version", "--model-version", dest="model_version", default="", metavar="VERSION",
                           help="model version (default: the newest)")
     decoding.add_argument("--beam-size", "--beam", dest="beam_size", type=_count, default=0, metavar="N",
-                          help="beam size (1: greedy); the same name as nmt export's default")
+                          help="beam size (1: greedy)")
     decoding.add_argument("--num-hypotheses", "--n-best", dest="num_hypotheses", type=_count, default=0, metavar="N",
                           help="hypotheses per text, at most the beam size (default: 1)")
     decoding.add_argument("--max-length", type=_count, default=0, metavar="N", help="most generated tokens")
