@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+from google.rpc import status_pb2
+
 from server.protos import pb2
 from server.repository import ModelRepository, ModelVersion
 from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
@@ -58,6 +61,11 @@ def to_pb(translations: Sequence[Translation], model: ModelVersion, options: Req
             for h in translation.hypotheses
         )
     return response
+
+
+def error_response_pb(code: grpc.StatusCode, message: str) -> Any:
+    """A ``TranslateResponse`` that carries one stream request's error instead of translations."""
+    return pb2.TranslateResponse(error=status_pb2.Status(code=code.value[0], message=message))
 
 
 def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> Any:

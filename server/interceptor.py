@@ -1,7 +1,13 @@
 """The server interceptor: the work every call shares, done around the handlers (as TGI's server does).
 
 For every method of every service: the standard ``grpc_server_started_total``,
-``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (the go-grpc-prometheus names).
+``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (the go-grpc-prometheus names),
+and the parsing of request messages: a message that does not parse (garbage bytes, invalid UTF-8, a
+truncated field) becomes an :class:`Undecodable` value instead of gRPC's ``UNKNOWN "Unexpected
+<class DecodeError>"``; it is counted in ``nmt_undecodable_messages_total{grpc_service,grpc_method}``
+and logged, a unary call gets INVALID_ARGUMENT (counted and logged like any failed call), and in
+``TranslateStream`` (:data:`PER_MESSAGE_ERRORS`) the handler answers that one message with an error
+while the stream goes on. Other streams end with INVALID_ARGUMENT.
 
 For the methods of the accounted service (the Translator), besides:
     * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
@@ -34,13 +40,34 @@ from typing import Any
 
 import grpc
 
-from server.errors import status_of
+from server.errors import InvalidArgument, status_of
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("nmt.server")
 
 REQUEST_ID_KEY = "x-request-id"
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted and logged, but neither timed nor in flight
+PER_MESSAGE_ERRORS = frozenset({"TranslateStream"})  # request streams whose handler answers Undecodable itself
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request message that did not parse, in place of the message (see the module docstring)."""
+
+    size: int  # bytes received
+    reason: str
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(f"the request message could not be parsed ({self.size} bytes): {self.reason}; "
+                               "send a valid serialized message of the method's request type")
+
+
+def _parse_failure(error: Exception) -> str:
+    """A plain reason for a parse failure (no type names, no internals)."""
+    if isinstance(error, UnicodeDecodeError):
+        return "a string field is not valid UTF-8"
+    text = str(error).strip().rstrip(".")
+    return text if text and "<" not in text and len(text) < 200 else "malformed protobuf message"
 
 
 @dataclass
@@ -90,6 +117,12 @@ def code_name(context: grpc.aio.ServicerContext, error: BaseException | None) ->
         if remaining is not None and remaining <= 0:
             return "DEADLINE_EXCEEDED"
     return status_of(error)[0].name
+
+
+async def _refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
+    """End the call with INVALID_ARGUMENT for an undecodable message (keeping the request id metadata)."""
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()),
+                        trailing_metadata=tuple(context.trailing_metadata() or ()))
 
 
 def _error_message(context: grpc.aio.ServicerContext, error: BaseException | None) -> str | None:
@@ -152,6 +185,26 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)
         accounted = service == self.service
         translating = accounted and method not in LOOKUP_METHODS
+        undecodable = metrics.undecodable.labels(service, method)
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            if parse is None:
+                return data
+            try:
+                return parse(data)
+            except Exception as error:  # noqa: BLE001 - DecodeError, UnicodeDecodeError, ...: the client's fault
+                undecodable.inc()
+                bad = Undecodable(len(data), _parse_failure(error))
+                log.warning("undecodable message", extra={"fields": {
+                    "method": f"{service}/{method}", "bytes": bad.size, "reason": bad.reason}})
+                return bad
+
+        async def refuse_undecodable(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            async for request in requests:
+                if isinstance(request, Undecodable):
+                    await _refuse(request, context)
+                yield request
 
         def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
             started.inc()
@@ -196,6 +249,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    if isinstance(request, Undecodable):
+                        await _refuse(request, context)
+                    if handler.request_streaming and method not in PER_MESSAGE_ERRORS:
+                        request = refuse_undecodable(request, context)
                     result = behavior(request, context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
@@ -219,6 +276,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    if isinstance(request, Undecodable):
+                        await _refuse(request, context)
+                    if handler.request_streaming:
+                        request = refuse_undecodable(request, context)
                     result = behavior(request, context)
                     return await result if inspect.isawaitable(result) else result
                 except BaseException as exc:
@@ -237,6 +298,6 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         }[(handler.request_streaming, handler.response_streaming)]
         return factory(
             wrapped,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=deserialize,
             response_serializer=handler.response_serializer,
         )

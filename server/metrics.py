@@ -34,6 +34,8 @@ class ServerMetrics:
         self.request_duration = Histogram("nmt_request_duration_seconds",
                                           "End-to-end request latency inside the server", ["model", "method"],
                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.undecodable = Counter("nmt_undecodable_messages", "Request messages that did not parse "
+                                   "(answered with INVALID_ARGUMENT)", ["grpc_service", "grpc_method"], registry=r)
         self.inflight = Gauge("nmt_inflight_requests", "Translator requests being handled", registry=r)
         # scheduler
         self.queue_duration = Histogram("nmt_queue_duration_seconds",

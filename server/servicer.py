@@ -14,18 +14,22 @@ texts on the call's record (:func:`server.interceptor.current_call`).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from server.config import ServerConfig
-from server.convert import from_pb, model_list_pb, to_pb
-from server.errors import Unavailable, grpc_errors
-from server.interceptor import current_call
+from server.convert import error_response_pb, from_pb, model_list_pb, to_pb
+from server.errors import ServingError, Unavailable, grpc_errors, status_of
+from server.interceptor import Undecodable, current_call
 from server.repository import ModelRepository
 from server.scheduler import RequestHandle
 from server.validation import check_texts, resolve_options
+
+log = logging.getLogger("nmt.server")
 
 STREAM_WINDOW = 32  # requests of one stream translated concurrently
 
@@ -55,15 +59,17 @@ class TranslatorService:
     async def TranslateStream(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """Requests are translated concurrently (at most ``STREAM_WINDOW`` ahead); responses go out in order."""
+        """Requests are translated concurrently (at most ``STREAM_WINDOW`` ahead); responses go out in order.
+        A request that fails gets a response carrying its error, and the stream goes on."""
         window = asyncio.Semaphore(STREAM_WINDOW)
+        index = itertools.count()
         tasks: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    tasks.put_nowait(asyncio.create_task(self._translate(request, context)))
+                    tasks.put_nowait(asyncio.create_task(self._stream_item(request, context, next(index))))
             finally:
                 tasks.put_nowait(None)
 
@@ -81,6 +87,19 @@ class TranslatorService:
                 if task is not None:
                     task.cancel()
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve the outcome
+
+    async def _stream_item(self, request: Any, context: grpc.aio.ServicerContext, index: int) -> Any:
+        """One stream request's response: its translations, or its error (logged) when it failed."""
+        try:
+            return await self._translate(request, context)
+        except Exception as error:  # noqa: BLE001 - one request's failure must not end the stream
+            code, message = status_of(error)
+            fields = {"request_id": current_call().request_id, "index": index, "code": code.name, "error": message}
+            if isinstance(error, ServingError):
+                log.info("stream request failed", extra={"fields": fields})
+            else:
+                log.error("stream request failed", exc_info=error, extra={"fields": fields})
+            return error_response_pb(code, message)
 
     async def _next_stream_task(self, tasks: asyncio.Queue) -> asyncio.Task | None:
         """The stream's next request; while draining, a stream idle between requests is closed (UNAVAILABLE)."""
@@ -105,6 +124,8 @@ class TranslatorService:
         """One ``TranslateRequest`` -> its ``TranslateResponse``."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
+        if isinstance(request, Undecodable):
+            raise request.error()
         call = from_pb(request)
         record = current_call()
         record.texts += len(call.texts)

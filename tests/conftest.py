@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ TINY = {
     "bahdanau": dict(embed_dim=16, encoder_hidden=16, decoder_hidden=32, attention_dim=16, dropout=0.1),
 }
 PARITY_SENTENCES = 8
+SERVED_MODEL = "tiny"  # the model name of the server tests' repository
 
 
 def number_pairs(count: int, seed: int) -> list[tuple[str, str]]:
@@ -100,3 +103,18 @@ def tiny_models(tiny_runs, tiny_repository):
                        "--no-progress"])
     assert status == 0
     return {"transformer": result.version_dir, "bahdanau": tiny_repository / "tiny-bahdanau" / "1"}
+
+
+@pytest.fixture(scope="session")
+def model_version_dir(tiny_models: dict[str, Path]) -> Path:
+    """The session's tiny Transformer, trained and exported once."""
+    return Path(tiny_models["transformer"])
+
+
+@pytest.fixture(scope="session")
+def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<repo>/tiny/{1,2,10}``: three copies of the exported version (10 is the newest: numeric order)."""
+    root = tmp_path_factory.mktemp("repository")
+    for version in ("1", "2", "10"):
+        shutil.copytree(model_version_dir, root / SERVED_MODEL / version)
+    return root

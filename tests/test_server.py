@@ -34,19 +34,14 @@ from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, _Pending, form_batch
 from server.types import DecodingOptions, SentenceRequest, Translation
+from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
 
-MODEL = "tiny"
+MODEL = SERVED_MODEL
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
 
 
 # ---- the model: a real exported tiny model version -----------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def model_version_dir(tiny_models: dict[str, Path]) -> Path:
-    """The session's tiny Transformer, trained and exported once (tests/conftest.py)."""
-    return Path(tiny_models["transformer"])
 
 
 def default_loader() -> Callable[..., Any]:
@@ -54,17 +49,6 @@ def default_loader() -> Callable[..., Any]:
     from server.repository import default_engine_loader
 
     return default_engine_loader
-
-
-@pytest.fixture(scope="session")
-def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``<repo>/tiny/{1,2,10}``: three copies of the exported version (10 is the newest: numeric order)."""
-    import shutil
-
-    root = tmp_path_factory.mktemp("repository")
-    for version in ("1", "2", "10"):
-        shutil.copytree(model_version_dir, root / MODEL / version)
-    return root
 
 
 # ---- harness -----------------------------------------------------------------------------------------
@@ -328,8 +312,12 @@ def test_errors_have_status_and_message(harness: ServerHarness, request_fields: 
     error = rpc_error(lambda: harness.stub.Translate(request, timeout=10))
     assert error.code() == code
     assert message in error.details()
-    stream_error = rpc_error(lambda: list(harness.stub.TranslateStream(iter([request]), timeout=10)))
-    assert stream_error.code() == code
+    # in a stream the failing request gets its error in its response, and the valid one after it is answered
+    valid = pb2.TranslateRequest(texts=[TEXTS[0]])
+    failed, answered = harness.stub.TranslateStream(iter([request, valid]), timeout=10)
+    assert (failed.error.code, failed.error.message) == (code.value[0], error.details())
+    assert not failed.translations
+    assert answered.error.code == 0 and len(answered.translations) == 1
 
 
 def test_deadline_shorter_than_the_work_leaves_the_batch(repository: Path) -> None:

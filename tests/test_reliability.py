@@ -1,0 +1,93 @@
+"""Reliability findings of issue 12, each against a real server on loopback: bad input is visible,
+metrics are ready for alerting, work per request is bounded, one failing sentence fails one request."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from server.protos import SERVICE_NAME, pb2
+from tests.harness import ServerHarness
+from tests.test_server import MODEL, TEXTS, default_loader, rpc_error, test_config, wait_for
+
+TRANSLATE = f"/{SERVICE_NAME}/Translate"
+STREAM = f"/{SERVICE_NAME}/TranslateStream"
+# Messages that do not parse as a TranslateRequest, by what is wrong with them.
+UNDECODABLE = {
+    "garbage bytes": b"\xff\xff\xff\xff",
+    "invalid UTF-8 in texts": b"\x0a\x02\xc3\x28",
+    "truncated field": b"\x0a\x10one two",
+}
+
+
+@pytest.fixture(scope="module")
+def harness(repository: Path) -> Iterator[ServerHarness]:
+    h = ServerHarness(test_config(repository), default_loader())
+    yield h
+    h.close()
+
+
+def raw_unary(harness: ServerHarness, method: str) -> grpc.UnaryUnaryMultiCallable:
+    """A call that sends bytes as they are and returns the response bytes."""
+    return harness.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+
+
+# ---- finding 2: undecodable messages ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", UNDECODABLE.values(), ids=UNDECODABLE.keys())
+def test_undecodable_message_is_invalid_argument_counted_and_logged(
+    harness: ServerHarness, payload: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    labels = {"grpc_service": SERVICE_NAME, "grpc_method": "Translate"}
+    before = harness.metric("nmt_undecodable_messages_total", labels)
+    failed_before = harness.metric("nmt_requests_total", {"model": "", "method": "Translate",
+                                                          "code": "INVALID_ARGUMENT"})
+    with caplog.at_level(logging.INFO, logger="nmt.server"):
+        error = rpc_error(lambda: raw_unary(harness, TRANSLATE)(payload, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(f"the request message could not be parsed ({len(payload)} bytes)")
+        assert "<class" not in error.details() and "DecodeError" not in error.details()
+        assert harness.metric("nmt_undecodable_messages_total", labels) == before + 1
+        wait_for(lambda: harness.metric("nmt_requests_total", {"model": "", "method": "Translate",
+                                                               "code": "INVALID_ARGUMENT"}) == failed_before + 1)
+        wait_for(lambda: any(r.getMessage() == "request" for r in caplog.records))
+    assert [r.getMessage() for r in caplog.records].count("undecodable message") == 1
+    # the server is unharmed
+    ok = harness.stub.Translate(pb2.TranslateRequest(texts=[TEXTS[0]]), timeout=10)
+    assert len(ok.translations) == 1
+
+
+def test_undecodable_messages_of_other_services_are_invalid_argument(harness: ServerHarness) -> None:
+    health = raw_unary(harness, "/grpc.health.v1.Health/Check")
+    assert rpc_error(lambda: health(b"\xff\xff", timeout=10)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    reflection = harness.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                               request_serializer=None, response_deserializer=None)
+    error = rpc_error(lambda: list(reflection(iter([b"\xff\xff"]), timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- finding 5: one bad message in a stream --------------------------------------------------------------
+
+
+def test_stream_answers_a_bad_message_with_its_error_and_goes_on(harness: ServerHarness) -> None:
+    valid = pb2.TranslateRequest(texts=[TEXTS[0]]).SerializeToString()
+    unknown_model = pb2.TranslateRequest(texts=[TEXTS[1]], model="klingon").SerializeToString()
+    stream = harness.channel.stream_stream(STREAM, request_serializer=None,
+                                           response_deserializer=pb2.TranslateResponse.FromString)
+    sent = [valid, UNDECODABLE["invalid UTF-8 in texts"], valid, unknown_model, valid]
+    responses = list(stream(iter(sent), timeout=30))
+    assert len(responses) == len(sent)
+    codes = [grpc.StatusCode.OK.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.OK.value[0],
+             grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.OK.value[0]]
+    assert [r.error.code for r in responses] == codes
+    assert "could not be parsed" in responses[1].error.message
+    assert "unknown model 'klingon'" in responses[3].error.message
+    first = responses[0].translations[0].hypotheses[0].text
+    assert [r.translations[0].hypotheses[0].text for r in responses[::2]] == [first] * 3
+    assert all(not r.translations for r in responses[1::2])
+    assert responses[0].model == MODEL
