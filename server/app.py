@@ -38,7 +38,7 @@ from nmt.errors import NmtError
 from server.config import ServerConfig
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
-from server.protos import SERVICE_NAME, pb2_grpc
+from server.protos import SERVICE_NAME, method_types, pb2_grpc
 from server.repository import EngineLoader, ModelRepository
 from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
@@ -116,12 +116,11 @@ class TranslationServer:
                            metrics=self.metrics)
             self.repository = await asyncio.get_running_loop().run_in_executor(None, load)
         self.repository.start()
+        self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
         for mv in self.repository:
             self.metrics.model_info.labels(mv.name, mv.version, str(mv.manifest_value("architecture")),
                                            str(getattr(mv.engine, "provider", ""))).set(1)
-            for metric in (self.metrics.queue_depth, self.metrics.generated_tokens, self.metrics.source_tokens,
-                           self.metrics.cancelled_sentences):
-                metric.labels(mv.name, mv.version)  # exported as 0 from the start, so rate() works
+            self.metrics.init_model(mv.name, mv.version)
 
         self.servicer = TranslatorService(repository=self.repository, config=config)
         self.server = grpc.aio.server(interceptors=[self.interceptor],

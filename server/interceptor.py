@@ -41,12 +41,11 @@ from typing import Any
 import grpc
 
 from server.errors import InvalidArgument, status_of
-from server.metrics import ServerMetrics
+from server.metrics import LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")
 
 REQUEST_ID_KEY = "x-request-id"
-LOOKUP_METHODS = frozenset({"ListModels"})  # counted and logged, but neither timed nor in flight
 PER_MESSAGE_ERRORS = frozenset({"TranslateStream"})  # request streams whose handler answers Undecodable itself
 
 

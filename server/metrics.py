@@ -4,14 +4,36 @@ Every metric lives in an injected :class:`CollectorRegistry` (tests use a fresh 
 ``nmt_<thing>_<unit>``; label values are bounded (model names and versions, method names, status
 codes, stages) and never carry texts or request ids. The ``grpc_server_*`` family matches the
 go-grpc-prometheus / py-grpc-prometheus names so stock Grafana dashboards work. The request and
-``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler.
+``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler;
+prometheus-client's standard ``process_*`` and ``python_*`` collectors are registered beside them.
+
+Ready for alerting: a series that appears only on its first use reads 0 in ``rate()``/``increase()``
+for that first increment, so an error-ratio alert would miss the first errors after a restart.
+:meth:`ServerMetrics.init_service` and :meth:`ServerMetrics.init_model` therefore create every
+known series at zero: each method of the service with each status code (also for ``model=""``,
+the label of requests refused before a model was resolved) and every per-model family.
+
+``python -m server.metrics`` prints the README's metrics table, built from a real scrape by
+:func:`metrics_table` (a test checks the README against the live ``/metrics``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
 
 from server.config import split_host_port
 
@@ -20,6 +42,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SENTENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+STAGES = ("encode", "decode")
+STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
+LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
 
 
 class ServerMetrics:
@@ -68,9 +93,74 @@ class ServerMetrics:
         self.grpc_handling = Histogram("grpc_server_handling_seconds", "Response latency of RPCs handled",
                                        ["grpc_type", "grpc_service", "grpc_method"], buckets=LATENCY_BUCKETS,
                                        registry=r)
+        # the process: resident memory, CPU seconds, open file descriptors, ...; the interpreter
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self._methods: dict[str, str] = {}
+
+    def init_service(self, service: str, methods: Mapping[str, str]) -> None:
+        """Create the series of ``service``'s methods (name -> gRPC type) at zero, for every status code:
+        the ``grpc_server_*`` family and the requests refused before a model was resolved (``model=""``)."""
+        for method, grpc_type in methods.items():
+            labels = (grpc_type, service, method)
+            self.grpc_started.labels(*labels)
+            self.grpc_handling.labels(*labels)
+            self.undecodable.labels(service, method)
+            for code in STATUS_CODES:
+                self.grpc_handled.labels(*labels, code)
+        self._methods = dict(methods)
+        self._init_requests("")
+
+    def init_model(self, model: str, version: str) -> None:
+        """Create every series of one model version at zero (after :meth:`init_service`)."""
+        self._init_requests(model)
+        labels = (model, version)
+        for family in (self.queue_duration, self.queue_depth, self.batch_sentences, self.batch_tokens,
+                       self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences):
+            family.labels(*labels)
+        for stage in STAGES:
+            self.inference_duration.labels(*labels, stage)
+
+    def _init_requests(self, model: str) -> None:
+        for method in self._methods:
+            if method not in LOOKUP_METHODS:
+                self.request_duration.labels(model, method)
+            for code in STATUS_CODES:
+                self.requests.labels(model, method, code)
 
     def serve_http(self, address: str) -> Any:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the HTTP server (``.server_port``)."""
         host, port = split_host_port(address)
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server
+
+
+def metrics_table(families: Iterable[Metric]) -> str:
+    """The Markdown table of the ``nmt_*`` and ``grpc_server_*`` families (name, type, labels, help)."""
+    rows = ["| metric | type | labels | what |", "|---|---|---|---|"]
+    for family in sorted(families, key=lambda f: f.name):
+        if not family.name.startswith(("nmt_", "grpc_server_")) or family.name.endswith("_created"):
+            continue  # (the text parser reads a counter's or histogram's ``_created`` series as a gauge)
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = list(dict.fromkeys(key for sample in family.samples for key in sample.labels if key != "le"))
+        rows.append(f"| `{name}` | {family.type} | {', '.join(labels) or '-'} | {family.documentation} |")
+    return "\n".join(rows)
+
+
+def _print_table() -> None:
+    """Print the table from a scrape of a registry with one model version initialised."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.protos import SERVICE_NAME, method_types
+
+    metrics = ServerMetrics()
+    metrics.init_service(SERVICE_NAME, method_types())
+    metrics.init_model("model", "1")
+    metrics.model_info.labels("model", "1", "transformer", "cpu").set(1)
+    print(metrics_table(text_string_to_metric_families(generate_latest(metrics.registry).decode())))
+
+
+if __name__ == "__main__":
+    _print_table()

@@ -49,6 +49,14 @@ def _load() -> tuple[ModuleType, ModuleType]:
 pb2, pb2_grpc = _load()
 
 
+def method_types(service: str = SERVICE_NAME) -> dict[str, str]:
+    """The service's methods and their gRPC types (``UNARY``, ``BIDI_STREAMING``, ...), from the proto."""
+    descriptor = pb2.DESCRIPTOR.services_by_name[service.rpartition(".")[2]]
+    types = {(False, False): "UNARY", (True, False): "CLIENT_STREAMING", (False, True): "SERVER_STREAMING",
+             (True, True): "BIDI_STREAMING"}
+    return {m.name: types[(m.client_streaming, m.server_streaming)] for m in descriptor.methods}
+
+
 def write_stubs(out_dir: str | Path) -> list[Path]:
     """Generate ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` into ``out_dir`` (for IDEs); return the files."""
     from importlib.resources import files

@@ -4,12 +4,16 @@ metrics are ready for alerting, work per request is bounded, one failing sentenc
 from __future__ import annotations
 
 import logging
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from server.metrics import metrics_table
 from server.protos import SERVICE_NAME, pb2
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, default_loader, rpc_error, test_config, wait_for
@@ -91,3 +95,62 @@ def test_stream_answers_a_bad_message_with_its_error_and_goes_on(harness: Server
     assert [r.translations[0].hypotheses[0].text for r in responses[::2]] == [first] * 3
     assert all(not r.translations for r in responses[1::2])
     assert responses[0].model == MODEL
+
+
+# ---- findings 3, 4, 7: metrics ready for alerting ----------------------------------------------------
+
+
+def scrape(port: int) -> dict[str, Any]:
+    """The live ``/metrics`` of a server, parsed: family name -> family."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample_value(families: dict[str, Any], name: str, labels: dict[str, str]) -> float | None:
+    family = families[name.removesuffix("_total").removesuffix("_count")]
+    for sample in family.samples:
+        if sample.name == name and sample.labels == labels:
+            return sample.value
+    return None
+
+
+def test_error_series_exist_at_zero_before_the_first_error(repository: Path) -> None:
+    fresh = ServerHarness(test_config(repository), default_loader())  # no request yet
+    try:
+        families = scrape(fresh.server.metrics_port)
+        for model in ("", MODEL):
+            for code in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"):
+                for method in ("Translate", "TranslateStream"):
+                    labels = {"model": model, "method": method, "code": code}
+                    assert sample_value(families, "nmt_requests_total", labels) == 0.0, labels
+        handled = {"grpc_type": "UNARY", "grpc_service": SERVICE_NAME, "grpc_method": "Translate",
+                   "grpc_code": "INVALID_ARGUMENT"}
+        assert sample_value(families, "grpc_server_handled_total", handled) == 0.0
+        for version in ("1", "2", "10"):
+            labels = {"model": MODEL, "version": version}
+            assert sample_value(families, "nmt_cancelled_sentences_total", labels) == 0.0
+            assert sample_value(families, "nmt_queue_duration_seconds_count", labels) == 0.0
+            assert sample_value(families, "nmt_inference_duration_seconds_count", {**labels, "stage": "decode"}) == 0
+        # the first error then moves an existing series (what rate() and increase() need)
+        rpc_error(lambda: fresh.stub.Translate(pb2.TranslateRequest(texts=[""]), timeout=10))
+        labels = {"model": "", "method": "Translate", "code": "INVALID_ARGUMENT"}
+        wait_for(lambda: sample_value(scrape(fresh.server.metrics_port), "nmt_requests_total", labels) == 1.0)
+    finally:
+        fresh.close()
+
+
+def test_process_metrics_are_exported(harness: ServerHarness) -> None:
+    families = scrape(harness.server.metrics_port)
+    assert sample_value(families, "process_resident_memory_bytes", {}) > 10e6
+    assert sample_value(families, "process_open_fds", {}) > 0
+    assert sample_value(families, "process_cpu_seconds_total", {}) > 0
+    assert "python_gc_objects_collected" in families
+
+
+def test_readme_metrics_table_matches_the_live_metrics(harness: ServerHarness) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    start = readme.index("<!-- metrics-table")
+    documented = readme[readme.index("\n", start) + 1 : readme.index("<!-- /metrics-table -->")].strip()
+    live = metrics_table(scrape(harness.server.metrics_port).values())
+    assert documented == live, "README metrics table is stale: regenerate it with `python -m server.metrics`"
