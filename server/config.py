@@ -53,12 +53,21 @@ class ServerConfig:
     max_batch_sentences: int = option(64, "most sentences in one batch")
     max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts")
     queue_size: int = option(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
+    batch_work: int = option(16384, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
+                             "output, summed over sentences): bounds how long one batch holds the worker, so "
+                             "large requests are split into batches that interleave with other requests")
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")
     max_chars: int = option(2000, "most characters in one text")
     max_tokens: int = option(256, "most source subword tokens in one text (EOS excluded)")
-    max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for")
+    max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for; "
+                             "the output is also capped at 2 x source tokens + 10")
+    max_request_work: int = option(65536, "most decoder work one request may ask for, in row-steps (beam_size x "
+                                   "longest allowed output, summed over its texts); beyond it INVALID_ARGUMENT")
+    max_response_bytes: int = option(4 * 1024 * 1024, "most bytes a response may reach (a bound computed before "
+                                     "any compute; 4 MiB is gRPC's default client receive limit); beyond it "
+                                     "INVALID_ARGUMENT")
     # lifecycle and logs
     grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
     log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
@@ -69,7 +78,7 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
         positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
-                    "max_tokens", "max_length")
+                    "max_tokens", "max_length", "batch_work", "max_request_work", "max_response_bytes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")

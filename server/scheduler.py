@@ -8,7 +8,18 @@ on the version's own single worker thread, so the event loop never blocks on inf
 version's batches never overlap. Results go back to each request's futures and are reassembled in
 request order.
 
+Bounded work
+    Before queueing, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
+    decoder work (row-steps: beam size x longest allowed output, summed over its texts) exceeds
+    ``max_request_work`` or whose response could exceed ``max_response_bytes``. A batch holds at most
+    ``batch_work`` row-steps (its most urgent sentence always goes in), so no batch holds the worker
+    for long: a large request is decoded as several batches, and other requests' sentences are
+    scheduled between them.
+
 Batching policy
+    * Earliest deadline first: the next batch is built around the most urgent queued sentence, the
+      one whose request is due first (its deadline; a request without a deadline is due
+      ``NO_DEADLINE_SECONDS`` after it arrived), oldest first among equals.
     * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
       (the engine decodes one beam width and one graph per batch); ``num_hypotheses``,
       ``max_length`` and ``length_penalty`` vary per sentence.
@@ -21,10 +32,10 @@ Batching policy
       A lone caller (expected concurrency 1) therefore never waits, while the callers of a batch
       that just finished get ``max_wait`` to send their next sentences and join the queued ones,
       instead of the load splitting into half-size batches that alternate.
-    * The oldest queued sentence always goes into the next batch (no starvation); the batch is grown
-      around it through the sentences of the same key sorted by length, each time taking the
-      neighbour that adds the least padding, while ``longest x count <= batch_tokens`` (source
-      tokens incl. EOS and padding) and ``count <= max_batch_sentences``.
+    * The most urgent queued sentence always goes into the next batch; the batch is grown around it
+      through the sentences of the same key sorted by length, each time taking the neighbour that
+      adds the least padding, while ``longest x count <= batch_tokens`` (source tokens incl. EOS and
+      padding), ``count <= max_batch_sentences`` and the work stays within ``batch_work``.
     * The queue is bounded: a request whose sentences do not fit in ``queue_size`` is refused whole
       with RESOURCE_EXHAUSTED.
 
@@ -41,9 +52,10 @@ Deadline admission (kept deliberately simple, and optimistic so it never refuses
     (encode + decode seconds / batch cost). A request with a deadline is refused with
     DEADLINE_EXCEEDED before any compute when::
 
-        remaining < rate x (queued cost ahead + own cost) + remaining time of the running batch
+        remaining < rate x (cost queued ahead + own cost) + remaining time of the running batch
 
-    where the running batch's remaining time is ``rate x its cost - time it has run`` (at least 0).
+    where "ahead" means due no later than this request, and the running batch's remaining time is
+    ``rate x its cost - time it has run`` (at least 0).
     Before the first batch has been measured every request is admitted. Since the rate is amortised
     over whole batches, the estimate is a lower bound for lightly loaded servers; the in-batch
     cancellation catches the requests that still run out of time.
@@ -55,6 +67,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,11 +76,12 @@ from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.types import DecodingOptions, SentenceRequest, Translation
-from server.validation import tokenize_texts
+from server.validation import check_budget, tokenize_texts
 
 log = logging.getLogger("nmt.server")
 
 EMA_ALPHA = 0.2
+NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
@@ -80,13 +94,17 @@ class BatchPolicy:
     max_wait_seconds: float = 0.005
     queue_size: int = 1024  # queued sentences (not yet in a batch)
     max_tokens: int = 256  # source tokens of one text (EOS excl.); longer texts are refused
+    batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
+    max_request_work: int = 65536  # decoder row-steps of one request
+    max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:
         """The policy of ``config`` (a :class:`server.config.ServerConfig`)."""
         return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
                    max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
-                   max_tokens=config.max_tokens)
+                   max_tokens=config.max_tokens, batch_work=config.batch_work,
+                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes)
 
 
 class RequestHandle:
@@ -126,13 +144,21 @@ class _Pending:
     request: RequestHandle
     sentence: SentenceRequest
     tokens: int  # source tokens incl. EOS
+    work: int  # decoder row-steps at most (server.validation.sentence_work)
     future: asyncio.Future
     enqueued: float
     seq: int
     key: tuple[int, bool] = field(init=False)
+    due: float = field(init=False)  # the earliest-deadline-first order
 
     def __post_init__(self) -> None:
         self.key = (self.sentence.options.beam_size, self.sentence.options.return_attention)
+        deadline = self.request.deadline
+        self.due = self.enqueued + NO_DEADLINE_SECONDS if deadline is None else deadline
+
+    @property
+    def urgency(self) -> tuple[float, int]:
+        return self.due, self.seq
 
     @property
     def cost(self) -> int:
@@ -150,20 +176,22 @@ def _resolve(pending: _Pending, *, result: Translation | None = None, error: Bas
         pending.future.set_exception(error)
 
 
-def form_batch(candidates: Sequence[_Pending], oldest: _Pending, policy: BatchPolicy) -> list[_Pending]:
-    """The batch grown around ``oldest`` through ``candidates`` (same key) by length, within the policy."""
+def form_batch(candidates: Sequence[_Pending], first: _Pending, policy: BatchPolicy) -> list[_Pending]:
+    """The batch grown around ``first`` through ``candidates`` (same key) by length, within the policy."""
     ordered = sorted(candidates, key=lambda p: (p.tokens, p.seq))
-    lo = hi = ordered.index(oldest)
-    width = oldest.tokens  # longest in the window (the window is sorted: ordered[hi].tokens)
+    lo = hi = ordered.index(first)
+    width = first.tokens  # longest in the window (the window is sorted: ordered[hi].tokens)
+    work = first.work
     while True:
         count = hi - lo + 1
         if count >= policy.max_batch_sentences:
             break
         options: list[tuple[int, int, str]] = []
-        if lo > 0 and (count + 1) * width <= policy.batch_tokens:
+        if lo > 0 and (count + 1) * width <= policy.batch_tokens and work + ordered[lo - 1].work <= policy.batch_work:
             below = ordered[lo - 1]
             options.append((width - below.tokens, below.seq, "lo"))
-        if hi + 1 < len(ordered) and (count + 1) * ordered[hi + 1].tokens <= policy.batch_tokens:
+        if (hi + 1 < len(ordered) and (count + 1) * ordered[hi + 1].tokens <= policy.batch_tokens
+                and work + ordered[hi + 1].work <= policy.batch_work):
             above = ordered[hi + 1]
             options.append(((above.tokens - width) * count, above.seq, "hi"))
         if not options:
@@ -171,9 +199,11 @@ def form_batch(candidates: Sequence[_Pending], oldest: _Pending, policy: BatchPo
         _, _, side = min(options)  # least added padding, then the older sentence
         if side == "lo":
             lo -= 1
+            work += ordered[lo].work
         else:
             hi += 1
             width = ordered[hi].tokens
+            work += ordered[hi].work
     return ordered[lo : hi + 1]
 
 
@@ -245,13 +275,16 @@ class ModelScheduler:
         self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None
     ) -> list[Translation]:
         """Translate the texts of one request: tokenize them (on a worker thread when the request is
-        large), refuse a text over ``policy.max_tokens`` tokens, queue them as sentences and return
-        their translations in order."""
-        tokenize, limit = self.engine.tokenize, self.policy.max_tokens
+        large), refuse a text over ``policy.max_tokens`` tokens and a request over the work or
+        response-size budget, queue them as sentences and return their translations in order."""
+        policy = self.policy
+        tokenize, limit = self.engine.tokenize, policy.max_tokens
         if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
             sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, limit)
         else:
             sources = tokenize_texts(texts, tokenize, limit)
+        work = check_budget(texts, sources, options, piece_bytes=self.engine.tokenizer.max_piece_bytes,
+                            max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes)
         request = request or RequestHandle()
         if self._closed:
             raise Unavailable("server is shutting down")
@@ -264,11 +297,11 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pendings = [
-            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text), len(ids) + 1,
+            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text), len(ids) + 1, units,
                      loop.create_future(), now, next(self._seq))
-            for ids, text in zip(sources, texts, strict=True)
+            for ids, text, units in zip(sources, texts, work, strict=True)
         ]
-        self._admit_deadline(request, sum(p.cost for p in pendings))
+        self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
         self._queue.extend(pendings)
         self._expected = max(self._expected, len(self._queue) + len(self._running))
         self._update_depth()
@@ -287,21 +320,22 @@ class ModelScheduler:
             raise errors[0] if errors else request.error()
         return [f.result() for f in futures]
 
-    def estimate_seconds(self, cost: int) -> float | None:
-        """Seconds until a new request of ``cost`` would be done, or None before the first batch."""
+    def estimate_seconds(self, cost: int, due: float = math.inf) -> float | None:
+        """Seconds until a new request of ``cost`` due at ``due`` would be done (the sentences due no later
+        go first), or None before the first batch."""
         rate = self.seconds_per_cost
         if rate is None:
             return None
-        ahead = sum(p.cost for p in self._queue)
+        ahead = sum(p.cost for p in self._queue if p.due <= due)
         running = sum(p.cost for p in self._running)
         running_left = max(0.0, rate * running - (time.monotonic() - self._running_since)) if running else 0.0
         return rate * (ahead + cost) + running_left
 
-    def _admit_deadline(self, request: RequestHandle, cost: int) -> None:
+    def _admit_deadline(self, request: RequestHandle, cost: int, due: float) -> None:
         remaining = request.remaining()
         if remaining is None:
             return
-        estimate = self.estimate_seconds(cost)
+        estimate = self.estimate_seconds(cost, due)
         if estimate is not None and estimate > remaining:
             raise DeadlineExceeded(
                 f"deadline cannot be met: {remaining * 1000:.0f} ms left, estimated {estimate * 1000:.0f} ms "
@@ -351,14 +385,14 @@ class ModelScheduler:
             self._arrived.clear()
             await self._arrived.wait()
             return
-        oldest = self._queue[0]
-        wait = max(oldest.enqueued, self._free_since) + self.policy.max_wait_seconds - time.monotonic()
-        if wait > 0 and not self._closed and not self._enough_queued(oldest.key):
+        first = min(self._queue, key=lambda p: p.urgency)
+        wait = max(first.enqueued, self._free_since) + self.policy.max_wait_seconds - time.monotonic()
+        if wait > 0 and not self._closed and not self._enough_queued(first.key):
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait)
             return
-        batch = form_batch([p for p in self._queue if p.key == oldest.key], oldest, self.policy)
+        batch = form_batch([p for p in self._queue if p.key == first.key], first, self.policy)
         await self._execute(batch)
 
     def _enough_queued(self, key: tuple[int, bool]) -> bool:

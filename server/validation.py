@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nmt.model_format.decoding import max_target_length
 from server.config import ServerConfig
 from server.errors import InvalidArgument
 from server.types import DecodingOptions, RequestedOptions
@@ -57,3 +58,57 @@ def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], m
         if not sentence:
             raise InvalidArgument(f"texts[{i}] has no tokens")
     return ids
+
+
+def sentence_work(source_tokens: int, options: DecodingOptions) -> int:
+    """Decoder work a sentence may take, in row-steps: ``beam_size`` x its longest allowed output.
+
+    ``source_tokens`` includes EOS; the longest output is :func:`max_target_length` (EOS included),
+    the rule the search applies, so this bounds the decoder steps of every beam row.
+    """
+    return options.beam_size * max_target_length(source_tokens, options.max_length)
+
+
+def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions, piece_bytes: int) -> int:
+    """An upper bound on the serialized size of one text's ``Translation`` in a ``TranslateResponse``.
+
+    With ``T`` the longest allowed output, ``P`` the most bytes one target id adds (``piece_bytes``)
+    and ``S`` the source words: every hypothesis has at most ``T`` subword pieces and words, so text,
+    words and pieces take at most ``T x P`` bytes each plus their field headers; scores ``4 T``;
+    attention ``4 T S`` weights and ``T`` word alignments. Field headers are counted at their largest
+    (1-byte tags, 5-byte lengths) and scores are always included, so the bound holds for any output
+    of the search and any ``return_scores``.
+    """
+    longest = max_target_length(source_tokens, options.max_length)
+    words = len(text.split())
+    header = 6  # tag + length of a length-delimited field
+    hypothesis = header + 3 * header  # the message, its text and its two repeated string fields' packing slack
+    hypothesis += longest * piece_bytes  # text
+    hypothesis += 2 * longest * (header + piece_bytes)  # words and subword pieces
+    hypothesis += 5 + header + 4 * longest  # score, packed token scores
+    if options.return_attention:
+        hypothesis += header + 12  # the message, target and source lengths
+        hypothesis += header + 4 * longest * words  # packed weights
+        hypothesis += longest * (2 + 2 * 6)  # word alignments: header + two varints
+        hypothesis += header + longest * (2 * 5 + 2)  # pharaoh "s-t " pairs
+    source = len(text.encode("utf-8")) + words * header  # source words
+    return header + source + options.num_hypotheses * hypothesis
+
+
+def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options: DecodingOptions, *,
+                 piece_bytes: int, max_work: int, max_response_bytes: int) -> list[int]:
+    """Refuse a request whose decoder work or response size could exceed the limits, before any compute;
+    return each sentence's work (:func:`sentence_work`)."""
+    work = [sentence_work(len(ids) + 1, options) for ids in sources]
+    if sum(work) > max_work:
+        raise InvalidArgument(
+            f"request too large: up to {sum(work)} decoder row-steps (beam_size x longest allowed output, summed "
+            f"over texts), the limit is {max_work} (max_request_work); send fewer or shorter texts, a smaller "
+            "beam_size or a smaller max_length")
+    size = 64 + sum(response_bytes_bound(text, len(ids) + 1, options, piece_bytes)
+                    for text, ids in zip(texts, sources, strict=True))
+    if size > max_response_bytes:
+        raise InvalidArgument(
+            f"response could reach {size} bytes, the limit is {max_response_bytes} (max_response_bytes); send "
+            "fewer texts, ask for fewer hypotheses or a smaller max_length, or leave out attention")
+    return work

@@ -3,7 +3,9 @@ metrics are ready for alerting, work per request is bounded, one failing sentenc
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,12 +13,30 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import metrics_table
 from server.protos import SERVICE_NAME, pb2
+from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, form_batch
+from server.types import DecodingOptions
+from server.validation import response_bytes_bound
+from tests.conftest import EN
 from tests.harness import ServerHarness
-from tests.test_server import MODEL, TEXTS, default_loader, rpc_error, test_config, wait_for
+from tests.test_server import (
+    MODEL,
+    TEXTS,
+    RecordingEngine,
+    SlowEngine,
+    _pending,
+    default_loader,
+    rpc_error,
+    test_config,
+    translate,
+    wait_for,
+    wrapping_loader,
+)
 
 TRANSLATE = f"/{SERVICE_NAME}/Translate"
 STREAM = f"/{SERVICE_NAME}/TranslateStream"
@@ -154,3 +174,106 @@ def test_readme_metrics_table_matches_the_live_metrics(harness: ServerHarness) -
     documented = readme[readme.index("\n", start) + 1 : readme.index("<!-- /metrics-table -->")].strip()
     live = metrics_table(scrape(harness.server.metrics_port).values())
     assert documented == live, "README metrics table is stale: regenerate it with `python -m server.metrics`"
+
+
+# ---- finding 1: bounded work per request, interleaving, earliest deadline first ---------------------------
+
+
+def test_request_over_the_work_budget_is_refused_before_compute(repository: Path) -> None:
+    h = ServerHarness(test_config(repository, max_request_work=2000), default_loader())
+    try:
+        texts = ["one two three four five six seven eight nine ten"] * 8
+        error = rpc_error(lambda: translate(h, texts, beam_size=8))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request too large" in error.details() and "limit is 2000 (max_request_work)" in error.details()
+        assert h.metric("nmt_source_tokens_total", {"model": MODEL, "version": "10"}) == 0  # nothing encoded
+        assert len(translate(h, texts[:2], beam_size=2).translations) == 2  # within the budget
+    finally:
+        h.close()
+
+
+def test_response_over_the_size_budget_is_refused_before_compute(repository: Path) -> None:
+    h = ServerHarness(test_config(repository, max_response_bytes=20_000), default_loader())
+    try:
+        texts = [" ".join(["seven eight nine"] * 10)] * 4
+        error = rpc_error(lambda: translate(h, texts, beam_size=4, num_hypotheses=4, return_attention=True))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "limit is 20000 (max_response_bytes)" in error.details()
+        assert h.metric("nmt_source_tokens_total", {"model": MODEL, "version": "10"}) == 0
+        assert len(translate(h, texts[:1], beam_size=4).translations) == 1  # no attention: small enough
+    finally:
+        h.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(EN + ["ü", "日本", "x" * 30, "?!", "ninety-seven"]), min_size=1, max_size=40),
+       count=st.integers(1, 3), beam=st.integers(1, 4), extra=st.integers(0, 3), attention=st.booleans(),
+       penalty=st.sampled_from([0.0, 1.0, 10.0]), max_length=st.sampled_from([0, 1, 5, 512]))
+def test_response_size_bound_holds_for_real_responses(harness: ServerHarness, words: list[str], count: int,
+                                                      beam: int, extra: int, attention: bool, penalty: float,
+                                                      max_length: int) -> None:
+    texts = [" ".join(words[i:] or words) for i in range(count)]
+    hypotheses = min(beam, 1 + extra)
+    response = translate(harness, texts, beam_size=beam, num_hypotheses=hypotheses, return_attention=attention,
+                         return_scores=True, length_penalty=penalty, max_length=max_length)
+    engine = harness.engine()
+    options = DecodingOptions(beam_size=beam, num_hypotheses=hypotheses, return_attention=attention,
+                              max_length=max_length or 256)
+    bound = sum(response_bytes_bound(t, len(engine.tokenize(t)) + 1, options, engine.tokenizer.max_piece_bytes)
+                for t in texts)
+    assert response.ByteSize() <= bound
+
+
+def test_form_batch_stays_within_the_batch_work() -> None:
+    queue = [_pending(tokens=5, seq=i, work=100) for i in range(10)]
+    batch = form_batch(queue, queue[3], BatchPolicy(batch_work=450))
+    assert queue[3] in batch and len(batch) == 4
+    alone = form_batch([_pending(5, 0, work=900), *queue], queue[0], BatchPolicy(batch_work=50))
+    assert alone == [queue[0]]  # the most urgent sentence always goes, even over the budget
+
+
+def test_small_request_behind_a_huge_one_meets_its_deadline(repository: Path) -> None:
+    """A huge request is split into batches of at most ``batch_work``; a one-sentence request with a 1 s
+    deadline sent just after it goes first at the next batch boundary (earliest deadline first)."""
+    slow = wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.002))  # ~2 ms per sentence per step
+    h = ServerHarness(test_config(repository, batch_work=1500), slow)
+    try:
+        huge = h.stub.Translate.future(pb2.TranslateRequest(
+            texts=[" ".join(EN[: 4 + i % 6]) for i in range(64)],
+            options=pb2.DecodingOptions(beam_size=8, num_hypotheses=8, length_penalty=10, return_attention=True)),
+            timeout=120)
+        wait_for(lambda: h.scheduler().running > 0)
+        start = time.monotonic()
+        small = translate(h, ["seven"], timeout=1.0)
+        latency = time.monotonic() - start
+        assert len(small.translations) == 1 and latency < 1.0
+        batches = h.engine().results
+        assert len(huge.result().translations) == 64
+        assert max(len(r.translations) for r in batches) < 64  # the huge request took several batches
+        assert len(batches) >= 64 * 8 * 20 // 1500
+    finally:
+        h.close()
+
+
+def test_earliest_deadline_first() -> None:
+    """Queued behind a running batch: the request due first is decoded first, whatever the arrival order."""
+    options = DecodingOptions(beam_size=1)
+
+    async def scenario() -> list[str]:
+        engine = RecordingEngine(seconds=0.05)
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(max_batch_sentences=1))
+        scheduler.start()
+        order: list[str] = []
+
+        async def call(name: str, timeout: float | None) -> None:
+            await scheduler.translate([name], options, RequestHandle.with_timeout(timeout))
+            order.append(name)
+
+        blocker = asyncio.ensure_future(call("blocker", None))
+        await asyncio.sleep(0.01)  # the blocker's batch is running
+        calls = [call("no deadline", None), call("due in 30 s", 30), call("due in 5 s", 5), call("due in 10 s", 10)]
+        await asyncio.gather(blocker, *calls)
+        await scheduler.close()
+        return order
+
+    assert asyncio.run(scenario()) == ["blocker", "due in 5 s", "due in 10 s", "due in 30 s", "no deadline"]

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -516,9 +517,9 @@ def test_graceful_shutdown_drains(repository: Path) -> None:
 # ---- units: batching policy and configuration -----------------------------------------------------------
 
 
-def _pending(tokens: int, seq: int) -> _Pending:
+def _pending(tokens: int, seq: int, work: int = 1) -> _Pending:
     sentence = SentenceRequest(list(range(tokens - 1)), DecodingOptions(beam_size=1))
-    return _Pending(RequestHandle(), sentence, tokens, None, 0.0, seq)  # type: ignore[arg-type]
+    return _Pending(RequestHandle(), sentence, tokens, work, None, 0.0, seq)  # type: ignore[arg-type]
 
 
 def test_form_batch_respects_budget_and_sorts_by_length() -> None:
@@ -535,6 +536,8 @@ def test_form_batch_respects_budget_and_sorts_by_length() -> None:
 
 class RecordingEngine:
     """A stand-in engine for batching-policy tests: records batch sizes, takes ``seconds`` per batch."""
+
+    tokenizer = SimpleNamespace(max_piece_bytes=8)
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.batches = seconds, []

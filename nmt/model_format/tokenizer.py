@@ -7,6 +7,7 @@ to; a tokenizer built elsewhere (e.g. with Marian's layout) keeps its own.
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -46,6 +47,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        """The most UTF-8 bytes one id can add to a decoded text or a piece list (at least 5: " ⁇ " for
+        an unknown piece)."""
+        pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+        return max(5, *(len(piece.encode("utf-8")) for piece in pieces))
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
