@@ -46,6 +46,14 @@ Cancellation
     engine polls the callback) and count in ``nmt_cancelled_sentences_total``. When one sentence of a
     request fails, the request's other sentences are withdrawn too.
 
+Fault isolation
+    When the engine raises on a batch that holds several requests, each request's sentences are
+    decoded again on their own: the request whose sentence breaks inference gets INTERNAL naming its
+    request id (the exception goes to the log under that id, never to the client), the others get
+    their translations. After ``FAILURES_BEFORE_PROBE`` failed runs in a row the engine is probed
+    with a known-good sentence; if that fails too, the engine itself is broken and ``on_broken``
+    is called (the server then marks the model NOT_SERVING and reloads it).
+
 Deadline admission (kept deliberately simple, and optimistic so it never refuses what could make it)
     ``cost`` of a sentence = source tokens (EOS included) x beam size. After each batch the scheduler
     updates an exponential moving average (alpha 0.2) of *compute seconds per unit of cost*
@@ -69,7 +77,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +90,8 @@ log = logging.getLogger("nmt.server")
 
 EMA_ALPHA = 0.2
 NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
+FAILURES_BEFORE_PROBE = 3  # failed request runs in a row before the engine is probed with a known-good sentence
+PROBE_TEXT = "1"  # the probe's source text (any text translates; a digit is in every demo vocabulary)
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
@@ -113,13 +123,14 @@ class RequestHandle:
     ``is_cancelled`` is called from the engine's worker thread; it only reads two attributes.
     """
 
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, request_id: str = "") -> None:
         self.deadline = deadline  # time.monotonic() seconds, None: no deadline
+        self.request_id = request_id  # for error messages and logs
         self._cancelled = False
 
     @classmethod
-    def with_timeout(cls, seconds: float | None) -> RequestHandle:
-        return cls(None if seconds is None else time.monotonic() + seconds)
+    def with_timeout(cls, seconds: float | None, request_id: str = "") -> RequestHandle:
+        return cls(None if seconds is None else time.monotonic() + seconds, request_id)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -163,6 +174,14 @@ class _Pending:
     @property
     def cost(self) -> int:
         return self.tokens * self.sentence.options.beam_size
+
+
+def _by_request(batch: Sequence[_Pending]) -> list[list[_Pending]]:
+    """The batch's sentences grouped by request, in batch order."""
+    groups: dict[int, list[_Pending]] = {}
+    for p in batch:
+        groups.setdefault(id(p.request), []).append(p)
+    return list(groups.values())
 
 
 def _resolve(pending: _Pending, *, result: Translation | None = None, error: BaseException | None = None) -> None:
@@ -211,8 +230,10 @@ class ModelScheduler:
     """Queue, batcher task and worker thread of one model version."""
 
     def __init__(self, engine: Any, *, policy: BatchPolicy | None = None, metrics: Any = None,
-                 model: str = "", version: str = "") -> None:
+                 model: str = "", version: str = "", on_broken: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.on_broken = on_broken  # called (on the event loop) when the engine fails a known-good sentence
+        self.failures = 0  # request runs failed in a row
         self.policy = policy or BatchPolicy()
         self.metrics = metrics
         self.labels = (model, version)
@@ -411,7 +432,11 @@ class ModelScheduler:
             self._update_depth()
 
     async def _execute(self, batch: list[_Pending]) -> None:
-        """Run one batch on the worker thread and resolve its futures; never raises (the batcher lives on)."""
+        """Run one batch on the worker thread and resolve its futures; never raises (the batcher lives on).
+
+        When the batch fails and holds several requests, each request's sentences run again on their
+        own, so a sentence that breaks inference fails its own request only (see the module docstring).
+        """
         in_batch = set(map(id, batch))
         self._queue = [p for p in self._queue if id(p) not in in_batch]
         self._update_depth()
@@ -423,29 +448,68 @@ class ModelScheduler:
             if m is not None:
                 for p in batch:
                     m.queue_duration.labels(*labels).observe(now - p.enqueued)
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, self.engine.translate_batch,
-                                                [p.sentence for p in batch])
-            if len(result.translations) != len(batch):
-                raise RuntimeError(f"the engine returned {len(result.translations)} results for {len(batch)} "
-                                   "sentences")
-            self._record(batch, result)
-        except Exception as error:  # noqa: BLE001 - a failing batch fails its requests, not the batcher
-            log.exception("batch failed", extra={"fields": {"model": labels[0], "version": labels[1],
-                                                            "sentences": len(batch)}})
-            for p in batch:
-                _resolve(p, error=Internal(f"inference failed for a batch of {len(batch)} sentences: "
-                                           f"{type(error).__name__}: {error}"))
-            return
+            error = await self._decode(batch)
+            groups = _by_request(batch)
+            if error is not None and len(groups) > 1:
+                log.warning("batch failed; running its requests one by one", extra={"fields": {
+                    "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
+                    "error": f"{type(error).__name__}: {error}"}})
+                for group in groups:
+                    if group[0].request.is_cancelled():
+                        for p in group:
+                            _resolve(p, error=p.request.error())
+                    elif (group_error := await self._decode(group)) is not None:
+                        await self._fail(group, group_error)
+            elif error is not None:
+                await self._fail(batch, error)
         finally:
             self._running = []
             self._free_since = time.monotonic()
             self._notify_idle()
+
+    async def _decode(self, batch: list[_Pending]) -> Exception | None:
+        """Decode ``batch`` on the worker thread and resolve its futures; return the error when it failed."""
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.translate_batch, [p.sentence for p in batch])
+            if len(result.translations) != len(batch):
+                raise RuntimeError(f"the engine returned {len(result.translations)} results for {len(batch)} "
+                                   "sentences")
+        except Exception as error:  # noqa: BLE001 - a failing batch fails its requests, not the batcher
+            return error
+        self.failures = 0
+        self._record(batch, result)
         for p, translation in zip(batch, result.translations, strict=True):
             if translation is None:
                 _resolve(p, error=p.request.error())
             else:
                 _resolve(p, result=translation)
+        return None
+
+    async def _fail(self, group: list[_Pending], error: Exception) -> None:
+        """Fail one request's sentences with INTERNAL (the details go to the log, with the request id);
+        after ``FAILURES_BEFORE_PROBE`` failures in a row, probe the engine (see the module docstring)."""
+        request_id = group[0].request.request_id
+        log.error("inference failed", exc_info=error, extra={"fields": {
+            "model": self.labels[0], "version": self.labels[1], "request_id": request_id, "sentences": len(group)}})
+        for p in group:
+            _resolve(p, error=Internal(f"inference failed for request {request_id} ({type(error).__name__}); "
+                                       "the server logged the details under this request id"))
+        self.failures += 1
+        if self.failures >= FAILURES_BEFORE_PROBE and self.on_broken is not None:
+            self.failures = 0
+            probe = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.translate_batch,
+                                                               [self._probe_sentence()])
+            try:
+                await probe
+            except Exception as probe_error:  # noqa: BLE001 - the engine cannot translate anything any more
+                log.error("engine broken: a known-good sentence fails too", extra={"fields": {
+                    "model": self.labels[0], "version": self.labels[1],
+                    "error": f"{type(probe_error).__name__}: {probe_error}"}})
+                self.on_broken()
+
+    def _probe_sentence(self) -> SentenceRequest:
+        return SentenceRequest(self.engine.tokenize(PROBE_TEXT), DecodingOptions(max_length=8), None, PROBE_TEXT)
 
     def _record(self, batch: list[_Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""

@@ -133,6 +133,6 @@ class TranslatorService:
         model = self.repository.resolve(call.model, call.model_version)
         record.model, record.version = model.name, model.version
         options = resolve_options(call.options, model.defaults, self.config)
-        handle = RequestHandle.with_timeout(context.time_remaining())
+        handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
         translations = await model.scheduler.translate(call.texts, options, handle)
         return to_pb(translations, model, call.options)

@@ -277,3 +277,42 @@ def test_earliest_deadline_first() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["blocker", "due in 5 s", "due in 10 s", "due in 30 s", "no deadline"]
+
+
+# ---- fault isolation ------------------------------------------------------------------------------------
+
+
+class PoisonEngine(SlowEngine):
+    """The real engine, raising on every batch that holds the text ``poison`` (records the batches tried)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, poll_seconds=0.0)
+        self.tried: list[list[str]] = []
+
+    def translate_batch(self, requests: Any) -> Any:
+        self.tried.append([r.text for r in requests])
+        if any(r.text == "poison" for r in requests):
+            raise RuntimeError("injected fault: session run failed")
+        return self.engine.translate_batch(requests)
+
+
+def test_fault_in_one_sentence_fails_only_its_request(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
+    h = ServerHarness(test_config(repository, max_wait_ms=200), wrapping_loader(PoisonEngine))
+    try:
+        engine = h.engine()
+        with caplog.at_level(logging.INFO, logger="nmt.server"):
+            good = [h.stub.Translate.future(pb2.TranslateRequest(texts=[text]), timeout=30) for text in TEXTS]
+            bad = h.stub.Translate.future(pb2.TranslateRequest(texts=["poison"]), timeout=30,
+                                          metadata=(("x-request-id", "poisoned-1"),))
+            assert all(len(f.result().translations) == 1 for f in good)
+            error = bad.exception()
+        assert error.code() == grpc.StatusCode.INTERNAL and "request poisoned-1" in error.details()
+        assert "injected fault" not in error.details()
+        assert any("poison" in tried and len(tried) > 1 for tried in engine.tried)  # it shared a batch
+        assert ["poison"] in engine.tried  # ... then ran alone
+        failed = [r for r in caplog.records if r.getMessage() == "inference failed"]
+        assert failed and failed[0].fields["request_id"] == "poisoned-1" and failed[0].exc_info
+        # the server carries on
+        assert len(translate(h, TEXTS[:2]).translations) == 2
+    finally:
+        h.close()

@@ -374,12 +374,15 @@ def test_full_queue_gives_resource_exhausted(repository: Path) -> None:
         h.close()
 
 
-def test_engine_failure_fails_only_its_batch(repository: Path) -> None:
+def test_engine_failure_fails_only_its_request(repository: Path) -> None:
     h = ServerHarness(test_config(repository), wrapping_loader(lambda e: FailingEngine(e, 0)))
     try:
-        error = rpc_error(lambda: translate(h, [TEXTS[0]], max_length=13))
+        call = h.stub.Translate.with_call
+        error = rpc_error(lambda: call(pb2.TranslateRequest(texts=[TEXTS[0]], options=pb2.DecodingOptions(
+            max_length=13)), timeout=10, metadata=(("x-request-id", "req-13"),)))
         assert error.code() == grpc.StatusCode.INTERNAL
-        assert "inference failed" in error.details() and "injected failure" in error.details()
+        assert error.details() == ("inference failed for request req-13 (RuntimeError); the server logged the "
+                                   "details under this request id")  # the exception itself stays in the log
         # an invalid request next to valid ones fails alone, and the batcher keeps running
         futures = [h.stub.Translate.future(pb2.TranslateRequest(texts=[text]), timeout=30) for text in TEXTS]
         bad = h.stub.Translate.future(pb2.TranslateRequest(texts=[TEXTS[0]],
