@@ -216,14 +216,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(repository: str, threads: int, max_wait_ms: float,
-                 extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """``nmt serve`` with ``flags`` on free loopback ports, once healthy: (process, address, metrics address)."""
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
-         "--metrics-listen", metrics, "--intra-op-threads", str(threads), "--max-batch-sentences", "128",
-         "--queue-size", "4096", "--max-wait-ms", str(max_wait_ms), *extra],
+         "--metrics-listen", metrics, *flags],
         env=env, stdout=subprocess.DEVNULL,
     )
     import grpc
@@ -282,8 +281,9 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
         raise SystemExit(f"no {args.model} in {args.model_repository}: run `nmt serve --demo` first")
     engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
                          spinning=args.ort_spinning)
-    process, address, metrics = start_server(args.model_repository, args.threads, args.max_wait_ms,
-                                             ["--ort-spinning" if args.ort_spinning else "--no-ort-spinning"])
+    process, address, metrics = start_server(args.model_repository, [
+        "--intra-op-threads", str(args.threads), "--max-batch-sentences", "128", "--queue-size", "4096",
+        "--max-wait-ms", str(args.max_wait_ms), "--ort-spinning" if args.ort_spinning else "--no-ort-spinning"])
     rows = []
     try:
         for callers in args.callers:
