@@ -3,6 +3,13 @@
 For every method of every service: the standard ``grpc_server_started_total``,
 ``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (the go-grpc-prometheus names).
 
+With an :class:`~server.auth.Authenticator`, every call of every service but those of
+:data:`server.auth.OPEN_SERVICES` (health) is authenticated first, inside the instrumented call: a
+missing or unknown bearer token ends it with UNAUTHENTICATED through :func:`server.errors.abort` (the
+one mapping), so it is counted, timed and logged like any failed call; the call's
+:class:`~server.auth.Grant` goes on its record for the handler. A refused call of another service
+(reflection) is logged too ("request denied"), as the Translator's are by their "request" line.
+
 For the methods of the accounted service (the Translator), besides:
     * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
     * ``nmt_requests_total{model,method,code}`` and one JSON log line ("request") per call: request id,
@@ -34,7 +41,8 @@ from typing import Any
 
 import grpc
 
-from server.errors import status_of
+from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
+from server.errors import ServingError, abort, status_of
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("nmt.server")
@@ -52,6 +60,7 @@ class CallRecord:
     model: str = ""
     version: str = ""
     texts: int = 0
+    grant: Grant = ANYONE  # what the call's token may use (authentication off: everything)
 
 
 # Each RPC runs in its own task, so the variable set at the start of a call is that call's.
@@ -116,9 +125,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     a call pays a few counter increments and histogram observations, not a new handler.
     """
 
-    def __init__(self, metrics: ServerMetrics, *, service: str) -> None:
+    def __init__(self, metrics: ServerMetrics, *, service: str, authenticator: Authenticator | None = None) -> None:
         self.metrics = metrics
         self.service = service  # the accounted service, e.g. "translation.v1.Translator"
+        self.authenticator = authenticator  # None: no authentication
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -152,6 +162,21 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)
         accounted = service == self.service
         translating = accounted and method not in LOOKUP_METHODS
+        authenticator = self.authenticator if service not in OPEN_SERVICES else None
+
+        async def authenticate(context: grpc.aio.ServicerContext, record: CallRecord | None) -> None:
+            """The call's grant on its record, or the call ends here (UNAUTHENTICATED)."""
+            if authenticator is None:
+                return
+            try:
+                grant = authenticator.authenticate(context.invocation_metadata())
+            except ServingError as error:
+                if record is None:
+                    log.warning("request denied", extra={"fields": {"service": service, "method": method,
+                                                                    "code": error.code.name, "error": str(error)}})
+                await abort(context, error)
+            if record is not None:
+                record.grant = grant
 
         def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
             started.inc()
@@ -196,6 +221,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    await authenticate(context, record)
                     result = behavior(request, context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
@@ -219,6 +245,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    await authenticate(context, record)
                     result = behavior(request, context)
                     return await result if inspect.isawaitable(result) else result
                 except BaseException as exc:
