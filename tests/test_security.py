@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,13 @@ def mtls(tiny_models: dict[str, Path], tiny_repository: Path, pki: dict[str, Pat
 
 def tls_client(h: ServerHarness, pki: dict[str, Path], **kwargs: Any) -> TranslatorClient:
     return TranslatorClient(h.address, root_certificates=str(pki["ca"]), **ONE_ATTEMPT, **kwargs)
+
+
+def wait_for(condition: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
 
 
 def failure(call: Any) -> TranslationError:
@@ -275,6 +283,8 @@ def test_auth_failures_are_counted_and_logged_without_the_token(tls_auth: Server
             assert failure(lambda: client.translate("one", model="tiny-bahdanau")).code == PERMISSION_DENIED
         with tls_client(tls_auth, pki) as client:
             assert failure(lambda: client.list_models()).code == UNAUTHENTICATED
+        # the status reaches the client as the handler aborts, a moment before the interceptor's books
+        wait_for(lambda: sum(r.getMessage() == "request" for r in handler.records) == 3)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -305,6 +315,33 @@ def test_nmt_translate_with_token_and_certificates(mtls: ServerHarness, tls_auth
     assert nmt_main([*base, "--server", mtls.address, "--client-cert", str(pki["client"]),
                      "--client-key", str(pki["client_key"]), "three"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_async_client_with_client_certificate_and_token(tls_auth: ServerHarness, mtls: ServerHarness,
+                                                       pki: dict[str, Path]) -> None:
+    import asyncio
+
+    from clients.client import AsyncTranslatorClient
+
+    async def main() -> tuple[str, list[str], grpc.StatusCode]:
+        async with AsyncTranslatorClient(mtls.address, root_certificates=str(pki["ca"]), client_cert=pki["client"],
+                                         client_key=pki["client_key"], **ONE_ATTEMPT) as client:
+            text = (await client.translate("one two"))[0].best.text
+        async with AsyncTranslatorClient(tls_auth.address, root_certificates=pki["ca"].read_bytes(),
+                                         token=PARTNER_TOKEN, **ONE_ATTEMPT) as client:
+            names = [m.name for m in await client.list_models()]
+            try:
+                await client.translate("one", model="tiny-bahdanau")
+                code = grpc.StatusCode.OK
+            except TranslationError as error:
+                code = error.code
+        return text, names, code
+
+    text, names, code = asyncio.run(main())
+    assert text and names == ["tiny-transformer"] and code == PERMISSION_DENIED
+    with pytest.raises(ValueError, match="client_cert and client_key go together"):
+        TranslatorClient(mtls.address, client_cert=pki["client"])
+    assert PARTNER_TOKEN not in repr(TranslatorClient(tls_auth.address, token=PARTNER_TOKEN))
 
 
 def test_tokens_file_format_and_errors(tmp_path: Path) -> None:
@@ -376,9 +413,21 @@ def test_reflection_v1_and_v1alpha_describe_the_translator(tls_auth: ServerHarne
         itself = reflection_call(channel, version, {"file_containing_symbol": f"grpc.reflection.{version}."
                                                                               "ServerReflection"}, token)
         assert itself.file_descriptor_response.file_descriptor_proto
-        with pytest.raises(grpc.RpcError) as info:  # reflection asks for a token too
-            reflection_call(channel, version, {"list_services": ""})
+        logger = logging.getLogger("nmt.server")
+        handler, level = Records(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            with pytest.raises(grpc.RpcError) as info:  # reflection asks for a token too
+                reflection_call(channel, version, {"list_services": ""})
+            wait_for(lambda: handler.records)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
         assert info.value.code() == UNAUTHENTICATED
+        [denied] = [r.fields for r in handler.records if r.getMessage() == "request denied"]  # type: ignore
+        assert denied["service"] == f"grpc.reflection.{version}.ServerReflection"
+        assert denied["code"] == "UNAUTHENTICATED"
     finally:
         channel.close()
 
