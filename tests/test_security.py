@@ -108,6 +108,18 @@ def config_for(repository: Path, **changes: Any) -> ServerConfig:
 
 
 @pytest.fixture(scope="module")
+def repository(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's two tiny models, one version each, in a repository of this module's own (other
+    modules add versions to the session's repository)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("security-models")
+    for arch, version_dir in tiny_models.items():
+        shutil.copytree(version_dir, root / f"tiny-{arch}" / "1")
+    return root
+
+
+@pytest.fixture(scope="module")
 def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("auth") / "tokens"
     path.write_text(f"# operators\n{ADMIN_TOKEN}\n\n  # the partner\n{PARTNER_TOKEN}  tiny-transformer  # renewed\n")
@@ -115,19 +127,19 @@ def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tls_auth(tiny_models: dict[str, Path], tiny_repository: Path, pki: dict[str, Path],
+def tls_auth(repository: Path, pki: dict[str, Path],
              tokens_file: Path) -> Iterator[ServerHarness]:
     """TLS (no client certificates) with bearer tokens."""
-    h = ServerHarness(config_for(tiny_repository, tls_cert=str(pki["server"]), tls_key=str(pki["server_key"]),
+    h = ServerHarness(config_for(repository, tls_cert=str(pki["server"]), tls_key=str(pki["server_key"]),
                                  auth_tokens_file=str(tokens_file)))
     yield h
     h.close()
 
 
 @pytest.fixture(scope="module")
-def mtls(tiny_models: dict[str, Path], tiny_repository: Path, pki: dict[str, Path]) -> Iterator[ServerHarness]:
+def mtls(repository: Path, pki: dict[str, Path]) -> Iterator[ServerHarness]:
     """Mutual TLS: client certificates signed by ``ca`` required; no tokens."""
-    h = ServerHarness(config_for(tiny_repository, tls_cert=str(pki["server"]), tls_key=str(pki["server_key"]),
+    h = ServerHarness(config_for(repository, tls_cert=str(pki["server"]), tls_key=str(pki["server_key"]),
                                  tls_client_ca=str(pki["ca"])))
     yield h
     h.close()
@@ -188,20 +200,20 @@ def test_mtls_refuses_other_clients(mtls: ServerHarness, pki: dict[str, Path], c
     assert mtls.metric("grpc_server_started_total", started) == before  # no call ever started
 
 
-def test_tls_configuration_errors(tiny_repository: Path, pki: dict[str, Path], tmp_path: Path) -> None:
+def test_tls_configuration_errors(repository: Path, pki: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(NmtError, match="tls_cert is set but tls_key is not"):
-        config_for(tiny_repository, tls_cert=str(pki["server"]))
+        config_for(repository, tls_cert=str(pki["server"]))
     with pytest.raises(NmtError, match="tls_key is set but tls_cert is not"):
-        config_for(tiny_repository, tls_key=str(pki["server_key"]))
+        config_for(repository, tls_key=str(pki["server_key"]))
     with pytest.raises(NmtError, match="tls_client_ca .* needs TLS"):
-        config_for(tiny_repository, tls_client_ca=str(pki["ca"]))
+        config_for(repository, tls_client_ca=str(pki["ca"]))
     from server.app import TranslationServer
 
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(NmtError, match=f"tls_cert: cannot read {missing}"):
-        TranslationServer(config_for(tiny_repository, tls_cert=missing, tls_key=str(pki["server_key"])))
+        TranslationServer(config_for(repository, tls_cert=missing, tls_key=str(pki["server_key"])))
     with pytest.raises(NmtError, match="tls_key: .* holds no PEM PRIVATE KEY"):  # cert and key swapped
-        TranslationServer(config_for(tiny_repository, tls_cert=str(pki["server"]), tls_key=str(pki["server"])))
+        TranslationServer(config_for(repository, tls_cert=str(pki["server"]), tls_key=str(pki["server"])))
 
 
 # ---- bearer tokens -------------------------------------------------------------------------------------
@@ -433,8 +445,8 @@ def test_reflection_v1_and_v1alpha_describe_the_translator(tls_auth: ServerHarne
 
 
 @pytest.fixture(scope="module")
-def plain_no_reflection(tiny_models: dict[str, Path], tiny_repository: Path) -> Iterator[ServerHarness]:
-    h = ServerHarness(config_for(tiny_repository, reflection=False))
+def plain_no_reflection(repository: Path) -> Iterator[ServerHarness]:
+    h = ServerHarness(config_for(repository, reflection=False))
     yield h
     h.close()
 
