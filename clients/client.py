@@ -67,6 +67,7 @@ log = logging.getLogger("nmt.client")
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0  # seconds, per call, retries included
 REQUEST_ID_KEY = "x-request-id"
+AUTHORIZATION_KEY = "authorization"
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024  # n-best attention matrices of 64 long texts exceed gRPC's 4 MiB default
 USER_AGENT = "nmt-client/0.1"
 
@@ -319,11 +320,16 @@ def _read_pem(value: bytes | str | os.PathLike | None) -> bytes | None:
 
 
 def _credentials(tls: bool, root_certificates: bytes | str | os.PathLike | None,
-                 credentials: grpc.ChannelCredentials | None) -> grpc.ChannelCredentials | None:
+                 credentials: grpc.ChannelCredentials | None, client_cert: bytes | str | os.PathLike | None = None,
+                 client_key: bytes | str | os.PathLike | None = None) -> grpc.ChannelCredentials | None:
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("client_cert and client_key go together (mutual TLS needs the certificate and its key)")
     if credentials is not None:
         return credentials
-    if tls or root_certificates is not None:
-        return grpc.ssl_channel_credentials(root_certificates=_read_pem(root_certificates))
+    if tls or root_certificates is not None or client_cert is not None:
+        return grpc.ssl_channel_credentials(root_certificates=_read_pem(root_certificates),
+                                            private_key=_read_pem(client_key),
+                                            certificate_chain=_read_pem(client_cert))
     return None
 
 
@@ -339,14 +345,19 @@ class _ClientBase:
     ``address`` is ``host:port`` (or any gRPC target such as ``dns:///host:port``). Keyword arguments:
     ``timeout`` (seconds per call, retries included; ``None``: no deadline), ``retry`` (a
     :class:`RetryPolicy`) or just ``max_attempts``, ``tls=True`` for a TLS channel with the system's root
-    certificates, or ``root_certificates`` (PEM bytes or a file path; implies TLS), ``credentials`` (any
-    ``grpc.ChannelCredentials``, e.g. for mutual TLS), ``options`` (extra gRPC channel arguments).
+    certificates, or ``root_certificates`` (PEM bytes or a file path; implies TLS), ``client_cert`` and
+    ``client_key`` (PEM bytes or file paths: the client's certificate chain and key, for a server that
+    requires mutual TLS; imply TLS), ``credentials`` (any ``grpc.ChannelCredentials``, instead of the
+    above), ``token`` (a bearer token, sent as ``authorization: Bearer <token>`` metadata with every call;
+    send it over TLS, or only on loopback), ``options`` (extra gRPC channel arguments).
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT,
                  retry: RetryPolicy | None = None, max_attempts: int | None = None, tls: bool = False,
                  root_certificates: bytes | str | os.PathLike | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
+                 client_cert: bytes | str | os.PathLike | None = None,
+                 client_key: bytes | str | os.PathLike | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
@@ -354,7 +365,8 @@ class _ClientBase:
         self.timeout = timeout
         policy = retry or RetryPolicy()
         self.retry = replace(policy, max_attempts=max_attempts) if max_attempts is not None else policy
-        self._credentials = _credentials(tls, root_certificates, credentials)
+        self._credentials = _credentials(tls, root_certificates, credentials, client_cert, client_key)
+        self._auth = ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
         self._options = _channel_options(options)
         self._setup()
 
@@ -389,9 +401,12 @@ class _ClientBase:
                                                 "code": failure.code.name, "backoff_seconds": round(delay, 3)}})
         return delay
 
-    @staticmethod
-    def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-        return ((REQUEST_ID_KEY, request_id),)
+    def _metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: its request id (when it has one) and the bearer token (when the client has one)."""
+        return (((REQUEST_ID_KEY, request_id),) if request_id else ()) + self._auth
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"{type(self).__name__}({self.address!r}, tls={self._credentials is not None}, token={bool(self._auth)})"
 
     @staticmethod
     def _request_id(request_id: str | None) -> str:
@@ -407,6 +422,8 @@ class TranslatorClient(_ClientBase):
 
         TranslatorClient("127.0.0.1:50051", timeout=10, max_attempts=5)
         TranslatorClient("translate.example.com:443", root_certificates="ca.pem")
+        TranslatorClient("translate.example.com:443", root_certificates="ca.pem", client_cert="client.pem",
+                         client_key="client.key", token=os.environ["NMT_TOKEN"])
 
     Thread-safe; use as a context manager or call :meth:`close`.
     """
@@ -447,7 +464,7 @@ class TranslatorClient(_ClientBase):
         deadline = self._deadline(timeout)
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=model),
-                                       timeout=self._remaining(deadline, "", 0))
+                                       timeout=self._remaining(deadline, "", 0), metadata=self._metadata())
         except grpc.RpcError as error:
             raise error_from_rpc(error, None) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -527,7 +544,7 @@ class AsyncTranslatorClient(_ClientBase):
         deadline = self._deadline(timeout)
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=model),
-                                             timeout=self._remaining(deadline, "", 0))
+                                             timeout=self._remaining(deadline, "", 0), metadata=self._metadata())
         except grpc.RpcError as error:
             raise error_from_rpc(error, None) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -17,6 +17,10 @@ from typing import Any, TextIO
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 SERVER_ENV = "NMT_SERVER"
+TOKEN_ENV = "NMT_TOKEN"
+CA_CERT_ENV = "NMT_CA_CERT"
+CLIENT_CERT_ENV = "NMT_CLIENT_CERT"
+CLIENT_KEY_ENV = "NMT_CLIENT_KEY"
 BATCH_SIZE = 32  # texts per request when reading stdin (the server's default limit is 64)
 
 DESCRIPTION = f"""\
@@ -34,6 +38,8 @@ examples:
   nmt translate --plot alignment.png "Tuesday, April 25, 2045"
   nmt translate --json < sentences.txt > translations.jsonl
   nmt translate --list-models
+  NMT_TOKEN=... nmt translate --server translate.example.com:443 --ca-cert ca.pem "one two"
+  nmt translate --ca-cert ca.pem --client-cert client.pem --client-key client.key "one two"   # mutual TLS
 """
 
 
@@ -80,7 +86,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--server", default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER, metavar="HOST:PORT",
                         help=f"server address [env {SERVER_ENV}; default: {DEFAULT_SERVER}]")
     server.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
-    server.add_argument("--ca-cert", metavar="PEM", help="root certificates for TLS (implies --tls)")
+    server.add_argument("--ca-cert", metavar="PEM", default=os.environ.get(CA_CERT_ENV) or None,
+                        help=f"CA certificates that signed the server's certificate (implies --tls) "
+                             f"[env {CA_CERT_ENV}]")
+    server.add_argument("--client-cert", metavar="PEM", default=os.environ.get(CLIENT_CERT_ENV) or None,
+                        help="this client's certificate chain, for a server that requires mutual TLS (with "
+                             f"--client-key; implies --tls) [env {CLIENT_CERT_ENV}]")
+    server.add_argument("--client-key", metavar="PEM", default=os.environ.get(CLIENT_KEY_ENV) or None,
+                        help=f"the private key of --client-cert [env {CLIENT_KEY_ENV}]")
+    server.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
+                        help="bearer token for a server with authentication, sent as 'authorization: Bearer "
+                             f"TOKEN' metadata [env {TOKEN_ENV}: prefer it, a flag shows in the process list]")
     server.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                         help="deadline of each request, retries included (default: 30)")
     server.add_argument("--list-models", action="store_true", help="print the server's models and exit")
@@ -225,8 +241,11 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if args.plot and Path(args.plot).suffix.lower() not in FORMATS:
         raise NmtError(f"--plot {args.plot}: use one of {', '.join(FORMATS)}")
-    tls = args.tls or bool(args.ca_cert)
-    with TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert) as client:
+    if bool(args.client_cert) != bool(args.client_key):
+        raise NmtError("--client-cert and --client-key go together (mutual TLS needs the certificate and its key)")
+    tls = args.tls or bool(args.ca_cert) or bool(args.client_cert)
+    with TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert,
+                          client_cert=args.client_cert, client_key=args.client_key, token=args.token) as client:
         if args.list_models:
             models = client.list_models()
             if args.json:

@@ -20,6 +20,11 @@ translation.v1.Translator, grpc.health.v1.Health (overall "", per model name and
 server reflection; Prometheus metrics at http://METRICS_LISTEN/metrics. A request names a model
 (default: --default-model, else the first by name) and optionally a version (default: the newest).
 
+Security (all off by default): --tls-cert and --tls-key make the gRPC port TLS-only, --tls-client-ca
+adds mutual TLS (client certificates signed by those CAs required), --auth-tokens-file requires
+"authorization: Bearer <token>" metadata on every service but health (a token may be limited to some
+models: UNAUTHENTICATED / PERMISSION_DENIED), --no-reflection turns reflection (v1 and v1alpha) off.
+
 Every flag can also be set by the environment variable shown in its help (flags win). Logs are JSON
 lines on stderr. SIGTERM or SIGINT: health turns NOT_SERVING, new requests get UNAVAILABLE and
 in-flight ones finish within --grace-seconds.
@@ -31,11 +36,12 @@ minutes on 2 CPU cores; needs the train extra). A second run reuses them.
 examples:
   nmt serve --demo
   nmt serve --model-repository models --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9400
+  nmt serve --tls-cert server.pem --tls-key server.key --tls-client-ca clients-ca.pem --auth-tokens-file tokens
 """
 
 HOW_TO_CALL = """serving {models} on {listen} (metrics: http://{metrics}/metrics); try:
   nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam-size 4 --num-hypotheses 3 --attention
-  nmt translate --server {listen} --list-models
+  nmt translate --server {listen} --list-models{security}
 """
 
 
@@ -69,9 +75,18 @@ def run(args: argparse.Namespace) -> int:
     models = list(discover_versions(config.model_repository)) if has_models(config.model_repository) else []
     if models:
         print(HOW_TO_CALL.format(models=", ".join(models), listen=config.listen,
-                                 metrics=config.metrics_listen or "(off)", model=models[0]), flush=True)
+                                 metrics=config.metrics_listen or "(off)", model=models[0],
+                                 security=_security_hint(config)), flush=True)
     asyncio.run(serve(config))
     return 0
+
+
+def _security_hint(config: ServerConfig) -> str:
+    """What ``nmt translate`` needs besides --server: a CA, a client certificate, a token."""
+    needs = (["--ca-cert CA.pem"] if config.tls_cert else []) + \
+        (["--client-cert CLIENT.pem --client-key CLIENT.key"] if config.tls_client_ca else []) + \
+        (["a token (NMT_TOKEN=... or --token)"] if config.auth_tokens_file else [])
+    return f"\n  (add {', '.join(needs)})" if needs else ""
 
 
 def build_demo(repository: str, runs: str) -> None:

@@ -10,7 +10,10 @@
 The repository is the one registry of the served models: each model version owns its engine and its
 scheduler (created at load, started and closed here through the repository); the servicer resolves a
 model version there and hands it the request. The interceptor (:mod:`server.interceptor`) does what
-every call shares: request ids, request logs, request and gRPC metrics, the in-flight count.
+every call shares: request ids, bearer-token authentication (:mod:`server.auth`), request logs, request
+and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.tls`);
+reflection (:mod:`server.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
+the tokens file are read when the server is created, so a bad one fails before any model loads.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), new
 Translator requests get UNAVAILABLE (the servicer) while those in flight (counted by the
@@ -31,17 +34,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from nmt.errors import NmtError
-from server.config import ServerConfig
+from server.auth import Authenticator
+from server.config import ServerConfig, split_host_port
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
 from server.protos import SERVICE_NAME, method_types, pb2_grpc
 from server.repository import EngineLoader, ModelRepository
 from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
+from server.tls import server_credentials, tls_mode
 
 log = logging.getLogger("nmt.server")
 
@@ -90,7 +94,9 @@ class TranslationServer:
     ) -> None:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
-        self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME)
+        self.credentials = server_credentials(config)  # None: plaintext
+        self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
+        self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
         self.engine_loader = engine_loader
         self.repository = repository
         self.health = health.aio.HealthServicer()
@@ -129,10 +135,15 @@ class TranslationServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in ["", SERVICE_NAME, *self.repository.names]:
             await self.health.set(service, SERVING)
-        reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        if config.reflection:
+            from server.reflection import enable_server_reflection
+
+            enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME], self.server)
         try:
-            self.port = self.server.add_insecure_port(config.listen)
+            if self.credentials is None:
+                self.port = self.server.add_insecure_port(config.listen)
+            else:
+                self.port = self.server.add_secure_port(config.listen, self.credentials)
         except RuntimeError as error:  # grpcio raises on a failed bind
             raise NmtError(f"cannot listen on {config.listen}: {error}") from error
         if self.port == 0:
@@ -145,11 +156,27 @@ class TranslationServer:
                 await self.server.stop(0)
                 raise NmtError(f"cannot serve metrics on {config.metrics_listen}: {error}") from error
             self.metrics_port = self.metrics_http.server_port
+        self._warn_about_auth()
         log.info("serving", extra={"fields": {
             "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port,
             "models": [f"{mv.name}/{mv.version}" for mv in self.repository],
-            "default_model": self.repository.default_model}})
+            "default_model": self.repository.default_model, "tls": tls_mode(config),
+            "auth": f"bearer tokens ({len(self.authenticator)})" if self.authenticator else "off",
+            "reflection": config.reflection}})
         return self.port
+
+    def _warn_about_auth(self) -> None:
+        """Tokens crossing a network in plaintext, and tokens restricted to models that are not loaded."""
+        if self.authenticator is None:
+            return
+        host = split_host_port(self.config.listen)[0]
+        if self.credentials is None and host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("bearer tokens on a plaintext port: anyone on the path can read them; set tls_cert and "
+                        "tls_key, or terminate TLS in front of this server", extra={"fields": {
+                            "listen": self.config.listen}})
+        unknown = sorted(self.authenticator.model_names - set(self.repository.names))
+        if unknown:
+            log.warning("the tokens file names models that are not loaded", extra={"fields": {"models": unknown}})
 
     # ---- stop ------------------------------------------------------------------------------------------
 

@@ -40,6 +40,16 @@ class ServerConfig:
     metrics_listen: str = option(
         "127.0.0.1:9400", "Prometheus /metrics HTTP address host:port; empty disables the metrics endpoint"
     )
+    # security
+    tls_cert: str = option("", "PEM certificate chain of the gRPC port (leaf first); with --tls-key, the port "
+                           "speaks TLS only (empty: plaintext)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_client_ca: str = option("", "PEM CA certificates for mutual TLS: every client must present a certificate "
+                                "signed by one of them (needs --tls-cert)")
+    auth_tokens_file: str = option("", "bearer tokens, one per line, each optionally followed by the model names "
+                                   "it may use ('#' starts a comment); every service but health then requires "
+                                   "'authorization: Bearer <token>' metadata (empty: no authentication)")
+    reflection: bool = option(True, "serve gRPC server reflection (grpc.reflection.v1 and v1alpha)")
     # models
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
     default_model: str = option("", "model used when a request names none (default: the first by name)")
@@ -94,6 +104,11 @@ class ServerConfig:
             raise NmtError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         if self.log_level not in LOG_LEVELS:
             raise NmtError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            given, missing = ("tls_cert", "tls_key") if self.tls_cert else ("tls_key", "tls_cert")
+            raise NmtError(f"{given} is set but {missing} is not: TLS needs both the certificate and its key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise NmtError("tls_client_ca (mutual TLS) needs TLS: set tls_cert and tls_key too")
         for name in ("listen", "metrics_listen"):
             value = getattr(self, name)
             if (value or name == "listen") and not _is_host_port(value):

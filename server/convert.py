@@ -6,7 +6,7 @@ With :mod:`server.app` (which registers the services), the only server module th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -89,8 +89,10 @@ def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> An
     )
 
 
-def model_list_pb(repository: ModelRepository, *, max_beam: int) -> Any:
-    """Every loaded version -> ``ListModelsResponse``."""
+def model_list_pb(repository: ModelRepository, *, max_beam: int,
+                  allows: Callable[[str], bool] = lambda name: True) -> Any:
+    """Every loaded version of the models ``allows`` (by name) -> ``ListModelsResponse``."""
     return pb2.ListModelsResponse(models=[
-        model_info_pb(mv, is_default=mv.name == repository.default_model, max_beam=max_beam) for mv in repository
+        model_info_pb(mv, is_default=mv.name == repository.default_model, max_beam=max_beam)
+        for mv in repository if allows(mv.name)
     ])

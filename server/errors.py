@@ -2,7 +2,8 @@
 
 Handlers, request validation, the model repository and the scheduler raise the exceptions below
 (they never touch a gRPC context); :func:`grpc_errors` decorates every servicer method and turns them
-into a status with the exception's message. Anything else becomes INTERNAL, logged with its traceback, so an
+into a status with the exception's message (the interceptor's authentication step uses :func:`abort`,
+the same mapping). Anything else becomes INTERNAL, logged with its traceback, so an
 unexpected failure never leaks a stack trace to the client nor kills the server.
 """
 
@@ -62,6 +63,18 @@ class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(ServingError):
+    """No credentials, or credentials the server does not know (the message never repeats them)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServingError):
+    """Valid credentials that may not do this (e.g. a token restricted to other models)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Internal(ServingError):
     """Inference failed (the batch's requests fail; the server carries on)."""
 
@@ -79,7 +92,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+async def abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    """End the call with ``error``'s status (:func:`status_of`); raises ``grpc.aio.AbortError``."""
     code, message = status_of(error)
     if not isinstance(error, ServingError):
         log.error("unexpected error in handler", exc_info=error)
@@ -101,7 +115,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             except grpc.aio.AbortError:
                 raise
             except Exception as error:  # noqa: BLE001 - the one catch-all of the server
-                await _abort(context, error)
+                await abort(context, error)
 
         return stream_wrapper
 
@@ -112,6 +126,6 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001 - the one catch-all of the server
-            await _abort(context, error)
+            await abort(context, error)
 
     return unary_wrapper

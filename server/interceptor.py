@@ -9,6 +9,13 @@ and logged, a unary call gets INVALID_ARGUMENT (counted and logged like any fail
 ``TranslateStream`` (:data:`PER_MESSAGE_ERRORS`) the handler answers that one message with an error
 while the stream goes on. Other streams end with INVALID_ARGUMENT.
 
+With an :class:`~server.auth.Authenticator`, every call of every service but those of
+:data:`server.auth.OPEN_SERVICES` (health) is authenticated first, inside the instrumented call: a
+missing or unknown bearer token ends it with UNAUTHENTICATED through :func:`server.errors.abort` (the
+one mapping), so it is counted, timed and logged like any failed call; the call's
+:class:`~server.auth.Grant` goes on its record for the handler. A refused call of another service
+(reflection) is logged too ("request denied"), as the Translator's are by their "request" line.
+
 For the methods of the accounted service (the Translator), besides:
     * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
     * ``nmt_requests_total{model,method,code}`` and one JSON log line ("request") per call: request id,
@@ -40,7 +47,8 @@ from typing import Any
 
 import grpc
 
-from server.errors import InvalidArgument, status_of
+from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
+from server.errors import InvalidArgument, ServingError, abort, status_of
 from server.metrics import LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")
@@ -78,6 +86,7 @@ class CallRecord:
     model: str = ""
     version: str = ""
     texts: int = 0
+    grant: Grant = ANYONE  # what the call's token may use (authentication off: everything)
 
 
 # Each RPC runs in its own task, so the variable set at the start of a call is that call's.
@@ -120,8 +129,7 @@ def code_name(context: grpc.aio.ServicerContext, error: BaseException | None) ->
 
 async def _refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
     """End the call with INVALID_ARGUMENT for an undecodable message (keeping the request id metadata)."""
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()),
-                        trailing_metadata=tuple(context.trailing_metadata() or ()))
+    await abort(context, request.error())
 
 
 def _error_message(context: grpc.aio.ServicerContext, error: BaseException | None) -> str | None:
@@ -148,9 +156,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     a call pays a few counter increments and histogram observations, not a new handler.
     """
 
-    def __init__(self, metrics: ServerMetrics, *, service: str) -> None:
+    def __init__(self, metrics: ServerMetrics, *, service: str, authenticator: Authenticator | None = None) -> None:
         self.metrics = metrics
         self.service = service  # the accounted service, e.g. "translation.v1.Translator"
+        self.authenticator = authenticator  # None: no authentication
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -205,6 +214,22 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     await _refuse(request, context)
                 yield request
 
+        authenticator = self.authenticator if service not in OPEN_SERVICES else None
+
+        async def authenticate(context: grpc.aio.ServicerContext, record: CallRecord | None) -> None:
+            """The call's grant on its record, or the call ends here (UNAUTHENTICATED)."""
+            if authenticator is None:
+                return
+            try:
+                grant = authenticator.authenticate(context.invocation_metadata())
+            except ServingError as error:
+                if record is None:
+                    log.warning("request denied", extra={"fields": {"service": service, "method": method,
+                                                                    "code": error.code.name, "error": str(error)}})
+                await abort(context, error)
+            if record is not None:
+                record.grant = grant
+
         def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
             started.inc()
             record = None
@@ -248,6 +273,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    await authenticate(context, record)
                     if isinstance(request, Undecodable):
                         await _refuse(request, context)
                     if handler.request_streaming and method not in PER_MESSAGE_ERRORS:
@@ -275,6 +301,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
+                    await authenticate(context, record)
                     if isinstance(request, Undecodable):
                         await _refuse(request, context)
                     if handler.request_streaming:

@@ -57,6 +57,31 @@ def method_types(service: str = SERVICE_NAME) -> dict[str, str]:
     return {m.name: types[(m.client_streaming, m.server_streaming)] for m in descriptor.methods}
 
 
+def compile_messages(proto_file: str, module_name: str) -> ModuleType:
+    """The message classes (no service stubs) of ``<proto root>/<proto_file>``, as module ``module_name``.
+
+    For protos whose package cannot be imported under its own name, such as
+    ``grpc/reflection/v1/reflection.proto`` (``grpc`` is grpcio's package, so ``grpc.protos()`` cannot
+    import ``grpc.reflection.v1.reflection_pb2``): protoc writes the ``_pb2`` module into a temporary
+    directory and it is run under ``module_name``; its descriptors join the default pool, as any
+    generated module's do.
+    """
+    import tempfile
+    from importlib.resources import files
+
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="nmt-protos-") as out:
+        args = ["protoc", f"-I{proto_root()}", f"-I{files('grpc_tools') / '_proto'}", f"--python_out={out}",
+                proto_file]
+        if protoc.main(args) != 0:
+            raise ImportError(f"protoc failed: {' '.join(args)}")
+        source = (Path(out) / proto_file).with_name(Path(proto_file).stem + "_pb2.py").read_text(encoding="utf-8")
+    module = ModuleType(module_name)
+    exec(compile(source, f"<{proto_file}>", "exec"), module.__dict__)  # noqa: S102 - protoc's own output
+    return module
+
+
 def write_stubs(out_dir: str | Path) -> list[Path]:
     """Generate ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` into ``out_dir`` (for IDEs); return the files."""
     from importlib.resources import files
@@ -65,11 +90,15 @@ def write_stubs(out_dir: str | Path) -> list[Path]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from google.rpc import status_pb2
+
     include = str(files("grpc_tools") / "_proto")
+    common = str(Path(status_pb2.__file__).parents[2])  # googleapis-common-protos: google/rpc/status.proto
     args = [
         "protoc",
         f"-I{proto_root()}",
         f"-I{include}",
+        f"-I{common}",
         f"--python_out={out}",
         f"--pyi_out={out}",
         f"--grpc_python_out={out}",

@@ -8,7 +8,8 @@ they simply raise typed errors.
 
 Request ids, log lines, request metrics and the in-flight count are the interceptor's
 (:mod:`server.interceptor`); a handler only writes the model version it resolved and the number of
-texts on the call's record (:func:`server.interceptor.current_call`).
+texts on the call's record (:func:`server.interceptor.current_call`), and checks the models it uses
+against the record's grant (:mod:`server.auth`: PERMISSION_DENIED for a model the token may not use).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class TranslatorService:
 
     @grpc_errors
     async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        return model_list_pb(self.repository, max_beam=self.config.max_beam)
+        """The loaded versions of the models the call's token may use (all without authentication)."""
+        return model_list_pb(self.repository, max_beam=self.config.max_beam, allows=current_call().grant.allows)
 
     # ---- one translation request -----------------------------------------------------------------------
 
@@ -129,8 +131,11 @@ class TranslatorService:
         call = from_pb(request)
         record = current_call()
         record.texts += len(call.texts)
+        if call.model:  # checked before resolving, so a restricted token cannot probe which models exist
+            record.grant.check(call.model)
         check_texts(call.texts, self.config)
         model = self.repository.resolve(call.model, call.model_version)
+        record.grant.check(model.name)  # the default model, when the request names none
         record.model, record.version = model.name, model.version
         options = resolve_options(call.options, model.defaults, self.config)
         handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
