@@ -140,3 +140,30 @@ def test_serving_and_clients_never_load_torch() -> None:
                                 timeout=120)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == str(loads_torch), modules
+
+
+# what can run code while loading data: pickle and the loaders built on it
+UNPICKLING_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+UNPICKLING_CALLS = {"load", "loads"}  # np.load / torch.load / pickle.loads ...
+
+
+def unpickling_uses(path: Path) -> list[str]:
+    """Imports of pickle-based modules and ``X.load(...)`` calls on numpy or torch in one file."""
+    found = sorted(name for name in imported_names(path) if name.split(".")[0] in UNPICKLING_MODULES)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in UNPICKLING_CALLS
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in {"np", "numpy", "torch"}):
+            found.append(f"{node.func.value.id}.{node.func.attr} (line {node.lineno})")
+    return found
+
+
+def test_nothing_on_the_serving_path_unpickles(tmp_path: Path) -> None:
+    """Models reach the server as ONNX and SentencePiece protobufs and JSON; no serving module may load a
+    pickle. The probe finds a planted one."""
+    serving = {m: p for m, p in project_modules().items()
+               if m.split(".")[0] in ("server", "clients") or m.startswith("nmt.model_format")}
+    assert serving
+    assert {m: unpickling_uses(p) for m, p in serving.items() if unpickling_uses(p)} == {}
+    planted = tmp_path / "planted.py"
+    planted.write_text("import numpy as np\nimport pickle\nnp.load('x.npy', allow_pickle=True)\n")
+    assert unpickling_uses(planted) == ["pickle", "np.load (line 3)"]
