@@ -48,6 +48,9 @@ class ServerConfig:
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
                                 "runs (they stop when it returns); off where other processes need the cores")
+    reload_interval: float = option(
+        10.0, "seconds between scans of the model repository for new, changed and removed versions "
+        "(hot reload; SIGHUP scans at once); 0 disables polling")
     # batching
     batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
     max_batch_sentences: int = option(64, "most sentences in one batch")
@@ -73,7 +76,7 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds"):
+        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_tokens + 1 > self.batch_tokens:

@@ -58,6 +58,9 @@ class ServerMetrics:
                                            "cancelled or expired", ["model", "version"], registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r)
+        self.model_loads = Counter("nmt_model_loads", "Model version loads (start-up, hot reload and reloads of a "
+                                   "failing version) by outcome: loaded, or refused (bad manifest or hash, "
+                                   "load error, failed smoke translation)", ["model", "result"], registry=r)
         # standard gRPC server metrics
         self.grpc_started = Counter("grpc_server_started", "RPCs started on the server",
                                     ["grpc_type", "grpc_service", "grpc_method"], registry=r)
