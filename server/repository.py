@@ -158,6 +158,7 @@ class ModelRepository:
         self.root = Path(root)
         self.settings = settings or LoadSettings()
         self.grace_seconds = grace_seconds
+        self._default_configured = bool(default_model)
         self._default_model = default_model
         self._models: dict[str, list[ModelVersion]] = {}
         self._refused: dict[tuple[str, str], Fingerprint] = {}  # not retried until the fingerprint changes
@@ -216,8 +217,9 @@ class ModelRepository:
 
     @property
     def default_model(self) -> str:
-        """The configured default model, else the first name (``""`` when nothing is loaded)."""
-        return self._default_model or (self.names[0] if self._models else "")
+        """The configured default model, else the first name at start-up: a model added later does not take
+        over the requests that name none; if this one is removed, the first name left becomes the default."""
+        return self._default_model
 
     def serving(self, name: str) -> bool:
         """Whether requests for ``name`` that name no version can be served: its newest version is healthy."""
@@ -362,6 +364,8 @@ class ModelRepository:
     def _register(self, mv: ModelVersion) -> None:
         versions = sorted([*self._models.get(mv.name, []), mv], key=lambda v: version_key(v.version))
         self._set_versions(mv.name, versions)
+        if not self._default_model:
+            self._default_model = mv.name
         if self._started:
             mv.scheduler.start()
         self._publish(mv)
@@ -383,6 +387,8 @@ class ModelRepository:
             self._set_versions(mv.name, remaining)
         else:
             del self._models[mv.name]
+            if mv.name == self._default_model and not self._default_configured:
+                self._default_model = self.names[0] if self._models else ""
         self._drain(mv, unpublish=True)
 
     def _set_versions(self, name: str, versions: list[ModelVersion]) -> None:
