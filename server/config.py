@@ -42,7 +42,8 @@ class ServerConfig:
     )
     # models
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
-    default_model: str = option("", "model used when a request names none (default: the first by name)")
+    default_model: str = option("", "model used when a request names none (default: the first by name at "
+                                                "start-up)")
     provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
@@ -63,7 +64,8 @@ class ServerConfig:
     max_tokens: int = option(256, "most source subword tokens in one text (EOS excluded)")
     max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for")
     # lifecycle and logs
-    grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
+    grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish; "
+                                  "also how long a removed model version drains")
     log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:

@@ -443,9 +443,9 @@ class ModelRepository:
             metric.labels(mv.name, mv.version)
 
     def _unpublish(self, mv: ModelVersion) -> None:
-        """Remove every series of a removed version."""
+        """Remove every series of a removed version (unless a new copy of it was registered meanwhile)."""
         m = self.settings.metrics
-        if m is None:
+        if m is None or self._find(mv.name, mv.version) is not None:
             return
         m.model_info.remove(*_info_labels(mv))
         for metric in (m.queue_duration, m.queue_depth, m.batch_sentences, m.batch_tokens, m.padding_ratio,
