@@ -209,7 +209,7 @@ class ModelRepository:
 
     def __iter__(self) -> Iterator[ModelVersion]:
         for name in sorted(self._models):
-            yield from list(self._models[name])
+            yield from list(self._models.get(name, ()))  # a name may go while the caller awaits
 
     @property
     def names(self) -> list[str]:

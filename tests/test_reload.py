@@ -151,7 +151,7 @@ def test_new_version_and_new_model_are_served_after_a_scan(repo: Path, version_d
         assert scan(h).changed is False  # nothing new: nothing happens
         add_version(repo, "2", version_dir)
         add_version(repo, "1", version_dir, name="other")
-        (repo / MODEL / ".half-copied").mkdir()  # hidden directories are work in progress: ignored
+        shutil.copytree(version_dir, repo / MODEL / ".copying")  # hidden: work in progress, ignored
         result = scan(h)
         assert result.loaded == [("other", "1"), (MODEL, "2")] and not result.refused
         assert listed(h) == [("other", "1", True), (MODEL, "1", False), (MODEL, "2", True)]
@@ -249,11 +249,10 @@ def missing_file(version: Path) -> str:
 
 @pytest.mark.parametrize("damage", [tamper, bad_manifest, missing_file])
 def test_broken_version_is_refused_while_the_old_one_serves(repo: Path, version_dir: Path, logs: list,
-                                                            damage: Callable[[Path], str]) -> None:
+                                                            damage: Callable[[Path], str], tmp_path: Path) -> None:
     h = serve(repo)
     try:
-        broken = version_dir.parent / "broken"  # damaged before it appears, as a bad export would be
-        shutil.rmtree(broken, ignore_errors=True)
+        broken = tmp_path / "broken"  # damaged before it appears, as a bad export would be
         shutil.copytree(version_dir, broken)
         expected = damage(broken)
         add_version(repo, "2", broken)
