@@ -164,7 +164,7 @@ class ModelRepository:
         self._refused: dict[tuple[str, str], Fingerprint] = {}  # not retried until the fingerprint changes
         self._lock = asyncio.Lock()
         self._listeners: list[ChangeListener] = []
-        self._drains: set[asyncio.Task] = set()
+        self._drains: dict[asyncio.Task, ModelVersion] = {}  # removed or replaced versions being drained
         self._started = False
         self._closed = False
 
@@ -200,10 +200,12 @@ class ModelRepository:
         """Close every version's scheduler: queued and running sentences get ``timeout`` seconds to finish.
         Scans after this change nothing."""
         self._closed = True
-        for task in list(self._drains):
+        retiring = list(self._drains.items())
+        for task, _ in retiring:
             task.cancel()
-        await asyncio.gather(*self._drains, return_exceptions=True)
-        await asyncio.gather(*(mv.scheduler.close(timeout=timeout) for mv in self))
+        await asyncio.gather(*(task for task, _ in retiring), return_exceptions=True)
+        versions = [*self, *(mv for _, mv in retiring)]
+        await asyncio.gather(*(mv.scheduler.close(timeout=timeout) for mv in versions))
 
     # ---- lookups ---------------------------------------------------------------------------------------
 
@@ -354,7 +356,7 @@ class ModelRepository:
     async def drained(self) -> None:
         """Wait until the versions removed or replaced so far are closed."""
         while self._drains:
-            await asyncio.gather(*self._drains, return_exceptions=True)
+            await asyncio.gather(*list(self._drains), return_exceptions=True)
 
     # ---- registry changes (event loop only, under the lock) --------------------------------------------
 
@@ -398,8 +400,8 @@ class ModelRepository:
 
     def _drain(self, mv: ModelVersion, *, unpublish: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._close_version(mv, unpublish=unpublish))
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        self._drains[task] = mv
+        task.add_done_callback(lambda done: self._drains.pop(done, None))
 
     async def _close_version(self, mv: ModelVersion, *, unpublish: bool) -> None:
         started = time.monotonic()

@@ -368,6 +368,21 @@ def test_removed_version_drains_then_disappears(repo: Path, version_dir: Path) -
         h.close()
 
 
+def test_shutdown_closes_versions_still_draining(repo: Path, version_dir: Path) -> None:
+    add_version(repo, "2", version_dir)
+    h = serve(repo, wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.05)))
+    old = h.model_version(MODEL, "2")
+    running = h.stub.Translate.future(pb2.TranslateRequest(texts=[" ".join(TEXTS)]), timeout=30)
+    try:
+        wait_for(lambda: old.scheduler.running)
+        shutil.rmtree(repo / MODEL / "2")
+        assert scan(h).removed == [(MODEL, "2")]
+    finally:
+        h.close()  # while version 2 still drains
+    assert old.scheduler._closed and h.model_version(MODEL, "1").scheduler._closed
+    assert running.exception(10) is not None  # cut off by the shutdown (grace 0), not left hanging
+
+
 def test_a_version_whose_files_change_is_reloaded(repo: Path) -> None:
     h = serve(repo)
     try:
