@@ -43,7 +43,7 @@ class ServerConfig:
     # models
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
     default_model: str = option("", "model used when a request names none (default: the first by name at "
-                                                "start-up)")
+                                "start-up)")
     provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
