@@ -424,6 +424,7 @@ def test_reload_model_version_swaps_engines_without_failed_requests(repo: Path) 
         wait_for(lambda: len([t for t, _ in traffic.served if t > swapped]) >= 10)
         h.run(h.server.repository.drained())
         assert old.scheduler._closed and not new.scheduler._closed
+        assert new.engine.results  # the traffic goes through the fresh engine now
         assert info_series(h, MODEL, "1") == 1
         # a reload whose fresh copy is broken: refused, health stays NOT_SERVING, the old copy stays
         tamper(repo / MODEL / "1")
