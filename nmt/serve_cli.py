@@ -29,6 +29,11 @@ Every flag can also be set by the environment variable shown in its help (flags 
 lines on stderr. SIGTERM or SIGINT: health turns NOT_SERVING, new requests get UNAVAILABLE and
 in-flight ones finish within --grace-seconds.
 
+Hot reload: every --reload-interval seconds and on SIGHUP the repository is scanned again. New versions
+(and models) are verified (sha256 of every file, a smoke translation) and then served, the newest as the
+latest; broken ones are refused with a "model version refused" log line while the others serve; removed
+ones stop taking requests and close once their in-flight requests finish (within --grace-seconds).
+
 With --demo, an empty repository is first filled with the demo models (demo-transformer and
 demo-bahdanau, trained on the generated English->German dates corpus, exported and verified: a few
 minutes on 2 CPU cores; needs the train extra). A second run reuses them.

@@ -5,17 +5,21 @@
     server = TranslationServer(ServerConfig.from_env(model_repository="models"))
     port = await server.start()          # binds config.listen (port 0: a free port)
     ...
+    await server.reload()                # what SIGHUP and the poller do: load new versions, drop removed ones
     await server.shutdown()              # what SIGTERM / SIGINT do
 
 The repository is the one registry of the served models: each model version owns its engine and its
 scheduler (created at load, started and closed here through the repository); the servicer resolves a
-model version there and hands it the request. The interceptor (:mod:`server.interceptor`) does what
+model version there and hands it the request. The repository changes at run time (hot reload, see
+:mod:`server.repository`): every ``reload_interval`` seconds, on SIGHUP, and through
+:meth:`TranslationServer.reload_model_version` (which a model version whose engine breaks calls
+itself); per-model health follows each change. The interceptor (:mod:`server.interceptor`) does what
 every call shares: request ids, bearer-token authentication (:mod:`server.auth`), request logs, request
 and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.tls`);
 reflection (:mod:`server.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
 the tokens file are read when the server is created, so a bad one fails before any model loads.
 
-Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), new
+Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), scans stop, new
 Translator requests get UNAVAILABLE (the servicer) while those in flight (counted by the
 interceptor) finish within ``grace_seconds``, the gRPC server stops (cancelling whatever is left),
 the schedulers stop and the metrics endpoint closes.
@@ -29,7 +33,6 @@ import logging
 import signal
 import sys
 import time
-from functools import partial
 from typing import Any
 
 import grpc
@@ -42,7 +45,7 @@ from server.config import ServerConfig, split_host_port
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
 from server.protos import SERVICE_NAME, method_types, pb2_grpc
-from server.repository import EngineLoader, ModelRepository
+from server.repository import EngineLoader, LoadSettings, ModelRepository, ModelVersion, ScanResult
 from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
 from server.tls import server_credentials, tls_mode
@@ -94,6 +97,7 @@ class TranslationServer:
     ) -> None:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
+        self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
         self.credentials = server_credentials(config)  # None: plaintext
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
         self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
@@ -107,6 +111,9 @@ class TranslationServer:
         self.metrics_port: int | None = None
         self._shutdown_task: asyncio.Task | None = None
         self._signal_task: asyncio.Task | None = None
+        self._poll_task: asyncio.Task | None = None
+        self._reload_tasks: set[asyncio.Task] = set()  # SIGHUP scans (a reference keeps each alive)
+        self._health_models: set[str] = set()  # model names given a health status
         self._stopped = asyncio.Event()
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -115,26 +122,24 @@ class TranslationServer:
         """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port."""
         config = self.config
         if self.repository is None:
-            load = partial(ModelRepository.load, config.model_repository, default_model=config.default_model,
-                           provider=config.provider, intra_op_threads=config.intra_op_threads,
-                           inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
-                           engine_loader=self.engine_loader, policy=BatchPolicy.from_config(config),
-                           metrics=self.metrics)
-            self.repository = await asyncio.get_running_loop().run_in_executor(None, load)
+            settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
+                                    inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
+                                    engine_loader=self.engine_loader, policy=BatchPolicy.from_config(config),
+                                    metrics=self.metrics)
+            self.repository = await ModelRepository.open(config.model_repository, settings=settings,
+                                                         default_model=config.default_model,
+                                                         grace_seconds=config.grace_seconds)
         self.repository.start()
-        self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
-        for mv in self.repository:
-            self.metrics.model_info.labels(mv.name, mv.version, str(mv.manifest_value("architecture")),
-                                           str(getattr(mv.engine, "provider", ""))).set(1)
-            self.metrics.init_model(mv.name, mv.version)
 
         self.servicer = TranslatorService(repository=self.repository, config=config)
         self.server = grpc.aio.server(interceptors=[self.interceptor],
                                       options=[("grpc.so_reuseport", 0)])
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        for service in ["", SERVICE_NAME, *self.repository.names]:
+        for service in ["", SERVICE_NAME]:
             await self.health.set(service, SERVING)
+        await self._sync_health()
+        self.repository.add_listener(self._sync_health)
         if config.reflection:
             from server.reflection import enable_server_reflection
 
@@ -156,13 +161,16 @@ class TranslationServer:
                 await self.server.stop(0)
                 raise NmtError(f"cannot serve metrics on {config.metrics_listen}: {error}") from error
             self.metrics_port = self.metrics_http.server_port
+        if config.reload_interval > 0:
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll(config.reload_interval),
+                                                                     name="repository-poller")
         self._warn_about_auth()
         log.info("serving", extra={"fields": {
             "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port,
             "models": [f"{mv.name}/{mv.version}" for mv in self.repository],
             "default_model": self.repository.default_model, "tls": tls_mode(config),
             "auth": f"bearer tokens ({len(self.authenticator)})" if self.authenticator else "off",
-            "reflection": config.reflection}})
+            "reflection": config.reflection, "reload_interval": config.reload_interval}})
         return self.port
 
     def _warn_about_auth(self) -> None:
@@ -178,6 +186,45 @@ class TranslationServer:
         if unknown:
             log.warning("the tokens file names models that are not loaded", extra={"fields": {"models": unknown}})
 
+    # ---- hot reload ------------------------------------------------------------------------------------
+
+    async def reload(self) -> ScanResult:
+        """Scan the model repository once (what SIGHUP and the poller do): new versions are loaded, verified,
+        smoke-tested and served beside the old ones (the newest becomes the latest); broken ones are refused
+        with a log line; removed ones drain and close. Returns what changed."""
+        assert self.repository is not None, "start() first"
+        return await self.repository.scan()
+
+    async def reload_model_version(self, name: str, version: str) -> ModelVersion:
+        """Replace the loaded version ``name``/``version`` by a fresh copy from its directory (new ONNX Runtime
+        sessions and scheduler); call it when the version's sessions keep failing.
+
+        Contract (:meth:`server.repository.ModelRepository.reload_version`): health for ``name`` turns
+        NOT_SERVING at once while this version is its newest; the fresh copy is loaded off the event loop and
+        checked like any new version (manifest, sha256 of every file, a smoke translation). On success it
+        serves every new request, health for ``name`` is SERVING again, and the old copy's queued and running
+        requests finish on it (within ``grace_seconds``) before it is closed; the new version is returned.
+        On failure :class:`server.repository.VersionRefused` is raised (logged, counted in
+        ``nmt_model_loads_total{result="refused"}``), the old copy stays in place and health stays
+        NOT_SERVING; calling again retries. :class:`server.errors.NotFound` if the version is not loaded.
+        Safe to call concurrently with scans and with itself (they are serialized)."""
+        assert self.repository is not None, "start() first"
+        return await self.repository.reload_version(name, version)
+
+    async def _poll(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self._poll_once()
+
+    async def _sync_health(self) -> None:
+        """Per-model health: SERVING while the model's newest version works, NOT_SERVING otherwise and once
+        its last version is gone."""
+        assert self.repository is not None
+        names = set(self.repository.names)
+        for name in sorted(names | self._health_models):
+            await self.health.set(name, SERVING if self.repository.serving(name) else NOT_SERVING)
+        self._health_models |= names
+
     # ---- stop ------------------------------------------------------------------------------------------
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -191,6 +238,10 @@ class TranslationServer:
         deadline = time.monotonic() + grace
         log.info("shutting down", extra={"fields": {"grace_seconds": grace}})
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
+        scans = [task for task in (self._poll_task, *self._reload_tasks) if task is not None]
+        for task in scans:
+            task.cancel()
+        await asyncio.gather(*scans, return_exceptions=True)
         if self.servicer is not None:
             self.servicer.start_draining()
             drained = await self.interceptor.wait_idle(max(0.0, deadline - time.monotonic()))
@@ -212,14 +263,28 @@ class TranslationServer:
         await self._stopped.wait()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT start the graceful shutdown."""
+        """SIGTERM and SIGINT start the graceful shutdown; SIGHUP scans the model repository (:meth:`reload`)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("signal received", extra={"fields": {"signal": sig.name}})
         self._signal_task = asyncio.get_running_loop().create_task(self.shutdown())
+
+    def _on_sighup(self) -> None:
+        log.info("signal received", extra={"fields": {"signal": "SIGHUP"}})
+        task = asyncio.get_running_loop().create_task(self._poll_once())
+        self._reload_tasks.add(task)
+        task.add_done_callback(self._reload_tasks.discard)
+
+    async def _poll_once(self) -> None:
+        try:
+            await self.reload()
+        except Exception:  # noqa: BLE001 - a failed scan (e.g. the repository unmounted) changes nothing
+            log.exception("model repository scan failed", extra={"fields": {
+                "model_repository": self.config.model_repository}})
 
     async def __aenter__(self) -> TranslationServer:
         await self.start()

@@ -52,12 +52,16 @@ class ServerConfig:
     reflection: bool = option(True, "serve gRPC server reflection (grpc.reflection.v1 and v1alpha)")
     # models
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
-    default_model: str = option("", "model used when a request names none (default: the first by name)")
+    default_model: str = option("", "model used when a request names none (default: the first by name at "
+                                "start-up)")
     provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
                                 "runs (they stop when it returns); off where other processes need the cores")
+    reload_interval: float = option(
+        10.0, "seconds between scans of the model repository for new, changed and removed versions "
+        "(hot reload; SIGHUP scans at once); 0 disables polling")
     # batching
     batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
     max_batch_sentences: int = option(64, "most sentences in one batch")
@@ -79,7 +83,8 @@ class ServerConfig:
                                      "any compute; 4 MiB is gRPC's default client receive limit); beyond it "
                                      "INVALID_ARGUMENT")
     # lifecycle and logs
-    grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish")
+    grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish; "
+                                  "also how long a removed model version drains")
     log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -92,7 +97,7 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds"):
+        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_tokens + 1 > self.batch_tokens:

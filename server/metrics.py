@@ -85,6 +85,9 @@ class ServerMetrics:
                                            "cancelled or expired", ["model", "version"], registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r)
+        self.model_loads = Counter("nmt_model_loads", "Model version loads (start-up, hot reload and reloads of a "
+                                   "failing version) by outcome: loaded, or refused (bad manifest or hash, "
+                                   "load error, failed smoke translation)", ["model", "result"], registry=r)
         # standard gRPC server metrics
         self.grpc_started = Counter("grpc_server_started", "RPCs started on the server",
                                     ["grpc_type", "grpc_service", "grpc_method"], registry=r)
@@ -115,12 +118,22 @@ class ServerMetrics:
     def init_model(self, model: str, version: str) -> None:
         """Create every series of one model version at zero (after :meth:`init_service`)."""
         self._init_requests(model)
-        labels = (model, version)
-        for family in (self.queue_duration, self.queue_depth, self.batch_sentences, self.batch_tokens,
-                       self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences):
-            family.labels(*labels)
+        for family in self._version_families():
+            family.labels(model, version)
         for stage in STAGES:
-            self.inference_duration.labels(*labels, stage)
+            self.inference_duration.labels(model, version, stage)
+
+    def remove_model(self, model: str, version: str) -> None:
+        """Remove the series of a model version that is gone (the per-model request series stay: the
+        model's other versions, or a later one, count there)."""
+        for family in self._version_families():
+            family.remove(model, version)
+        for stage in STAGES:
+            self.inference_duration.remove(model, version, stage)
+
+    def _version_families(self) -> tuple[Any, ...]:
+        return (self.queue_duration, self.queue_depth, self.batch_sentences, self.batch_tokens, self.padding_ratio,
+                self.generated_tokens, self.source_tokens, self.cancelled_sentences)
 
     def _init_requests(self, model: str) -> None:
         for method in self._methods:
@@ -159,6 +172,7 @@ def _print_table() -> None:
     metrics.init_service(SERVICE_NAME, method_types())
     metrics.init_model("model", "1")
     metrics.model_info.labels("model", "1", "transformer", "cpu").set(1)
+    metrics.model_loads.labels("model", "loaded").inc()
     print(metrics_table(text_string_to_metric_families(generate_latest(metrics.registry).decode())))
 
 

@@ -51,8 +51,9 @@ Fault isolation
     decoded again on their own: the request whose sentence breaks inference gets INTERNAL naming its
     request id (the exception goes to the log under that id, never to the client), the others get
     their translations. After ``FAILURES_BEFORE_PROBE`` failed runs in a row the engine is probed
-    with a known-good sentence; if that fails too, the engine itself is broken and ``on_broken``
-    is called (the server then marks the model NOT_SERVING and reloads it).
+    with a known-good sentence (:func:`smoke_test`, as every version is before it serves); if that
+    fails too, the engine itself is broken and ``on_broken`` is called (the repository then marks the
+    version NOT_SERVING and reloads it from its directory).
 
 Deadline admission (kept deliberately simple, and optimistic so it never refuses what could make it)
     ``cost`` of a sentence = source tokens (EOS included) x beam size. After each batch the scheduler
@@ -90,8 +91,18 @@ log = logging.getLogger("nmt.server")
 
 EMA_ALPHA = 0.2
 NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
-FAILURES_BEFORE_PROBE = 3  # failed request runs in a row before the engine is probed with a known-good sentence
-PROBE_TEXT = "1"  # the probe's source text (any text translates; a digit is in every demo vocabulary)
+FAILURES_BEFORE_PROBE = 3  # failed request runs in a row before the engine is probed with smoke_test
+SMOKE_TEXT = "Hello, world."  # translated by every version before it serves (any text the tokenizer takes)
+SMOKE_OPTIONS = DecodingOptions(beam_size=1, num_hypotheses=1, max_length=8)
+
+
+def smoke_test(engine: Any) -> None:
+    """Translate :data:`SMOKE_TEXT` greedily through ``engine``; raise unless it yields a hypothesis (blocking)."""
+    ids = engine.tokenize(SMOKE_TEXT)
+    result = engine.translate_batch([SentenceRequest(list(ids), SMOKE_OPTIONS, None, SMOKE_TEXT)])
+    translations = list(result.translations)
+    if len(translations) != 1 or translations[0] is None or not translations[0].hypotheses:
+        raise RuntimeError(f"the engine returned no translation of {SMOKE_TEXT!r}")
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
@@ -498,18 +509,13 @@ class ModelScheduler:
         self.failures += 1
         if self.failures >= FAILURES_BEFORE_PROBE and self.on_broken is not None:
             self.failures = 0
-            probe = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.translate_batch,
-                                                               [self._probe_sentence()])
             try:
-                await probe
+                await asyncio.get_running_loop().run_in_executor(self._executor, smoke_test, self.engine)
             except Exception as probe_error:  # noqa: BLE001 - the engine cannot translate anything any more
                 log.error("engine broken: a known-good sentence fails too", extra={"fields": {
                     "model": self.labels[0], "version": self.labels[1],
                     "error": f"{type(probe_error).__name__}: {probe_error}"}})
                 self.on_broken()
-
-    def _probe_sentence(self) -> SentenceRequest:
-        return SentenceRequest(self.engine.tokenize(PROBE_TEXT), DecodingOptions(max_length=8), None, PROBE_TEXT)
 
     def _record(self, batch: list[_Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""

@@ -3,8 +3,9 @@
 A handler reads as from_pb -> work -> to_pb: :mod:`server.convert` turns the ``TranslateRequest`` into
 a :class:`server.types.TranslateCall` and the translations into the response; :mod:`server.validation`
 checks the call against the configured limits and the model's defaults; the resolved model version's
-scheduler tokenizes and translates. Every handler is wrapped by :func:`server.errors.grpc_errors`, so
-they simply raise typed errors.
+scheduler tokenizes and translates. The handler holds the version (:meth:`ModelRepository.acquire`)
+until the response is built, so hot reload never closes a version under a request. Every handler is
+wrapped by :func:`server.errors.grpc_errors`, so they simply raise typed errors.
 
 Request ids, log lines, request metrics and the in-flight count are the interceptor's
 (:mod:`server.interceptor`); a handler only writes the model version it resolved and the number of
@@ -134,10 +135,10 @@ class TranslatorService:
         if call.model:  # checked before resolving, so a restricted token cannot probe which models exist
             record.grant.check(call.model)
         check_texts(call.texts, self.config)
-        model = self.repository.resolve(call.model, call.model_version)
-        record.grant.check(model.name)  # the default model, when the request names none
-        record.model, record.version = model.name, model.version
-        options = resolve_options(call.options, model.defaults, self.config)
-        handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
-        translations = await model.scheduler.translate(call.texts, options, handle)
-        return to_pb(translations, model, call.options)
+        with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
+            record.grant.check(model.name)  # the default model, when the request names none
+            record.model, record.version = model.name, model.version
+            options = resolve_options(call.options, model.defaults, self.config)
+            handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
+            translations = await model.scheduler.translate(call.texts, options, handle)
+            return to_pb(translations, model, call.options)

@@ -72,7 +72,9 @@ def harness(repository: Path) -> Iterator[ServerHarness]:
 
 
 class SlowEngine:
-    """The real engine, with each per-step cancellation poll taking ``poll_seconds`` (slow decoding)."""
+    """The real engine, with each per-step cancellation poll taking ``poll_seconds`` (slow decoding).
+
+    Batches without a poll (the repository's smoke translation at load) run untouched and unrecorded."""
 
     def __init__(self, engine: Any, poll_seconds: float) -> None:
         self.engine, self.poll_seconds = engine, poll_seconds
@@ -83,6 +85,9 @@ class SlowEngine:
         return self.engine.tokenize(text)
 
     def translate_batch(self, requests: Any) -> Any:
+        if all(r.is_cancelled is None for r in requests):
+            return self.engine.translate_batch(requests)
+
         def slow(check: Callable[[], bool] | None) -> Callable[[], bool]:
             def polled() -> bool:
                 time.sleep(self.poll_seconds)

@@ -38,13 +38,14 @@ def is_version_dir(path: Path) -> bool:
 
 
 def discover_versions(repository: str | Path) -> dict[str, list[tuple[str, Path]]]:
-    """``{name: [(version, directory), ...oldest to newest]}`` for every version directory holding a manifest."""
+    """``{name: [(version, directory), ...oldest to newest]}`` for every version directory holding a manifest
+    (names starting with a dot are skipped: work in progress, such as an export's temporary directory)."""
     root = Path(repository)
     if not root.is_dir():
         raise NmtError(f"model repository {root} is not a directory")
     found: dict[str, list[tuple[str, Path]]] = {}
     for name_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        versions = [(d.name, d) for d in name_dir.iterdir() if is_version_dir(d)]
+        versions = [(d.name, d) for d in name_dir.iterdir() if not d.name.startswith(".") and is_version_dir(d)]
         if versions:
             found[name_dir.name] = sorted(versions, key=lambda item: version_key(item[0]))
     return found
