@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -314,5 +315,55 @@ def test_fault_in_one_sentence_fails_only_its_request(repository: Path, caplog: 
         assert failed and failed[0].fields["request_id"] == "poisoned-1" and failed[0].exc_info
         # the server carries on
         assert len(translate(h, TEXTS[:2]).translations) == 2
+    finally:
+        h.close()
+
+
+class BreakableEngine(SlowEngine):
+    """The real engine, which fails every call (the smoke translation too) once ``broken`` is set."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, poll_seconds=0.0)
+        self.broken = False
+
+    def translate_batch(self, requests: Any) -> Any:
+        if self.broken:
+            raise RuntimeError("injected fault: the session is broken")
+        return self.engine.translate_batch(requests)
+
+
+def test_a_broken_engine_is_marked_not_serving_and_reloaded(repository: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    h = ServerHarness(test_config(repository, reload_interval=0), wrapping_loader(BreakableEngine))
+    try:
+        broken = h.engine()
+        loads = {"model": MODEL, "result": "loaded"}
+        loaded_before = h.metric("nmt_model_loads_total", loads)
+        with caplog.at_level(logging.INFO, logger="nmt.server"):
+            broken.broken = True
+            for i in range(3):  # three failed requests in a row: the engine is probed, fails, is reloaded
+                error = rpc_error(lambda i=i: translate(h, [TEXTS[i]]))
+                assert error.code() == grpc.StatusCode.INTERNAL
+            wait_for(lambda: h.engine() is not broken, timeout=30)
+            messages = [r.getMessage() for r in caplog.records]
+        assert "engine broken: a known-good sentence fails too" in messages
+        assert "model version reloaded" in messages
+        assert h.metric("nmt_model_loads_total", loads) == loaded_before + 1
+        assert len(translate(h, TEXTS[:2]).translations) == 2
+        status = h.health.Check(health_pb2.HealthCheckRequest(service=MODEL), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        h.close()
+
+
+def test_a_poisoned_request_does_not_reload_a_healthy_engine(repository: Path) -> None:
+    """Failures caused by one input: the probe translates fine, so the engine stays."""
+    h = ServerHarness(test_config(repository, reload_interval=0), wrapping_loader(PoisonEngine))
+    try:
+        engine = h.engine()
+        for _ in range(4):
+            assert rpc_error(lambda: translate(h, ["poison"])).code() == grpc.StatusCode.INTERNAL
+        assert len(translate(h, TEXTS[:1]).translations) == 1
+        assert h.engine() is engine
     finally:
         h.close()
