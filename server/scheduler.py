@@ -271,19 +271,21 @@ class ModelScheduler:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher-{self.labels}")
 
     async def close(self, timeout: float | None = None) -> None:
-        """Refuse new work, let queued and running sentences finish (up to ``timeout``), then stop."""
+        """Refuse new work, let queued and running sentences finish (up to ``timeout``), then stop; the
+        sentences still queued or running then get UNAVAILABLE (their callers never hang)."""
         self._closed = True
         self._arrived.set()
         if self._queue or self._running:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wait_idle(), timeout)
-        for pending in list(self._queue):
-            _resolve(pending, error=Unavailable("server is shutting down"))
+        left = [*self._queue, *self._running]  # out of time: queued, and in the batch still running
         self._queue.clear()
         self._update_depth()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for pending in left:
+            _resolve(pending, error=Unavailable("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _wait_idle(self) -> None:

@@ -367,3 +367,19 @@ def test_a_poisoned_request_does_not_reload_a_healthy_engine(repository: Path) -
         assert h.engine() is engine
     finally:
         h.close()
+
+
+def test_closing_a_scheduler_answers_the_running_batch() -> None:
+    """Closed with no time left while a batch runs (shutdown, or a removed version past its grace period):
+    the running and queued sentences get UNAVAILABLE instead of hanging."""
+
+    async def scenario() -> list[BaseException | list]:
+        scheduler = ModelScheduler(RecordingEngine(seconds=0.5), policy=BatchPolicy(max_batch_sentences=1))
+        scheduler.start()
+        calls = [asyncio.ensure_future(scheduler.translate([text], DecodingOptions())) for text in ("a", "b")]
+        await asyncio.sleep(0.1)  # "a" is running, "b" queued
+        await asyncio.wait_for(scheduler.close(timeout=0), 5)
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+
+    outcomes = asyncio.run(scenario())
+    assert [type(o).__name__ for o in outcomes] == ["Unavailable", "Unavailable"]
