@@ -349,7 +349,9 @@ class _ClientBase:
     ``client_key`` (PEM bytes or file paths: the client's certificate chain and key, for a server that
     requires mutual TLS; imply TLS), ``credentials`` (any ``grpc.ChannelCredentials``, instead of the
     above), ``token`` (a bearer token, sent as ``authorization: Bearer <token>`` metadata with every call;
-    send it over TLS, or only on loopback), ``options`` (extra gRPC channel arguments).
+    send it over TLS, or only on loopback), ``options`` (extra gRPC channel arguments), ``interceptors``
+    (gRPC client interceptors of the channel: ``grpc.*ClientInterceptor`` for the blocking client,
+    ``grpc.aio.*ClientInterceptor`` for the asyncio one; the load tests count calls with one).
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT,
@@ -358,7 +360,7 @@ class _ClientBase:
                  client_cert: bytes | str | os.PathLike | None = None,
                  client_key: bytes | str | os.PathLike | None = None,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()) -> None:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.address = address
@@ -368,6 +370,7 @@ class _ClientBase:
         self._credentials = _credentials(tls, root_certificates, credentials, client_cert, client_key)
         self._auth = ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
         self._options = _channel_options(options)
+        self._interceptors = tuple(interceptors)
         self._setup()
 
     def _setup(self) -> None:
@@ -433,6 +436,8 @@ class TranslatorClient(_ClientBase):
             self.channel = grpc.insecure_channel(self.address, options=self._options)
         else:
             self.channel = grpc.secure_channel(self.address, self._credentials, options=self._options)
+        if self._interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *self._interceptors)
         self.stub = pb2_grpc.TranslatorStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -511,9 +516,11 @@ class AsyncTranslatorClient(_ClientBase):
     def _open(self) -> Any:
         if self.channel is None:
             if self._credentials is None:
-                self.channel = grpc.aio.insecure_channel(self.address, options=self._options)
+                self.channel = grpc.aio.insecure_channel(self.address, options=self._options,
+                                                         interceptors=self._interceptors or None)
             else:
-                self.channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+                self.channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options,
+                                                       interceptors=self._interceptors or None)
             self._stub = pb2_grpc.TranslatorStub(self.channel)
             self._health = health_pb2_grpc.HealthStub(self.channel)
         return self._stub

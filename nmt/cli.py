@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "nmt.serve_cli",
     "translate": "clients.translate_cli",
     "bench": "nmt.bench_cli",
+    "loadtest": "loadtests.cli",
 }
 
 

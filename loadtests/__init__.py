@@ -1,0 +1,1 @@
+"""Locust load tests of the translator (``nmt loadtest``)."""

@@ -1,0 +1,55 @@
+"""``nmt loadtest``: real Locust runs (headless, a few users, bounded time) against a translator it starts
+itself on loopback over the session's tiny model; the SLO gates and the saturation search. Locust runs
+in its own process (it monkey-patches with gevent): this module never imports the locustfile."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from loadtests.scenarios import WEIGHTS
+from loadtests.slo import ScenarioStats, Slo, Step, saturation, violations
+from nmt.cli import main as nmt_main
+from tests.conftest import number_pairs
+
+
+def loadtest(repository: Path, texts: Path, results: Path, *extra: str) -> int:
+    return nmt_main(["loadtest", "--model-repository", str(repository), "--texts", str(texts),
+                     "--results", str(results), "--users", "4", "--spawn-rate", "4", *extra])
+
+
+def test_loadtest_runs_every_scenario_and_writes_reports(repository: Path, tmp_path: Path) -> None:
+    texts = tmp_path / "test.tsv"  # a held-out split: pairs the tiny model never trained on
+    texts.write_text("".join(f"{s}\t{t}\n" for s, t in number_pairs(50, seed=7)), encoding="utf-8")
+    results = tmp_path / "run"
+    assert loadtest(repository, texts, results, "--run-time", "15s", "--slo-p95-ms", "5000",
+                    "--slo-p99-ms", "10000") == 0
+    with open(results / "locust_stats.csv", encoding="utf-8", newline="") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    for scenario in WEIGHTS:
+        assert int(rows[scenario]["Request Count"]) > 0, scenario
+        assert int(rows[scenario]["Failure Count"]) == 0, scenario
+    assert (results / "report.html").stat().st_size > 1000
+    assert (results / "locust_stats_history.csv").is_file()
+    assert "SLO: met" in (results / "summary.md").read_text(encoding="utf-8")
+    # the gate can fail: an impossible SLO makes the run exit non-zero
+    impossible = tmp_path / "impossible"
+    assert loadtest(repository, texts, impossible, "--run-time", "5s", "--slo-p95-ms", "0.01") == 1
+    assert "SLO: MISSED" in (impossible / "summary.md").read_text(encoding="utf-8")
+
+
+def test_saturation_is_the_busiest_step_within_the_slo() -> None:
+    slo = Slo(p95_ms=100)
+    steps = [Step(4, 50.0, 20.0, 0.0), Step(8, 90.0, 60.0, 0.0), Step(12, 95.0, 140.0, 0.0), Step(16, 96.0, 300, 1)]
+    best, past = saturation(steps, slo)
+    assert (best.users, best.rps) == (8, 90.0) and past.users == 12
+    failing = [Step(4, 50.0, 20.0, 0.0), Step(8, 80.0, 30.0, 2.0)]
+    assert saturation(failing, slo)[0].users == 4  # failures start: saturated even within the latency SLO
+    assert saturation(steps[:2], slo) == (steps[1], None)
+
+
+def test_violations_name_the_scenario_and_the_objective() -> None:
+    stats = [ScenarioStats("short greedy", 100, 2, 10.0, 5.0, 50.0, 300.0),
+             ScenarioStats("list models", 0, 0, 0, 0, 0, 0)]
+    assert violations(stats, Slo(max_failure_ratio=0.01, p95_ms=40, p99_ms=1000)) == [
+        "short greedy: failure ratio 0.020 > 0.01", "short greedy: p95 50 ms > 40 ms", "list models: no requests"]
