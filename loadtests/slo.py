@@ -78,9 +78,9 @@ class Step:
     failures_per_s: float
 
 
-def ramp_steps(prefix: Path) -> list[Step]:
-    """Each user count of a ramp: median requests/s, failures/s and p95 over its seconds (the first second
-    of a step, still spawning, left out)."""
+def ramp_steps(prefix: Path, min_seconds: int = 3) -> list[Step]:
+    """Each user count a ramp held for at least ``min_seconds`` (the counts passed through while spawning
+    are left out): median requests/s, failures/s and p95 over its seconds but the first."""
     with open(f"{prefix}_stats_history.csv", encoding="utf-8", newline="") as f:
         rows = [row for row in csv.DictReader(f) if row["Name"] == AGGREGATED]
     by_users: dict[int, list[dict]] = {}
@@ -88,7 +88,9 @@ def ramp_steps(prefix: Path) -> list[Step]:
         by_users.setdefault(int(row["User Count"]), []).append(row)
     steps = []
     for users, seconds in sorted(by_users.items()):
-        settled = seconds[1:] or seconds
+        if len(seconds) < min_seconds:
+            continue
+        settled = seconds[1:]
         steps.append(Step(users, statistics.median(_number(r["Requests/s"]) for r in settled),
                           statistics.median(_number(r["95%"]) for r in settled),
                           statistics.median(_number(r["Failures/s"]) for r in settled)))
