@@ -100,6 +100,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                         help="deadline of each request, retries included (default: 30)")
     server.add_argument("--list-models", action="store_true", help="print the server's models and exit")
+    server.add_argument("--health", nargs="?", const="", metavar="MODEL",
+                        help="print the gRPC health status of the server (or of MODEL) and exit: status 0 when "
+                             "SERVING, 1 otherwise (a container or Kubernetes probe)")
     decoding = parser.add_argument_group("decoding (0: the model's default)")
     decoding.add_argument("--model", default="", help="model name (default: the server's default model)")
     decoding.add_argument("--version", "--model-version", dest="model_version", default="", metavar="VERSION",
@@ -246,6 +249,10 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
     tls = args.tls or bool(args.ca_cert) or bool(args.client_cert)
     with TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert,
                           client_cert=args.client_cert, client_key=args.client_key, token=args.token) as client:
+        if args.health is not None:
+            status = client.health(args.health)
+            print(status, file=stdout)
+            return 0 if status == "SERVING" else 1
         if args.list_models:
             models = client.list_models()
             if args.json:

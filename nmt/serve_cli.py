@@ -64,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="if the model repository holds no model, build the demo models first (needs the train extra)",
     )
     parser.add_argument("--demo-runs", default="runs", help="where --demo keeps its training runs")
+    parser.add_argument("--demo-only", action="store_true",
+                        help="with --demo: build the demo models if the repository is empty, then exit without "
+                             "serving (a one-shot trainer container)")
     parser.set_defaults(func=run)
     return parser
 
@@ -74,8 +77,14 @@ def run(args: argparse.Namespace) -> int:
     from server.app import configure_logging, serve
 
     config = ServerConfig.from_args(args)
+    if args.demo_only and not args.demo:
+        raise NmtError("--demo-only goes with --demo")
     if args.demo:
         build_demo(config.model_repository, args.demo_runs)
+        if args.demo_only:
+            print(f"demo models ready in {config.model_repository}: "
+                  f"{', '.join(discover_versions(config.model_repository))}", flush=True)
+            return 0
     configure_logging(config.log_level)
     models = list(discover_versions(config.model_repository)) if has_models(config.model_repository) else []
     if models:
