@@ -89,7 +89,7 @@ def test_promtool_checks_config_and_rules() -> None:
     assert f"{len(alert_rules())} rules found" in rules.stdout
 
 
-def test_every_alert_has_labels_annotations_and_unit_tests_that_fire_and_stay_quiet() -> None:
+def test_every_alert_has_labels_annotations_docs_and_unit_tests_that_fire_and_stay_quiet() -> None:
     rules = alert_rules()
     names = [rule["alert"] for rule in rules]
     assert len(set(names)) == len(names) >= 8
@@ -103,6 +103,8 @@ def test_every_alert_has_labels_annotations_and_unit_tests_that_fire_and_stay_qu
     quiet = {c["alertname"] for c in checks if not c.get("exp_alerts")}
     assert set(names) <= fires, f"alerts without a test where they fire: {set(names) - fires}"
     assert set(names) <= quiet, f"alerts without a test where they stay quiet: {set(names) - quiet}"
+    readme = (DEPLOY.parent.parent / "README.md").read_text(encoding="utf-8")
+    assert [name for name in names if f"| `{name}` |" not in readme] == [], "alerts missing in the README's table"
 
 
 @needs_promtool
