@@ -4,8 +4,9 @@ Every metric lives in an injected :class:`CollectorRegistry` (tests use a fresh 
 ``nmt_<thing>_<unit>``; label values are bounded (model names and versions, method names, status
 codes, stages) and never carry texts or request ids. The ``grpc_server_*`` family matches the
 go-grpc-prometheus / py-grpc-prometheus names so stock Grafana dashboards work. The request and
-``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler;
-prometheus-client's standard ``process_*`` and ``python_*`` collectors are registered beside them.
+``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler and
+the model repository (loads, model info, queue capacity); prometheus-client's standard ``process_*``
+and ``python_*`` collectors are registered beside them.
 
 Ready for alerting: a series that appears only on its first use reads 0 in ``rate()``/``increase()``
 for that first increment, so an error-ratio alert would miss the first errors after a restart.
@@ -67,6 +68,8 @@ class ServerMetrics:
                                         "Time a sentence waited between admission and the start of its batch",
                                         ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("nmt_queue_depth", "Sentences waiting for a batch", ["model", "version"], registry=r)
+        self.queue_capacity = Gauge("nmt_queue_capacity", "Most sentences the queue holds (--queue-size); a request "
+                                    "that does not fit gets RESOURCE_EXHAUSTED", ["model", "version"], registry=r)
         self.inference_duration = Histogram("nmt_inference_duration_seconds", "Compute time of one batch by stage",
                                             ["model", "version", "stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_sentences = Histogram("nmt_batch_size_sentences", "Sentences per batch", ["model", "version"],
@@ -132,8 +135,8 @@ class ServerMetrics:
             self.inference_duration.remove(model, version, stage)
 
     def _version_families(self) -> tuple[Any, ...]:
-        return (self.queue_duration, self.queue_depth, self.batch_sentences, self.batch_tokens, self.padding_ratio,
-                self.generated_tokens, self.source_tokens, self.cancelled_sentences)
+        return (self.queue_duration, self.queue_depth, self.queue_capacity, self.batch_sentences, self.batch_tokens,
+                self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences)
 
     def _init_requests(self, model: str) -> None:
         for method in self._methods:

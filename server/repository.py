@@ -455,6 +455,7 @@ class ModelRepository:
             return
         m.model_info.labels(*_info_labels(mv)).set(1)
         m.init_model(mv.name, mv.version)
+        m.queue_capacity.labels(mv.name, mv.version).set(mv.scheduler.policy.queue_size)
 
     def _unpublish(self, mv: ModelVersion) -> None:
         """Remove every series of a removed version (unless a new copy of it was registered meanwhile)."""
