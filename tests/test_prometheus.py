@@ -24,6 +24,7 @@ import grpc
 import pytest
 import yaml
 
+from deploy.grafana.dashboard import dashboard_expressions
 from server.protos import SERVICE_NAME, pb2
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, default_loader, rpc_error, test_config, translate
@@ -191,7 +192,7 @@ def values(answer: dict[str, Any]) -> list[float]:
 
 
 @needs_prometheus
-def test_live_prometheus_scrapes_the_server_and_evaluates_every_alert_expression(
+def test_live_prometheus_scrapes_the_server_and_evaluates_every_alert_and_dashboard_expression(
     harness: ServerHarness, tmp_path: Path
 ) -> None:
     prometheus = Prometheus(f"127.0.0.1:{harness.server.metrics_port}", tmp_path)
@@ -229,5 +230,11 @@ def test_live_prometheus_scrapes_the_server_and_evaluates_every_alert_expression
         versions = [mv for mv in harness.server.repository if mv.name == MODEL]
         assert capacity == [float(harness.server.config.queue_size)] * len(versions) and len(versions) == 3
         assert values(prometheus.query("nmt_queue_depth / nmt_queue_capacity")) == [0.0] * len(capacity)
+        # every expression of the Grafana dashboard parses and returns data (variables at "All")
+        for expr in dashboard_expressions():
+            concrete = expr.replace("$model", ".*").replace("$version", ".*").replace("$__rate_interval", "1m")
+            answer = prometheus.query(concrete)
+            assert answer["status"] == "success", (expr, answer)
+            assert answer["data"]["result"], f"no data for the dashboard expression {expr}"
     finally:
         prometheus.stop()

@@ -1,0 +1,1 @@
+"""Deployment files: Prometheus and Grafana configuration for docker-compose.yml."""

@@ -1,0 +1,1 @@
+"""Grafana: the dashboard as code, its generated JSON and the provisioning files."""
