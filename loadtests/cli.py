@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     texts = resolve_texts(args)
     results = Path(args.results or Path("loadtest-results") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"))
-    results.mkdir(parents=True, exist_ok=True)
+    if not args.worker:
+        results.mkdir(parents=True, exist_ok=True)
     slo = Slo(args.max_failure_ratio, args.slo_p95_ms, args.slo_p99_ms)
     with translator(args) as address:
         command = locust_command(args, address, texts, results)
@@ -102,16 +103,16 @@ def resolve_texts(args: argparse.Namespace) -> str:
 
 
 def locust_command(args: argparse.Namespace, address: str, texts: str, results: Path) -> list[str]:
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", address,
-               "--users", str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time,
-               "--csv", str(results / "locust"), "--csv-full-history", "--html", str(results / "report.html"),
-               "--exit-code-on-error", "0", "--only-summary", "--texts", texts, "--model", args.model,
-               "--load-shape", args.load_shape, "--step-users", str(args.step_users),
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--texts", texts,
+               "--model", args.model, "--load-shape", args.load_shape, "--step-users", str(args.step_users),
                "--step-seconds", str(args.step_seconds)]
+    if args.worker:  # the master sends the host, the users and the shape
+        return command + ["--worker", "--master-host", args.master_host]
+    command += ["--host", address, "--users", str(args.users), "--spawn-rate", str(args.spawn_rate),
+                "--run-time", args.run_time, "--csv", str(results / "locust"), "--csv-full-history",
+                "--html", str(results / "report.html"), "--exit-code-on-error", "0", "--only-summary"]
     if args.master:
         command += ["--master", "--expect-workers", str(args.expect_workers)]
-    if args.worker:
-        command += ["--worker", "--master-host", args.master_host]
     return command
 
 
