@@ -5,12 +5,16 @@ in its own process (it monkey-patches with gevent): this module never imports th
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
 
 from loadtests.scenarios import WEIGHTS
 from loadtests.slo import ScenarioStats, Slo, Step, saturation, violations
 from nmt.cli import main as nmt_main
 from tests.conftest import number_pairs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def loadtest(repository: Path, texts: Path, results: Path, *extra: str) -> int:
@@ -53,3 +57,25 @@ def test_violations_name_the_scenario_and_the_objective() -> None:
              ScenarioStats("list models", 0, 0, 0, 0, 0, 0)]
     assert violations(stats, Slo(max_failure_ratio=0.01, p95_ms=40, p99_ms=1000)) == [
         "short greedy: failure ratio 0.020 > 0.01", "short greedy: p95 50 ms > 40 ms", "list models: no requests"]
+
+
+def test_distributed_master_and_worker_through_the_same_command(repository: Path, tmp_path: Path) -> None:
+    texts = tmp_path / "test.tsv"
+    texts.write_text("".join(f"{s}\t{t}\n" for s, t in number_pairs(30, seed=8)), encoding="utf-8")
+    results = tmp_path / "distributed"
+    master = subprocess.Popen([sys.executable, "-m", "nmt", "loadtest", "--model-repository", str(repository),
+                               "--texts", str(texts), "--results", str(results), "--master", "--expect-workers", "1",
+                               "--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--slo-p95-ms", "5000",
+                               "--slo-p99-ms", "10000"], cwd=ROOT)
+    worker = subprocess.Popen([sys.executable, "-m", "nmt", "loadtest", "--worker", "--master-host", "127.0.0.1",
+                               "--texts", str(texts)], cwd=ROOT)
+    try:
+        assert master.wait(120) == 0
+        assert worker.wait(30) == 0
+    finally:
+        for process in (master, worker):
+            if process.poll() is None:
+                process.kill()
+    with open(results / "locust_stats.csv", encoding="utf-8", newline="") as f:
+        aggregated = next(row for row in csv.DictReader(f) if row["Name"] == "Aggregated")
+    assert int(aggregated["Request Count"]) > 0 and int(aggregated["Failure Count"]) == 0
