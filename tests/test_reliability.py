@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -284,27 +285,37 @@ def test_earliest_deadline_first() -> None:
 
 
 class PoisonEngine(SlowEngine):
-    """The real engine, raising on every batch that holds the text ``poison`` (records the batches tried)."""
+    """The real engine, raising on every batch that holds the text ``poison`` (records the batches tried);
+    a batch holding the text ``hold`` waits for :attr:`release`, so that requests can queue behind it."""
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine, poll_seconds=0.0)
         self.tried: list[list[str]] = []
+        self.release = threading.Event()
 
     def translate_batch(self, requests: Any) -> Any:
-        self.tried.append([r.text for r in requests])
-        if any(r.text == "poison" for r in requests):
+        texts = [r.text for r in requests]
+        self.tried.append(texts)
+        if "hold" in texts:
+            self.release.wait(30)
+        if "poison" in texts:
             raise RuntimeError("injected fault: session run failed")
         return self.engine.translate_batch(requests)
 
 
 def test_fault_in_one_sentence_fails_only_its_request(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
-    h = ServerHarness(test_config(repository, max_wait_ms=200), wrapping_loader(PoisonEngine))
+    h = ServerHarness(test_config(repository), wrapping_loader(PoisonEngine))
     try:
         engine = h.engine()
         with caplog.at_level(logging.INFO, logger="nmt.server"):
+            held = h.stub.Translate.future(pb2.TranslateRequest(texts=["hold"]), timeout=30)
+            wait_for(lambda: ["hold"] in engine.tried)  # the worker is busy: what follows queues up together
             good = [h.stub.Translate.future(pb2.TranslateRequest(texts=[text]), timeout=30) for text in TEXTS]
             bad = h.stub.Translate.future(pb2.TranslateRequest(texts=["poison"]), timeout=30,
                                           metadata=(("x-request-id", "poisoned-1"),))
+            wait_for(lambda: h.scheduler().queue_depth == len(TEXTS) + 1)
+            engine.release.set()
+            assert len(held.result().translations) == 1
             assert all(len(f.result().translations) == 1 for f in good)
             error = bad.exception()
         assert error.code() == grpc.StatusCode.INTERNAL and "request poisoned-1" in error.details()
