@@ -52,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-failure-ratio", type=float, default=0.0, help="SLO: failed / all requests")
     parser.add_argument("--slo-p95-ms", type=float, default=1000.0, help="SLO: p95 latency of every scenario")
     parser.add_argument("--slo-p99-ms", type=float, default=2000.0, help="SLO: p99 latency of every scenario")
+    parser.add_argument("--slo-scenario", action="append", default=[], metavar="NAME:p95=MS,p99=MS,failures=R",
+                        help="objectives of one scenario instead of the above (repeatable), e.g. "
+                             "'many texts:p95=2000,p99=4000'")
     parser.add_argument("--master", action="store_true", help="distributed: run as the Locust master")
     parser.add_argument("--expect-workers", type=int, default=1, help="distributed: workers the master waits for")
     parser.add_argument("--worker", action="store_true", help="distributed: run as a Locust worker")
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.worker:
         results.mkdir(parents=True, exist_ok=True)
     slo = Slo(args.max_failure_ratio, args.slo_p95_ms, args.slo_p99_ms)
+    try:
+        overrides = dict(slo.with_override(text) for text in args.slo_scenario)
+    except ValueError as error:
+        raise NmtError(str(error)) from None
     with translator(args) as address:
         command = locust_command(args, address, texts, results)
         print(f"nmt loadtest: {args.load_shape} load, {args.users} users for {args.run_time} against {address}; "
@@ -84,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             lines.append(f"\nSaturation: {best.rps:.1f} requests/s at {best.users} users (p95 {best.p95_ms:.0f} ms)"
                          + (f"; at {past.users} users p95 {past.p95_ms:.0f} ms, {past.failures_per_s:.1f} failures/s"
                             if past else "; the SLO held at every step"))
-    missed = violations(stats, slo)
+    missed = violations(stats, slo, overrides)
     lines.append("\nSLO: " + ("met" if not missed else "MISSED: " + "; ".join(missed)))
     summary = "\n".join(lines)
     (results / "summary.md").write_text(summary + "\n", encoding="utf-8")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import csv
 import statistics
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 AGGREGATED = "Aggregated"
@@ -22,6 +23,18 @@ class Slo:
     max_failure_ratio: float = 0.0
     p95_ms: float = 1000.0
     p99_ms: float = 2000.0
+
+    def with_override(self, text: str) -> tuple[str, Slo]:
+        """``"SCENARIO:p95=MS,p99=MS,failures=RATIO"`` (any of the three) -> (scenario, its objectives)."""
+        scenario, sep, settings = text.rpartition(":")
+        fields = {"p95": "p95_ms", "p99": "p99_ms", "failures": "max_failure_ratio"}
+        changes = {}
+        for setting in settings.split(","):
+            key, eq, value = setting.partition("=")
+            if not (sep and scenario and eq and key.strip() in fields):
+                raise ValueError(f"bad SLO override {text!r}: use 'SCENARIO:p95=MS,p99=MS,failures=RATIO'")
+            changes[fields[key.strip()]] = float(value)
+        return scenario.strip(), replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -52,12 +65,14 @@ def read_stats(prefix: Path) -> list[ScenarioStats]:
             for row in rows]
 
 
-def violations(stats: list[ScenarioStats], slo: Slo) -> list[str]:
-    """Every objective a scenario missed, in words; a scenario that sent nothing is one too."""
+def violations(stats: list[ScenarioStats], default: Slo, overrides: Mapping[str, Slo] | None = None) -> list[str]:
+    """Every objective a scenario missed (its own objectives from ``overrides``, else ``default``), in
+    words; a scenario that sent nothing is one too."""
     found = []
     for s in stats:
         if s.name == AGGREGATED:
             continue
+        slo = (overrides or {}).get(s.name, default)
         if s.requests == 0:
             found.append(f"{s.name}: no requests")
             continue

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loadtests.scenarios import WEIGHTS
 from loadtests.slo import ScenarioStats, Slo, Step, saturation, violations
 from nmt.cli import main as nmt_main
@@ -79,3 +81,14 @@ def test_distributed_master_and_worker_through_the_same_command(repository: Path
     with open(results / "locust_stats.csv", encoding="utf-8", newline="") as f:
         aggregated = next(row for row in csv.DictReader(f) if row["Name"] == "Aggregated")
     assert int(aggregated["Request Count"]) > 0 and int(aggregated["Failure Count"]) == 0
+
+
+def test_a_scenario_can_have_its_own_objectives() -> None:
+    default = Slo(p95_ms=40)
+    name, many = default.with_override("many texts:p95=2000,failures=0.1")
+    assert name == "many texts" and many == Slo(max_failure_ratio=0.1, p95_ms=2000, p99_ms=default.p99_ms)
+    stats = [ScenarioStats("many texts", 100, 5, 10.0, 5.0, 500.0, 900.0),
+             ScenarioStats("short greedy", 100, 0, 10.0, 5.0, 50.0, 90.0)]
+    assert violations(stats, default, {name: many}) == ["short greedy: p95 50 ms > 40 ms"]
+    with pytest.raises(ValueError, match="bad SLO override"):
+        default.with_override("many texts:p96=3")
