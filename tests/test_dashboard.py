@@ -20,7 +20,10 @@ from tests.test_server import default_loader, test_config
 
 ROOT = Path(__file__).resolve().parent.parent
 METRIC = re.compile(r"\b((?:nmt|process)_[a-z_]+)")
+SELECTOR = re.compile(r"\b((?:nmt|process)_[a-z_]+)\s*\{([^}]*)\}")
+MATCHER = re.compile(r"\b(\w+)\s*(?:=~|!~|!=|=)\s*\"")
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
+TARGET_LABELS = {"job", "instance"}  # added by Prometheus at scrape time
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,14 @@ def test_every_expression_queries_exported_metrics_and_labels(exported: dict[str
     for expr in expressions:
         families = [family_of(name, exported) for name in METRIC.findall(expr)]
         assert families and None not in families, f"{expr}: a metric that is not exported"
-        labels = set().union(*(exported[f] for f in families)) | {"le", "job", "instance"}
-        used = re.findall(r'\b(\w+)\s*(?:=~|!=|=)\s*"', expr)
-        used += [label.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for label in group.split(",")]
-        assert set(used) <= labels, f"{expr}: labels {set(used) - labels} are not on {families}"
+        for name, matchers in SELECTOR.findall(expr):  # a matcher's label must be on its own metric
+            family = family_of(name, exported)
+            labels = exported[family] | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
+            used = set(MATCHER.findall(matchers))
+            assert used <= labels, f"{expr}: labels {used - labels} are not on {family}"
+        labels = set().union(*(exported[f] for f in families)) | {"le"} | TARGET_LABELS
+        grouped = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
+        assert grouped <= labels, f"{expr}: labels {grouped - labels} are not on {families}"
 
 
 def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
