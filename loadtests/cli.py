@@ -59,6 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--expect-workers", type=int, default=1, help="distributed: workers the master waits for")
     parser.add_argument("--worker", action="store_true", help="distributed: run as a Locust worker")
     parser.add_argument("--master-host", default="127.0.0.1", help="distributed: the master's address")
+    parser.add_argument("--master-port", type=int, default=5557, help="distributed: the master's port")
     parser.set_defaults(func=run)
 
 
@@ -114,12 +115,13 @@ def locust_command(args: argparse.Namespace, address: str, texts: str, results: 
                "--model", args.model, "--load-shape", args.load_shape, "--step-users", str(args.step_users),
                "--step-seconds", str(args.step_seconds)]
     if args.worker:  # the master sends the host, the users and the shape
-        return command + ["--worker", "--master-host", args.master_host]
+        return command + ["--worker", "--master-host", args.master_host, "--master-port", str(args.master_port)]
     command += ["--host", address, "--users", str(args.users), "--spawn-rate", str(args.spawn_rate),
                 "--run-time", args.run_time, "--csv", str(results / "locust"), "--csv-full-history",
                 "--html", str(results / "report.html"), "--exit-code-on-error", "0", "--only-summary"]
     if args.master:
-        command += ["--master", "--expect-workers", str(args.expect_workers)]
+        command += ["--master", "--expect-workers", str(args.expect_workers), "--master-bind-port",
+                    str(args.master_port)]
     return command
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.cli import free_port
 from loadtests.scenarios import WEIGHTS
 from loadtests.slo import ScenarioStats, Slo, Step, saturation, violations
 from nmt.cli import main as nmt_main
@@ -65,12 +66,14 @@ def test_distributed_master_and_worker_through_the_same_command(repository: Path
     texts = tmp_path / "test.tsv"
     texts.write_text("".join(f"{s}\t{t}\n" for s, t in number_pairs(30, seed=8)), encoding="utf-8")
     results = tmp_path / "distributed"
+    port = str(free_port())  # not Locust's default: test runs may overlap on one machine
     master = subprocess.Popen([sys.executable, "-m", "nmt", "loadtest", "--model-repository", str(repository),
                                "--texts", str(texts), "--results", str(results), "--master", "--expect-workers", "1",
+                               "--master-port", port,
                                "--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--slo-p95-ms", "5000",
                                "--slo-p99-ms", "10000"], cwd=ROOT)
     worker = subprocess.Popen([sys.executable, "-m", "nmt", "loadtest", "--worker", "--master-host", "127.0.0.1",
-                               "--texts", str(texts)], cwd=ROOT)
+                               "--master-port", port, "--texts", str(texts)], cwd=ROOT)
     try:
         assert master.wait(120) == 0
         assert worker.wait(30) == 0
