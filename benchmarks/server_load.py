@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,9 @@ from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests.cli import free_port, wait_serving
+from nmt.errors import NmtError
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:
@@ -210,12 +212,6 @@ def measure_server(process: subprocess.Popen, address: str, metrics: str, model:
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, str, str]:
     """``nmt serve`` with ``flags`` on free loopback ports, once healthy: (process, address, metrics address)."""
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -225,21 +221,12 @@ def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, s
          "--metrics-listen", metrics, *flags],
         env=env, stdout=subprocess.DEVNULL,
     )
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + 60
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return process, address, metrics
-            except grpc.RpcError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    process.kill()
-                    raise SystemExit("the server did not become healthy") from None
-                time.sleep(0.2)
+    try:
+        wait_serving(address, process, timeout=60)
+    except NmtError:
+        process.kill()
+        raise
+    return process, address, metrics
 
 
 def main() -> None:

@@ -230,6 +230,15 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             if record is not None:
                 record.grant = grant
 
+        refuses_in_stream = handler.request_streaming and method not in PER_MESSAGE_ERRORS
+
+        async def admit(request: Any, context: grpc.aio.ServicerContext, record: CallRecord | None) -> Any:
+            """Authenticate the call and refuse an undecodable message; the request (or stream) to handle."""
+            await authenticate(context, record)
+            if isinstance(request, Undecodable):
+                await _refuse(request, context)
+            return refuse_undecodable(request, context) if refuses_in_stream else request
+
         def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
             started.inc()
             record = None
@@ -273,12 +282,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
-                    await authenticate(context, record)
-                    if isinstance(request, Undecodable):
-                        await _refuse(request, context)
-                    if handler.request_streaming and method not in PER_MESSAGE_ERRORS:
-                        request = refuse_undecodable(request, context)
-                    result = behavior(request, context)
+                    result = behavior(await admit(request, context, record), context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
                             yield response
@@ -301,12 +305,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 start, record = begin(context)
                 error = None
                 try:
-                    await authenticate(context, record)
-                    if isinstance(request, Undecodable):
-                        await _refuse(request, context)
-                    if handler.request_streaming:
-                        request = refuse_undecodable(request, context)
-                    result = behavior(request, context)
+                    result = behavior(await admit(request, context, record), context)
                     return await result if inspect.isawaitable(result) else result
                 except BaseException as exc:
                     error = exc

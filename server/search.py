@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmt.model_format.decoding import max_target_length
+from nmt.model_format.decoding import max_target_length, normalized_score
 
 NEG_INF = -np.inf
 
@@ -165,7 +165,7 @@ def _greedy(
             if stop[j] and not cancelled and scores[j] > NEG_INF:
                 attention_rows = history_attention[s, : t + 1].copy() if history_attention is not None else None
                 hypothesis = ScoredSequence(tokens=history[s, : t + 1].tolist(),
-                                            score=float(totals[s] / (t + 1) ** penalties[s]),
+                                            score=float(normalized_score(totals[s], t + 1, penalties[s])),
                                             token_scores=history_scores[s, : t + 1].tolist(),
                                             attention=attention_rows)
                 results[s] = SearchResult([hypothesis])
@@ -241,7 +241,7 @@ def _beam(
             finished[s].append(
                 ScoredSequence(
                     tokens=history[row].tolist() + [eos_id],
-                    score=float(top_scores[j, c] / (t + 1) ** penalties[s]),
+                    score=float(normalized_score(top_scores[j, c], t + 1, penalties[s])),
                     token_scores=history_scores[row].tolist() + [float(token_score[j, c])],
                     attention=attention_rows,
                 )
@@ -260,7 +260,8 @@ def _beam(
                 finished[s].sort(key=lambda hyp: hyp.score, reverse=True)
                 del finished[s][beam_size:]
             done = not has_live[j] or (
-                len(finished[s]) == beam_size and best_live[j] / (t + 1) ** penalties[s] <= finished[s][-1].score
+                len(finished[s]) == beam_size
+                and normalized_score(best_live[j], t + 1, penalties[s]) <= finished[s][-1].score
             )
             cancelled = _cancelled(sentences[s])
             if done and not cancelled:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from deploy.grafana.dashboard import dashboard_expressions
+from loadtests.cli import free_port
 from server.protos import SERVICE_NAME, pb2
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, default_loader, rpc_error, test_config, translate
@@ -125,12 +125,6 @@ def test_promtool_check_metrics_on_the_live_metrics_is_clean(harness: ServerHarn
 
 
 # ---- a live Prometheus ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
