@@ -419,3 +419,32 @@ def test_int8_export_records_quantization(tiny_runs, tiny_repository):
     assert hypothesis.tokens[-1] == EOS_ID
     torch.testing.assert_close(torch.from_numpy(hypothesis.attention).sum(-1), torch.ones(len(hypothesis.tokens)),
                                atol=1e-5, rtol=0)
+
+
+# fp16 keeps 11 significant bits (unit roundoff 2**-11 ~ 4.9e-4): activations and logits of magnitude ~10-20 round by
+# ~0.01, so log-probabilities differ from fp32 PyTorch by about 1e-2 (measured 0.011 on the tiny Transformer); the
+# attention, a mean of fp32 softmaxes over fp16 scores, by under 1e-3 (measured 6.5e-4). The bounds leave 5x room.
+FP16_LOGIT_TOLERANCE = 5e-2
+FP16_ATTENTION_TOLERANCE = 5e-3
+
+
+def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository):
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+                                        version="fp16", model_repository=str(tiny_repository), precision="fp16",
+                                        parity_sentences=8, bleu_sentences=12, progress=False))
+    manifest = read_manifest(result.version_dir)
+    assert manifest.precision == "fp16" and manifest.parity["precision"] == "fp16"
+    assert 0 < manifest.parity["max_logit_diff"] <= FP16_LOGIT_TOLERANCE
+    assert manifest.parity["max_attention_diff"] <= FP16_ATTENTION_TOLERANCE
+    assert manifest.parity["greedy_match"] == "8/8"
+    q = manifest.quantization
+    assert q["test_sentences"] == 12 and q["delta"] == pytest.approx(q["bleu_fp16"] - q["bleu_fp32"], abs=0.011)
+    for role, name in GRAPH_FILES.items():
+        graph = onnx.load(str(result.version_dir / name)).graph
+        weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
+        assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
+        io = [*graph.input, *graph.output]
+        assert onnx.TensorProto.FLOAT16 not in {v.type.tensor_type.elem_type for v in io}, "the I/O contract stays"
+    with pytest.raises(NmtError, match="exclude each other"):
+        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
+                                   quantize="int8", model_repository=str(tiny_repository), progress=False))

@@ -156,3 +156,15 @@ def test_fp16_runs_on_cuda_like_fp32(fp16, gpu):
                for a, b in zip(engine.translate(TEXTS, options), gpu["transformer"].translate(TEXTS, options),
                                strict=True))
     assert same >= len(TEXTS) - 1
+
+
+def test_an_int8_version_is_refused_on_cuda(tiny_runs, tmp_path):
+    from export.options import ExportOptions
+    from export.pipeline import export_model
+    from nmt.errors import NmtError
+
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-int8",
+                                        model_repository=str(tmp_path), quantize="int8", parity_sentences=2,
+                                        bleu_sentences=4, progress=False))
+    with pytest.raises(NmtError, match="int8 version cannot run on CUDA"):
+        Engine.load(result.version_dir, provider="cuda")
