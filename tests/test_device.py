@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from nmt.errors import NmtError
 from server.app import TranslationServer
-from server.device import CPU, CUDA, DeviceSettings, is_out_of_memory, probe_provider, provider_list
+from server.device import CPU, CUDA, DeviceSettings, is_out_of_memory, log_runtime, probe_provider, provider_list
 from server.engine import DeviceStepModel, Engine, OnnxStepModel
 from server.errors import InvalidArgument
 from server.protos import pb2
@@ -52,9 +52,12 @@ def server_log() -> Any:
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("nmt.server")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     yield records
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.mark.usefixtures("cuda_listed")
@@ -173,3 +176,19 @@ def test_out_of_device_memory_fails_the_batch_with_resource_exhausted(repository
         assert status == health_pb2.HealthCheckResponse.SERVING
     finally:
         h.close()
+
+
+def test_start_up_logs_the_onnxruntime_build(server_log):
+    log_runtime()
+    record = next(r for r in server_log if r.getMessage() == "onnxruntime")
+    assert ort.__version__ in record.fields["onnxruntime"] and ort.get_device() in record.fields["onnxruntime"]
+    assert record.fields["available_providers"] == ort.get_available_providers()
+
+
+def test_device_flags_and_environment():
+    from server.config import ServerConfig
+
+    config = ServerConfig.from_env({"NMT_GPU_MEM_LIMIT": str(1 << 30), "NMT_DEVICE_ID": "1", "NMT_CUDA_TF32": "true"})
+    assert (config.gpu_mem_limit, config.device_id, config.cuda_tf32) == (1 << 30, 1, True)
+    with pytest.raises(NmtError, match="gpu_mem_limit must not be negative"):
+        ServerConfig(gpu_mem_limit=-1).validate()
