@@ -192,7 +192,8 @@ class DeviceStepModel(OnnxStepModel):
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
         decoder = self.sessions["decoder"]
-        providers = list(zip(decoder.get_providers(), decoder.get_provider_options().values(), strict=False))
+        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
+        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
         return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
 
     @property
