@@ -25,6 +25,9 @@ class ExportOptions:
     model_repository: str = option("models", "model repository directory", env="NMT_MODEL_REPOSITORY")
     quantize: str | None = option(None, "dynamic int8 quantization of the MatMul weights; records held-out BLEU "
                                   "of fp32 vs int8 in the manifest (needs the run's test.tsv)", choices=("int8",))
+    precision: str = option("fp32", "fp16: weights and activations in half precision for GPUs (softmax, "
+                            "log-softmax and top-k in fp32); records held-out BLEU of fp32 vs fp16 and the fp16 "
+                            "parity in the manifest (needs the run's test.tsv)", choices=("fp32", "fp16"))
     per_channel: bool = option(False, "int8: one scale per output channel instead of per weight tensor "
                                "(measured further from fp32 on the dates models)")
     force: bool = option(False, "overwrite an existing version directory")
@@ -34,7 +37,7 @@ class ExportOptions:
     # hundreds, where kernel reassociation alone moves them ~1e-3
     parity_tolerance: float = option(LOGIT_TOLERANCE, "fp32 parity tolerance: max |log-prob difference| and max "
                                      "|attention difference| against PyTorch", metavar="TOLERANCE")
-    bleu_sentences: int = option(200, "held-out sentences scored for --quantize", metavar="N")
+    bleu_sentences: int = option(200, "held-out sentences scored for --quantize and --precision fp16", metavar="N")
     allow_unfused: bool = option(False, "export even if some attention blocks were not fused (slower serving)")
     source_language: str = option("en", "source language code")
     target_language: str = option("de", "target language code")

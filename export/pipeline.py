@@ -10,8 +10,8 @@
    decoder's in-graph top-k. The I/O contract is described in :mod:`nmt.model_format.manifest`;
 3. **verify parity**: the version is written and loaded with the serving engine, which must match
    PyTorch (:mod:`export.verify`);
-4. optionally **quantize** (dynamic int8, :mod:`export.quantize`), verify again and score held-out BLEU
-   of fp32 vs int8;
+4. optionally **reduce precision** (dynamic int8 for CPUs or fp16 for GPUs, :mod:`export.quantize`),
+   verify again and score held-out BLEU of fp32 vs the reduced version;
 5. **write**: the manifest records the parity figures; the version is renamed into place from a hidden
    temporary directory, so a failed export leaves nothing half-written.
 """
@@ -38,7 +38,7 @@ from tqdm import tqdm
 from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
 from export.graphs import GraphSet
 from export.options import OPSETS, ExportOptions
-from export.quantize import quantize_int8
+from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
 from export.tracing import torch_threads
 from export.verify import ParityReport, check_parity, greedy_texts
@@ -67,7 +67,7 @@ class ExportResult:
     version_dir: Path
     manifest: Manifest
     parity: ParityReport
-    parity_int8: ParityReport | None = None
+    parity_reduced: ParityReport | None = None
 
 
 @dataclass
@@ -118,8 +118,9 @@ def _load_inputs(options: ExportOptions) -> _Inputs:
     pairs: list[tuple[str, str]] = []
     if (run_dir / TEST_SPLIT_FILE).is_file():
         pairs = [(p.source, p.target) for p in load_tsv(run_dir / TEST_SPLIT_FILE)]
-    if options.quantize and not pairs:
-        raise NmtError(f"--quantize {options.quantize} scores held-out BLEU and needs {run_dir / TEST_SPLIT_FILE}")
+    if _reduced_precision(options) and not pairs:
+        raise NmtError(f"{_reduced_precision(options)} export scores held-out BLEU and needs "
+                       f"{run_dir / TEST_SPLIT_FILE}")
     return _Inputs(checkpoint, run_dir, model, payload, tokenizer, summary, pairs)
 
 
@@ -130,6 +131,10 @@ def _validate_options(options: ExportOptions) -> None:
         raise NmtError(f"bad version {options.version!r}: use letters, digits, '.', '_' and '-'")
     if options.quantize not in (None, "int8"):
         raise NmtError(f"unknown quantization {options.quantize!r}; the only choice is int8")
+    if options.precision not in ("fp32", "fp16"):
+        raise NmtError(f"unknown precision {options.precision!r}; choose fp32 or fp16")
+    if options.quantize and options.precision != "fp32":
+        raise NmtError("--quantize int8 (CPUs) and --precision fp16 (GPUs) exclude each other")
     if options.opset not in OPSETS:
         raise NmtError(f"opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
     if options.parity_sentences < 1:
@@ -192,7 +197,8 @@ class _Stages:
 def export_model(options: ExportOptions) -> ExportResult:
     """Run the whole export (see the module docstring); returns the new version and its manifest."""
     _validate_options(options)
-    names = ["validate", "export graphs", "verify parity"] + (["quantize int8"] if options.quantize else []) + ["write"]
+    reduced = _reduced_precision(options)
+    names = ["validate", "export graphs", "verify parity"] + ([f"convert {reduced}"] if reduced else []) + ["write"]
     stage = _Stages(names, options.progress)
     created: list[Path] = []
     try:
@@ -254,25 +260,29 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
             f"{parity.beam4_match[1]} identical" + (f"; {details}" if details else "")
         )
     manifest.parity = {"precision": "fp32", "enforced": True, **parity.to_dict(), "tolerance": options.parity_tolerance}
-    version_dir, parity_int8 = fp32_dir, None
+    version_dir, parity_reduced = fp32_dir, None
 
-    if options.quantize:
-        stage("quantize int8")
-        int8_dir = work / "int8"
-        int8_dir.mkdir()
+    reduced = _reduced_precision(options)
+    if reduced:
+        stage(f"convert {reduced}")
+        reduced_dir = work / reduced
+        reduced_dir.mkdir()
         for filename in GRAPH_FILES.values():
-            quantize_int8(fp32_dir / filename, int8_dir / filename, per_channel=options.per_channel)
-        int8_manifest = _write_version(int8_dir, options, inputs, graph_set, version, precision="int8")
-        int8_engine = _load_engine(int8_dir, options)
-        parity_int8 = check_parity(model, int8_engine, sources, targets, beam_size=4)
-        int8_manifest.parity = {"precision": "int8", "enforced": False, **parity_int8.to_dict(),
-                                "fp32": manifest.parity}
-        int8_manifest.quantization = _bleu_comparison(inputs, options, fp32_engine, int8_engine)
-        version_dir, manifest = int8_dir, int8_manifest
+            if reduced == "int8":
+                quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
+            else:
+                convert_fp16(fp32_dir / filename, reduced_dir / filename)
+        reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, version, precision=reduced)
+        reduced_engine = _load_engine(reduced_dir, options)
+        parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
+        reduced_manifest.parity = {"precision": reduced, "enforced": False, **parity_reduced.to_dict(),
+                                   "fp32": manifest.parity}
+        reduced_manifest.quantization = _bleu_comparison(inputs, options, fp32_engine, reduced_engine, reduced)
+        version_dir, manifest = reduced_dir, reduced_manifest
 
     stage("write")
     write_manifest(manifest, version_dir)
-    return ExportResult(version_dir=version_dir, manifest=manifest, parity=parity, parity_int8=parity_int8)
+    return ExportResult(version_dir=version_dir, manifest=manifest, parity=parity, parity_reduced=parity_reduced)
 
 
 def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, graph_set: GraphSet, version: str,
@@ -316,19 +326,33 @@ def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
     return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1)
 
 
-def _bleu_comparison(inputs: _Inputs, options: ExportOptions, fp32: Engine, int8: Engine) -> dict[str, Any]:
-    """Greedy held-out BLEU of the fp32 and int8 versions (serving engine, sacrebleu)."""
+def _reduced_precision(options: ExportOptions) -> str | None:
+    """The reduced precision asked for (int8 or fp16), or None for fp32 alone."""
+    return options.quantize or (options.precision if options.precision != "fp32" else None)
+
+
+REDUCTION_METHODS = {
+    "fp16": "onnxruntime.transformers.float16: fp16 weights and activations, graph I/O, Softmax, LogSoftmax, "
+            "ReduceMean and TopK in fp32 (export.quantize.FP32_OPS)",
+}
+
+
+def _bleu_comparison(inputs: _Inputs, options: ExportOptions, fp32: Engine, reduced: Engine,
+                     precision: str) -> dict[str, Any]:
+    """Greedy held-out BLEU of the fp32 and reduced-precision versions (serving engine, sacrebleu), CPU provider."""
     pairs = inputs.pairs[: options.bleu_sentences]
     sources = [source for source, _ in pairs]
     references = [target for _, target in pairs]
     scores = {label: round(bleu(greedy_texts(engine, sources), references), 2)
-              for label, engine in (("fp32", fp32), ("int8", int8))}
+              for label, engine in (("fp32", fp32), (precision, reduced))}
+    method = REDUCTION_METHODS.get(precision) or ("onnxruntime quantize_dynamic: int8 MatMul weights, "
+                                                  + ("per-channel" if options.per_channel else "per-tensor")
+                                                  + " scales")
     return {
-        "method": "onnxruntime quantize_dynamic: int8 MatMul weights, "
-        + ("per-channel" if options.per_channel else "per-tensor") + " scales",
+        "method": method,
         "bleu_fp32": scores["fp32"],
-        "bleu_int8": scores["int8"],
-        "delta": round(scores["int8"] - scores["fp32"], 2),
+        f"bleu_{precision}": scores[precision],
+        "delta": round(scores[precision] - scores["fp32"], 2),
         "test_sentences": len(pairs),
     }
 
@@ -363,5 +387,5 @@ def manifest_summary(manifest: Manifest) -> str:
     if manifest.quantization:
         q = manifest.quantization
         lines.append(f"  BLEU on {q['test_sentences']} held-out sentences: fp32 {q['bleu_fp32']}, "
-                     f"int8 {q['bleu_int8']} (delta {q['delta']:+})")
+                     f"{manifest.precision} {q[f'bleu_{manifest.precision}']} (delta {q['delta']:+})")
     return "\n".join(lines)

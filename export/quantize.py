@@ -1,4 +1,4 @@
-"""Dynamic int8 quantization of an exported graph's MatMul weights (GRU and attention kernels stay fp32)."""
+"""Reduced-precision copies of an exported graph: dynamic int8 (CPUs) and fp16 (GPUs)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,33 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
     if quantized.ir_version > MAX_IR_VERSION:
         quantized.ir_version = MAX_IR_VERSION
         onnx.save(quantized, str(target))
+
+
+# computed in fp32 inside an fp16 graph: the normalisations whose sums lose small terms in fp16 (ONNX Runtime's
+# LayerNorm-type kernels and MultiHeadAttention accumulate in fp32 themselves), and TopK, so that the scores
+# and the order of the served candidates come from fp32 log-probabilities
+FP32_OPS = ("Softmax", "LogSoftmax", "ReduceMean", "TopK")
+
+
+def convert_fp16(source: Path, target: Path) -> None:
+    """fp16 weights and activations, with :data:`FP32_OPS` (and ONNX Runtime's own block list) kept in fp32.
+
+    The graph's inputs and outputs stay fp32 (``keep_io_types``), so the serving engine and the manifest's
+    I/O contract do not change; casts at the edges cost a few microseconds per step."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    blocked = [*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]
+    try:
+        with quiet():
+            converted = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True, op_block_list=blocked,
+                                                 disable_shape_infer=True)
+    except Exception as error:
+        raise NmtError(f"fp16 conversion of {source.name} failed: {type(error).__name__}: {error}") from error
+    # the converter types a blocked node's output by the graph output it feeds (fp16): let ONNX Runtime infer it
+    kept_fp32 = {output for node in converted.graph.node if node.op_type in blocked for output in node.output}
+    value_info = [info for info in converted.graph.value_info if info.name not in kept_fp32]
+    del converted.graph.value_info[:]
+    converted.graph.value_info.extend(value_info)
+    if converted.ir_version > MAX_IR_VERSION:
+        converted.ir_version = MAX_IR_VERSION
+    onnx.save(converted, str(target))

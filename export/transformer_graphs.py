@@ -10,9 +10,10 @@ residual + LayerNorm pairs to ``SkipLayerNormalization``. Three edits follow on 
   transpose back to [batch, src_len, d_model];
 * every attention node reads ``src_mask`` as its ``key_padding_mask`` instead of an additive padding
   bias rebuilt from it (in the decoder, at every step);
-* ``decoder_attention.onnx`` adds the optional ``qk`` output (scaled scores, masked) of the alignment
-  layer's cross-attention node and turns it into ``attention`` = mean over heads of softmax, with padding
-  set to exactly 0.
+* ``decoder_attention.onnx`` computes the alignment layer's ``attention`` = mean over heads of
+  softmax(q·kᵀ·scale), padding exactly 0, with standard operators from that layer's projected query and
+  ``cross_key_i`` (not from MultiHeadAttention's optional ``qk`` output, which CUDA leaves unwritten
+  when a key padding mask is given).
 
 Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
 
@@ -213,32 +214,39 @@ def self_attention_layers(model: onnx.ModelProto) -> list[int]:
     return sorted(layers)
 
 
-def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto) -> None:
-    """Expose ``attention`` [batch, src_len]: mean over heads of softmax(qk), 0 where ``src_mask`` is 0.
+def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto, head_dim: int) -> None:
+    """Expose ``attention`` [batch, src_len]: mean over heads of softmax(q·kᵀ·scale), 0 where ``src_mask`` is 0.
 
-    ``qk`` is MultiHeadAttention's optional fourth output: the scaled scores [batch, heads, 1, src_len]
-    before softmax (padding already pushed to the float minimum by the additive mask)."""
+    Built from standard operators beside the fused cross-attention ``node`` (whose projected query
+    [batch, 1, d_model] and ``cross_key_i`` [batch, heads, src_len, head_dim] it reads), not from
+    MultiHeadAttention's optional ``qk`` output: ONNX Runtime's CUDA kernel does not write ``qk`` when a
+    key padding mask is given, so that output would be uninitialised memory on GPUs. Every provider runs
+    these operators the same way."""
+    if len(node.input) > 3 and node.input[3]:
+        raise NmtError("the alignment layer's cross-attention has a packed Q/K/V bias; this export reads the "
+                       "query after its bias")
+    scale = next((a.f for a in node.attribute if a.name == "scale" and a.f), 1.0 / float(np.sqrt(head_dim)))
     graph = model.graph
-    while len(node.output) < 3:
-        node.output.append("")
-    node.output.append("attention_qk")
-    constants = [
-        helper.make_tensor("attention_mask_axes", TensorProto.INT64, [2], [1, 2]),
+    constants = [  # q [B, 1, H·Dh] -> [B, H, Dh, 1]: K [B, H, L, Dh] @ q = scores [B, H, L, 1], no transpose
+        helper.make_tensor("attention_query_shape", TensorProto.INT64, [4], [0, -1, head_dim, 1]),
+        helper.make_tensor("attention_scale", TensorProto.FLOAT, [], [scale]),
+        helper.make_tensor("attention_mask_axes", TensorProto.INT64, [2], [1, 3]),
         helper.make_tensor("attention_head_axis", TensorProto.INT64, [1], [1]),
-        helper.make_tensor("attention_query_axis", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("attention_column_axis", TensorProto.INT64, [1], [2]),
         helper.make_tensor("attention_minus_inf", TensorProto.FLOAT, [], [-np.inf]),
     ]
     graph.initializer.extend(constants)
     graph.node.extend([
+        helper.make_node("Reshape", [node.input[0], "attention_query_shape"], ["attention_q"]),
+        helper.make_node("MatMul", [node.input[1], "attention_q"], ["attention_dot"]),
+        helper.make_node("Mul", ["attention_dot", "attention_scale"], ["attention_qk"]),
         helper.make_node("Cast", ["src_mask"], ["attention_keep"], to=TensorProto.BOOL),
         helper.make_node("Unsqueeze", ["attention_keep", "attention_mask_axes"], ["attention_keep_4d"]),
         helper.make_node("Where", ["attention_keep_4d", "attention_qk", "attention_minus_inf"], ["attention_scores"]),
-        helper.make_node("Softmax", ["attention_scores"], ["attention_probs"], axis=-1),
+        helper.make_node("Softmax", ["attention_scores"], ["attention_probs"], axis=2),
         helper.make_node("ReduceMean", ["attention_probs", "attention_head_axis"], ["attention_mean"], keepdims=0),
-        helper.make_node("Squeeze", ["attention_mean", "attention_query_axis"], ["attention"]),
+        helper.make_node("Squeeze", ["attention_mean", "attention_column_axis"], ["attention"]),
     ])
-    # the op schema leaves qk's element type open (float, float16, bfloat16): declare it
-    graph.value_info.append(helper.make_tensor_value_info("attention_qk", TensorProto.FLOAT, None))
     graph.output.append(helper.make_tensor_value_info("attention", TensorProto.FLOAT, ["batch", "src_len"]))
 
 
@@ -284,10 +292,10 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
     set_io_shapes(decoder, shapes)
 
     alignment_layer = cfg.alignment_layer % layers
-    if alignment_layer in cross_layers:  # the fused node's qk output gives the attention
+    if alignment_layer in cross_layers:  # standard operators beside the fused node give the attention
         decoder_attention = onnx.ModelProto()
         decoder_attention.CopyFrom(decoder)
-        add_attention_output(decoder_attention, cross_attention_node(decoder_attention, alignment_layer))
+        add_attention_output(decoder_attention, cross_attention_node(decoder_attention, alignment_layer), head_dim)
     else:  # fallback (--allow-unfused): export the step again with the alignment layer unfused
         decoder_attention = torch_to_onnx(
             StepGraph(model, need_attention=True), step_inputs, output_names=["log_probs", *present_names, "attention"],

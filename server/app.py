@@ -84,6 +84,11 @@ def configure_logging(level: str = "INFO", stream: Any = None) -> None:
     logger.propagate = False
 
 
+def _device_settings(config: ServerConfig) -> dict[str, Any]:
+    """The engine loader's device arguments (``Engine.load``'s device_id, gpu_mem_limit, cuda_tf32)."""
+    return {"device_id": config.device_id, "gpu_mem_limit": config.gpu_mem_limit, "cuda_tf32": config.cuda_tf32}
+
+
 class TranslationServer:
     """The whole serving process, started and stopped in-process (tests) or by ``nmt serve``."""
 
@@ -121,9 +126,15 @@ class TranslationServer:
     async def start(self) -> int:
         """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port."""
         config = self.config
+        if self.repository is None and self.engine_loader is None:
+            from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
+
+            log_runtime()
+            probe_provider(DeviceSettings(config.provider, config.device_id, config.gpu_mem_limit, config.cuda_tf32))
         if self.repository is None:
             settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
                                     inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
+                                    device=_device_settings(config),
                                     engine_loader=self.engine_loader, policy=BatchPolicy.from_config(config),
                                     metrics=self.metrics)
             self.repository = await ModelRepository.open(config.model_repository, settings=settings,

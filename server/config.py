@@ -54,7 +54,14 @@ class ServerConfig:
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
     default_model: str = option("", "model used when a request names none (default: the first by name at "
                                 "start-up)")
-    provider: str = option("auto", "ONNX Runtime execution provider", choices=PROVIDERS)
+    provider: str = option("auto", "ONNX Runtime execution provider: cuda fails at start-up unless the sessions "
+                           "really run on CUDA (naming the library that did not load); auto uses CUDA when it "
+                           "runs, else the CPU (and logs why)", choices=PROVIDERS)
+    device_id: int = option(0, "CUDA device ordinal of every session")
+    gpu_mem_limit: int = option(0, "bytes each CUDA session's memory arena may hold (0: unbounded); a batch that "
+                                "needs more fails with RESOURCE_EXHAUSTED and the model stays healthy")
+    cuda_tf32: bool = option(False, "let CUDA run fp32 MatMul in TF32 (faster on Ampere and later, ~1e-3 relative "
+                             "error in the scores)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
@@ -97,7 +104,8 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval"):
+        for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
+                     "device_id", "gpu_mem_limit"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_tokens + 1 > self.batch_tokens:

@@ -86,6 +86,8 @@ def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> An
         max_beam_size=max_beam,
         test_bleu=float(bleu) if isinstance(bleu, int | float) else 0.0,
         training_corpus=str(training.get("corpus") or ""),
+        device=str(getattr(model.engine, "device", "")),
+        onnxruntime_build=str(getattr(model.engine, "runtime_build", "")),
     )
 
 

@@ -5,6 +5,8 @@ No torch here. The engine is architecture-agnostic: the manifest names the decod
 :func:`server.search.beam_search` drives any model through the :class:`StepModel` contract. On the
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
+
+The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.device`).
 """
 
 from __future__ import annotations
@@ -18,25 +20,22 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from nmt.errors import NmtError
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import Tokenizer
 from server.alignment import merge_to_words, segment_words
+from server.device import (
+    CUDA,
+    DeviceSettings,
+    check_provider,
+    is_out_of_memory,
+    provider_list,
+    runtime_build,
+    session_provider,
+)
+from server.errors import DeviceMemoryExhausted
 from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-
-
-def resolve_providers(provider: str) -> list[str]:
-    """``auto`` picks CUDA when this onnxruntime build has it, else CPU."""
-    available = ort.get_available_providers()
-    if provider == "auto":
-        provider = "cuda" if "CUDAExecutionProvider" in available else "cpu"
-    if provider not in PROVIDERS:
-        raise ValueError(f"unknown execution provider {provider!r}; choose auto, cpu or cuda")
-    if PROVIDERS[provider][0] not in available:
-        raise ValueError(f"execution provider {provider} is not available in this onnxruntime ({available})")
-    return PROVIDERS[provider]
 
 
 @dataclass
@@ -116,13 +115,18 @@ class DeviceStepModel(OnnxStepModel):
 
     For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
     it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
-    binding logic on machines without a GPU."""
+    binding logic on machines without a GPU.
+
+    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
+    here, at load, with the decoder's options and providers (device id and memory limit included)."""
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
         super().__init__(manifest, sessions)
         self.device = device
-        self._gathers: dict[str, ort.InferenceSession] = {}  # element type -> Gather session
         self._top_k_values: dict[int, ort.OrtValue] = {}  # k -> top_k as an OrtValue (wraps the cached feed)
+        types = {o.type for o in sessions["encoder"].get_outputs()}
+        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
+        self._gathers = {element_type: self._gather_session(element_type) for element_type in sorted(types)}
 
     def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue]:
         session = self.sessions["encoder"]
@@ -168,7 +172,7 @@ class DeviceStepModel(OnnxStepModel):
         selected = {}
         rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
         for name, value in tensors.items():
-            session = self._gather_session(value.data_type())
+            session = self._gathers[value.data_type()]
             binding = session.io_binding()
             binding.bind_ortvalue_input("x", value)
             binding.bind_ortvalue_input("rows", rows_value)
@@ -179,20 +183,23 @@ class DeviceStepModel(OnnxStepModel):
 
     def _gather_session(self, element_type: str) -> ort.InferenceSession:
         """A one-node ``Gather(x, rows, axis=0)`` session for tensors of ``element_type`` ("tensor(float)")."""
-        if element_type not in self._gathers:
-            dtype = _ELEMENT_TYPES[element_type]
-            graph = helper.make_graph(
-                [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "select_rows",
-                [helper.make_tensor_value_info("x", dtype, None),
-                 helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])],
-                [helper.make_tensor_value_info("y", dtype, None)],
-            )
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-            decoder = self.sessions["decoder"]
-            self._gathers[element_type] = ort.InferenceSession(
-                model.SerializeToString(), decoder.get_session_options(), providers=decoder.get_providers()
-            )
-        return self._gathers[element_type]
+        dtype = _ELEMENT_TYPES[element_type]
+        graph = helper.make_graph(
+            [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "select_rows",
+            [helper.make_tensor_value_info("x", dtype, None),
+             helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])],
+            [helper.make_tensor_value_info("y", dtype, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+        decoder = self.sessions["decoder"]
+        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
+        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
+        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
+
+    @property
+    def gather_sessions(self) -> dict[str, ort.InferenceSession]:
+        """Element type -> the ``Gather`` session that selects rows of such tensors."""
+        return self._gathers
 
 
 _ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
@@ -218,11 +225,15 @@ def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: b
 class Engine:
     """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
 
-    def __init__(self, manifest: Manifest, tokenizer: Tokenizer, model: OnnxStepModel, provider: str) -> None:
+    def __init__(self, manifest: Manifest, tokenizer: Tokenizer, model: OnnxStepModel, provider: str, *,
+                 device_id: int = 0) -> None:
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.model = model
-        self.provider = provider
+        self.provider = provider  # what the sessions really run on (``get_providers()[0]``)
+        self.device = "cpu" if provider != CUDA else f"cuda:{device_id}"
+        self.runtime_build = runtime_build()
+        self.max_positions = int(manifest.dimensions.get("max_positions") or 0)  # 0: no position table
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
 
@@ -236,6 +247,9 @@ class Engine:
         inter_op_threads: int = 1,
         spinning: bool = True,
         device_state: bool | None = None,
+        device_id: int = 0,
+        gpu_mem_limit: int = 0,
+        cuda_tf32: bool = False,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
@@ -247,22 +261,34 @@ class Engine:
 
         ``device_state``: keep the encoder outputs and the KV cache on the execution provider's device
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
+
+        ``device_id``, ``gpu_mem_limit`` (bytes per session arena, 0: unbounded) and ``cuda_tf32`` go to
+        every CUDA session (:class:`server.device.DeviceSettings`). The provider is read back from the
+        sessions: an explicit ``cuda`` that fell back to the CPU raises :class:`NmtError` naming the
+        reason; ``auto`` logs the fallback. An int8 version is refused on CUDA (its ``MatMulInteger``
+        nodes run on the CPU, copying every step between host and device): export fp16 for GPUs.
         """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
-        providers = resolve_providers(provider)
+        settings = DeviceSettings(provider, device_id, gpu_mem_limit, cuda_tf32)
+        providers = provider_list(settings)
         options = session_options(intra_op_threads, inter_op_threads, spinning=spinning)
         sessions = {
             role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
             for role, filename in manifest.graphs.items()
         }
+        got = session_provider(sessions)
+        check_provider(provider, providers, got)
+        on_gpu = got == CUDA
+        if on_gpu and manifest.precision == "int8":
+            raise NmtError("an int8 version cannot run on CUDA (DynamicQuantizeLinear/MatMulInteger have no CUDA "
+                           "kernels); export with --precision fp16 for GPUs, or serve it with --provider cpu")
         tokenizer = Tokenizer.load(version_dir)
-        on_gpu = providers[0] == "CUDAExecutionProvider"
         if device_state or (device_state is None and on_gpu):
             model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu")
         else:
             model = OnnxStepModel(manifest, sessions)
-        return cls(manifest, tokenizer, model, providers[0])
+        return cls(manifest, tokenizer, model, got, device_id=device_id)
 
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded)."""
@@ -289,7 +315,13 @@ class Engine:
         the other options may differ per sentence. Cancelled sentences leave the batch between steps."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
-        results, src, encode_seconds, decode_seconds = self._search(requests)
+        try:
+            results, src, encode_seconds, decode_seconds = self._search(requests)
+        except Exception as error:
+            if is_out_of_memory(error):  # this batch is too large for the arena; the engine is fine
+                raise DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {len(requests)} "
+                                            "sentences; retry with fewer or shorter texts") from error
+            raise
         translations = [
             None if result is None else self._to_translation(request, result)
             for request, result in zip(requests, results, strict=True)
@@ -334,7 +366,7 @@ class Engine:
             BeamSentence(
                 source_length=len(sources[i]),
                 num_hypotheses=r.options.num_hypotheses,
-                max_length=r.options.max_length,
+                max_length=min(r.options.max_length, self.max_positions or r.options.max_length),
                 length_penalty=r.options.length_penalty,
                 is_cancelled=r.is_cancelled,
             )

@@ -40,9 +40,13 @@ class NotFound(ServingError):
 
 
 class ResourceExhausted(ServingError):
-    """The model's queue is full."""
+    """The model's queue is full, or the device had no memory for the batch."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeviceMemoryExhausted(ResourceExhausted):
+    """The execution provider could not allocate memory for one batch (the model stays healthy)."""
 
 
 class DeadlineExceeded(ServingError):

@@ -58,12 +58,14 @@ Fingerprint = tuple[tuple[str, int, int, int], ...]  # (file name, size, mtime_n
 
 
 def default_engine_loader(
-    version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False
+    version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False,
+    **device: Any,
 ) -> Any:
+    """``Engine.load``; ``device``: its device_id, gpu_mem_limit and cuda_tf32 (when set)."""
     from server.engine import Engine  # onnxruntime is imported only when models are loaded
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
-                       inter_op_threads=inter_op_threads, spinning=spinning)
+                       inter_op_threads=inter_op_threads, spinning=spinning, **device)
 
 
 class VersionRefused(NmtError):
@@ -82,6 +84,7 @@ class LoadSettings:
     intra_op_threads: int = 0
     inter_op_threads: int = 1
     spinning: bool = False
+    device: dict[str, Any] = field(default_factory=dict)  # device_id, gpu_mem_limit, cuda_tf32 for the loader
     engine_loader: EngineLoader | None = None
     policy: BatchPolicy | None = None
     metrics: ServerMetrics | None = None
@@ -112,6 +115,11 @@ class ModelVersion:
     def manifest_value(self, attribute: str, default: Any = "") -> Any:
         value = getattr(self.manifest, attribute, None)
         return default if value is None else value
+
+    @property
+    def max_positions(self) -> int:
+        """Target positions of the model's position table (0: none, as in an RNN)."""
+        return int((self.manifest_value("dimensions", {}) or {}).get("max_positions") or 0)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -266,7 +274,7 @@ class ModelRepository:
         fingerprint = directory_fingerprint(path)
         try:
             engine = loader(path, provider=s.provider, intra_op_threads=s.intra_op_threads,
-                            inter_op_threads=s.inter_op_threads, spinning=s.spinning)
+                            inter_op_threads=s.inter_op_threads, spinning=s.spinning, **s.device)
         except Exception as error:  # noqa: BLE001 - whatever breaks a version refuses it, with the reason
             raise VersionRefused(name, version, path, f"cannot load: {error}") from error
         try:

@@ -50,10 +50,13 @@ Fault isolation
     When the engine raises on a batch that holds several requests, each request's sentences are
     decoded again on their own: the request whose sentence breaks inference gets INTERNAL naming its
     request id (the exception goes to the log under that id, never to the client), the others get
-    their translations. After ``FAILURES_BEFORE_PROBE`` failed runs in a row the engine is probed
-    with a known-good sentence (:func:`smoke_test`, as every version is before it serves); if that
-    fails too, the engine itself is broken and ``on_broken`` is called (the repository then marks the
-    version NOT_SERVING and reloads it from its directory).
+    their translations. A batch failing with a :class:`server.errors.ServingError` (the engine's
+    :class:`server.errors.DeviceMemoryExhausted` when the device arena cannot hold it) fails its
+    sentences with that status (RESOURCE_EXHAUSTED) and counts as no engine failure. After
+    ``FAILURES_BEFORE_PROBE`` failed runs in a row the engine is probed with a known-good sentence
+    (:func:`smoke_test`, as every version is before it serves); if that fails too, the engine itself
+    is broken and ``on_broken`` is called (the repository then marks the version NOT_SERVING and
+    reloads it from its directory).
 
 Deadline admission (kept deliberately simple, and optimistic so it never refuses what could make it)
     ``cost`` of a sentence = source tokens (EOS included) x beam size. After each batch the scheduler
@@ -463,7 +466,12 @@ class ModelScheduler:
                     m.queue_duration.labels(*labels).observe(now - p.enqueued)
             error = await self._decode(batch)
             groups = _by_request(batch)
-            if error is not None and len(groups) > 1:
+            if isinstance(error, ServingError):  # e.g. out of device memory: the batch's fault, not the engine's
+                log.warning("batch refused", extra={"fields": {
+                    "model": labels[0], "version": labels[1], "sentences": len(batch), "error": str(error)}})
+                for p in batch:
+                    _resolve(p, error=error)
+            elif error is not None and len(groups) > 1:
                 log.warning("batch failed; running its requests one by one", extra={"fields": {
                     "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
                     "error": f"{type(error).__name__}: {error}"}})

@@ -174,7 +174,8 @@ def _greedy(
         if leaving.any():
             stay = np.flatnonzero(~leaving)
             active, tokens = active[stay], tokens[stay]
-            static, state = model.select_rows(static, stay), model.select_rows(state, stay)
+            if stay.size:  # the last rows left: nothing to select
+                static, state = model.select_rows(static, stay), model.select_rows(state, stay)
         t += 1
     return results
 

@@ -138,7 +138,7 @@ class TranslatorService:
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
             record.model, record.version = model.name, model.version
-            options = resolve_options(call.options, model.defaults, self.config)
+            options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             translations = await model.scheduler.translate(call.texts, options, handle)
             return to_pb(translations, model, call.options)

@@ -27,8 +27,11 @@ def check_texts(texts: Sequence[str], config: ServerConfig) -> None:
             raise InvalidArgument(f"texts[{i}] has {len(text)} characters, the limit is {config.max_chars}")
 
 
-def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], config: ServerConfig) -> DecodingOptions:
-    """Fill zeros from the model's defaults and check every option against the configured limits."""
+def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], config: ServerConfig, *,
+                    max_positions: int = 0) -> DecodingOptions:
+    """Fill zeros from the model's defaults and check every option against the configured limits and the
+    model's ``max_positions`` (its position table; 0: none, as in an RNN). Beyond that table CUDA's
+    Gather reads zeros silently where the CPU raises, so a longer ``max_length`` is refused."""
     beam = requested.beam_size or min(int(defaults.get("beam_size", 1) or 1), config.max_beam)
     if beam > config.max_beam:
         raise InvalidArgument(f"beam_size {beam} is over the limit of {config.max_beam}")
@@ -36,9 +39,12 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
     if hypotheses > beam:
         raise InvalidArgument(f"num_hypotheses {hypotheses} is larger than the beam size {beam}"
                               + ("" if requested.beam_size else " (the model's default)"))
-    max_length = requested.max_length or min(int(defaults.get("max_length", 256) or 256), config.max_length)
+    max_length = requested.max_length or min(int(defaults.get("max_length", 256) or 256), config.max_length,
+                                             max_positions or config.max_length)
     if max_length > config.max_length:
         raise InvalidArgument(f"max_length {max_length} is over the limit of {config.max_length}")
+    if max_positions and requested.max_length > max_positions:
+        raise InvalidArgument(f"max_length {max_length} is over this model's {max_positions} target positions")
     penalty = requested.length_penalty
     if not math.isfinite(penalty) or penalty < 0 or penalty > MAX_LENGTH_PENALTY:
         raise InvalidArgument(f"length_penalty {penalty} must be between 0 (the model's default) "

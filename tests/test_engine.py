@@ -6,7 +6,7 @@ import pytest
 
 from nmt.model_format.manifest import TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, word_groups
-from server.engine import DeviceStepModel, Engine, OnnxStepModel
+from server.engine import Engine, OnnxStepModel
 from server.types import DecodingOptions, SentenceRequest
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
@@ -156,32 +156,6 @@ def test_word_merging_on_a_hand_made_example():
     # "Tuesday" = mean of its two rows over the source words (EOS column dropped, then renormalised)
     np.testing.assert_allclose(attention.weights, [[1.0, 0.0], [0.0, 1.0]], atol=1e-6)
     assert attention.pharaoh() == "0-0 1-1"
-
-
-def test_providers(tiny_models):
-    engine = Engine.load(tiny_models["transformer"], provider="auto", intra_op_threads=1)
-    expected = "CUDAExecutionProvider" if "CUDAExecutionProvider" in ort.get_available_providers() \
-        else "CPUExecutionProvider"
-    assert engine.provider == expected
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        with pytest.raises(ValueError, match="not available"):
-            Engine.load(tiny_models["transformer"], provider="cuda")
-    with pytest.raises(ValueError, match="unknown execution provider"):
-        Engine.load(tiny_models["transformer"], provider="tpu")
-
-
-@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs a CUDA build and GPU")
-@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
-def test_cuda_keeps_state_on_the_gpu_and_decodes_like_the_cpu(arch, engines, tiny_models):
-    gpu = Engine.load(tiny_models[arch], provider="cuda")
-    assert isinstance(gpu.model, DeviceStepModel) and gpu.model.device == "cuda"
-    for beam in (1, 4):
-        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
-        for cpu_result, gpu_result in zip(engines[arch].translate(TEXTS, options), gpu.translate(TEXTS, options),
-                                          strict=True):
-            assert [h.token_ids for h in gpu_result.hypotheses] == [h.token_ids for h in cpu_result.hypotheses]
-            for a, b in zip(gpu_result.hypotheses, cpu_result.hypotheses, strict=True):
-                assert a.score == pytest.approx(b.score, abs=1e-3)
 
 
 def test_thread_spinning_only_within_a_run_unless_turned_off(tiny_models):

@@ -130,6 +130,36 @@ def test_attention_rows_sum_to_one(tiny_runs, tiny_models):
             tokens = log_probs.argmax(-1)
 
 
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_alignment_attention_matches_pytorch_on_a_padded_mixed_length_batch(arch, tiny_runs, tiny_models):
+    """The served attention (standard operators, no provider-specific optional output) equals PyTorch's
+    within 1e-4 at every real position of a padded batch of different lengths, step after step."""
+    model, _ = load_checkpoint(tiny_runs[arch] / "best.pt")
+    engine = Engine.load(tiny_models[arch], provider="cpu")
+    if arch == "transformer":  # no MultiHeadAttention node is asked for its optional qk output
+        graph = onnx.load(str(tiny_models[arch] / engine.manifest.graphs["decoder_attention"])).graph
+        assert all(len(node.output) <= 3 for node in graph.node if node.op_type == "MultiHeadAttention")
+    sources, _ = held_out_ids(tiny_runs[arch])
+    src = np.full((len(sources), max(map(len, sources))), PAD_ID, dtype=np.int64)
+    for i, row in enumerate(sources):
+        src[i, : len(row)] = row
+    assert len(set(map(len, sources))) > 2, "the batch mixes lengths"
+    encoded = engine.model.encode(src)
+    static = {name: encoded[name] for name in engine.model.static_names}
+    state = {name: encoded[name] for name in engine.model.state_names}
+    tokens = np.full(len(sources), engine.start_id, dtype=np.int64)
+    real = torch.from_numpy(src != PAD_ID)
+    with torch.no_grad():
+        torch_state = model.init_state(model.encode(torch.from_numpy(src)))
+        for _ in range(5):
+            _, expected, torch_state = model.decode_step(torch.from_numpy(tokens), torch_state, need_attention=True)
+            log_probs, attention, state = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
+            attention = torch.from_numpy(attention)
+            torch.testing.assert_close(attention[real], expected[real], atol=1e-4, rtol=0)
+            assert (attention[~real] == 0).all()
+            tokens = log_probs.argmax(-1)
+
+
 # ------------------------------------------------------------------------------------------ fused graphs
 
 
@@ -157,7 +187,9 @@ def test_transformer_attention_is_fused(tiny_runs, tiny_models):
                 if node.op_type == "MultiHeadAttention" and node.input[1].startswith("cross_key_"):
                     assert node.input[2].startswith("cross_value_")
             consumers = {i for node in graph.node if node.op_type != "MultiHeadAttention" for i in node.input}
-            assert not any(name.startswith("cross_") for name in consumers), "per-step transpose of cross K/V"
+            alignment = {f"cross_key_{cfg['alignment_layer'] % cfg['decoder_layers']}"} \
+                if role == "decoder_attention" else set()  # read once, untransposed, by the alignment MatMul
+            assert {name for name in consumers if name.startswith("cross_")} == alignment, "per-step copy of K/V"
 
 
 def test_projections_of_one_input_are_packed(tiny_models):
@@ -387,3 +419,32 @@ def test_int8_export_records_quantization(tiny_runs, tiny_repository):
     assert hypothesis.tokens[-1] == EOS_ID
     torch.testing.assert_close(torch.from_numpy(hypothesis.attention).sum(-1), torch.ones(len(hypothesis.tokens)),
                                atol=1e-5, rtol=0)
+
+
+# fp16 keeps 11 significant bits (unit roundoff 2**-11 ~ 4.9e-4): activations and logits of magnitude ~10-20 round by
+# ~0.01, so log-probabilities differ from fp32 PyTorch by about 1e-2 (measured 0.011 on the tiny Transformer); the
+# attention, a mean of fp32 softmaxes over fp16 scores, by under 1e-3 (measured 6.5e-4). The bounds leave 5x room.
+FP16_LOGIT_TOLERANCE = 5e-2
+FP16_ATTENTION_TOLERANCE = 5e-3
+
+
+def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository):
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+                                        version="fp16", model_repository=str(tiny_repository), precision="fp16",
+                                        parity_sentences=8, bleu_sentences=12, progress=False))
+    manifest = read_manifest(result.version_dir)
+    assert manifest.precision == "fp16" and manifest.parity["precision"] == "fp16"
+    assert 0 < manifest.parity["max_logit_diff"] <= FP16_LOGIT_TOLERANCE
+    assert manifest.parity["max_attention_diff"] <= FP16_ATTENTION_TOLERANCE
+    assert manifest.parity["greedy_match"] == "8/8"
+    q = manifest.quantization
+    assert q["test_sentences"] == 12 and q["delta"] == pytest.approx(q["bleu_fp16"] - q["bleu_fp32"], abs=0.011)
+    for role, name in GRAPH_FILES.items():
+        graph = onnx.load(str(result.version_dir / name)).graph
+        weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
+        assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
+        io = [*graph.input, *graph.output]
+        assert onnx.TensorProto.FLOAT16 not in {v.type.tensor_type.elem_type for v in io}, "the I/O contract stays"
+    with pytest.raises(NmtError, match="exclude each other"):
+        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
+                                   quantize="int8", model_repository=str(tiny_repository), progress=False))

@@ -36,7 +36,7 @@ from nmt.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
 
 FORMAT = "nmt-model/1"
 GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "fp16", "int8")
 STATE_INITS = ("empty", "encoder")
 SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
 TOP_K_INPUT = "top_k"
@@ -75,7 +75,7 @@ class Manifest:
     special_ids: dict[str, int]  # pad, unk, bos, eos, decoder_start
     opset: int
     onnxruntime_version: str  # the version that verified parity at export time
-    precision: str  # "fp32" or "int8"
+    precision: str  # "fp32", "fp16" (GPUs) or "int8" (CPUs)
     graphs: dict[str, str]  # role (encoder, decoder, decoder_attention) -> file name
     decoder_static: list[str]
     decoder_state: list[StateTensor]
@@ -86,7 +86,7 @@ class Manifest:
     attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
     parity: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)  # corpus, valid_bleu, test_bleu, steps
-    quantization: dict[str, Any] | None = None  # bleu_fp32, bleu_int8, delta, test_sentences
+    quantization: dict[str, Any] | None = None  # method, bleu_fp32, bleu_<precision>, delta, test_sentences
     defaults: dict[str, Any] = field(default_factory=dict)  # beam_size, length_penalty, max_length
     created: str = ""  # ISO 8601 UTC time of export
     format: str = FORMAT

@@ -1,0 +1,170 @@
+"""The CUDA path, run where a CUDA session really runs (skipped elsewhere, with the reason).
+
+The skip does not trust ``get_available_providers()`` (onnxruntime-gpu lists CUDA even without its
+libraries): it opens a one-node CUDA session, checks ``get_providers()[0]`` and runs it on a device buffer.
+
+Tolerances: CUDA and the CPU sum in different orders and CUDA's MatMul may use TF32 (``--cuda-tf32``, off
+by default and in these tests), so scores and attention are compared within 1e-3, tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from server.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
+from server.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
+from server.types import DecodingOptions
+from tests.test_engine import TEXTS
+
+# ops that carry the FLOPs or the memory traffic: each must run on CUDA, not fall back to the CPU
+HEAVY_OPS = {"MatMul", "Gemm", "MultiHeadAttention", "Attention", "SkipLayerNormalization", "LayerNormalization",
+             "GRU", "Softmax", "TopK", "Gather", "FusedMatMul", "BiasGelu", "FastGelu", "Tanh"}
+TOLERANCE = 1e-3  # CUDA vs CPU (fp32, TF32 off)
+
+
+def cuda_skip_reason() -> str | None:
+    """None when a CUDA session really runs here, else why not."""
+    if CUDA not in ort.get_available_providers():
+        return f"no CUDA in this onnxruntime build ({ort.get_device()})"
+    try:
+        if probe_provider(DeviceSettings("auto")) != CUDA:
+            return f"CUDA listed but a session does not get it: {cuda_unavailable_reason()}"
+        ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", 0)
+    except Exception as error:  # noqa: BLE001 - any failure means no usable GPU
+        return f"CUDA session does not run: {error}"
+    return None
+
+
+REASON = cuda_skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs a GPU where a CUDA session runs: {REASON}")
+
+
+@pytest.fixture(scope="module")
+def cpu(tiny_models) -> dict[str, Engine]:
+    return {arch: Engine.load(path, provider="cpu", intra_op_threads=1) for arch, path in tiny_models.items()}
+
+
+@pytest.fixture(scope="module")
+def gpu(tiny_models) -> dict[str, Engine]:
+    return {arch: Engine.load(path, provider="cuda") for arch, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_every_session_runs_on_cuda(arch, gpu):
+    engine = gpu[arch]
+    assert engine.provider == CUDA and engine.device == "cuda:0"
+    assert isinstance(engine.model, DeviceStepModel) and engine.model.device == "cuda"
+    sessions = {**engine.model.sessions, **{f"gather {t}": s for t, s in engine.model.gather_sessions.items()}}
+    assert {role: s.get_providers()[0] for role, s in sessions.items()} == dict.fromkeys(sessions, CUDA)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_every_heavy_node_is_placed_on_cuda(arch, tiny_models, tmp_path):
+    """ONNX Runtime's profile names the provider of every node it ran."""
+    engine = Engine.load(tiny_models[arch], provider="cpu")  # manifest and tokenizer
+    providers = provider_list(DeviceSettings("cuda"))
+    sessions = {}
+    for role, filename in engine.manifest.graphs.items():
+        options = session_options(0, 1, spinning=False)
+        options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / role)
+        sessions[role] = ort.InferenceSession(str(tiny_models[arch] / filename), options, providers=providers)
+    profiled = Engine(engine.manifest, engine.tokenizer, OnnxStepModel(engine.manifest, sessions), CUDA)
+    profiled.translate(TEXTS, DecodingOptions(beam_size=4, num_hypotheses=1, return_attention=True))
+    misplaced = []
+    for role, session in sessions.items():
+        events = json.loads(Path(session.end_profiling()).read_text())
+        for event in events:
+            args = event.get("args", {})
+            if event.get("cat") == "Node" and args.get("op_name") in HEAVY_OPS and args.get("provider") != CUDA:
+                misplaced.append((role, args["op_name"], args.get("provider")))
+    assert not misplaced
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cuda_decodes_like_the_cpu_with_finite_attention(arch, beam, cpu, gpu):
+    options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
+    for on_cpu, on_gpu in zip(cpu[arch].translate(TEXTS, options), gpu[arch].translate(TEXTS, options), strict=True):
+        assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
+        for a, b in zip(on_gpu.hypotheses, on_cpu.hypotheses, strict=True):
+            assert a.score == pytest.approx(b.score, abs=TOLERANCE)
+            assert np.isfinite(a.attention.weights).all()
+            np.testing.assert_allclose(a.attention.weights, b.attention.weights, atol=TOLERANCE)
+
+
+def _device_memory_mib() -> int:
+    """Device memory this process holds (nvidia-smi), in MiB."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(used) for pid, used in (line.split(", ") for line in out.splitlines()) if int(pid) == os.getpid())
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi to read device memory")
+def test_device_memory_levels_off(gpu):
+    engine = gpu["transformer"]
+    longest = " ".join(["seven eight nine"] * 20)
+    options = DecodingOptions(beam_size=4, num_hypotheses=1, max_length=engine.max_positions, return_attention=True)
+    levels = []
+    for _ in range(50):
+        engine.translate([longest] * 32, options)
+        levels.append(_device_memory_mib())
+    assert max(levels[2:]) <= levels[1], f"device memory still grows after the second batch: {levels}"
+
+
+def test_two_versions_translating_concurrently_match_one_after_the_other(tiny_models, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_models["transformer"], copy)
+    engines = [Engine.load(path, provider="cuda") for path in (tiny_models["transformer"], copy)]
+    options = DecodingOptions(beam_size=4, num_hypotheses=2, return_attention=True)
+
+    def run(engine: Engine) -> list:
+        return [[(h.token_ids, round(h.score, 4)) for h in t.hypotheses] for t in engine.translate(TEXTS, options)]
+
+    sequential = [run(engine) for engine in engines]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(5):
+            assert list(pool.map(run, engines)) == sequential
+
+
+@pytest.fixture(scope="module")
+def fp16(tiny_runs, tmp_path_factory) -> Iterator[Path]:
+    from export.options import ExportOptions
+    from export.pipeline import export_model
+
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-fp16",
+                                        model_repository=str(tmp_path_factory.mktemp("fp16")), precision="fp16",
+                                        parity_sentences=4, bleu_sentences=12, progress=False))
+    yield result.version_dir
+
+
+def test_fp16_runs_on_cuda_like_fp32(fp16, gpu):
+    engine = Engine.load(fp16, provider="cuda")
+    assert engine.manifest.precision == "fp16" and engine.provider == CUDA
+    options = DecodingOptions(beam_size=4, num_hypotheses=1, return_attention=True)
+    same = sum(a.hypotheses[0].token_ids == b.hypotheses[0].token_ids
+               for a, b in zip(engine.translate(TEXTS, options), gpu["transformer"].translate(TEXTS, options),
+                               strict=True))
+    assert same >= len(TEXTS) - 1
+
+
+def test_an_int8_version_is_refused_on_cuda(tiny_runs, tmp_path):
+    from export.options import ExportOptions
+    from export.pipeline import export_model
+    from nmt.errors import NmtError
+
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-int8",
+                                        model_repository=str(tmp_path), quantize="int8", parity_sentences=2,
+                                        bleu_sentences=4, progress=False))
+    with pytest.raises(NmtError, match="int8 version cannot run on CUDA"):
+        Engine.load(result.version_dir, provider="cuda")
