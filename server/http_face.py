@@ -189,9 +189,10 @@ class HttpFace:
         """Listen on ``address`` (host:port, port 0 picks one); returns the port."""
         host, port = split_host_port(address)
         # handler_cancellation: a client that disconnects cancels its handler, and with it the call's work
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=STOP_SECONDS)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, shutdown_timeout=STOP_SECONDS)
+        site = web.TCPSite(self.runner, host, port)
         await site.start()
         self.port = int(self.runner.addresses[0][1])
         return self.port
