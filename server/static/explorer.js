@@ -141,7 +141,7 @@ function heatmap(attention, source, target) {
   const head = el("tr");
   head.append(el("th", { scope: "col" }, "target \\ source"));
   for (let s = 0; s < attention.sourceLength; s++) head.append(el("th", { scope: "col" }, source[s] ?? "</s>"));
-  table.append(el("thead")).append(head);
+  table.appendChild(el("thead")).append(head);
   const body = table.appendChild(el("tbody"));
   for (let t = 0; t < attention.targetLength; t++) {
     const row = body.appendChild(el("tr"));
