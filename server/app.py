@@ -17,12 +17,15 @@ itself); per-model health follows each change. The interceptor (:mod:`server.int
 every call shares: request ids, bearer-token authentication (:mod:`server.auth`), request logs, request
 and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.tls`);
 reflection (:mod:`server.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
-the tokens file are read when the server is created, so a bad one fails before any model loads.
+the tokens file are read when the server is created, so a bad one fails before any model loads. The
+HTTP/JSON face and the alignment explorer (:mod:`server.http_face`, ``http_listen``) run on the same event
+loop and call the same servicer through the same interceptor.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), scans stop, new
-Translator requests get UNAVAILABLE (the servicer) while those in flight (counted by the
-interceptor) finish within ``grace_seconds``, the gRPC server stops (cancelling whatever is left),
-the schedulers stop and the metrics endpoint closes.
+Translator requests get UNAVAILABLE (the servicer; over HTTP 503, and ``/readyz`` answers 503) while
+those in flight on either face (counted by the interceptor) finish within ``grace_seconds``, the gRPC
+server stops (cancelling whatever is left), the HTTP face closes, the schedulers stop and the metrics
+endpoint closes.
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ from prometheus_client import CollectorRegistry
 from nmt.errors import NmtError
 from server.auth import Authenticator
 from server.config import ServerConfig, split_host_port
-from server.http_face import HttpFace
+from server.http_face import HttpFace, http_routes
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
-from server.protos import SERVICE_NAME, method_types, pb2, pb2_grpc
+from server.protos import SERVICE_NAME, method_types, pb2_grpc, translator_descriptor
 from server.repository import EngineLoader, LoadSettings, ModelRepository, ModelVersion, ScanResult
 from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
@@ -104,6 +107,8 @@ class TranslationServer:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
         self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
+        if config.http_listen:
+            self.metrics.init_http(route.method.name for route in http_routes(translator_descriptor()))
         self.credentials = server_credentials(config)  # None: plaintext
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
         self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
@@ -191,13 +196,15 @@ class TranslationServer:
 
     async def _start_http(self, address: str) -> None:
         """The HTTP/JSON face on the same event loop, calling the same servicer through the same interceptor."""
-        self.http = HttpFace(service=pb2.DESCRIPTOR.services_by_name[SERVICE_NAME.rpartition(".")[2]],
-                             servicer=self.servicer, interceptor=self.interceptor, ready=self.readiness,
-                             cors=self.config.cors_origins)
+        self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
+                             ready=self.readiness, cors=self.config.cors_origins)
         try:
             self.http_port = await self.http.start(address)
         except OSError as error:
             await self.server.stop(0)
+            if self.metrics_http is not None:
+                self.metrics_http.shutdown()
+                self.metrics_http.server_close()
             raise NmtError(f"cannot serve HTTP on {address}: {error}") from error
 
     def readiness(self) -> tuple[bool, str]:

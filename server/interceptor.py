@@ -50,12 +50,11 @@ import grpc
 
 from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
 from server.errors import InvalidArgument, ServingError, abort, status_of
-from server.metrics import LOOKUP_METHODS, ServerMetrics
+from server.metrics import HTTP_LABEL_PREFIX, LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")
 
 REQUEST_ID_KEY = "x-request-id"
-HTTP_LABEL_PREFIX = "http:"  # the method label of HTTP calls: http:Translate (server.http)
 PER_MESSAGE_ERRORS = frozenset({"TranslateStream"})  # request streams whose handler answers Undecodable itself
 
 

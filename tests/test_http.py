@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from server.config import ServerConfig
 from server.http_face import HTTP_STATUS, http_routes, parse_timeout
-from server.protos import SERVICE_NAME, pb2
+from server.protos import SERVICE_NAME, pb2, translator_descriptor
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, SlowEngine, default_loader, wait_for, wrapping_loader
 
@@ -55,8 +55,7 @@ def both(tiny_models: dict[str, Path], tiny_repository: Path) -> Iterator[Server
 
 
 def test_routes_come_from_the_proto_annotations() -> None:
-    service = pb2.DESCRIPTOR.services_by_name[SERVICE_NAME.rpartition(".")[2]]
-    routes = {(r.verb, r.path): (r.method.name, r.body) for r in http_routes(service)}
+    routes = {(r.verb, r.path): (r.method.name, r.body) for r in http_routes(translator_descriptor())}
     assert routes[("POST", "/v1/translate")] == ("Translate", "*")
     assert routes[("GET", "/v1/models")] == ("ListModels", "")
     assert "TranslateStream" not in {name for name, _ in routes.values()}  # streaming: gRPC only
@@ -120,6 +119,9 @@ def test_errors_have_the_gateway_status_and_a_status_body(both: ServerHarness, b
 
 def test_request_id_and_metrics(both: ServerHarness) -> None:
     labels = {"model": "tiny-transformer", "method": "http:Translate", "code": "OK"}
+    for model in ("", "tiny-bahdanau"):  # the HTTP series exist at zero from start-up, as the gRPC ones
+        assert both.registry.get_sample_value("nmt_requests_total", {**labels, "model": model,
+                                                                     "code": "DATA_LOSS"}) == 0.0
     before = both.metric("nmt_requests_total", labels)
     grpc_before = both.metric("grpc_server_handled_total", {"grpc_type": "UNARY", "grpc_service": SERVICE_NAME,
                                                             "grpc_method": "Translate", "grpc_code": "OK"})
@@ -238,5 +240,25 @@ def test_http_listen_empty_disables_it(repository: Path) -> None:
     h = ServerHarness(http_config(repository, http_listen=""), default_loader())
     try:
         assert h.server.http is None and h.server.http_port is None
+    finally:
+        h.close()
+
+
+def test_bearer_tokens_over_http(tiny_models: dict[str, Path], tiny_repository: Path, tmp_path: Path) -> None:
+    admin, partner = "0c8f5b1e2d7a4c9b8e6f3a2d1c0b9a87", "Zx9-partner_token.v2"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{admin}\n{partner} tiny-transformer\n")
+    h = ServerHarness(http_config(tiny_repository, auth_tokens_file=str(tokens)), default_loader())
+    try:
+        status, _, body = call(h, "POST", "/v1/translate", {"texts": ["one"]})
+        assert status == 401 and body["code"] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        bearer = {"authorization": f"Bearer {partner}"}
+        status, _, body = call(h, "POST", "/v1/translate", {"texts": ["one"], "model": "tiny-bahdanau"}, bearer)
+        assert status == 403 and body["code"] == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert call(h, "POST", "/v1/translate", {"texts": ["one"], "model": "tiny-transformer"}, bearer)[0] == 200
+        status, _, body = call(h, "GET", "/v1/models", headers=bearer)
+        assert status == 200 and [m["name"] for m in body["models"]] == ["tiny-transformer"]
+        assert len(call(h, "GET", "/v1/models", headers={"authorization": f"Bearer {admin}"})[2]["models"]) == 2
+        assert call(h, "GET", "/readyz")[0] == 200  # probes stay open
     finally:
         h.close()
