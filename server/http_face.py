@@ -104,7 +104,8 @@ def parse_timeout(value: str) -> float:
 
 class BadHttpRequest(Undecodable):
     """A request the HTTP face could not turn into a message (bad JSON, a bad header): INVALID_ARGUMENT,
-    answered, counted and logged by the interceptor like an undecodable gRPC message."""
+    answered by the interceptor as an undecodable gRPC message is, so it is logged and counted in
+    ``nmt_requests_total`` (not in ``nmt_undecodable_messages_total``, which counts protobuf bytes)."""
 
     def error(self) -> InvalidArgument:
         return InvalidArgument(self.reason)
