@@ -25,6 +25,7 @@ from training.train import train
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support import expected_conditions  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -112,6 +113,10 @@ def test_explorer_translates_a_date_and_shows_its_alignment(server: ServerHarnes
     # hovering a cell shows its weight
     webdriver.ActionChains(browser).move_to_element(cells[0]).perform()
     assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("Dienstag, ← Tuesday,: 0.")
+    # keyboard: Tab to the table, the arrow keys walk the cells
+    browser.execute_script("arguments[0].focus()", best.find_element(By.CSS_SELECTOR, "table.heatmap"))
+    browser.switch_to.active_element.send_keys(Keys.ARROW_DOWN, Keys.ARROW_RIGHT)
+    assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("25. ← April: 0.")
     # the links: a line per word alignment; day and month swap places
     lines = best.find_elements(By.CSS_SELECTOR, "svg.links line")
     pairs = {(int(line.get_attribute("data-source")), int(line.get_attribute("data-target"))) for line in lines}

@@ -18,7 +18,7 @@ from server.config import ServerConfig
 from server.http_face import HTTP_STATUS, http_routes, parse_timeout
 from server.protos import SERVICE_NAME, pb2, translator_descriptor
 from tests.harness import ServerHarness
-from tests.test_server import MODEL, TEXTS, SlowEngine, default_loader, wait_for, wrapping_loader
+from tests.test_server import MODEL, TEXTS, FailingEngine, SlowEngine, default_loader, wait_for, wrapping_loader
 
 REQUEST = {"texts": ["one two three", "four five"],
            "options": {"beamSize": 3, "numHypotheses": 2, "returnAttention": True, "returnScores": True}}
@@ -214,6 +214,17 @@ def test_deadline_header_queue_full_and_client_disconnect(repository: Path) -> N
         h.close()
 
 
+def test_inference_failure_is_500(repository: Path) -> None:
+    h = ServerHarness(http_config(repository), wrapping_loader(lambda e: FailingEngine(e, poll_seconds=0)))
+    try:
+        status, _, body = call(h, "POST", "/v1/translate", {"texts": ["one two"], "options": {"maxLength": 13}})
+        assert status == 500 and body["code"] == grpc.StatusCode.INTERNAL.value[0]
+        assert "injected failure" not in body["message"]  # no internals leak
+        assert call(h, "POST", "/v1/translate", {"texts": ["one two"]})[0] == 200  # the server carries on
+    finally:
+        h.close()
+
+
 def test_readyz_flips_during_drain(repository: Path) -> None:
     h = ServerHarness(http_config(repository), wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.1)))
     try:
@@ -257,8 +268,9 @@ def test_bearer_tokens_over_http(tiny_models: dict[str, Path], tiny_repository: 
         assert status == 403 and body["code"] == grpc.StatusCode.PERMISSION_DENIED.value[0]
         assert call(h, "POST", "/v1/translate", {"texts": ["one"], "model": "tiny-transformer"}, bearer)[0] == 200
         status, _, body = call(h, "GET", "/v1/models", headers=bearer)
-        assert status == 200 and [m["name"] for m in body["models"]] == ["tiny-transformer"]
-        assert len(call(h, "GET", "/v1/models", headers={"authorization": f"Bearer {admin}"})[2]["models"]) == 2
+        assert status == 200 and {m["name"] for m in body["models"]} == {"tiny-transformer"}
+        body = call(h, "GET", "/v1/models", headers={"authorization": f"Bearer {admin}"})[2]
+        assert {m["name"] for m in body["models"]} == {"tiny-transformer", "tiny-bahdanau"}
         assert call(h, "GET", "/readyz")[0] == 200  # probes stay open
     finally:
         h.close()

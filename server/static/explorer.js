@@ -136,7 +136,8 @@ function renderHypothesis(hypothesis, rank, source) {
 // The target x source weights, row-major; a cell's shade is its weight (hover or focus shows the value).
 function heatmap(attention, source, target) {
   const wrap = el("div", { class: "scroll" });
-  const readout = el("div", { class: "weight", "aria-live": "polite" }, "hover a cell");
+  const readout = el("div", { class: "weight", "aria-live": "polite" }, "hover a cell, or Tab to the table and use the arrow keys");
+  let at = 0;  // the cell the arrow keys move from
   const table = el("table", { class: "heatmap", "aria-label": "attention weights, target rows by source columns" });
   const head = el("tr");
   head.append(el("th", { scope: "col" }, "target \\ source"));
@@ -154,10 +155,22 @@ function heatmap(attention, source, target) {
       cell.style.background = `hsl(212, 80%, ${light}%)`;
       const show = () => { readout.textContent = label; };
       cell.addEventListener("mouseenter", show);
-      cell.addEventListener("focus", show);
+      cell.addEventListener("focus", () => { at = t * attention.sourceLength + s; show(); });
       row.append(cell);
     }
   }
+  // keyboard: Tab reaches the table, the arrow keys move between cells (each shows its weight)
+  const cells = [...body.querySelectorAll("td.cell")];
+  table.tabIndex = 0;
+  table.addEventListener("focus", (event) => { if (event.target === table && cells.length) cells[at].focus(); });
+  table.addEventListener("keydown", (event) => {
+    const step = { ArrowLeft: -1, ArrowRight: 1, ArrowUp: -attention.sourceLength, ArrowDown: attention.sourceLength }[event.key];
+    if (step === undefined) return;
+    event.preventDefault();
+    const next = at + step;
+    if (next >= 0 && next < cells.length && (Math.abs(step) > 1 || Math.floor(next / attention.sourceLength) === Math.floor(at / attention.sourceLength))) at = next;
+    cells[at].focus();
+  });
   wrap.append(table, readout);
   return wrap;
 }
