@@ -136,7 +136,7 @@ function renderHypothesis(hypothesis, rank, source) {
 // The target x source weights, row-major; a cell's shade is its weight (hover or focus shows the value).
 function heatmap(attention, source, target) {
   const wrap = el("div", { class: "scroll" });
-  const readout = el("div", { class: "weight", "aria-live": "polite" }, "hover a cell, or Tab to the table and use the arrow keys");
+  const readout = el("div", { class: "weight", "aria-live": "polite" }, "hover a cell, or Tab here and use the arrow keys");
   let at = 0;  // the cell the arrow keys move from
   const table = el("table", { class: "heatmap", "aria-label": "attention weights, target rows by source columns" });
   const head = el("tr");
