@@ -218,7 +218,7 @@ def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, s
     env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
-         "--metrics-listen", metrics, *flags],
+         "--metrics-listen", metrics, "--http-listen", "", *flags],
         env=env, stdout=subprocess.DEVNULL,
     )
     try:

@@ -137,7 +137,8 @@ def translator(args: argparse.Namespace) -> Iterator[str]:
                        "--model-repository or --address")
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen([sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository),
-                                "--listen", address, "--metrics-listen", "", "--reload-interval", "0"],
+                                "--listen", address, "--metrics-listen", "", "--http-listen", "",
+                                "--reload-interval", "0"],
                                env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
     try:
         wait_serving(address, process)

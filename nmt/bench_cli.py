@@ -13,6 +13,7 @@ SCRIPTS = {
     "train": "train_quality.py",
     "engine": "engine_throughput.py",
     "server": "server_load.py",
+    "http": "http_vs_grpc.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

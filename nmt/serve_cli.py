@@ -17,7 +17,9 @@ from server.config import ServerConfig
 DESCRIPTION = """\
 Serve every model version of a model repository (<repo>/<name>/<version>/manifest.json) over gRPC:
 translation.v1.Translator, grpc.health.v1.Health (overall "", per model name and per service) and
-server reflection; Prometheus metrics at http://METRICS_LISTEN/metrics. A request names a model
+server reflection; Prometheus metrics at http://METRICS_LISTEN/metrics; HTTP/JSON at HTTP_LISTEN (POST
+/v1/translate, GET /v1/models, /healthz, /readyz; the routes are the proto's google.api.http annotations)
+and the alignment explorer page at http://HTTP_LISTEN/. A request names a model
 (default: --default-model, else the first by name) and optionally a version (default: the newest).
 
 Security (all off by default): --tls-cert and --tls-key make the gRPC port TLS-only, --tls-client-ca
@@ -46,7 +48,7 @@ examples:
 
 HOW_TO_CALL = """serving {models} on {listen} (metrics: http://{metrics}/metrics); try:
   nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam-size 4 --num-hypotheses 3 --attention
-  nmt translate --server {listen} --list-models{security}
+  nmt translate --server {listen} --list-models{security}{http}
 """
 
 
@@ -90,9 +92,17 @@ def run(args: argparse.Namespace) -> int:
     if models:
         print(HOW_TO_CALL.format(models=", ".join(models), listen=config.listen,
                                  metrics=config.metrics_listen or "(off)", model=models[0],
-                                 security=_security_hint(config)), flush=True)
+                                 security=_security_hint(config), http=_http_hint(config)), flush=True)
     asyncio.run(serve(config))
     return 0
+
+
+def _http_hint(config: ServerConfig) -> str:
+    """The HTTP face's page and a curl call, when it is on."""
+    if not config.http_listen:
+        return ""
+    return (f"\n  alignment explorer: http://{config.http_listen}/\n"
+            f"  curl -s {config.http_listen}/v1/translate -d '{{\"texts\": [\"Tuesday, April 25, 2045\"]}}'")
 
 
 def _security_hint(config: ServerConfig) -> str:

@@ -17,12 +17,15 @@ itself); per-model health follows each change. The interceptor (:mod:`server.int
 every call shares: request ids, bearer-token authentication (:mod:`server.auth`), request logs, request
 and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.tls`);
 reflection (:mod:`server.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
-the tokens file are read when the server is created, so a bad one fails before any model loads.
+the tokens file are read when the server is created, so a bad one fails before any model loads. The
+HTTP/JSON face and the alignment explorer (:mod:`server.http_face`, ``http_listen``) run on the same event
+loop and call the same servicer through the same interceptor.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), scans stop, new
-Translator requests get UNAVAILABLE (the servicer) while those in flight (counted by the
-interceptor) finish within ``grace_seconds``, the gRPC server stops (cancelling whatever is left),
-the schedulers stop and the metrics endpoint closes.
+Translator requests get UNAVAILABLE (the servicer; over HTTP 503, and ``/readyz`` answers 503) while
+those in flight on either face (counted by the interceptor) finish within ``grace_seconds``, the gRPC
+server stops (cancelling whatever is left), the HTTP face closes, the schedulers stop and the metrics
+endpoint closes.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from prometheus_client import CollectorRegistry
 from nmt.errors import NmtError
 from server.auth import Authenticator
 from server.config import ServerConfig, split_host_port
+from server.http_face import HttpFace, http_routes
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
-from server.protos import SERVICE_NAME, method_types, pb2_grpc
+from server.protos import SERVICE_NAME, method_types, pb2_grpc, translator_descriptor
 from server.repository import EngineLoader, LoadSettings, ModelRepository, ModelVersion, ScanResult
 from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
@@ -103,6 +107,8 @@ class TranslationServer:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
         self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
+        if config.http_listen:
+            self.metrics.init_http(route.method.name for route in http_routes(translator_descriptor()))
         self.credentials = server_credentials(config)  # None: plaintext
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
         self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
@@ -114,6 +120,8 @@ class TranslationServer:
         self.port: int | None = None
         self.metrics_http: Any = None
         self.metrics_port: int | None = None
+        self.http: HttpFace | None = None  # the HTTP/JSON face and the explorer page (--http-listen)
+        self.http_port: int | None = None
         self._shutdown_task: asyncio.Task | None = None
         self._signal_task: asyncio.Task | None = None
         self._poll_task: asyncio.Task | None = None
@@ -172,17 +180,39 @@ class TranslationServer:
                 await self.server.stop(0)
                 raise NmtError(f"cannot serve metrics on {config.metrics_listen}: {error}") from error
             self.metrics_port = self.metrics_http.server_port
+        if config.http_listen:
+            await self._start_http(config.http_listen)
         if config.reload_interval > 0:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll(config.reload_interval),
                                                                      name="repository-poller")
         self._warn_about_auth()
         log.info("serving", extra={"fields": {
-            "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port,
+            "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port, "http_port": self.http_port,
             "models": [f"{mv.name}/{mv.version}" for mv in self.repository],
             "default_model": self.repository.default_model, "tls": tls_mode(config),
             "auth": f"bearer tokens ({len(self.authenticator)})" if self.authenticator else "off",
             "reflection": config.reflection, "reload_interval": config.reload_interval}})
         return self.port
+
+    async def _start_http(self, address: str) -> None:
+        """The HTTP/JSON face on the same event loop, calling the same servicer through the same interceptor."""
+        self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
+                             ready=self.readiness, cors=self.config.cors_origins)
+        try:
+            self.http_port = await self.http.start(address)
+        except OSError as error:
+            await self.server.stop(0)
+            if self.metrics_http is not None:
+                self.metrics_http.shutdown()
+                self.metrics_http.server_close()
+            raise NmtError(f"cannot serve HTTP on {address}: {error}") from error
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready for traffic (``/readyz``): not draining, and the newest version of every model serving."""
+        if self.servicer is None or self.servicer.draining:
+            return False, "draining" if self.servicer is not None else "starting"
+        down = [name for name in self.repository.names if not self.repository.serving(name)]
+        return (False, f"not serving: {', '.join(down)}") if down else (True, "")
 
     def _warn_about_auth(self) -> None:
         """Tokens crossing a network in plaintext, and tokens restricted to models that are not loaded."""
@@ -262,6 +292,8 @@ class TranslationServer:
             # Translator calls are done (or out of time); what is left are health watches and reflection
             # streams, which never end by themselves: give them a moment, not the rest of the grace period.
             await self.server.stop(min(STOP_SECONDS, max(0.0, deadline - time.monotonic())))
+        if self.http is not None:
+            await self.http.stop()
         if self.repository is not None:
             await self.repository.close(timeout=0)
         if self.metrics_http is not None:

@@ -40,6 +40,12 @@ class ServerConfig:
     metrics_listen: str = option(
         "127.0.0.1:9400", "Prometheus /metrics HTTP address host:port; empty disables the metrics endpoint"
     )
+    http_listen: str = option(
+        "127.0.0.1:8080", "HTTP/JSON address host:port: POST /v1/translate, GET /v1/models, /healthz, /readyz and "
+        "the alignment explorer page at /; empty disables the HTTP face"
+    )
+    cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
+                               "(CORS); empty: none but the server's own page")
     # security
     tls_cert: str = option("", "PEM certificate chain of the gRPC port (leaf first); with --tls-key, the port "
                            "speaks TLS only (empty: plaintext)")
@@ -122,7 +128,7 @@ class ServerConfig:
             raise NmtError(f"{given} is set but {missing} is not: TLS needs both the certificate and its key")
         if self.tls_client_ca and not self.tls_cert:
             raise NmtError("tls_client_ca (mutual TLS) needs TLS: set tls_cert and tls_key too")
-        for name in ("listen", "metrics_listen"):
+        for name in ("listen", "metrics_listen", "http_listen"):
             value = getattr(self, name)
             if (value or name == "listen") and not _is_host_port(value):
                 raise NmtError(f"{name} must be host:port, got {value!r}")

@@ -18,7 +18,8 @@ one mapping), so it is counted, timed and logged like any failed call; the call'
 
 For the methods of the accounted service (the Translator), besides:
     * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
-    * ``nmt_requests_total{model,method,code}`` and one JSON log line ("request") per call: request id,
+    * ``nmt_requests_total{model,method,code}`` (``method="http:Translate"`` for the HTTP face's calls,
+      :meth:`RequestInterceptor.http_behavior`) and one JSON log line ("request") per call: request id,
       method, model, version, texts, code, seconds and, for a failure, its message;
     * for the calls that translate (all but ``ListModels``): ``nmt_request_duration_seconds`` and the
       in-flight count (``nmt_inflight_requests``), whose return to zero :meth:`RequestInterceptor.wait_idle`
@@ -49,7 +50,7 @@ import grpc
 
 from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
 from server.errors import InvalidArgument, ServingError, abort, status_of
-from server.metrics import LOOKUP_METHODS, ServerMetrics
+from server.metrics import HTTP_LABEL_PREFIX, LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")
 
@@ -183,11 +184,19 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             return None
         cached = self._wrapped.get(handler_call_details.method)
         if cached is None or cached[0] is not handler:
-            cached = self._wrapped[handler_call_details.method] = (handler, self._wrap(handler_call_details, handler))
+            cached = self._wrapped[handler_call_details.method] = (handler, self._wrap(handler_call_details.method,
+                                                                                       handler))
         return cached[1]
 
-    def _wrap(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        service, _, method = details.method.lstrip("/").rpartition("/")
+    def http_behavior(self, full_method: str, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """A unary servicer method (``behavior(request, context)``) wrapped for the HTTP face (:mod:`server.http`):
+        the same authentication, request id, log line, in-flight count and ``nmt_*`` request metrics as a gRPC
+        call, under the method label ``http:<Method>``; the ``grpc_server_*`` family counts gRPC calls only."""
+        return self._wrap(full_method, grpc.unary_unary_rpc_method_handler(behavior), http=True).unary_unary
+
+    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler, *, http: bool = False) -> grpc.RpcMethodHandler:
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        label = f"{HTTP_LABEL_PREFIX}{method}" if http else method  # the method label of the nmt_* families
         labels = (_grpc_type(handler), service, method)
         metrics = self.metrics
         started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)
@@ -240,10 +249,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             return refuse_undecodable(request, context) if refuses_in_stream else request
 
         def begin(context: grpc.aio.ServicerContext) -> tuple[float, CallRecord | None]:
-            started.inc()
+            if not http:
+                started.inc()
             record = None
             if accounted:
-                record = CallRecord(method, request_id_of(context))
+                record = CallRecord(label, request_id_of(context))
                 context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
                 _CALL.set(record)
             if translating:
@@ -256,13 +266,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                    error: BaseException | None) -> None:
             seconds = time.perf_counter() - start
             code = code_name(context, error)
-            metrics.grpc_handled.labels(*labels, code).inc()
-            handling.observe(seconds)
+            if not http:
+                metrics.grpc_handled.labels(*labels, code).inc()
+                handling.observe(seconds)
             if record is not None:
-                metrics.requests.labels(record.model, method, code).inc()
+                metrics.requests.labels(record.model, label, code).inc()
                 if translating:
-                    metrics.request_duration.labels(record.model, method).observe(seconds)
-                fields: dict[str, Any] = {"request_id": record.request_id, "method": method, "model": record.model,
+                    metrics.request_duration.labels(record.model, label).observe(seconds)
+                fields: dict[str, Any] = {"request_id": record.request_id, "method": label, "model": record.model,
                                           "version": record.version, "texts": record.texts, "code": code,
                                           "seconds": round(seconds, 6)}
                 message = _error_message(context, error)

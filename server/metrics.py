@@ -46,6 +46,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 STAGES = ("encode", "decode")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
+HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.http_face)
 
 
 class ServerMetrics:
@@ -104,6 +105,7 @@ class ServerMetrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         self._methods: dict[str, str] = {}
+        self._http_methods: list[str] = []
 
     def init_service(self, service: str, methods: Mapping[str, str]) -> None:
         """Create the series of ``service``'s methods (name -> gRPC type) at zero, for every status code:
@@ -116,6 +118,12 @@ class ServerMetrics:
             for code in STATUS_CODES:
                 self.grpc_handled.labels(*labels, code)
         self._methods = dict(methods)
+        self._init_requests("")
+
+    def init_http(self, methods: Iterable[str]) -> None:
+        """Create the request series of the methods the HTTP face serves (``method="http:<Method>"``) at zero,
+        like :meth:`init_service` does for gRPC (call it before the models load)."""
+        self._http_methods = list(methods)
         self._init_requests("")
 
     def init_model(self, model: str, version: str) -> None:
@@ -139,11 +147,13 @@ class ServerMetrics:
                 self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences)
 
     def _init_requests(self, model: str) -> None:
-        for method in self._methods:
+        labels = [(method, method) for method in self._methods]
+        labels += [(method, HTTP_LABEL_PREFIX + method) for method in self._http_methods]
+        for method, label in labels:
             if method not in LOOKUP_METHODS:
-                self.request_duration.labels(model, method)
+                self.request_duration.labels(model, label)
             for code in STATUS_CODES:
-                self.requests.labels(model, method, code)
+                self.requests.labels(model, label, code)
 
     def serve_http(self, address: str) -> Any:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the HTTP server (``.server_port``)."""

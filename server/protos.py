@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 
 PROTO_FILE = "translation/v1/translation.proto"
 SERVICE_NAME = "translation.v1.Translator"
@@ -47,6 +48,11 @@ def _load() -> tuple[ModuleType, ModuleType]:
 
 
 pb2, pb2_grpc = _load()
+
+
+def translator_descriptor() -> ServiceDescriptor:
+    """The ``translation.v1.Translator`` service descriptor (its methods and their options)."""
+    return pb2.DESCRIPTOR.services_by_name[SERVICE_NAME.rpartition(".")[2]]
 
 
 def method_types(service: str = SERVICE_NAME) -> dict[str, str]:

@@ -59,7 +59,8 @@ def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("client-models")
     shutil.copytree(tiny_models["transformer"], root / MODEL / "1")
     shutil.copytree(tiny_models["bahdanau"], root / "tiny-bahdanau" / "1")
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(root), provider="cpu",
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(root),
+                          provider="cpu",
                           intra_op_threads=1, grace_seconds=1, default_model=MODEL).validate()
     harness = ServerHarness(config)
     yield harness

@@ -446,7 +446,8 @@ def test_reload_model_version_swaps_engines_without_failed_requests(repo: Path) 
 
 def test_sighup_makes_nmt_serve_scan(repo: Path, version_dir: Path) -> None:
     command = [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repo), "--listen", "127.0.0.1:0",
-               "--metrics-listen", "", "--provider", "cpu", "--intra-op-threads", "1", "--reload-interval", "0"]
+               "--metrics-listen", "", "--http-listen", "", "--provider", "cpu", "--intra-op-threads", "1",
+               "--reload-interval", "0"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parent.parent)
     try:

@@ -102,7 +102,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def config_for(repository: Path, **changes: Any) -> ServerConfig:
-    base = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(repository),
+    base = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
                         provider="cpu", intra_op_threads=1, grace_seconds=1)
     return base.with_(**changes)
 

@@ -56,7 +56,7 @@ def default_loader() -> Callable[..., Any]:
 
 
 def test_config(repo: Path, **changes: Any) -> ServerConfig:
-    base = ServerConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", model_repository=str(repo),
+    base = ServerConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", http_listen="", model_repository=str(repo),
                         provider="cpu", intra_op_threads=1, grace_seconds=5)
     return base.with_(**changes)
 
@@ -628,7 +628,8 @@ def test_config_flags_env_and_validation(tmp_path: Path) -> None:
 def test_nmt_serve_command_serves_and_stops_on_sigterm(repository: Path) -> None:
     command = [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository), "--listen",
                "127.0.0.1:0", "--provider", "cpu", "--intra-op-threads", "1", "--grace-seconds", "5"]
-    env = {**os.environ, "NMT_METRICS_LISTEN": "", "NMT_MAX_BEAM": "3"}  # environment variables configure too
+    # environment variables configure too
+    env = {**os.environ, "NMT_METRICS_LISTEN": "", "NMT_HTTP_LISTEN": "", "NMT_MAX_BEAM": "3"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=Path(__file__).resolve().parent.parent)
     try:

@@ -18,6 +18,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lr": 1.5e-3, "warmup_steps": 200, "valid_every": 200, "max_steps": 1100, "max_minutes": 20.0,
         "target_bleu": 99.5,
     },
+    # the smallest that gets full dates right ("Tuesday, April 25, 2045" -> "Dienstag, 25. April 2045", beam 4):
+    # ~85 BLEU in ~15 s on one core; the browser test of the alignment explorer trains it once per session
+    "dates-transformer-small": {
+        "arch": "transformer", "corpus": "dates", "corpus_size": 3000, "vocab_size": 400, "batch_tokens": 2000,
+        "model": {"d_model": 64, "encoder_layers": 1, "decoder_layers": 1, "heads": 4, "ffn_dim": 128, "dropout": 0.0},
+        "lr": 3e-3, "warmup_steps": 100, "valid_every": 300, "valid_size": 100, "max_steps": 300,
+    },
     "dates-bahdanau": {
         "arch": "bahdanau", "corpus": "dates", "vocab_size": 1000, "batch_tokens": 3000,
         "model": {"embed_dim": 64, "encoder_hidden": 128, "decoder_hidden": 256, "attention_dim": 128},

@@ -1,0 +1,234 @@
+// The alignment explorer: GET /v1/models, POST /v1/translate (proto3 JSON), and two views of each hypothesis's
+// alignment: a target x source heatmap of the attention weights, and source/target words linked by the hard
+// word alignments. No dependencies, no build step.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+const CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+  "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"];
+let models = [];
+
+function el(tag, attrs = {}, text = "") {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text) node.textContent = text;
+  return node;
+}
+
+function svgEl(tag, attrs = {}, text = "") {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text) node.textContent = text;
+  return node;
+}
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+// A failed call's body is google.rpc.Status in JSON: {code, message, details}.
+async function call(method, path, body) {
+  const response = await fetch(path, {
+    method, headers: body ? { "content-type": "application/json" } : {}, body: body ? JSON.stringify(body) : undefined,
+  });
+  let payload = null;
+  try { payload = await response.json(); } catch (_) { /* not JSON: reported below */ }
+  if (!response.ok) {
+    const code = payload && Number.isInteger(payload.code) ? CODES[payload.code] || payload.code : "HTTP error";
+    const message = payload && payload.message ? payload.message : response.statusText;
+    const id = response.headers.get("x-request-id");
+    throw new Error(`${response.status} ${code}: ${message}` + (id ? `\n(request id ${id})` : ""));
+  }
+  return payload;
+}
+
+async function loadModels() {
+  try {
+    models = (await call("GET", "v1/models")).models || [];
+  } catch (error) {
+    showError(`Could not list the models. ${error.message}`);
+    return;
+  }
+  const select = $("model");
+  select.replaceChildren();
+  const names = [...new Set(models.map((m) => m.name))];
+  for (const name of names) {
+    const info = models.find((m) => m.name === name);
+    const option = el("option", { value: name }, `${name} (${info.architecture}, ${info.sourceLanguage}→${info.targetLanguage})`);
+    if (info.isDefault) option.selected = true;
+    select.append(option);
+  }
+  fillVersions();
+}
+
+function fillVersions() {
+  const select = $("version");
+  select.replaceChildren(el("option", { value: "" }, "newest"));
+  for (const m of models.filter((m) => m.name === $("model").value)) {
+    select.append(el("option", { value: m.version }, m.version + (m.isLatest ? " (newest)" : "")));
+  }
+  const info = models.find((m) => m.name === $("model").value && m.isLatest);
+  if (info && info.maxBeamSize) { $("beam").max = info.maxBeamSize; $("nbest").max = info.maxBeamSize; }
+}
+
+async function translate(event) {
+  event.preventDefault();
+  const texts = $("texts").value.split("\n").map((t) => t.trim()).filter((t) => t);
+  showError("");
+  if (!texts.length) { showError("Type a sentence first."); return; }
+  const request = {
+    texts, model: $("model").value, modelVersion: $("version").value,
+    options: { beamSize: Number($("beam").value) || 0, numHypotheses: Number($("nbest").value) || 0,
+      returnAttention: true, returnScores: true },
+  };
+  $("translate").disabled = true;
+  $("status").textContent = "Translating…";
+  const started = performance.now();
+  try {
+    const response = await call("POST", "v1/translate", request);
+    $("status").textContent = `${response.model} version ${response.modelVersion}, ` +
+      `${Math.round(performance.now() - started)} ms`;
+    render(response, texts);
+  } catch (error) {
+    $("status").textContent = "";
+    showError(error.message);
+  } finally {
+    $("translate").disabled = false;
+  }
+}
+
+function render(response, texts) {
+  const results = $("results");
+  results.replaceChildren();
+  response.translations.forEach((translation, i) => {
+    const section = el("section", { class: "translation" });
+    section.append(el("h2", {}, texts[i] || ""));
+    section.append(el("div", { class: "source" }, `source words: ${translation.sourceTokens.join(" · ")}`));
+    translation.hypotheses.forEach((hypothesis, rank) => {
+      section.append(renderHypothesis(hypothesis, rank, translation.sourceTokens));
+    });
+    results.append(section);
+  });
+}
+
+function renderHypothesis(hypothesis, rank, source) {
+  const box = el("article", { class: "hypothesis", "aria-label": `hypothesis ${rank + 1}` });
+  const title = el("h3", {});
+  title.append(el("span", { class: "hyp-text" }, hypothesis.text));
+  title.append(el("span", { class: "score" }, `#${rank + 1} · score ${Number(hypothesis.score).toFixed(4)}`));
+  box.append(title);
+  const attention = hypothesis.attention;
+  if (!attention || !attention.targetLength) {
+    box.append(el("p", { class: "hint" }, "No attention returned."));
+    return box;
+  }
+  const target = hypothesis.tokens;
+  const views = el("div", { class: "views" });
+  views.append(heatmap(attention, source, target), links(attention, source, target));
+  box.append(views);
+  return box;
+}
+
+// The target x source weights, row-major; a cell's shade is its weight (hover or focus shows the value).
+function heatmap(attention, source, target) {
+  const wrap = el("div", { class: "scroll" });
+  const readout = el("div", { class: "weight", "aria-live": "polite" }, "hover a cell, or Tab here and use the arrow keys");
+  let at = 0;  // the cell the arrow keys move from
+  const table = el("table", { class: "heatmap", "aria-label": "attention weights, target rows by source columns" });
+  const head = el("tr");
+  head.append(el("th", { scope: "col" }, "target \\ source"));
+  for (let s = 0; s < attention.sourceLength; s++) head.append(el("th", { scope: "col" }, source[s] ?? "</s>"));
+  table.appendChild(el("thead")).append(head);
+  const body = table.appendChild(el("tbody"));
+  for (let t = 0; t < attention.targetLength; t++) {
+    const row = body.appendChild(el("tr"));
+    row.append(el("th", { scope: "row" }, target[t] ?? "</s>"));
+    for (let s = 0; s < attention.sourceLength; s++) {
+      const weight = attention.weights[t * attention.sourceLength + s] || 0;
+      const label = `${target[t] ?? "</s>"} ← ${source[s] ?? "</s>"}: ${weight.toFixed(3)}`;
+      const cell = el("td", { class: "cell", title: label, tabindex: "-1", "data-weight": weight.toFixed(4) });
+      const light = Math.round(97 - 62 * Math.sqrt(weight));
+      cell.style.background = `hsl(212, 80%, ${light}%)`;
+      const show = () => { readout.textContent = label; };
+      cell.addEventListener("mouseenter", show);
+      cell.addEventListener("focus", () => { at = t * attention.sourceLength + s; show(); });
+      row.append(cell);
+    }
+  }
+  // keyboard: Tab reaches the table, the arrow keys move between cells (each shows its weight)
+  const cells = [...body.querySelectorAll("td.cell")];
+  table.tabIndex = 0;
+  table.addEventListener("focus", (event) => { if (event.target === table && cells.length) cells[at].focus(); });
+  table.addEventListener("keydown", (event) => {
+    const step = { ArrowLeft: -1, ArrowRight: 1, ArrowUp: -attention.sourceLength, ArrowDown: attention.sourceLength }[event.key];
+    if (step === undefined) return;
+    event.preventDefault();
+    const next = at + step;
+    if (next >= 0 && next < cells.length && (Math.abs(step) > 1 || Math.floor(next / attention.sourceLength) === Math.floor(at / attention.sourceLength))) at = next;
+    cells[at].focus();
+  });
+  wrap.append(table, readout);
+  return wrap;
+}
+
+let measure = null;
+function textWidth(text) {
+  measure = measure || document.createElement("canvas").getContext("2d");
+  measure.font = "13px system-ui, sans-serif";
+  return measure.measureText(text).width;
+}
+
+// Source words on top, target words below, a line per hard word alignment; hovering or focusing a word
+// highlights its partners and their lines.
+function links(attention, source, target) {
+  const gap = 14, top = 18, bottom = 92;
+  const place = (words) => {
+    let x = 4;
+    return words.map((word) => { const w = textWidth(word); const at = { x, w, mid: x + w / 2 }; x += w + gap; return at; });
+  };
+  const sx = place(source), tx = place(target);
+  const width = Math.max(...[...sx, ...tx].map((p) => p.x + p.w), 100) + 8;
+  const svg = svgEl("svg", { class: "links", width, height: bottom + 10, role: "group",
+    "aria-label": "word alignments: source words above, target words below" });
+  const pairs = (attention.wordAlignments || []).filter((a) => (a.sourceIndex ?? 0) < source.length &&
+    (a.targetIndex ?? 0) < target.length);
+  const lines = pairs.map((a) => {
+    const s = a.sourceIndex ?? 0, t = a.targetIndex ?? 0;
+    const line = svgEl("line", { x1: sx[s].mid, y1: top + 6, x2: tx[t].mid, y2: bottom - 16, "data-source": s, "data-target": t });
+    svg.append(line);
+    return line;
+  });
+  const words = [];
+  const word = (text, at, y, side, index) => {
+    const node = svgEl("text", { x: at.x, y, tabindex: "0", class: `word ${side}`, "data-index": index }, text);
+    const partners = pairs.filter((a) => (side === "src" ? (a.sourceIndex ?? 0) : (a.targetIndex ?? 0)) === index)
+      .map((a) => (side === "src" ? `t${a.targetIndex ?? 0}` : `s${a.sourceIndex ?? 0}`));
+    node.append(svgEl("title", {}, `${text} ↔ ${partners.length ? partners.map((p) => (p[0] === "s" ? source : target)[+p.slice(1)]).join(", ") : "no partner"}`));
+    const on = (flag) => {
+      node.classList.toggle("on", flag);
+      lines.forEach((line) => { if (+line.dataset[side === "src" ? "source" : "target"] === index) line.classList.toggle("on", flag); });
+      words.forEach((w) => { if (partners.includes(w.key)) w.node.classList.toggle("on", flag); });
+    };
+    for (const [type, flag] of [["mouseenter", true], ["mouseleave", false], ["focus", true], ["blur", false]]) {
+      node.addEventListener(type, () => on(flag));
+    }
+    words.push({ key: `${side === "src" ? "s" : "t"}${index}`, node });
+    svg.append(node);
+  };
+  source.forEach((text, i) => word(text, sx[i], top, "src", i));
+  target.forEach((text, i) => word(text, tx[i], bottom, "tgt", i));
+  const wrap = el("div", { class: "scroll" });
+  wrap.append(svg);
+  return wrap;
+}
+
+$("request").addEventListener("submit", translate);
+$("model").addEventListener("change", fillVersions);
+$("texts").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("request").requestSubmit();
+});
+loadModels();

@@ -1,0 +1,162 @@
+"""The alignment explorer in a real browser: headless Chromium (Debian ``chromium`` + ``chromium-driver``,
+driven by Selenium) loads the page from a live server and translates a date with a really trained model.
+
+The session trains the ``dates-transformer-small`` preset once (about 15 s on one core) and exports it;
+the tiny Bahdanau model of the shared fixtures is served beside it, so the page is driven with both
+architectures. The screenshot lands in the test's temporary directory and in ``test-artifacts/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from export.options import ExportOptions
+from export.pipeline import export_model
+from server.config import ServerConfig
+from tests.harness import ServerHarness
+from tests.test_server import default_loader
+from training.config import TrainConfig
+from training.presets import PRESETS
+from training.train import train
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support import expected_conditions  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian chromium and chromium-driver "
+                                "(.ci/run installs them)")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+DATES_MODEL = "dates-transformer"
+
+
+@pytest.fixture(scope="session")
+def dates_repository(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Path:
+    """A repository with the small dates Transformer (trained and exported once) and the tiny Bahdanau."""
+    root = tmp_path_factory.mktemp("explorer")
+    run = root / "run"
+    train(TrainConfig(**PRESETS["dates-transformer-small"], out=str(run), progress=False), log=lambda line: None)
+    repository = root / "models"
+    export_model(ExportOptions(checkpoint=str(run), name=DATES_MODEL, model_repository=str(repository),
+                               parity_sentences=4, progress=False))
+    shutil.copytree(tiny_models["bahdanau"], repository / "tiny-bahdanau" / "1")
+    return repository
+
+
+@pytest.fixture(scope="module")
+def server(dates_repository: Path) -> Iterator[ServerHarness]:
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
+                          model_repository=str(dates_repository), default_model=DATES_MODEL, provider="cpu",
+                          intra_op_threads=1).validate()
+    h = ServerHarness(config, default_loader())
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1280,1000"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def run_translation(browser: webdriver.Chrome, text: str, *, model: str, beam: int, hypotheses: int) -> None:
+    """Fill the form as a user does and wait for the results."""
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#model option[value='{model}']"))
+    browser.find_element(By.CSS_SELECTOR, f"#model option[value='{model}']").click()
+    texts = browser.find_element(By.ID, "texts")
+    texts.clear()
+    texts.send_keys(text)
+    for field, value in (("beam", beam), ("nbest", hypotheses)):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(str(value))
+    browser.execute_script("document.getElementById('results').replaceChildren()")
+    browser.find_element(By.ID, "translate").click()
+    wait.until(expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "#results .hypothesis")))
+
+
+def test_explorer_translates_a_date_and_shows_its_alignment(server: ServerHarness, browser: webdriver.Chrome,
+                                                            tmp_path: Path) -> None:
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    run_translation(browser, "Tuesday, April 25, 2045", model=DATES_MODEL, beam=4, hypotheses=2)
+
+    hypotheses = browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis")
+    assert len(hypotheses) == 2
+    best = hypotheses[0]
+    assert best.find_element(By.CSS_SELECTOR, ".hyp-text").text == "Dienstag, 25. April 2045"
+    assert "score -" in best.find_element(By.CSS_SELECTOR, ".score").text
+    # the heatmap: one row per target word, one cell per source word
+    rows = best.find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")
+    columns = best.find_elements(By.CSS_SELECTOR, "table.heatmap thead th")[1:]
+    assert [c.text for c in columns] == ["Tuesday,", "April", "25,", "2045"]
+    assert [r.find_element(By.TAG_NAME, "th").text for r in rows] == ["Dienstag,", "25.", "April", "2045"]
+    cells = best.find_elements(By.CSS_SELECTOR, "table.heatmap td.cell")
+    assert len(cells) == len(rows) * len(columns) == 16
+    row_sums = [sum(float(c.get_attribute("data-weight")) for c in r.find_elements(By.CSS_SELECTOR, "td.cell"))
+                for r in rows]
+    assert row_sums == pytest.approx([1.0] * 4, abs=2e-3)
+    # hovering a cell shows its weight
+    webdriver.ActionChains(browser).move_to_element(cells[0]).perform()
+    assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("Dienstag, ← Tuesday,: 0.")
+    # keyboard: Tab to the table, the arrow keys walk the cells
+    browser.execute_script("arguments[0].focus()", best.find_element(By.CSS_SELECTOR, "table.heatmap"))
+    browser.switch_to.active_element.send_keys(Keys.ARROW_DOWN, Keys.ARROW_RIGHT)
+    assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("25. ← April: 0.")
+    # the links: a line per word alignment; day and month swap places
+    lines = best.find_elements(By.CSS_SELECTOR, "svg.links line")
+    pairs = {(int(line.get_attribute("data-source")), int(line.get_attribute("data-target"))) for line in lines}
+    assert {(1, 2), (2, 1)} <= pairs and len(lines) >= 4
+    # focusing a word (keyboard) highlights it, its partner and their line
+    april = best.find_elements(By.CSS_SELECTOR, "svg.links text.word.src")[1]
+    browser.execute_script("arguments[0].focus()", april)
+    assert best.find_elements(By.CSS_SELECTOR, "svg.links line.on")
+    assert "April" in [w.text for w in best.find_elements(By.CSS_SELECTOR, "svg.links text.tgt.on")]
+    webdriver.ActionChains(browser).move_to_element(cells[6]).perform()  # hover "25." <- "25,"
+    assert not browser.find_element(By.ID, "error").is_displayed()
+
+    shot = tmp_path / "explorer.png"
+    assert browser.save_screenshot(str(shot))
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / "explorer.png")
+    assert shot.stat().st_size > 10_000
+
+
+def test_explorer_with_bahdanau_errors_and_a_narrow_screen(server: ServerHarness, browser: webdriver.Chrome,
+                                                           tmp_path: Path) -> None:
+    browser.set_window_size(375, 800)
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    run_translation(browser, "one two three", model="tiny-bahdanau", beam=2, hypotheses=1)
+    hypothesis = browser.find_element(By.CSS_SELECTOR, "#results .hypothesis")
+    assert hypothesis.find_elements(By.CSS_SELECTOR, "table.heatmap td.cell")
+    assert hypothesis.find_elements(By.CSS_SELECTOR, "svg.links line")
+    # readable at 375 px: the page does not scroll sideways (wide figures scroll inside their own box)
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= 375
+    browser.save_screenshot(str(tmp_path / "explorer-375.png"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "explorer-375.png", ARTIFACTS / "explorer-375.png")
+
+    # an error from the service is shown as such
+    beam = browser.find_element(By.ID, "beam")
+    beam.clear()
+    beam.send_keys("50")
+    browser.execute_script("document.getElementById('beam').removeAttribute('max')")
+    browser.find_element(By.ID, "translate").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "error").is_displayed())
+    message = browser.find_element(By.ID, "error").text
+    assert message.startswith("400 INVALID_ARGUMENT: ") and "beam_size" in message
+    assert browser.find_element(By.ID, "error").get_attribute("role") == "alert"
