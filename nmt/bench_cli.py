@@ -13,6 +13,7 @@ SCRIPTS = {
     "train": "train_quality.py",
     "engine": "engine_throughput.py",
     "server": "server_load.py",
+    "proxy": "proxy.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
