@@ -38,6 +38,8 @@ examples:
   nmt translate --plot alignment.png "Tuesday, April 25, 2045"
   nmt translate --json < sentences.txt > translations.jsonl
   nmt translate --list-models
+  nmt translate --server 10.0.0.1:50051,10.0.0.2:50051 "one two"          # round robin over two replicas
+  nmt translate --server dns:///translator.nmt.svc.cluster.local:50051 "one two"   # a headless Service
   NMT_TOKEN=... nmt translate --server translate.example.com:443 --ca-cert ca.pem "one two"
   nmt translate --ca-cert ca.pem --client-cert client.pem --client-key client.key "one two"   # mutual TLS
 """
@@ -84,7 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to translate (default: lines of stdin)")
     server = parser.add_argument_group("server")
     server.add_argument("--server", default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER, metavar="HOST:PORT",
-                        help=f"server address [env {SERVER_ENV}; default: {DEFAULT_SERVER}]")
+                        help=f"server address; several replicas: comma-separated host:port or "
+                             f"dns:///name:port (gRPC round_robin per call, health-checked) [env {SERVER_ENV}; "
+                             f"default: {DEFAULT_SERVER}]")
     server.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
     server.add_argument("--ca-cert", metavar="PEM", default=os.environ.get(CA_CERT_ENV) or None,
                         help=f"CA certificates that signed the server's certificate (implies --tls) "

@@ -33,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0] + " Defaults of the gates: no failures, p95 <= 1000 ms and "
         "p99 <= 2000 ms in every scenario.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--address", default="", help="translator host:port (default: start one on loopback)")
+    parser.add_argument("--address", default="", help="translator host:port, several (comma-separated: "
+                        "client-side round_robin per call) or dns:///name:port (default: start one on loopback)")
     parser.add_argument("--model-repository", default="models", help="served when no --address is given")
     parser.add_argument("--model", default="", help=f"model to translate with (default: the server's; "
                         f"texts default to the {DEFAULT_MODEL} demo run's held-out split)")

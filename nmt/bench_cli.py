@@ -14,6 +14,7 @@ SCRIPTS = {
     "engine": "engine_throughput.py",
     "server": "server_load.py",
     "http": "http_vs_grpc.py",
+    "proxy": "proxy.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

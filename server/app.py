@@ -60,6 +60,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE_NAME = health.SERVICE_NAME  # "grpc.health.v1.Health"
 STOP_SECONDS = 1.0  # after the drain: how long other open calls (health watches) get before cancellation
+MIN_PING_INTERVAL_MS = 10_000  # clients may send HTTP/2 keepalive pings this often (gRPC's default: 5 minutes)
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC server channel arguments: accept the clients' keepalive pings (also on connections with no call,
+    e.g. a proxy's pooled ones) and, with ``max_connection_age``, close connections after that age."""
+    options = [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
+    if config.max_connection_age > 0:
+        options += [("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(config.grace_seconds * 1000))]
+    return options
 
 
 class JsonFormatter(logging.Formatter):
@@ -151,8 +163,7 @@ class TranslationServer:
         self.repository.start()
 
         self.servicer = TranslatorService(repository=self.repository, config=config)
-        self.server = grpc.aio.server(interceptors=[self.interceptor],
-                                      options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in ["", SERVICE_NAME]:

@@ -46,6 +46,10 @@ class ServerConfig:
     )
     cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
                                "(CORS); empty: none but the server's own page")
+    max_connection_age: float = option(
+        0.0, "seconds after which a client connection is closed gracefully (GOAWAY; its calls get "
+        "--grace-seconds to finish), so clients that balance over a DNS name re-resolve it and reach new "
+        "replicas; 0: never")
     # security
     tls_cert: str = option("", "PEM certificate chain of the gRPC port (leaf first); with --tls-key, the port "
                            "speaks TLS only (empty: plaintext)")
@@ -111,7 +115,7 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
-                     "device_id", "gpu_mem_limit"):
+                     "device_id", "gpu_mem_limit", "max_connection_age"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_tokens + 1 > self.batch_tokens:

@@ -133,3 +133,101 @@ def test_the_trainer_command_exits_once_models_exist(repository: Path) -> None:
         assert nmt_main(["serve", "--demo", "--demo-only", "--model-repository", str(repository),
                          "--demo-runs", str(repository / "runs")]) == 0
     assert "demo models ready" in out.getvalue()
+
+
+# ---- scaling out: the gRPC proxy of the compose file and the Kubernetes manifests -------------------------
+
+K8S = ROOT / "deploy" / "k8s"
+CRDS = {"monitoring.coreos.com/v1"}  # custom resources: no Kubernetes schema to validate against
+
+
+def manifests() -> list[dict[str, Any]]:
+    return [doc for path in sorted(K8S.rglob("*.yaml")) for doc in yaml.safe_load_all(path.read_text("utf-8")) if doc]
+
+
+def of_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in manifests() if doc["kind"] == kind]
+
+
+def test_compose_runs_replicas_behind_the_nginx_grpc_proxy(tmp_path: Path) -> None:
+    proxy, translator = services()["grpc-proxy"], services()["translator"]
+    assert "./deploy/nginx/translator.conf:/etc/nginx/conf.d/default.conf:ro" in proxy["volumes"]
+    assert "./deploy/nginx/translator-http.conf:/etc/nginx/conf.d/http.conf:ro" in proxy["volumes"]
+    assert proxy["ports"] == ["50051:50051", "8080:8080"] and "ports" not in translator  # replicas publish none
+    assert translator["deploy"]["replicas"] >= 2
+    assert proxy["depends_on"]["translator"]["condition"] == "service_healthy"
+    master = services()["locust-master"]["command"]
+    assert master[master.index("--address") + 1] == "grpc-proxy:50051"
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        pytest.skip("nginx is not installed (.ci/run installs it when run as root)")
+    from deploy.nginx import standalone_config
+
+    config = tmp_path / "nginx.conf"
+    http_face = (ROOT / "deploy/nginx/translator-http.conf").read_text(encoding="utf-8")
+    http_face = http_face.replace("translator:8080", "127.0.0.1:4").replace("listen 8080;", "listen 127.0.0.1:5;")
+    grpc = standalone_config(["127.0.0.1:1", "127.0.0.1:2"], 3, tmp_path).rstrip()
+    config.write_text(grpc.removesuffix("}") + http_face + "}\n")  # both files inside one http {} block
+    result = subprocess.run([nginx, "-t", "-c", str(config), "-e", str(tmp_path / "error.log")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+def test_kubernetes_manifests_are_valid_for_a_current_kubernetes() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    kinds = set()
+    for doc in manifests():
+        kinds.add(doc["kind"])
+        if doc["apiVersion"] not in CRDS:
+            kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema violation
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor",
+            "PersistentVolumeClaim", "Job", "Ingress", "ConfigMap"} <= kinds
+
+
+def test_kubernetes_translators_drain_and_probe_as_the_server_does() -> None:
+    from server.app import STOP_SECONDS
+    from server.protos import SERVICE_NAME
+
+    deployments = {d["metadata"]["name"]: d for d in of_kind("Deployment")}
+    assert set(deployments) == {"translator", "translator-gpu"}
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        parses(container["command"])
+        config = ServerConfig.from_env({e["name"]: e["value"] for e in container["env"]})
+        port = int(config.listen.rsplit(":", 1)[1])
+        assert config.metrics_listen.startswith("0.0.0.0:") and config.model_repository == "/models"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (name, probe)
+        assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME  # NOT_SERVING from a drain's start
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + config.grace_seconds + STOP_SECONDS
+        assert config.max_connection_age > 0  # clients balancing over DNS re-resolve and find new pods
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == config.metrics_listen.rsplit(":", 1)[1]
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+        assert (config.provider, gpus) == (("cuda", 1) if name == "translator-gpu" else ("cpu", None))
+
+
+def test_kubernetes_service_budget_and_autoscaler_select_the_translators() -> None:
+    from server.metrics import ServerMetrics
+
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in of_kind("Deployment")]
+    [service] = of_kind("Service")
+    assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers every pod, clients balance per call
+    for selector in (service["spec"]["selector"], of_kind("PodDisruptionBudget")[0]["spec"]["selector"]["matchLabels"]):
+        assert all(selector.items() <= pod.items() for pod in labels)
+    [monitor] = of_kind("ServiceMonitor")
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+
+    exported = {metric.name for metric in ServerMetrics().registry.collect()}
+    adapter = yaml.safe_load(of_kind("ConfigMap")[0]["data"]["config.yaml"])
+    served = {rule["name"]["as"] for rule in adapter["rules"]}
+    targets = {hpa["spec"]["scaleTargetRef"]["name"] for hpa in of_kind("HorizontalPodAutoscaler")}
+    assert targets == {"translator", "translator-gpu"}
+    for hpa in of_kind("HorizontalPodAutoscaler"):
+        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+        assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])  # load per pod, not CPU
+        assert names <= served and names <= exported, names

@@ -33,7 +33,11 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 CONFIG = DEPLOY / "prometheus.yml"
 ALERTS = DEPLOY / "alerts.yml"
 ALERT_TESTS = DEPLOY / "alerts_test.yml"
-COMPOSE_TARGET = "translator:9400"  # the target the config names (the docker-compose service)
+COMPOSE_TARGETS = """    dns_sd_configs:  # every replica: the compose service name resolves to all of them
+      - names: ["translator"]
+        type: A
+        port: 9400
+        refresh_interval: 30s"""  # the docker-compose service's replicas; a live test scrapes one static target
 INSTALL = "install the Debian package `prometheus` (apt-get install -y prometheus; .ci/run does it when run as root)"
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -132,8 +136,8 @@ class Prometheus:
 
     def __init__(self, target: str, workdir: Path) -> None:
         config = CONFIG.read_text(encoding="utf-8")
-        assert f'"{COMPOSE_TARGET}"' in config and "scrape_interval: 15s" in config
-        config = config.replace(f'"{COMPOSE_TARGET}"', f'"{target}"')
+        assert COMPOSE_TARGETS in config and "scrape_interval: 15s" in config
+        config = config.replace(COMPOSE_TARGETS, f'    static_configs:\n      - targets: ["{target}"]')
         config = config.replace("scrape_interval: 15s", "scrape_interval: 1s")
         config = config.replace("evaluation_interval: 15s", "evaluation_interval: 1s")
         (workdir / "prometheus.yml").write_text(config, encoding="utf-8")

@@ -1,0 +1,213 @@
+"""Scaling out, with real processes on loopback: three ``nmt serve`` replicas behind a real nginx configured
+by ``deploy/nginx/translator.conf``, and the same replicas balanced by the client (gRPC ``round_robin``).
+
+Each test sends a bounded run of concurrent translations; halfway it reads every replica's ``/metrics``
+(each must have served a share, none above half) and sends SIGTERM to one replica. Not one call may fail:
+the draining replica finishes what it holds, and what it refuses (UNAVAILABLE) the client retries on
+another replica. The client's channel sees the replica turn NOT_SERVING and stops picking it; nginx
+(open source) cannot see health, so there the replica is first taken out of the upstream (``nginx -s
+reload``, the procedure of ``docs/operations.md``), as an orchestrator does before it stops a replica.
+nginx is the Debian package (``.ci/run`` installs it when missing); without it the proxy test skips.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from clients.client import TranslationError, TranslatorClient, channel_target, service_config
+from deploy.nginx import standalone_config
+from loadtests.cli import free_port, wait_serving
+from server.protos import SERVICE_NAME
+from tests.conftest import SERVED_MODEL
+from tests.test_server import TEXTS
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+REPLICAS = 3
+CALLERS = 16
+CALLS = 200  # before replica 0 gets SIGTERM, and again after it has exited
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen
+    address: str
+    metrics_port: int
+
+    def served(self) -> float:
+        """Translate calls this replica has completed, from its own ``/metrics``."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "grpc_server_handled_total"
+                   and sample.labels.get("grpc_service") == SERVICE_NAME
+                   and sample.labels.get("grpc_method") == "Translate")
+
+
+@pytest.fixture(scope="module")
+def scale_repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("scale-models")
+    shutil.copytree(model_version_dir, root / SERVED_MODEL / "1")
+    return root
+
+
+@pytest.fixture
+def replicas(scale_repository: Path) -> Iterator[list[Replica]]:
+    started = []
+    for _ in range(REPLICAS):
+        address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nmt", "serve", "--model-repository", str(scale_repository), "--listen", address,
+             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--reload-interval", "0", "--provider", "cpu",
+             "--intra-op-threads", "1", "--grace-seconds", "10"],
+            env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
+        started.append(Replica(process, address, metrics_port))
+    try:
+        for replica in started:
+            wait_serving(replica.address, replica.process)
+        yield started
+    finally:
+        for replica in started:
+            if replica.process.poll() is None:
+                replica.process.kill()
+            replica.process.wait(30)
+
+
+@dataclass
+class Nginx:
+    address: str
+    config: Path
+    port: int
+    workdir: Path
+
+    def route_around(self, replicas: list[Replica], leaving: Replica) -> None:
+        """Route to ``replicas`` only: rewrite the upstream, reload gracefully (old workers finish the calls
+        they hold) and wait until ``leaving`` gets no more calls."""
+        self.config.write_text(standalone_config([r.address for r in replicas], self.port, self.workdir))
+        subprocess.run([NGINX, "-c", str(self.config), "-e", str(self.workdir / "error.log"), "-s", "reload"],
+                       check=True, timeout=30)
+        served, deadline = leaving.served(), time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            served, before = leaving.served(), served
+            if served == before:
+                return
+
+
+@pytest.fixture
+def nginx(replicas: list[Replica], tmp_path: Path) -> Iterator[Nginx]:
+    if NGINX is None:
+        pytest.skip("nginx is not installed: apt-get install -y nginx-light (.ci/run does it when run as root)")
+    tmp_path.chmod(0o777)  # nginx's workers run as nobody when the test runs as root
+    port = free_port()
+    config = tmp_path / "nginx.conf"
+    config.write_text(standalone_config([r.address for r in replicas], port, tmp_path), encoding="utf-8")
+    check = subprocess.run([NGINX, "-t", "-q", "-c", str(config), "-e", str(tmp_path / "error.log")],
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    process = subprocess.Popen([NGINX, "-c", str(config), "-e", str(tmp_path / "error.log")])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "error.log").read_text()
+                time.sleep(0.1)
+        yield Nginx(f"127.0.0.1:{port}", config, port, tmp_path)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def run_with_one_replica_stopped(client: TranslatorClient, replicas: list[Replica],
+                                 before_stop: Callable[[], None] = lambda: None) -> tuple[list[float], list[str]]:
+    """Translations from :data:`CALLERS` threads: :data:`CALLS` of them, then each replica's served count is
+    read, ``before_stop`` runs and replica 0 gets SIGTERM; the callers go on until replica 0 has exited and
+    :data:`CALLS` more are done. Returns those counts and the failures (``"CODE: message"``)."""
+    lock, done, failures, shares = threading.Lock(), [0], [], []
+    halfway, finished = threading.Event(), threading.Event()
+
+    def caller(seed: int) -> None:
+        i = seed
+        while not finished.is_set():
+            try:
+                [result] = client.translate(TEXTS[i % len(TEXTS)], model=SERVED_MODEL)
+                assert result.best.text
+            except TranslationError as error:
+                failures.append(f"{error} (after {error.attempts} attempts)")
+            i += CALLERS
+            with lock:
+                done[0] += 1
+                if done[0] == CALLS:
+                    halfway.set()
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(CALLERS)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert halfway.wait(120)
+        shares.extend(replica.served() for replica in replicas)
+        before_stop()
+        replicas[0].process.send_signal(signal.SIGTERM)
+        assert replicas[0].process.wait(30) == 0  # drained and exited cleanly
+        target = done[0] + CALLS
+        while done[0] < target and all(t.is_alive() for t in threads):
+            time.sleep(0.05)
+    finally:
+        finished.set()
+        for thread in threads:
+            thread.join(60)
+    return shares, failures
+
+
+def check_balance(shares: list[float]) -> None:
+    total = sum(shares)
+    assert total >= CALLS - CALLERS, shares
+    assert all(0 < share <= total / 2 for share in shares), f"served per replica: {shares}"
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed: apt-get install -y nginx-light "
+                                          "(.ci/run does it when run as root)")
+def test_nginx_balances_every_call_and_a_stopped_replica_loses_none(replicas: list[Replica], nginx: Nginx) -> None:
+    with TranslatorClient(nginx.address, timeout=30) as client:
+        shares, failures = run_with_one_replica_stopped(client, replicas,
+                                                         lambda: nginx.route_around(replicas[1:], replicas[0]))
+        assert not failures, failures
+        check_balance(shares)
+        assert client.translate("one two", model=SERVED_MODEL)[0].best.text  # the other two still serve
+
+
+def test_client_round_robin_balances_and_a_stopped_replica_loses_none(replicas: list[Replica]) -> None:
+    addresses = [r.address for r in replicas]
+    with TranslatorClient(addresses, timeout=30) as client:
+        shares, failures = run_with_one_replica_stopped(client, replicas)
+        assert not failures, failures
+        check_balance(shares)
+
+
+def test_targets_and_service_config() -> None:
+    assert channel_target("127.0.0.1:5") == "127.0.0.1:5"
+    assert channel_target("dns:///translator.nmt.svc:50051") == "dns:///translator.nmt.svc:50051"
+    assert channel_target("127.0.0.1:5, localhost:6") == "ipv4:127.0.0.1:5,127.0.0.1:6"
+    assert channel_target(["[::1]:5", "::1:6"]) == "ipv6:[::1]:5,[::1]:6"
+    with pytest.raises(ValueError, match="host:port"):
+        channel_target("127.0.0.1:5,nowhere")
+    assert '"round_robin"' in service_config(health_check=False)
+    assert SERVICE_NAME in service_config(health_check=True)
+    assert TranslatorClient("127.0.0.1:5,127.0.0.1:6").target == "ipv4:127.0.0.1:5,127.0.0.1:6"
