@@ -143,7 +143,8 @@ def main() -> None:
             address, metrics = f"127.0.0.1:{free_port()}", free_port()
             process = subprocess.Popen(
                 [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository), "--listen", address,
-                 "--metrics-listen", f"127.0.0.1:{metrics}", "--reload-interval", "0", "--provider", "cpu",
+                 "--metrics-listen", f"127.0.0.1:{metrics}", "--http-listen", "", "--reload-interval", "0",
+                 "--provider", "cpu",
                  "--intra-op-threads", "1", "--no-ort-spinning"], env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
             replicas.append((process, address, metrics))
         try:

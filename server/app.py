@@ -23,7 +23,8 @@ loop and call the same servicer through the same interceptor.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), scans stop, new
 Translator requests get UNAVAILABLE (the servicer; over HTTP 503, and ``/readyz`` answers 503) while
-those in flight on either face (counted by the interceptor) finish within ``grace_seconds``, the gRPC
+those in flight on either face (counted by the interceptor) finish within ``grace_seconds`` and callers
+move away (no new call for ``DRAIN_QUIET_SECONDS``, also within the grace period), the gRPC
 server stops (cancelling whatever is left), the HTTP face closes, the schedulers stop and the metrics
 endpoint closes.
 """
@@ -60,6 +61,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE_NAME = health.SERVICE_NAME  # "grpc.health.v1.Health"
 STOP_SECONDS = 1.0  # after the drain: how long other open calls (health watches) get before cancellation
+# Drain: callers that still route here (a health watch or a balancer not yet updated) get UNAVAILABLE and
+# retry elsewhere; the server stops once none has called for this long (or the grace period is over).
+DRAIN_QUIET_SECONDS = 0.5
 MIN_PING_INTERVAL_MS = 10_000  # clients may send HTTP/2 keepalive pings this often (gRPC's default: 5 minutes)
 
 
@@ -296,7 +300,8 @@ class TranslationServer:
         await asyncio.gather(*scans, return_exceptions=True)
         if self.servicer is not None:
             self.servicer.start_draining()
-            drained = await self.interceptor.wait_idle(max(0.0, deadline - time.monotonic()))
+            remaining = max(0.0, deadline - time.monotonic())
+            drained = await self.interceptor.wait_idle(remaining, quiet=DRAIN_QUIET_SECONDS)
             if not drained:
                 log.warning("grace period over with requests in flight; cancelling them")
         if self.server is not None:

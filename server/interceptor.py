@@ -165,16 +165,27 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._last_arrival = float("-inf")  # time.monotonic() of the latest translating call
 
-    async def wait_idle(self, timeout: float | None) -> bool:
-        """Wait until no translating call is in flight (True) or ``timeout`` passes (False)."""
-        if self._inflight == 0:
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+    async def wait_idle(self, timeout: float, *, quiet: float = 0.0) -> bool:
+        """Wait until no translating call is in flight and none has arrived for ``quiet`` seconds (True), or
+        ``timeout`` passes with calls still in flight (False; once idle, a timeout cuts the quiet wait short).
+
+        The quiet wait closes a race at shutdown: a caller still routing to this server (its health watch or
+        balancer not yet updated) would otherwise have a call land just as the gRPC server stops, which
+        cancels it (CANCELLED, which clients must not retry) instead of refusing it (UNAVAILABLE, retried)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._inflight:
+                try:
+                    await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    return False
+            now = time.monotonic()
+            wait = min(self._last_arrival + quiet - now, deadline - now)
+            if wait <= 0:
+                return True
+            await asyncio.sleep(wait)
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
@@ -258,6 +269,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 _CALL.set(record)
             if translating:
                 self._inflight += 1
+                self._last_arrival = time.monotonic()
                 self._idle.clear()
                 metrics.inflight.inc()
             return time.perf_counter(), record

@@ -72,7 +72,8 @@ def replicas(scale_repository: Path) -> Iterator[list[Replica]]:
         address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "nmt", "serve", "--model-repository", str(scale_repository), "--listen", address,
-             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--reload-interval", "0", "--provider", "cpu",
+             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", "", "--reload-interval", "0",
+             "--provider", "cpu",
              "--intra-op-threads", "1", "--grace-seconds", "10"],
             env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
         started.append(Replica(process, address, metrics_port))
