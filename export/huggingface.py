@@ -70,7 +70,8 @@ def transformer_config(config: dict[str, Any], where: str) -> TransformerConfig:
                        "Marian (model_type 'marian', the OPUS-MT models) imports")
     for name, supported in FIXED_FIELDS.items():
         if name in config and config[name] != supported:
-            raise NmtError(f"{where}: {name}={json.dumps(config[name])} is not supported (only {json.dumps(supported)})")
+            raise NmtError(f"{where}: {name}={json.dumps(config[name])} is not supported "
+                           f"(only {json.dumps(supported)})")
     for encoder, decoder in PAIRED_FIELDS:
         if config.get(encoder) != config.get(decoder):
             raise NmtError(f"{where}: {encoder}={config.get(encoder)} differs from {decoder}={config.get(decoder)}; "

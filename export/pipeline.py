@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
 from export.graphs import GraphSet
-from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian
+from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
@@ -259,6 +259,23 @@ def export_model(options: ExportOptions) -> ExportResult:
         for directory in reversed(created):  # a failed first export leaves no empty model directory
             with contextlib.suppress(OSError):
                 directory.rmdir()
+
+
+def export_huggingface(options: ExportOptions) -> tuple[Path, float]:
+    """``--to huggingface``: a training run's Transformer as a Marian directory ``options.out``; returns it
+    and the max |logit difference| of ``MarianMTModel`` loading it."""
+    if not options.out:
+        raise NmtError("--to huggingface needs --out DIR")
+    with torch_threads(options.threads):
+        inputs = _load_inputs(options)
+        if inputs.model.arch != "transformer" or not isinstance(inputs.tokenizer, Tokenizer):
+            raise NmtError(f"only a Transformer with a joint SentencePiece tokenizer exports to Hugging Face Marian, "
+                           f"not {inputs.model.arch!r} with {inputs.tokenizer.kind!r}")
+        diff = write_marian(inputs.model, inputs.tokenizer, options.out, defaults=_serving_defaults(options, inputs),
+                            force=options.force)
+    if diff > options.parity_tolerance:
+        raise NmtError(f"transformers.MarianMTModel loading {options.out} differs from the checkpoint by {diff:.2e}")
+    return Path(options.out), diff
 
 
 def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, stage: _Stages) -> ExportResult:

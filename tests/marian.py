@@ -61,6 +61,10 @@ def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish
                           attention_dropout=0.0, activation_dropout=0.0, scale_embedding=True, **SIZE)
     torch.manual_seed(0)
     model = MarianMTModel(config)
+    embeddings = model.get_input_embeddings().weight
+    with torch.no_grad():  # as in OPUS-MT (and as CTranslate2 assumes): decoding starts from a zero embedding
+        embeddings[pad].zero_()
+    embeddings.register_hook(lambda grad: grad.index_fill(0, torch.tensor([pad]), 0.0))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     model.train()

@@ -164,7 +164,8 @@ class MarianTokenizer:
         return [self._pieces.get(int(i), "<unk>") for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
-        special = (self.pad_id, self.eos_id)
+        """Target text; special pieces (``<unk>`` too) are left out, as ``skip_special_tokens`` does."""
+        special = (self.pad_id, self.eos_id, self.unk_id)
         return self._target.decode_pieces(self.pieces(i for i in ids if int(i) not in special))
 
 
