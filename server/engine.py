@@ -33,7 +33,7 @@ from server.device import (
     runtime_build,
     session_provider,
 )
-from server.errors import DeviceMemoryExhausted
+from server.errors import DeviceMemoryExhausted, InvalidArgument
 from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
@@ -293,6 +293,19 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded)."""
         return self.tokenizer.encode(text)
+
+    def language_prefix(self, language: str) -> list[int]:
+        """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
+        Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
+        languages = self.manifest.target_languages
+        if not language or (not languages and language == self.manifest.target_language):
+            return []
+        token = self.tokenizer.language_id(language) if languages else None
+        if token is None:
+            known = ", ".join(languages or [self.manifest.target_language])
+            raise InvalidArgument(f"target_language {language!r} is not served by {self.manifest.name}; "
+                                  f"choose {known}")
+        return [token]
 
     def default_options(self) -> DecodingOptions:
         defaults = self.manifest.defaults

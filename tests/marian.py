@@ -1,8 +1,9 @@
 """A small Hugging Face Marian (OPUS-MT layout) model directory built offline, for the import tests.
 
 Source and target SentencePiece models and a shared ``vocab.json`` in Marian's id layout (``</s>`` 0,
-``<unk>`` 1, ``<pad>`` last = decoder start), a ``MarianMTModel`` trained for a few hundred steps on the
-dates corpus so EOS, lengths and beams behave as in a real model, all saved with ``save_pretrained``.
+``<unk>`` 1, ``<pad>`` last = decoder start; ``>>deu<<`` and ``>>nld<<`` as in a multilingual model),
+a ``MarianMTModel`` trained for a few hundred steps on the dates corpus so EOS, lengths and beams
+behave as in a real model, all saved with ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from training.data import generate_dates_corpus
 SIZE = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=128, decoder_ffn_dim=128)
 TRAIN_SENTENCES, HELD_OUT = 3000, 20
+LANGUAGES = ("deu", "nld")  # target-language tokens in the vocabulary (never trained on: served as transformers does)
 
 
 def _spm(texts: list[str], vocab_size: int) -> bytes:
@@ -47,7 +49,7 @@ def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish
     target_proto = _spm([t for _, t in train], 200)
     (directory / "source.spm").write_bytes(source_proto)
     (directory / "target.spm").write_bytes(target_proto)
-    pieces: list[str] = ["</s>", "<unk>"]
+    pieces: list[str] = ["</s>", "<unk>", *(f">>{code}<<" for code in LANGUAGES)]  # as opus-mt-en-mul
     for proto in (source_proto, target_proto):
         sp = spm.SentencePieceProcessor(model_proto=proto)
         pieces += [p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in pieces]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from export.options import ExportOptions
@@ -26,7 +27,7 @@ from nmt.model_format.tokenizer import MarianTokenizer
 from server.config import ServerConfig
 from server.protos import pb2
 from tests.harness import ServerHarness
-from tests.marian import build_marian_dir, dates_split
+from tests.marian import LANGUAGES, build_marian_dir, dates_split
 
 transformers = pytest.importorskip("transformers")
 MODEL = "opus-dates"
@@ -90,6 +91,7 @@ def test_tokenizer_ids_equal_marian_tokenizers(marian_dir: Path) -> None:
 def test_import_records_its_origin_and_marian_settings(imported: Path, marian_dir: Path) -> None:
     manifest = read_manifest(imported / MODEL / "1")
     assert manifest.tokenizer_type == "marian"
+    assert manifest.target_languages == list(LANGUAGES)
     assert {"source.spm", "target.spm", "vocab.json"} <= manifest.files.keys()
     config = json.loads((marian_dir / "config.json").read_text())
     assert manifest.special_ids == {"pad": config["pad_token_id"], "unk": 1, "bos": config["pad_token_id"],
@@ -129,6 +131,21 @@ def test_served_equals_transformers_and_ctranslate2(server: ServerHarness, maria
     assert texts_out == [tokenizer.decode([vocab[p] for p in r.hypotheses[0]], skip_special_tokens=True)
                          for r in results]
     assert sum(a == b for a, b in zip(texts_out, references, strict=True)) >= 12  # a trained model, not noise
+
+
+def test_target_language_inserts_the_language_token(server: ServerHarness, marian_dir: Path) -> None:
+    [info] = server.stub.ListModels(pb2.ListModelsRequest(), timeout=10).models
+    assert list(info.target_languages) == list(LANGUAGES)
+    texts = held_out()[:6]
+    vocab = json.loads((marian_dir / "vocab.json").read_text())
+    for language in LANGUAGES:
+        hypotheses = served(server, texts, 1, target_language=language)
+        expected = hf_generate(marian_dir, [f">>{language}<< {text}" for text in texts], 1)
+        assert [[vocab[piece] for piece in h.subword_tokens] for h in hypotheses] == expected
+    with pytest.raises(grpc.RpcError) as error:
+        served(server, texts, 1, target_language="fra")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "choose deu, nld" in error.value.details()
 
 
 def test_round_trip_to_huggingface(model_version_dir: Path, tiny_runs: dict[str, Path], tmp_path: Path) -> None:
