@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from clients.client import TranslatorClient
 from export.options import ExportOptions
 from export.pipeline import export_model
 from nmt.cli import main as nmt_main
@@ -142,6 +143,10 @@ def test_target_language_inserts_the_language_token(server: ServerHarness, maria
         hypotheses = served(server, texts, 1, target_language=language)
         expected = hf_generate(marian_dir, [f">>{language}<< {text}" for text in texts], 1)
         assert [[vocab[piece] for piece in h.subword_tokens] for h in hypotheses] == expected
+    with TranslatorClient(server.address, timeout=30) as client:
+        assert client.list_models()[0].target_languages == LANGUAGES
+        [result] = client.translate(texts[0], beam_size=1, target_language="nld")
+        assert result.best.text == served(server, texts[:1], 1, target_language="nld")[0].text
     with pytest.raises(grpc.RpcError) as error:
         served(server, texts, 1, target_language="fra")
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
