@@ -28,10 +28,10 @@ from training.models.transformer import ACTIVATIONS, Transformer, TransformerCon
 CONFIG_FILE, GENERATION_FILE = "config.json", "generation_config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SUPPRESSED_LOGIT = -1e4  # bad_words_ids of one token: baked into final_logits_bias (exp underflows to 0)
-# config.json fields Transformer has no counterpart for, and the value it supports
+# config.json (or generation_config.json) fields the import has no counterpart for, and the value it supports
 FIXED_FIELDS = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
                 "static_position_embeddings": True, "share_encoder_decoder_embeddings": True,
-                "add_bias_logits": False}
+                "add_bias_logits": False, "no_repeat_ngram_size": 0, "repetition_penalty": 1.0, "do_sample": False}
 PAIRED_FIELDS = (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim"))
 
 
