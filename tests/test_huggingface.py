@@ -196,3 +196,14 @@ def test_unsupported_config_and_missing_tokenizer_are_named(marian_dir: Path, tm
     with pytest.raises(NmtError, match="tokenizer file missing: .*target.spm"):
         export(broken({}, drop="target.spm"))
     assert not (tmp_path / "repo" / "x").exists()
+
+
+def test_target_language_of_a_one_pair_model(model_version_dir: Path) -> None:
+    """A model trained here takes its own target language or none; another is INVALID_ARGUMENT."""
+    from server.engine import Engine
+    from server.errors import InvalidArgument
+
+    engine = Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, inter_op_threads=1)
+    assert engine.language_prefix("") == engine.language_prefix("de") == []
+    with pytest.raises(InvalidArgument, match="choose de"):
+        engine.language_prefix("deu")
