@@ -153,6 +153,7 @@ class ModelInfo:
     architecture: str = ""
     source_language: str = ""
     target_language: str = ""
+    target_languages: tuple[str, ...] = ()  # a multilingual model's choices for ``target_language``
     is_default: bool = False  # the model used when a request names none
     is_latest: bool = False  # the version used when a request names none
     execution_provider: str = ""
@@ -246,8 +247,9 @@ def _count(name: str, value: int) -> int:
 
 def build_request(texts: str | Iterable[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
-                  attention: bool = False, scores: bool = False) -> Any:
-    """A ``TranslateRequest`` (zeros mean the model's defaults)."""
+                  attention: bool = False, scores: bool = False, target_language: str = "") -> Any:
+    """A ``TranslateRequest`` (zeros mean the model's defaults; ``target_language`` picks a multilingual
+    model's output language)."""
     if not math.isfinite(length_penalty) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
                          f"got {length_penalty!r}")
@@ -256,7 +258,8 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
         max_length=_count("max_length", max_length), length_penalty=float(length_penalty),
         return_attention=bool(attention), return_scores=bool(scores),
     )
-    return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options)
+    return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
+                                target_language=target_language)
 
 
 def attention_from_pb(message: Any, source_words: Sequence[str], target_words: Sequence[str]) -> Attention:
@@ -312,6 +315,7 @@ def model_info_from_pb(message: Any) -> ModelInfo:
         execution_provider=message.execution_provider, precision=message.precision,
         default_beam_size=int(message.default_beam_size), max_beam_size=int(message.max_beam_size),
         test_bleu=float(message.test_bleu), training_corpus=message.training_corpus,
+        target_languages=tuple(message.target_languages),
     )
 
 
@@ -521,8 +525,8 @@ class TranslatorClient(_ClientBase):
 
     def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
-                  attention: bool = False, scores: bool = False, timeout: float | None = None,
-                  request_id: str | None = None) -> list[Translation]:
+                  attention: bool = False, scores: bool = False, target_language: str = "",
+                  timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
         """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
 
         Zero options mean the model's defaults; ``model``/``version`` empty: the server's default model, its
@@ -532,7 +536,8 @@ class TranslatorClient(_ClientBase):
         """
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
-                                length_penalty=length_penalty, attention=attention, scores=scores)
+                                length_penalty=length_penalty, attention=attention, scores=scores,
+                                target_language=target_language)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
@@ -609,12 +614,13 @@ class AsyncTranslatorClient(_ClientBase):
 
     async def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
                         num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
-                        attention: bool = False, scores: bool = False, timeout: float | None = None,
-                        request_id: str | None = None) -> list[Translation]:
+                        attention: bool = False, scores: bool = False, target_language: str = "",
+                        timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
         """See :meth:`TranslatorClient.translate`."""
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
-                                length_penalty=length_penalty, attention=attention, scores=scores)
+                                length_penalty=length_penalty, attention=attention, scores=scores,
+                                target_language=target_language)
         response = await self._call(self._open().Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 

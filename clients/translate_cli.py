@@ -118,6 +118,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     decoding.add_argument("--max-length", type=_count, default=0, metavar="N", help="most generated tokens")
     decoding.add_argument("--length-penalty", type=_penalty, default=0.0, metavar="ALPHA",
                           help="score = log-probability / length^ALPHA")
+    decoding.add_argument("--target-language", default="", metavar="LANG",
+                          help="a multilingual model's output language, e.g. deu (--list-models shows the choices)")
     output = parser.add_argument_group("output")
     output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
     output.add_argument("--attention", action="store_true",
@@ -229,7 +231,8 @@ def format_models(models: list[Any]) -> str:
     for m in models:
         flags = ", ".join(flag for flag, on in (("default", m.is_default and m.is_latest), ("latest", m.is_latest))
                           if on)
-        rows.append((m.name, m.version, m.architecture, f"{m.source_language}→{m.target_language}",
+        targets = ",".join(getattr(m, "target_languages", ())) or m.target_language
+        rows.append((m.name, m.version, m.architecture, f"{m.source_language}→{targets}",
                      m.execution_provider, m.precision, f"{m.default_beam_size}/{m.max_beam_size}",
                      f"{m.test_bleu:.1f}" if m.test_bleu else "-", m.training_corpus or "-", flags))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
@@ -275,7 +278,8 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
         for batch in _batches(texts, batch_size):
             results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam_size,
                                        num_hypotheses=args.num_hypotheses, max_length=args.max_length,
-                                       length_penalty=args.length_penalty, attention=attention, scores=scores)
+                                       length_penalty=args.length_penalty, attention=attention, scores=scores,
+                                       target_language=args.target_language)
             for source, translation in zip(batch, results, strict=True):
                 index += 1
                 if args.json:

@@ -22,6 +22,12 @@ into com.microsoft.MultiHeadAttention, and on held-out sentences (the run's test
 loaded by the serving engine, must match PyTorch (log-probabilities and attention within 1e-4,
 identical greedy and beam-4 outputs). It writes into a hidden temporary directory and renames it at
 the end: a failed export leaves nothing.
+
+SOURCE may also be a Hugging Face Marian directory (the OPUS-MT models: config.json,
+model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json); it is detected from
+config.json (or --from huggingface), checked against transformers.MarianMTModel and written as a
+normal model version with Marian's tokenizer. The reverse, --to huggingface --out DIR, writes a
+training run's Transformer as a Marian directory that transformers and CTranslate2 load.
 """
 
 
@@ -40,11 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from export.pipeline import export_model, manifest_summary
+        from export.pipeline import export_huggingface, export_model, manifest_summary
     except ImportError as error:
         raise NmtError(f"export needs the train extra ({error}); run: pip install -e '.[train]'") from error
 
-    result = export_model(ExportOptions(**values_from_args(ExportOptions, args)))
+    options = ExportOptions(**values_from_args(ExportOptions, args))
+    if options.to == "huggingface":
+        out, diff = export_huggingface(options)
+        print(f"wrote {out} (transformers.MarianMTModel loads it; max logit difference {diff:.2e})")
+        return 0
+    result = export_model(options)
     print(f"wrote {result.version_dir}")
     print(manifest_summary(result.manifest))
     return 0

@@ -9,6 +9,7 @@ from nmt.options import option
 
 LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
 OPSETS = range(18, 23)  # opset 23 turns SDPA into ONNX Attention, which ORT's CPU kernel rejects with our masks
+SOURCE_FORMATS = ("checkpoint", "huggingface")
 SERVING_DEFAULTS = "serving defaults recorded in the manifest (what a request that sends 0 gets)"
 
 
@@ -16,10 +17,19 @@ SERVING_DEFAULTS = "serving defaults recorded in the manifest (what a request th
 class ExportOptions:
     """Everything ``nmt export`` takes."""
 
-    checkpoint: str = option(help="training run directory (best.pt, spm.model, summary.json, test.tsv) or a "
-                             "checkpoint file with spm.model beside it", positional=True,
-                             metavar="CHECKPOINT_DIR_OR_FILE")
-    name: str = option(help="model name in the repository (letters, digits, '.', '_', '-')")
+    checkpoint: str = option(help="training run directory (best.pt, spm.model, summary.json, test.tsv), a "
+                             "checkpoint file with spm.model beside it, or a Hugging Face Marian (OPUS-MT) "
+                             "directory (config.json, model.safetensors or pytorch_model.bin, source.spm, "
+                             "target.spm, vocab.json)", positional=True, metavar="SOURCE")
+    name: str = option("", "model name in the repository (letters, digits, '.', '_', '-'); required unless "
+                       "--to huggingface")
+    from_format: str | None = option(None, "what SOURCE is (default: huggingface if it holds a config.json, "
+                                     "else checkpoint)", flag="--from", choices=SOURCE_FORMATS)
+    to: str | None = option(None, "write a Hugging Face Marian directory (MarianMTModel, MarianTokenizer, "
+                            "CTranslate2's converter load it) into --out instead of an ONNX model version",
+                            choices=("huggingface",))
+    out: str | None = option(None, "the directory --to huggingface writes (refused if it exists, unless --force)",
+                             metavar="DIR")
     version: str | None = option(None, "version directory name (default: next integer after the existing "
                                  "versions)")
     model_repository: str = option("models", "model repository directory", env="NMT_MODEL_REPOSITORY")
@@ -41,8 +51,11 @@ class ExportOptions:
     allow_unfused: bool = option(False, "export even if some attention blocks were not fused (slower serving)")
     source_language: str = option("en", "source language code")
     target_language: str = option("de", "target language code")
-    beam_size: int = option(4, "default beam size", group=SERVING_DEFAULTS)
-    length_penalty: float = option(1.0, "default length penalty", group=SERVING_DEFAULTS)
-    max_length: int = option(256, "default maximum output tokens (EOS included)", group=SERVING_DEFAULTS)
+    beam_size: int | None = option(None, "default beam size (default: a Marian model's num_beams, else 4)",
+                                   group=SERVING_DEFAULTS)
+    length_penalty: float | None = option(None, "default length penalty (default: a Marian model's, else 1.0)",
+                                          group=SERVING_DEFAULTS)
+    max_length: int | None = option(None, "default maximum output tokens, EOS included (default: a Marian "
+                                    "model's max_length, else 256)", group=SERVING_DEFAULTS)
     threads: int = option(1, "torch and ONNX Runtime threads while verifying")
     progress: bool = option(True, "show a progress bar")

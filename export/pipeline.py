@@ -2,8 +2,10 @@
 
 :func:`export_model` reads as its stages (each a step of the progress bar):
 
-1. **validate** the inputs before writing anything: the checkpoint (loaded with ``weights_only=True``),
-   the tokenizer beside it, the target directory (refused if it exists, unless ``force``);
+1. **validate** the inputs before writing anything: the source, loaded by its loader
+   (:data:`SOURCE_LOADERS`): a training run's checkpoint (``weights_only=True``) and the tokenizer beside
+   it, or a Hugging Face Marian directory (:mod:`export.huggingface`, checked against
+   ``transformers.MarianMTModel`` itself); the target directory (refused if it exists, unless ``force``);
 2. **export graphs**: the architecture's exporter (:mod:`export.registry`) traces ``encoder.onnx``,
    ``decoder.onnx`` (one step) and ``decoder_attention.onnx`` (the same step plus ``attention``) with
    fused attention; graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
@@ -37,6 +39,7 @@ from tqdm import tqdm
 
 from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
 from export.graphs import GraphSet
+from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
@@ -52,7 +55,7 @@ from nmt.model_format.layout import (
     next_version,
 )
 from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
-from nmt.model_format.tokenizer import UNK_ID, Tokenizer
+from nmt.model_format.tokenizer import AnyTokenizer, Tokenizer
 from server.engine import Engine
 from training.data import load_tsv
 from training.models.checkpoint import load_checkpoint
@@ -76,9 +79,11 @@ class _Inputs:
     run_dir: Path
     model: Seq2SeqModel
     payload: dict[str, Any]
-    tokenizer: Tokenizer
+    tokenizer: AnyTokenizer
     summary: dict[str, Any]
     pairs: list[tuple[str, str]]  # held-out (source, target) texts; empty if the run has no test.tsv
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # the source's serving defaults
+    origin: dict[str, Any] = dataclasses.field(default_factory=dict)  # an imported model's provenance
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -94,7 +99,31 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     return path, path.parent
 
 
+def source_format(options: ExportOptions) -> str:
+    """``--from``, else huggingface for a directory holding ``config.json``, else checkpoint."""
+    if options.from_format:
+        return options.from_format
+    return "huggingface" if is_huggingface_dir(options.checkpoint) else "checkpoint"
+
+
 def _load_inputs(options: ExportOptions) -> _Inputs:
+    """The source, read by the loader of its format."""
+    return SOURCE_LOADERS[source_format(options)](options)
+
+
+def _load_marian(options: ExportOptions) -> _Inputs:
+    directory = Path(options.checkpoint)
+    if not directory.is_dir():
+        raise NmtError(f"Hugging Face model directory not found: {directory}")
+    marian = load_marian(directory)
+    if _reduced_precision(options):
+        raise NmtError(f"{_reduced_precision(options)} export scores held-out BLEU, which a Marian directory "
+                       "does not carry; export it in fp32")
+    return _Inputs(directory / "config.json", directory, marian.model, {}, marian.tokenizer, {}, [],
+                   defaults=marian.defaults, origin=marian.origin)
+
+
+def _load_checkpoint(options: ExportOptions) -> _Inputs:
     checkpoint, run_dir = resolve_checkpoint(options.checkpoint)
     spm_path = run_dir / TOKENIZER_FILE
     if not spm_path.is_file():
@@ -124,7 +153,12 @@ def _load_inputs(options: ExportOptions) -> _Inputs:
     return _Inputs(checkpoint, run_dir, model, payload, tokenizer, summary, pairs)
 
 
+SOURCE_LOADERS = {"checkpoint": _load_checkpoint, "huggingface": _load_marian}  # keys: ExportOptions --from
+
+
 def _validate_options(options: ExportOptions) -> None:
+    if not options.name:
+        raise NmtError("--name is required (the model's name in the repository)")
     if not NAME_PATTERN.match(options.name):
         raise NmtError(f"bad model name {options.name!r}: use letters, digits, '.', '_' and '-'")
     if options.version is not None and not NAME_PATTERN.match(options.version):
@@ -139,7 +173,7 @@ def _validate_options(options: ExportOptions) -> None:
         raise NmtError(f"opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
     if options.parity_sentences < 1:
         raise NmtError("--parity-sentences must be at least 1")
-    if options.beam_size < 1 or options.max_length < 1:
+    if any(value is not None and value < 1 for value in (options.beam_size, options.max_length)):
         raise NmtError("--beam-size and --max-length must be positive")
 
 
@@ -152,7 +186,7 @@ def _parity_pairs(inputs: _Inputs, count: int) -> tuple[list[list[int]], list[li
         targets = inputs.tokenizer.encode_batch([t for _, t in chosen])
         return sources, targets
     generator = torch.Generator().manual_seed(0)
-    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, UNK_ID}
+    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, inputs.tokenizer.unk_id, *inputs.origin.get("suppressed_ids", [])}
     ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
     sources, targets = [], []
     for _ in range(count):
@@ -227,6 +261,23 @@ def export_model(options: ExportOptions) -> ExportResult:
                 directory.rmdir()
 
 
+def export_huggingface(options: ExportOptions) -> tuple[Path, float]:
+    """``--to huggingface``: a training run's Transformer as a Marian directory ``options.out``; returns it
+    and the max |logit difference| of ``MarianMTModel`` loading it."""
+    if not options.out:
+        raise NmtError("--to huggingface needs --out DIR")
+    with torch_threads(options.threads):
+        inputs = _load_inputs(options)
+        if inputs.model.arch != "transformer" or not isinstance(inputs.tokenizer, Tokenizer):
+            raise NmtError(f"only a Transformer with a joint SentencePiece tokenizer exports to Hugging Face Marian, "
+                           f"not {inputs.model.arch!r} with {inputs.tokenizer.kind!r}")
+        diff = write_marian(inputs.model, inputs.tokenizer, options.out, defaults=_serving_defaults(options, inputs),
+                            force=options.force)
+    if diff > options.parity_tolerance:
+        raise NmtError(f"transformers.MarianMTModel loading {options.out} differs from the checkpoint by {diff:.2e}")
+    return Path(options.out), diff
+
+
 def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, stage: _Stages) -> ExportResult:
     """Export, verify (and quantize) into ``work``; returns the result with ``version_dir`` under ``work``."""
     model = inputs.model
@@ -243,13 +294,15 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         add_top_k(step_graph, model.config.eos_id)
 
     stage("verify parity")
+    sources, targets = _parity_pairs(inputs, options.parity_sentences)
+    if inputs.origin:
+        _check_against_source(inputs, options, sources, targets)
     fp32_dir = work / "fp32"
     fp32_dir.mkdir()
     for role, graph in graph_set.graphs().items():
         save_graph(graph, fp32_dir / GRAPH_FILES[role])
     manifest = _write_version(fp32_dir, options, inputs, graph_set, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
-    sources, targets = _parity_pairs(inputs, options.parity_sentences)
     parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
     if not parity.ok(options.parity_tolerance):
         details = "; ".join(parity.mismatches[:3])
@@ -285,6 +338,25 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
     return ExportResult(version_dir=version_dir, manifest=manifest, parity=parity, parity_reduced=parity_reduced)
 
 
+def _check_against_source(inputs: _Inputs, options: ExportOptions, sources: list[list[int]],
+                          targets: list[list[int]]) -> None:
+    """An imported model's logits against the library it came from (``MarianMTModel``), recorded in
+    ``inputs.origin``; raises beyond the parity tolerance."""
+    diff = compare_with_transformers(inputs.model, inputs.run_dir, sources, targets,
+                                     inputs.origin.get("suppressed_ids", []))
+    inputs.origin["max_logit_diff_vs_transformers"] = float(f"{diff:.3g}")
+    if diff > options.parity_tolerance:
+        raise NmtError(f"the imported model's logits differ from transformers.MarianMTModel's by {diff:.2e} "
+                       f"(tolerance {options.parity_tolerance:g}): config.json holds something the import misreads")
+
+
+def _serving_defaults(options: ExportOptions, inputs: _Inputs) -> dict[str, Any]:
+    """Flags over the source's own defaults (a Marian model's num_beams...) over beam 4, penalty 1, 256 tokens."""
+    fallback = {"beam_size": 4, "length_penalty": 1.0, "max_length": 256}
+    return {key: next(v for v in (getattr(options, key), inputs.defaults.get(key), value) if v is not None)
+            for key, value in fallback.items()}
+
+
 def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, graph_set: GraphSet, version: str,
                    *, precision: str) -> Manifest:
     """Complete the model version in ``directory`` (whose graphs are written): tokenizer and a manifest
@@ -299,7 +371,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         target_language=options.target_language,
         vocab_size=cfg.vocab_size,
         dimensions=dataclasses.asdict(cfg),
-        special_ids={"pad": cfg.pad_id, "unk": UNK_ID, "bos": cfg.bos_id, "eos": cfg.eos_id,
+        special_ids={"pad": cfg.pad_id, "unk": inputs.tokenizer.unk_id, "bos": cfg.bos_id, "eos": cfg.eos_id,
                      "decoder_start": cfg.decoder_start_id},
         opset=options.opset,
         onnxruntime_version=ort.__version__,
@@ -309,12 +381,14 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         decoder_state=graph_set.decoder_state,
         static_src_axes=graph_set.static_src_axes,
         tokenizer=TOKENIZER_FILE,
+        tokenizer_type=inputs.tokenizer.kind,
+        target_languages=inputs.tokenizer.target_languages,
+        origin=inputs.origin,
         fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in GRAPH_FILES.items()},
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
         training=_training_info(inputs),
-        defaults={"beam_size": options.beam_size, "length_penalty": options.length_penalty,
-                  "max_length": options.max_length},
-        files={name: sha256_file(directory / name) for name in [*GRAPH_FILES.values(), TOKENIZER_FILE]},
+        defaults=_serving_defaults(options, inputs),
+        files={name: sha256_file(directory / name) for name in [*GRAPH_FILES.values(), *inputs.tokenizer.files]},
         created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
     )
     write_manifest(manifest, directory)

@@ -24,6 +24,7 @@ def from_pb(request: Any) -> TranslateCall:
         texts=list(request.texts),
         model=request.model,
         model_version=request.model_version,
+        target_language=request.target_language,
         options=RequestedOptions(
             beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
             length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,
@@ -88,6 +89,7 @@ def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> An
         training_corpus=str(training.get("corpus") or ""),
         device=str(getattr(model.engine, "device", "")),
         onnxruntime_build=str(getattr(model.engine, "runtime_build", "")),
+        target_languages=list(model.manifest_value("target_languages", [])),
     )
 
 

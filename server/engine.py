@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
-from nmt.model_format.tokenizer import Tokenizer
+from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.device import (
     CUDA,
@@ -33,7 +33,7 @@ from server.device import (
     runtime_build,
     session_provider,
 )
-from server.errors import DeviceMemoryExhausted
+from server.errors import DeviceMemoryExhausted, InvalidArgument
 from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
@@ -225,7 +225,7 @@ def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: b
 class Engine:
     """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
 
-    def __init__(self, manifest: Manifest, tokenizer: Tokenizer, model: OnnxStepModel, provider: str, *,
+    def __init__(self, manifest: Manifest, tokenizer: AnyTokenizer, model: OnnxStepModel, provider: str, *,
                  device_id: int = 0) -> None:
         self.manifest = manifest
         self.tokenizer = tokenizer
@@ -283,7 +283,7 @@ class Engine:
         if on_gpu and manifest.precision == "int8":
             raise NmtError("an int8 version cannot run on CUDA (DynamicQuantizeLinear/MatMulInteger have no CUDA "
                            "kernels); export with --precision fp16 for GPUs, or serve it with --provider cpu")
-        tokenizer = Tokenizer.load(version_dir)
+        tokenizer = load_tokenizer(version_dir, manifest.tokenizer_type)
         if device_state or (device_state is None and on_gpu):
             model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu")
         else:
@@ -293,6 +293,19 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded)."""
         return self.tokenizer.encode(text)
+
+    def language_prefix(self, language: str) -> list[int]:
+        """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
+        Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
+        languages = self.manifest.target_languages
+        if not language or (not languages and language == self.manifest.target_language):
+            return []
+        token = self.tokenizer.language_id(language) if languages else None
+        if token is None:
+            known = ", ".join(languages or [self.manifest.target_language])
+            raise InvalidArgument(f"target_language {language!r} is not served by {self.manifest.name}; "
+                                  f"choose {known}")
+        return [token]
 
     def default_options(self) -> DecodingOptions:
         defaults = self.manifest.defaults

@@ -309,13 +309,19 @@ class ModelScheduler:
     # ---- requests --------------------------------------------------------------------------------
 
     async def translate(
-        self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None
+        self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None, *,
+        prefix: Sequence[int] = (),
     ) -> list[Translation]:
         """Translate the texts of one request: tokenize them (on a worker thread when the request is
-        large), refuse a text over ``policy.max_tokens`` tokens and a request over the work or
-        response-size budget, queue them as sentences and return their translations in order."""
+        large) and put ``prefix`` (a target-language token, :meth:`Engine.language_prefix`) before each,
+        refuse a text over ``policy.max_tokens`` tokens and a request over the work or response-size
+        budget, queue them as sentences and return their translations in order."""
         policy = self.policy
-        tokenize, limit = self.engine.tokenize, policy.max_tokens
+        limit = policy.max_tokens
+
+        def tokenize(text: str) -> list[int]:
+            return [*prefix, *self.engine.tokenize(text)]
+
         if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
             sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, limit)
         else:

@@ -139,6 +139,7 @@ class TranslatorService:
             record.grant.check(model.name)  # the default model, when the request names none
             record.model, record.version = model.name, model.version
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions)
+            prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
-            translations = await model.scheduler.translate(call.texts, options, handle)
+            translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix)
             return to_pb(translations, model, call.options)

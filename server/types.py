@@ -39,6 +39,7 @@ class TranslateCall:
     model: str = ""
     model_version: str = ""
     options: RequestedOptions = field(default_factory=RequestedOptions)
+    target_language: str = ""  # a multilingual model's target language ("" = none)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from nmt.errors import NmtError
 # a model version
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "spm.model"
+MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB = "source.spm", "target.spm", "vocab.json"  # Marian's tokenizer
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
 
 # a training run

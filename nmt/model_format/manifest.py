@@ -33,6 +33,7 @@ from typing import Any
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
+from nmt.model_format.tokenizer import TOKENIZERS
 
 FORMAT = "nmt-model/1"
 GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
@@ -80,7 +81,10 @@ class Manifest:
     decoder_static: list[str]
     decoder_state: list[StateTensor]
     files: dict[str, str]  # file name -> sha256 hex digest (every file but the manifest)
-    tokenizer: str = TOKENIZER_FILE
+    tokenizer: str = TOKENIZER_FILE  # the joint SentencePiece model (tokenizer_type "sentencepiece")
+    tokenizer_type: str = "sentencepiece"  # or "marian": source.spm, target.spm, vocab.json
+    target_languages: list[str] = field(default_factory=list)  # a multilingual model's >>xx<< codes
+    origin: dict[str, Any] = field(default_factory=dict)  # where an imported model came from (format, path...)
     static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
     fused_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> op type -> count
     attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
@@ -96,6 +100,12 @@ class Manifest:
         data["decoder_state"] = [entry.to_dict() for entry in self.decoder_state]
         data = {"format": data.pop("format"), **data}
         return data
+
+    def tokenizer_files(self) -> list[str]:
+        """The tokenizer's files in the version directory."""
+        if self.tokenizer_type == "sentencepiece":
+            return [self.tokenizer]
+        return list(TOKENIZERS[self.tokenizer_type].files) if self.tokenizer_type in TOKENIZERS else []
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_FILE) -> Manifest:
@@ -145,12 +155,14 @@ class Manifest:
             problems.append("files must map file names to sha256 digests")
         else:
             listed = list(self.graphs.values()) if isinstance(self.graphs, dict) else []
-            for filename in [*listed, self.tokenizer]:
+            for filename in [*listed, *self.tokenizer_files()]:
                 if filename not in self.files:
                     problems.append(f"files has no sha256 for {filename}")
             for filename in self.files:
                 if Path(filename).name != filename or filename in ("", ".", ".."):
                     problems.append(f"file name {filename!r} must be a plain name inside the version directory")
+        if self.tokenizer_type not in TOKENIZERS:
+            problems.append(f"tokenizer_type must be one of {', '.join(TOKENIZERS)}, not {self.tokenizer_type!r}")
         if not isinstance(self.decoder_static, list) or not all(isinstance(n, str) for n in self.decoder_static):
             problems.append("decoder_static must be a list of input names")
         names = [entry.input for entry in self.decoder_state]

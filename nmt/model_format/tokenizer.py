@@ -1,26 +1,37 @@
-"""SentencePiece tokenizer shared by training, export and serving (no torch).
+"""Tokenizers shared by training, export and serving (no torch); the manifest names the kind.
 
-One joint source+target model file (``spm.model``, a protobuf, never a pickle) travels with each
-model version. Tokenizers trained here use the fixed special ids below, which model configs default
-to; a tokenizer built elsewhere (e.g. with Marian's layout) keeps its own.
+* ``sentencepiece`` (:class:`Tokenizer`): one joint source+target model file (``spm.model``, a protobuf,
+  never a pickle), as trained here, with the fixed special ids below, which model configs default to;
+* ``marian`` (:class:`MarianTokenizer`): Hugging Face Marian's (OPUS-MT) separate ``source.spm`` and
+  ``target.spm`` and the shared ``vocab.json`` mapping pieces to model ids.
+
+Both expose the same methods (``encode`` source text, ``pieces``/``decode`` ids), so the engine and the
+server do not care which kind a version has; :func:`load_tokenizer` picks it.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from nmt.model_format.layout import TOKENIZER_FILE
+from nmt.errors import NmtError
+from nmt.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB, TOKENIZER_FILE
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+LANGUAGE_TOKEN = re.compile(r"^>>([^<>\s]+)<<$")  # Marian's target-language tokens, e.g. >>deu<<
 
 
 class Tokenizer:
     """Encode text to subword ids and back; ids exclude BOS/EOS unless asked."""
+
+    kind = "sentencepiece"
+    files = (TOKENIZER_FILE,)
 
     def __init__(self, model_proto: bytes) -> None:
         self._model_proto = model_proto
@@ -28,6 +39,7 @@ class Tokenizer:
         if self._sp.eos_id() < 0 or self._sp.pad_id() < 0:
             raise ValueError("a translation tokenizer needs end-of-sentence and padding pieces")
         self.pad_id, self.eos_id, self.bos_id = self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id()
+        self.unk_id = self._sp.unk_id()
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -64,9 +76,108 @@ class Tokenizer:
     def pieces(self, ids: Iterable[int]) -> list[str]:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
+    target_languages: list[str] = []  # a joint model trained here serves one language pair
+
+    def language_id(self, language: str) -> int | None:
+        """No target-language tokens in a joint model trained here."""
+        return None
+
     def decode(self, ids: Iterable[int]) -> str:
         special = (self.pad_id, self.bos_id, self.eos_id)
         return self._sp.decode([int(i) for i in ids if int(i) not in special])
+
+
+class MarianTokenizer:
+    """Marian's tokenization, as ``transformers.MarianTokenizer`` does it: the source SentencePiece model
+    splits source text into pieces, ``vocab.json`` maps each piece to its id (unknown pieces to
+    ``<unk>``); target ids map back to pieces through the same vocabulary and the target model joins them.
+    EOS is appended by the engine, as for every tokenizer."""
+
+    kind = "marian"
+    files = (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB)
+
+    def __init__(self, source_proto: bytes, target_proto: bytes, vocab: dict[str, int], *,
+                 eos: str = "</s>", unk: str = "<unk>", pad: str = "<pad>") -> None:
+        self._protos = (source_proto, target_proto)
+        self._source = spm.SentencePieceProcessor(model_proto=source_proto)
+        self._target = spm.SentencePieceProcessor(model_proto=target_proto)
+        self.vocab = vocab
+        self._pieces = {i: piece for piece, i in vocab.items()}
+        missing = [piece for piece in (eos, unk, pad) if piece not in vocab]
+        if missing:
+            raise ValueError(f"{MARIAN_VOCAB} lacks the special pieces {', '.join(missing)}")
+        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.bos_id = self.pad_id  # Marian has no BOS; decoding starts from pad
+
+    @classmethod
+    def load(cls, directory: str | Path) -> MarianTokenizer:
+        """Load the three files from a Marian or model-version directory."""
+        directory = Path(directory)
+        for name in cls.files:
+            if not (directory / name).is_file():
+                raise NmtError(f"tokenizer file missing: {directory / name}")
+        try:
+            vocab = json.loads((directory / MARIAN_VOCAB).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise NmtError(f"cannot read {directory / MARIAN_VOCAB}: {error}") from error
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise NmtError(f"{directory / MARIAN_VOCAB} must map pieces to integer ids")
+        return cls((directory / MARIAN_SOURCE_SPM).read_bytes(), (directory / MARIAN_TARGET_SPM).read_bytes(),
+                   vocab)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the three files into ``directory``; returns the vocabulary's path."""
+        directory = Path(directory)
+        for name, proto in zip(self.files[:2], self._protos, strict=True):
+            (directory / name).write_bytes(proto)
+        path = directory / MARIAN_VOCAB
+        path.write_text(json.dumps(self.vocab, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        return path
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.vocab.values()) + 1
+
+    @functools.cached_property
+    def target_languages(self) -> list[str]:
+        """The language codes of the vocabulary's ``>>xx<<`` tokens (multilingual models), sorted."""
+        return sorted(m.group(1) for m in map(LANGUAGE_TOKEN.match, self.vocab) if m)
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        return max(5, *(len(piece.encode("utf-8")) for piece in self.vocab))
+
+    def encode(self, text: str) -> list[int]:
+        return self._ids(self._source.encode(text, out_type=str))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._ids(pieces) for pieces in self._source.encode(list(texts), out_type=str)]
+
+    def _ids(self, pieces: Iterable[str]) -> list[int]:
+        return [self.vocab.get(piece, self.unk_id) for piece in pieces]
+
+    def language_id(self, language: str) -> int | None:
+        """The id of the ``>>language<<`` token, or None if the vocabulary has none."""
+        return self.vocab.get(f">>{language}<<")
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._pieces.get(int(i), "<unk>") for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Target text; special pieces (``<unk>`` too) are left out, as ``skip_special_tokens`` does."""
+        special = (self.pad_id, self.eos_id, self.unk_id)
+        return self._target.decode_pieces(self.pieces(i for i in ids if int(i) not in special))
+
+
+AnyTokenizer = Tokenizer | MarianTokenizer
+TOKENIZERS: dict[str, type[AnyTokenizer]] = {Tokenizer.kind: Tokenizer, MarianTokenizer.kind: MarianTokenizer}
+
+
+def load_tokenizer(directory: str | Path, kind: str = Tokenizer.kind) -> AnyTokenizer:
+    """The tokenizer of ``kind`` (a manifest's ``tokenizer_type``) stored in ``directory``."""
+    if kind not in TOKENIZERS:
+        raise NmtError(f"unknown tokenizer type {kind!r}; known: {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[kind].load(directory)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, character_coverage: float = 1.0) -> Tokenizer:
