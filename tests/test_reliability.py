@@ -355,11 +355,12 @@ def test_a_broken_engine_is_marked_not_serving_and_reloaded(repository: Path,
             for i in range(3):  # three failed requests in a row: the engine is probed, fails, is reloaded
                 error = rpc_error(lambda i=i: translate(h, [TEXTS[i]]))
                 assert error.code() == grpc.StatusCode.INTERNAL
-            wait_for(lambda: h.engine() is not broken, timeout=30)
+            # the swap, its log line and the load counter happen one after the other: wait for all three
+            wait_for(lambda: h.engine() is not broken
+                     and "model version reloaded" in [r.getMessage() for r in caplog.records]
+                     and h.metric("nmt_model_loads_total", loads) == loaded_before + 1, timeout=30)
             messages = [r.getMessage() for r in caplog.records]
         assert "engine broken: a known-good sentence fails too" in messages
-        assert "model version reloaded" in messages
-        assert h.metric("nmt_model_loads_total", loads) == loaded_before + 1
         assert len(translate(h, TEXTS[:2]).translations) == 2
         status = h.health.Check(health_pb2.HealthCheckRequest(service=MODEL), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
