@@ -41,39 +41,29 @@ succeed, or would spend a deadline that has already passed. ``health`` is never 
 report the present state), and gRPC's own transparent retries (of calls that never left the client)
 stay on.
 
-**Several replicas** (client-side load balancing, see ``docs/operations.md``). ``address`` may name
-several servers (``"10.0.0.1:50051,10.0.0.2:50051"`` or a list; host names are resolved once, here) or a
-name that resolves to several (``"dns:///translator.nmt.svc.cluster.local:50051"``, e.g. a Kubernetes
-headless Service; gRPC re-resolves it when a connection drops). Every channel uses gRPC's
-``round_robin`` policy, so each call (each retry included) goes to the next ready replica rather than all
-of them down one HTTP/2 connection. With several replicas the channel also watches each replica's
-``grpc.health.v1`` status for the Translator service (gRPC client-side health checking), so a replica
-that starts draining (NOT_SERVING) gets no new calls; ``health_check`` overrides that choice. HTTP/2
-keepalive pings (``keepalive`` seconds, default 30) find dead connections (a replica that vanished, a
-proxy that dropped an idle connection) between calls' deadlines; the server accepts them that often.
+**Several replicas**: ``address`` may name several servers or a ``dns:///`` name; calls are balanced
+over them with gRPC's ``round_robin`` policy and client-side health checking (:mod:`clients.channel`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
 import random
-import socket
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.channel import DEFAULT_KEEPALIVE, channel_options, channel_target, credentials_for, split_addresses
 from nmt.errors import NmtError
-from server.protos import SERVICE_NAME, pb2, pb2_grpc
+from server.protos import pb2, pb2_grpc
 
 log = logging.getLogger("nmt.client")
 
@@ -81,11 +71,6 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0  # seconds, per call, retries included
 REQUEST_ID_KEY = "x-request-id"
 AUTHORIZATION_KEY = "authorization"
-MAX_RECEIVE_BYTES = 64 * 1024 * 1024  # n-best attention matrices of 64 long texts exceed gRPC's 4 MiB default
-USER_AGENT = "nmt-client/0.1"
-DEFAULT_KEEPALIVE = 30.0  # seconds between HTTP/2 keepalive pings (the server permits one every 10 s)
-KEEPALIVE_TIMEOUT = 10.0  # seconds a ping may go unanswered before the connection is declared dead
-TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "xds:")  # gRPC target URIs, passed as is
 
 
 # ---- results ------------------------------------------------------------------------------------------------
@@ -327,90 +312,6 @@ def error_from_rpc(error: grpc.RpcError, request_id: str | None, attempts: int =
     return TranslationError(code, details or code.name.lower().replace("_", " "), request_id, attempts=attempts)
 
 
-# ---- channels ---------------------------------------------------------------------------------------------------
-
-
-def _read_pem(value: bytes | str | os.PathLike | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    try:
-        return Path(value).read_bytes()
-    except OSError as error:
-        raise NmtError(f"cannot read certificates from {value}: {error.strerror or error}") from error
-
-
-def _credentials(tls: bool, root_certificates: bytes | str | os.PathLike | None,
-                 credentials: grpc.ChannelCredentials | None, client_cert: bytes | str | os.PathLike | None = None,
-                 client_key: bytes | str | os.PathLike | None = None) -> grpc.ChannelCredentials | None:
-    if (client_cert is None) != (client_key is None):
-        raise ValueError("client_cert and client_key go together (mutual TLS needs the certificate and its key)")
-    if credentials is not None:
-        return credentials
-    if tls or root_certificates is not None or client_cert is not None:
-        return grpc.ssl_channel_credentials(root_certificates=_read_pem(root_certificates),
-                                            private_key=_read_pem(client_key),
-                                            certificate_chain=_read_pem(client_cert))
-    return None
-
-
-def _split_addresses(address: str | Sequence[str]) -> list[str]:
-    if isinstance(address, str):
-        address = [address] if address.startswith(TARGET_SCHEMES) else address.split(",")
-    addresses = [a.strip() for a in address if a.strip()]
-    if not addresses:
-        raise ValueError("no server address")
-    return addresses
-
-
-def channel_target(address: str | Sequence[str]) -> str:
-    """The gRPC target of ``address``: one ``host:port`` or target URI (``dns:///name:port``...) as is;
-    several ``host:port`` (a list or a comma-separated string) as one ``ipv4:``/``ipv6:`` target of their
-    addresses (host names resolved here, once), which ``round_robin`` balances call by call."""
-    addresses = _split_addresses(address)
-    if len(addresses) == 1:
-        return addresses[0]
-    if any(a.startswith(TARGET_SCHEMES) for a in addresses):
-        raise ValueError(f"several addresses must each be host:port, got {addresses}")
-    hosts: list[tuple[dict[socket.AddressFamily, str], str]] = []
-    for item in addresses:
-        host, _, port = item.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{item!r} is not host:port")
-        try:
-            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        except OSError as error:
-            raise NmtError(f"cannot resolve {host}: {error}") from None
-        found: dict[socket.AddressFamily, str] = {}
-        for family, _, _, _, sockaddr in infos:
-            found.setdefault(family, sockaddr[0])
-        hosts.append((found, port))
-    for family, scheme, form in ((socket.AF_INET, "ipv4:", "{}:{}"), (socket.AF_INET6, "ipv6:", "[{}]:{}")):
-        if all(family in found for found, _ in hosts):
-            return scheme + ",".join(form.format(found[family], port) for found, port in hosts)
-    raise ValueError("several addresses must all have IPv4 or all IPv6 addresses (gRPC's ipv4:/ipv6: targets)")
-
-
-def service_config(*, health_check: bool) -> str:
-    """The channel's service config: ``round_robin`` over every resolved address and, with ``health_check``,
-    only over those whose health for the Translator service is SERVING (gRPC client-side health checking)."""
-    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
-    if health_check:
-        config["healthCheckConfig"] = {"serviceName": SERVICE_NAME}
-    return json.dumps(config)
-
-
-def _channel_options(extra: Sequence[tuple[str, Any]], *, health_check: bool,
-                     keepalive: float | None) -> list[tuple[str, Any]]:
-    options: dict[str, Any] = {"grpc.max_receive_message_length": MAX_RECEIVE_BYTES,
-                               "grpc.primary_user_agent": USER_AGENT,
-                               "grpc.service_config": service_config(health_check=health_check)}
-    if keepalive is not None:
-        options.update({"grpc.keepalive_time_ms": int(keepalive * 1000),
-                        "grpc.keepalive_timeout_ms": int(KEEPALIVE_TIMEOUT * 1000)})
-    options.update(dict(extra))
-    return list(options.items())
-
-
 class _ClientBase:
     """What the sync and the asyncio client share: configuration, requests and the retry decision.
 
@@ -445,13 +346,13 @@ class _ClientBase:
         self.address = address if isinstance(address, str) else ",".join(address)
         self.target = channel_target(address)
         if health_check is None:
-            health_check = self.target.startswith("dns:") or len(_split_addresses(address)) > 1
+            health_check = self.target.startswith("dns:") or len(split_addresses(address)) > 1
         self.timeout = timeout
         policy = retry or RetryPolicy()
         self.retry = replace(policy, max_attempts=max_attempts) if max_attempts is not None else policy
-        self._credentials = _credentials(tls, root_certificates, credentials, client_cert, client_key)
+        self._credentials = credentials_for(tls, root_certificates, credentials, client_cert, client_key)
         self._auth = ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
-        self._options = _channel_options(options, health_check=health_check, keepalive=keepalive)
+        self._options = channel_options(options, health_check=health_check, keepalive=keepalive)
         self._interceptors = tuple(interceptors)
         self._setup()
 

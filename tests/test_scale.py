@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.client import TranslationError, TranslatorClient, channel_target, service_config
+from clients.channel import channel_target, service_config
+from clients.client import TranslationError, TranslatorClient
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
 from server.protos import SERVICE_NAME
