@@ -28,6 +28,11 @@ def from_pb(request: Any) -> TranslateCall:
         options=RequestedOptions(
             beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
             length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,
+            min_length=o.min_length, repetition_penalty=o.repetition_penalty,
+            no_repeat_ngram_size=o.no_repeat_ngram_size, disable_unk=o.disable_unk,
+            suppress_sequences=tuple(o.suppress_sequences), sampling_topk=o.sampling_topk,
+            sampling_topp=o.sampling_topp, sampling_temperature=o.sampling_temperature,
+            sampling_seed=o.sampling_seed, patience=o.patience,
         ),
     )
 

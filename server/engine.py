@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,20 +79,22 @@ class OnnxStepModel:
 
     def step(
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int,
+        k: int, full: bool = False,
     ) -> StepOutput:
         """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
-        row leave ONNX Runtime, not the [R, V] distribution."""
+        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` asks for it."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
         output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
+        if full:
+            output_names.append("log_probs")
         outputs = session.run(output_names, feeds)
         heads = len(TOP_K_OUTPUTS)
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[-1] if need_attention else None
-        return StepOutput(*outputs[:heads], attention, new_state)
+        attention = outputs[heads + len(self.state)] if need_attention else None
+        return StepOutput(*outputs[:heads], attention, new_state, outputs[-1] if full else None)
 
     def _top_k(self, k: int) -> np.ndarray:
         if k not in self._top_k_feeds:
@@ -145,7 +147,7 @@ class DeviceStepModel(OnnxStepModel):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
-        need_attention: bool, k: int,
+        need_attention: bool, k: int, full: bool = False,
     ) -> StepOutput:
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         binding = session.io_binding()
@@ -161,12 +163,15 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_output(entry.output, self.device)
         if need_attention:
             binding.bind_output("attention", "cpu")
+        if full:
+            binding.bind_output("log_probs", "cpu")
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()  # in binding order
         heads = len(TOP_K_OUTPUTS)
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[-1].numpy() if need_attention else None
-        return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state)
+        attention = outputs[heads + len(self.state)].numpy() if need_attention else None
+        return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state,
+                          outputs[-1].numpy() if full else None)
 
     def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
         selected = {}
@@ -382,6 +387,8 @@ class Engine:
                 max_length=min(r.options.max_length, self.max_positions or r.options.max_length),
                 length_penalty=r.options.length_penalty,
                 is_cancelled=r.is_cancelled,
+                controls=replace(r.options.controls, forced=tuple(r.target_prefix)),
+                patience=r.options.patience,
             )
             for i, r in enumerate(requests)
         ]

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nmt.model_format.decoding import max_target_length, normalized_score
+from server.controls import Controls, needs_full, process, sample, top_k
 
 NEG_INF = -np.inf
 
@@ -36,6 +37,7 @@ class StepOutput:
     eos_log_prob: np.ndarray  # float [R]: log-probability of EOS (for rows out of room)
     attention: np.ndarray | None  # float32 [R, S] cross-attention, when asked for
     state: dict[str, Any]  # next recurrent state [R, ...], kept where the model keeps it
+    log_probs: np.ndarray | None = None  # float [R, V]: the whole distribution, when asked for (``full``)
 
 
 class StepModel(Protocol):
@@ -51,10 +53,12 @@ class StepModel(Protocol):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], need_attention: bool, k: int,
+        full: bool = False,
     ) -> StepOutput:
         """``tokens`` int64 [R] (previous token of each row), ``static`` tensors [R, ...], ``state``
         tensors [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
-        log-probabilities, the EOS log-probability, attention [R, S] (or None) and the next state."""
+        log-probabilities, the EOS log-probability, attention [R, S] (or None), the next state and,
+        with ``full``, the whole [R, V] distribution (for the decoding controls)."""
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
@@ -75,6 +79,13 @@ class BeamSentence:
     max_length: int = 256
     length_penalty: float = 1.0
     is_cancelled: Callable[[], bool] | None = None
+    controls: Controls = field(default_factory=Controls)
+    patience: float = 1.0  # beam search keeps round(beam x patience) finished hypotheses before it stops
+
+    def limit(self) -> int:
+        """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix."""
+        forced = self.controls.forced
+        return max(max_target_length(self.source_length, self.max_length), len(forced) + 1)
 
 
 @dataclass
@@ -107,6 +118,8 @@ def beam_search(
     a sentence whose ``is_cancelled`` turned true."""
     if any(not 1 <= s.num_hypotheses <= beam_size for s in sentences):
         raise ValueError("need 1 <= num_hypotheses <= beam_size")
+    if beam_size > 1 and any(s.controls.samples for s in sentences):
+        raise ValueError("sampling needs beam_size 1")
     search = _greedy if beam_size == 1 else _beam
     return search(model, encoded, sentences, beam_size=beam_size, start_id=start_id, eos_id=eos_id,
                   need_attention=need_attention)
@@ -114,6 +127,21 @@ def beam_search(
 
 def _cancelled(sentence: BeamSentence) -> bool:
     return sentence.is_cancelled is not None and sentence.is_cancelled()
+
+
+def _step(model: StepModel, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any],
+          need_attention: bool, k: int, controls: list[Controls], history: np.ndarray, t: int,
+          eos_id: int) -> tuple[StepOutput, np.ndarray | None]:
+    """One model step of rows under ``controls`` (``history`` [R, >= t]: their tokens so far). When a
+    control is active the top k and the EOS log-probability are those of the processed distribution,
+    which is returned too (else None)."""
+    if not needs_full(controls, t):
+        return model.step(tokens, static, state, need_attention, k), None
+    out = model.step(tokens, static, state, need_attention, k, full=True)
+    processed = process(out.log_probs, history, controls, t, eos_id)
+    out.top_ids, out.top_log_probs = top_k(processed, k)
+    out.eos_log_prob = processed[:, eos_id]
+    return out, processed
 
 
 def _greedy(
@@ -128,8 +156,10 @@ def _greedy(
 ) -> list[SearchResult | None]:
     """:func:`beam_search` for ``beam_size == 1``: arg-max decoding, same results as :func:`_beam`."""
     n = len(sentences)
-    limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
+    limits = np.array([s.limit() for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
+    controls = [s.controls for s in sentences]
+    rngs = [c.rng() if c.samples else None for c in controls]
     results: list[SearchResult | None] = [None] * n
     history = np.zeros((n, int(limits.max())), dtype=np.int64)
     history_scores = np.zeros((n, int(limits.max())))
@@ -142,10 +172,15 @@ def _greedy(
     tokens = np.full(n, start_id, dtype=np.int64)
     t = 0
     while active.size:
-        out = model.step(tokens, static, state, need_attention, 1)
+        out, processed = _step(model, tokens, static, state, need_attention, 1, [controls[s] for s in active],
+                               history[active], t, eos_id)
         attention, state = out.attention, out.state
         tokens = out.top_ids[:, 0].astype(np.int64)
         scores = out.top_log_probs[:, 0].astype(np.float64)
+        for j, s in enumerate(active):
+            if rngs[s] is not None and scores[j] > NEG_INF:
+                tokens[j] = sample(processed[j], controls[s], rngs[s])
+                scores[j] = processed[j, tokens[j]]
         forced = limits[active] - 1 == t
         if forced.any():  # out of room: only EOS may follow
             tokens[forced] = eos_id
@@ -192,8 +227,9 @@ def _beam(
 ) -> list[SearchResult | None]:
     """:func:`beam_search`'s general case (any beam size)."""
     n = len(sentences)
-    limits = np.array([max_target_length(s.source_length, s.max_length) for s in sentences])
+    limits = np.array([s.limit() for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
+    quotas = [max(beam_size, round(beam_size * s.patience)) for s in sentences]  # finished kept
     results: list[SearchResult | None] = [None] * n
     finished: list[list[ScoredSequence]] = [[] for _ in range(n)]
 
@@ -211,7 +247,8 @@ def _beam(
     t = 0
     while active.size:
         # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
-        out = model.step(tokens, static, state, need_attention, 2 * beam_size)
+        row_controls = [sentences[s].controls for s in np.repeat(active, width)]
+        out, _ = _step(model, tokens, static, state, need_attention, 2 * beam_size, row_controls, history, t, eos_id)
         attention, state = out.attention, out.state
         row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
         rows, per_row = row_tokens.shape
@@ -259,9 +296,9 @@ def _beam(
         for j, s in enumerate(active):
             if finished[s]:
                 finished[s].sort(key=lambda hyp: hyp.score, reverse=True)
-                del finished[s][beam_size:]
+                del finished[s][quotas[s]:]
             done = not has_live[j] or (
-                len(finished[s]) == beam_size
+                len(finished[s]) == quotas[s]
                 and normalized_score(best_live[j], t + 1, penalties[s]) <= finished[s][-1].score
             )
             cancelled = _cancelled(sentences[s])

@@ -138,7 +138,9 @@ class TranslatorService:
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
             record.model, record.version = model.name, model.version
-            options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions)
+            options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
+                                      target_ids=model.engine.tokenizer.encode_target,
+                                      unk_id=model.engine.tokenizer.unk_id)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix)

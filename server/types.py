@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server.controls import Controls
+
 
 @dataclass(frozen=True)
 class DecodingOptions:
@@ -17,6 +19,8 @@ class DecodingOptions:
     max_length: int = 256  # absolute cap on generated tokens (EOS included)
     length_penalty: float = 1.0  # score = log-prob sum / length ** length_penalty
     return_attention: bool = False
+    controls: Controls = field(default_factory=Controls)  # without ``forced`` (per sentence: its target prefix)
+    patience: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,16 @@ class RequestedOptions:
     length_penalty: float = 0.0
     return_attention: bool = False
     return_scores: bool = False
+    min_length: int = 0
+    repetition_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    disable_unk: bool = False
+    suppress_sequences: tuple[str, ...] = ()
+    sampling_topk: int = 0
+    sampling_topp: float = 0.0
+    sampling_temperature: float = 0.0
+    sampling_seed: int = 0
+    patience: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,3 +110,4 @@ class SentenceRequest:
     options: DecodingOptions = field(default_factory=DecodingOptions)
     is_cancelled: Callable[[], bool] | None = None
     text: str = ""  # the original text, for its words ("": words merged from the subword pieces)
+    target_prefix: list[int] = field(default_factory=list)  # target ids decoding is forced through

@@ -8,10 +8,15 @@ from typing import Any
 
 from nmt.model_format.decoding import max_target_length
 from server.config import ServerConfig
+from server.controls import Controls
 from server.errors import InvalidArgument
 from server.types import DecodingOptions, RequestedOptions
 
 MAX_LENGTH_PENALTY = 10.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_PATIENCE = 10.0
+MAX_TEMPERATURE = 100.0
+MAX_SUPPRESS_SEQUENCES = 256
 
 
 def check_texts(texts: Sequence[str], config: ServerConfig) -> None:
@@ -28,10 +33,12 @@ def check_texts(texts: Sequence[str], config: ServerConfig) -> None:
 
 
 def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], config: ServerConfig, *,
-                    max_positions: int = 0) -> DecodingOptions:
+                    max_positions: int = 0, target_ids: Callable[[str], list[int]] = lambda text: [],
+                    unk_id: int = 0) -> DecodingOptions:
     """Fill zeros from the model's defaults and check every option against the configured limits and the
     model's ``max_positions`` (its position table; 0: none, as in an RNN). Beyond that table CUDA's
-    Gather reads zeros silently where the CPU raises, so a longer ``max_length`` is refused."""
+    Gather reads zeros silently where the CPU raises, so a longer ``max_length`` is refused. The
+    decoding controls need the model's target tokenizer (``target_ids``) and unknown token (``unk_id``)."""
     beam = requested.beam_size or min(int(defaults.get("beam_size", 1) or 1), config.max_beam)
     if beam > config.max_beam:
         raise InvalidArgument(f"beam_size {beam} is over the limit of {config.max_beam}")
@@ -51,8 +58,51 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
                               f"and {MAX_LENGTH_PENALTY}")
     if penalty == 0:
         penalty = float(defaults.get("length_penalty", 1.0))
+    controls = resolve_controls(requested, beam, max_length, target_ids, unk_id)
+    patience = _bounded("patience", requested.patience, 1.0, MAX_PATIENCE) or 1.0
     return DecodingOptions(beam_size=beam, num_hypotheses=hypotheses, max_length=max_length,
-                           length_penalty=penalty, return_attention=requested.return_attention)
+                           length_penalty=penalty, return_attention=requested.return_attention,
+                           controls=controls, patience=patience)
+
+
+def _bounded(name: str, value: float, low: float, high: float) -> float:
+    """``value`` if it is 0 (off) or within [low, high]; else InvalidArgument."""
+    if not math.isfinite(value) or (value != 0 and not low <= value <= high):
+        raise InvalidArgument(f"{name} {value} must be 0 (off) or between {low} and {high}")
+    return value
+
+
+def resolve_controls(requested: RequestedOptions, beam: int, max_length: int,
+                     target_ids: Callable[[str], list[int]], unk_id: int) -> Controls:
+    """The decoding controls of a request, checked; ``target_ids`` tokenizes the suppressed sequences."""
+    if requested.min_length >= max_length:
+        raise InvalidArgument(f"min_length {requested.min_length} must be below max_length {max_length}")
+    if requested.no_repeat_ngram_size > max_length:
+        raise InvalidArgument(f"no_repeat_ngram_size {requested.no_repeat_ngram_size} is over max_length "
+                              f"{max_length}")
+    repetition = _bounded("repetition_penalty", requested.repetition_penalty, 1.0, MAX_REPETITION_PENALTY)
+    topp = _bounded("sampling_topp", requested.sampling_topp, 1e-6, 1.0)
+    temperature = _bounded("sampling_temperature", requested.sampling_temperature, 1e-3, MAX_TEMPERATURE)
+    samples = requested.sampling_topk > 1 or 0 < topp < 1
+    if samples and beam > 1:
+        raise InvalidArgument(f"sampling (sampling_topk > 1 or sampling_topp < 1) needs beam_size 1, not {beam}")
+    if len(requested.suppress_sequences) > MAX_SUPPRESS_SEQUENCES:
+        raise InvalidArgument(f"too many suppress_sequences: {len(requested.suppress_sequences)}, the limit is "
+                              f"{MAX_SUPPRESS_SEQUENCES}")
+    suppress = []
+    for i, text in enumerate(requested.suppress_sequences):
+        ids = target_ids(text)
+        if not ids:
+            raise InvalidArgument(f"suppress_sequences[{i}] has no tokens")
+        suppress.append(tuple(ids))
+    if requested.disable_unk:
+        suppress.append((unk_id,))
+    return Controls(
+        min_length=requested.min_length, repetition_penalty=repetition or 1.0,
+        no_repeat_ngram_size=requested.no_repeat_ngram_size, suppress=tuple(suppress),
+        sampling_topk=(requested.sampling_topk if requested.sampling_topk > 1 else 0) if samples else 1,
+        sampling_topp=topp or 1.0, sampling_temperature=temperature or 1.0, seed=requested.sampling_seed,
+    )
 
 
 def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], max_tokens: int) -> list[list[int]]:

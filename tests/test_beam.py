@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from server.controls import Controls
 from server.search import BeamSentence, StepOutput, _beam, _greedy, beam_search, take_rows
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model
@@ -17,7 +18,7 @@ def step_output(log_probs, k, eos_id, attention, state):
     (best first, ties to the lower id)."""
     ids = np.argsort(-log_probs, axis=1, kind="stable")[:, : min(k, log_probs.shape[1])]
     return StepOutput(ids, np.take_along_axis(log_probs, ids, 1).astype(np.float64), log_probs[:, eos_id].copy(),
-                      attention, state)
+                      attention, state, log_probs)
 
 
 class TableModel:
@@ -26,7 +27,7 @@ class TableModel:
     static_names: list[str] = []
     state_names = ["prefix"]
 
-    def step(self, tokens, static, state, need_attention, k):
+    def step(self, tokens, static, state, need_attention, k, full=False):
         prefix = state["prefix"]
         if prefix.shape[1] or tokens[0] != BOS:
             prefix = np.concatenate([prefix, tokens[:, None]], 1)
@@ -41,9 +42,10 @@ class TableModel:
         return take_rows(tensors, rows)
 
 
-def table_search(beam, n, length_penalty, max_length=10, sentences=1):
+def table_search(beam, n, length_penalty, max_length=10, sentences=1, controls=None):
     encoded = {"prefix": np.zeros((sentences, 0), dtype=np.int64)}
-    specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty)
+    specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
+                          controls=controls or Controls())
              for _ in range(sentences)]
     return beam_search(TableModel(), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS, need_attention=True)
 
@@ -161,3 +163,46 @@ def test_greedy_loop_equals_the_general_search_at_beam_1(arch):
         assert a.score == pytest.approx(b.score, abs=1e-9)
         assert a.token_scores == pytest.approx(b.token_scores, abs=1e-9)
         np.testing.assert_array_equal(a.attention, b.attention)
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_table_forced_prefix_keeps_model_log_probs(beam):
+    [result] = table_search(beam=beam, n=1, length_penalty=0.0, controls=Controls(forced=(B, A)))
+    assert result.hypotheses[0].tokens == [B, A, EOS]
+    assert result.hypotheses[0].token_scores == pytest.approx([math.log(0.4), math.log(0.05), 0.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_table_min_length_bars_eos_and_renormalises(beam):
+    [result] = table_search(beam=beam, n=1, length_penalty=0.0, controls=Controls(min_length=2))
+    best = result.hypotheses[0]
+    assert len(best.tokens) >= 3
+    if beam == 1:  # (A,): EOS barred -> A 0.5/0.9
+        assert best.tokens == [A, A, EOS]
+        assert best.token_scores[1] == pytest.approx(math.log(0.5 / 0.9), abs=1e-6)
+
+
+def test_table_suppressed_token_and_sequence():
+    [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(suppress=((A,),)))
+    assert result.hypotheses[0].tokens == [B, EOS]
+    [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(suppress=((A, A),)))
+    assert result.hypotheses[0].tokens == [A, B, EOS]
+
+
+def test_table_no_repeat_ngram_and_repetition_penalty():
+    [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(no_repeat_ngram_size=1))
+    assert result.hypotheses[0].tokens == [A, B, EOS]
+    # (A,): A 0.5 -> log(0.5) * 3 renormalised against B 0.4, EOS 0.1: B wins
+    [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(repetition_penalty=3.0))
+    assert result.hypotheses[0].tokens == [A, B, EOS]
+    weights = np.array([0.5 ** 3, 0.4, 0.1])
+    assert result.hypotheses[0].token_scores[1] == pytest.approx(math.log(0.4 / weights.sum()), abs=1e-6)
+
+
+def test_table_sampling_with_a_seed_is_reproducible():
+    runs = [[h.tokens for r in table_search(beam=1, n=1, length_penalty=0.0, sentences=4,
+                                            controls=Controls(sampling_topk=0, seed=7)) for h in r.hypotheses]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    [top1] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(sampling_topk=0, sampling_topp=0.5))
+    assert top1.hypotheses[0].tokens == [A, A, EOS]

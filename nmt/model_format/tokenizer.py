@@ -73,6 +73,10 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side ids of ``text`` (a target prefix, a translation to score): the joint model's."""
+        return self._sp.encode(text)
+
     def pieces(self, ids: Iterable[int]) -> list[str]:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
@@ -152,6 +156,10 @@ class MarianTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self._ids(pieces) for pieces in self._source.encode(list(texts), out_type=str)]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side ids of ``text`` (a target prefix, a translation to score): the target model's pieces."""
+        return self._ids(self._target.encode(text, out_type=str))
 
     def _ids(self, pieces: Iterable[str]) -> list[int]:
         return [self.vocab.get(piece, self.unk_id) for piece in pieces]

@@ -1,0 +1,117 @@
+"""Decoding controls, applied step by step to each row's next-token distribution.
+
+Every control reads only the row's tokens so far and the step's log-probabilities, so the search applies
+them one step at a time, whatever the batching (a row may join or leave the batch between steps).
+Controls that reshape the distribution (minimum length, repetition penalty, no-repeat n-grams,
+suppressed sequences) mask or scale log-probabilities and renormalise them, as CTranslate2 and
+Hugging Face do, so reported scores are those of the distribution searched. A forced target prefix
+keeps each forced token's model log-probability unchanged (a scored translation reports the model's
+own probabilities). Sampling draws from the processed distribution after temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NEG_INF = -np.inf
+
+
+@dataclass(frozen=True)
+class Controls:
+    """One sentence's controls (the defaults change nothing)."""
+
+    min_length: int = 0  # EOS is barred before this many generated tokens (EOS excluded)
+    repetition_penalty: float = 1.0  # > 1: log-probabilities of tokens already generated are multiplied by it
+    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in a hypothesis
+    suppress: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (one token: a banned token)
+    forced: tuple[int, ...] = ()  # target prefix: the first tokens, whatever their probability
+    sampling_topk: int = 1  # 1: arg-max / beam search; 0: sample from the whole vocabulary; k: from the k best
+    sampling_topp: float = 1.0  # sample from the smallest set of tokens whose probability reaches this
+    sampling_temperature: float = 1.0
+    seed: int = 0  # sampling seed; 0: a fresh random seed
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether the distribution is changed, apart from a forced prefix (the search then needs it whole)."""
+        return bool(self.min_length or self.repetition_penalty != 1.0 or self.no_repeat_ngram_size
+                    or self.suppress or self.samples)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling_topk != 1
+
+    def rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed or None)
+
+
+def needs_full(controls: Sequence[Controls], step: int) -> bool:
+    """Whether step ``step`` needs the whole [R, V] distribution of the model, not only its top k."""
+    return any(c.reshapes or step < len(c.forced) for c in controls)
+
+
+def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> list[int]:
+    """Tokens a row with ``history`` (its ``step`` tokens so far) may not take next."""
+    banned: list[int] = []
+    if step < c.min_length:
+        banned.append(eos_id)
+    n = c.no_repeat_ngram_size
+    if n and step >= n - 1:
+        tail = history[step - n + 1: step].tolist()
+        for i in range(step - n + 1):
+            if history[i: i + n - 1].tolist() == tail:
+                banned.append(int(history[i + n - 1]))
+    for sequence in c.suppress:
+        start = list(sequence[:-1])
+        if step >= len(start) and history[step - len(start): step].tolist() == start:
+            banned.append(sequence[-1])
+    return banned
+
+
+def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Controls], step: int,
+            eos_id: int) -> np.ndarray:
+    """``log_probs`` [R, V] of one step -> the distribution searched (float64), row ``r`` under
+    ``controls[r]`` with ``history[r, :step]`` its tokens so far."""
+    raw = log_probs.astype(np.float64)
+    out = raw.copy()
+    for r, c in enumerate(controls):
+        if c.reshapes:
+            row = out[r]
+            if c.repetition_penalty != 1.0 and step:
+                seen = np.unique(history[r, :step])
+                row[seen] *= c.repetition_penalty
+            banned = banned_tokens(c, history[r], step, eos_id)
+            if banned:
+                row[banned] = NEG_INF
+            if np.isfinite(row).any():
+                top = row.max()
+                row -= top + np.log(np.exp(row - top).sum())
+        if step < len(c.forced):
+            token = c.forced[step]
+            out[r] = NEG_INF
+            out[r, token] = raw[r, token]
+    return out
+
+
+def top_k(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best tokens of each row and their log-probabilities, best first, ties to the lower id
+    (as the exported graphs' ``TopK``)."""
+    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, : min(k, log_probs.shape[1])]
+    return ids, np.take_along_axis(log_probs, ids, 1)
+
+
+def sample(log_probs: np.ndarray, c: Controls, rng: np.random.Generator) -> int:
+    """One token drawn from a row's processed distribution under ``c``'s temperature, top-k and top-p."""
+    scaled = log_probs / c.sampling_temperature
+    order = np.argsort(-scaled, kind="stable")
+    if c.sampling_topk > 0:
+        order = order[: c.sampling_topk]
+    order = order[np.isfinite(scaled[order])]
+    weights = np.exp(scaled[order] - scaled[order[0]])
+    probs = weights / weights.sum()
+    if c.sampling_topp < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), c.sampling_topp)) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])
