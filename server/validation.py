@@ -39,7 +39,8 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
     model's ``max_positions`` (its position table; 0: none, as in an RNN). Beyond that table CUDA's
     Gather reads zeros silently where the CPU raises, so a longer ``max_length`` is refused. The
     decoding controls need the model's target tokenizer (``target_ids``) and unknown token (``unk_id``)."""
-    beam = requested.beam_size or min(int(defaults.get("beam_size", 1) or 1), config.max_beam)
+    sampling = requested.sampling_topk > 1 or 0 < requested.sampling_topp < 1  # samples: the default beam is 1
+    beam = requested.beam_size or (1 if sampling else min(int(defaults.get("beam_size", 1) or 1), config.max_beam))
     if beam > config.max_beam:
         raise InvalidArgument(f"beam_size {beam} is over the limit of {config.max_beam}")
     hypotheses = requested.num_hypotheses or 1

@@ -1,0 +1,68 @@
+"""Decoding controls end to end: gRPC requests with the new ``DecodingOptions`` fields, served by the real
+engine on both tiny architectures (the step-table tests in ``tests/test_beam.py`` pin their arithmetic)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from server.config import ServerConfig
+from server.protos import pb2
+from tests.harness import ServerHarness
+
+TEXT = "three four five six"
+MODELS = ["tiny-transformer", "tiny-bahdanau"]
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_models: dict[str, Path], tiny_repository: Path) -> Iterator[ServerHarness]:
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="",
+                          model_repository=str(tiny_repository), provider="cpu", intra_op_threads=1,
+                          grace_seconds=5, reload_interval=0)
+    h = ServerHarness(config)
+    yield h
+    h.close()
+
+
+def translate(h: ServerHarness, model: str, **options: object) -> pb2.Hypothesis:
+    request = pb2.TranslateRequest(texts=[TEXT], model=model,
+                                   options=pb2.DecodingOptions(return_scores=True, **options))
+    return h.stub.Translate(request, timeout=30).translations[0].hypotheses[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_min_length_and_suppression_change_the_output(harness: ServerHarness, model: str) -> None:
+    plain = translate(harness, model)
+    generated = len(plain.token_scores)  # pieces including the end of sentence
+    longer = translate(harness, model, min_length=generated + 2)
+    assert len(longer.token_scores) >= generated + 3  # at least min_length pieces, then the end of sentence
+    first_word = plain.tokens[0]
+    suppressed = translate(harness, model, suppress_sequences=[first_word])
+    assert first_word not in suppressed.tokens
+    assert translate(harness, model, min_length=0, repetition_penalty=0, patience=0) == plain  # 0 means off
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_sampling_with_a_seed_is_reproducible(harness: ServerHarness, model: str) -> None:
+    options = dict(sampling_topk=8, sampling_temperature=3.0, sampling_seed=7)
+    first = translate(harness, model, **options)
+    assert translate(harness, model, **options) == first
+    seeds = {translate(harness, model, sampling_topk=8, sampling_temperature=3.0, sampling_seed=seed).text
+             for seed in range(1, 9)}
+    assert len(seeds) > 1  # hot sampling from 8 tokens does not always give the same text
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(sampling_topk=4, beam_size=4), "sampling"),
+    (dict(repetition_penalty=0.5), "repetition_penalty"),
+    (dict(sampling_topp=1.5), "sampling_topp"),
+    (dict(min_length=40, max_length=10), "min_length"),
+])
+def test_bad_controls_are_invalid_argument(harness: ServerHarness, options: dict, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        translate(harness, MODELS[0], **options)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in caught.value.details()
