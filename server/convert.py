@@ -25,6 +25,7 @@ def from_pb(request: Any) -> TranslateCall:
         model=request.model,
         model_version=request.model_version,
         target_language=request.target_language,
+        target_prefixes=list(request.target_prefixes),
         options=RequestedOptions(
             beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
             length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,

@@ -310,10 +310,11 @@ class ModelScheduler:
 
     async def translate(
         self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None, *,
-        prefix: Sequence[int] = (),
+        prefix: Sequence[int] = (), target_prefixes: Sequence[Sequence[int]] = (),
     ) -> list[Translation]:
         """Translate the texts of one request: tokenize them (on a worker thread when the request is
         large) and put ``prefix`` (a target-language token, :meth:`Engine.language_prefix`) before each,
+        force each text's decoding through its ``target_prefixes`` ids (none, or one list per text),
         refuse a text over ``policy.max_tokens`` tokens and a request over the work or response-size
         budget, queue them as sentences and return their translations in order."""
         policy = self.policy
@@ -339,10 +340,11 @@ class ModelScheduler:
                 f"queued, limit {self.policy.queue_size}; this request has {len(sources)}; retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        forced = list(target_prefixes) or [[] for _ in texts]
         pendings = [
-            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text), len(ids) + 1, units,
-                     loop.create_future(), now, next(self._seq))
-            for ids, text, units in zip(sources, texts, work, strict=True)
+            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=list(target)),
+                     len(ids) + 1, units, loop.create_future(), now, next(self._seq))
+            for ids, text, units, target in zip(sources, texts, work, forced, strict=True)
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
         self._queue.extend(pendings)

@@ -29,7 +29,7 @@ from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
 from server.repository import ModelRepository
 from server.scheduler import RequestHandle
-from server.validation import check_texts, resolve_options
+from server.validation import check_texts, resolve_options, target_prefixes
 
 log = logging.getLogger("nmt.server")
 
@@ -142,6 +142,9 @@ class TranslatorService:
                                       target_ids=model.engine.tokenizer.encode_target,
                                       unk_id=model.engine.tokenizer.unk_id)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
+            forced = target_prefixes(call.texts, call.target_prefixes, model.engine.tokenizer.encode_target,
+                                     options.max_length)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
-            translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix)
+            translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix,
+                                                           target_prefixes=forced)
             return to_pb(translations, model, call.options)

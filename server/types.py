@@ -54,6 +54,7 @@ class TranslateCall:
     model_version: str = ""
     options: RequestedOptions = field(default_factory=RequestedOptions)
     target_language: str = ""  # a multilingual model's target language ("" = none)
+    target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
 
 
 @dataclass

@@ -169,3 +169,19 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
             f"response could reach {size} bytes, the limit is {max_response_bytes} (max_response_bytes); send "
             "fewer texts, ask for fewer hypotheses or a smaller max_length, or leave out attention")
     return work
+
+
+def target_prefixes(texts: Sequence[str], prefixes: Sequence[str], encode: Callable[[str], list[int]],
+                    max_length: int) -> list[list[int]]:
+    """Target ids of each text's prefix (``encode``: the target tokenizer), or [] when the request has none;
+    InvalidArgument unless there is one prefix per text, each shorter than ``max_length`` pieces."""
+    if not prefixes:
+        return []
+    if len(prefixes) != len(texts):
+        raise InvalidArgument(f"target_prefixes has {len(prefixes)} entries for {len(texts)} texts: give none or "
+                              "one per text (\"\" for a text without a prefix)")
+    ids = [encode(prefix) if prefix else [] for prefix in prefixes]
+    for i, forced in enumerate(ids):
+        if len(forced) >= max_length:
+            raise InvalidArgument(f"target_prefixes[{i}] has {len(forced)} pieces; max_length is {max_length}")
+    return ids

@@ -27,8 +27,9 @@ def harness(tiny_models: dict[str, Path], tiny_repository: Path) -> Iterator[Ser
     h.close()
 
 
-def translate(h: ServerHarness, model: str, **options: object) -> pb2.Hypothesis:
-    request = pb2.TranslateRequest(texts=[TEXT], model=model,
+def translate(h: ServerHarness, model: str, *, target_prefixes: tuple[str, ...] = (),
+              **options: object) -> pb2.Hypothesis:
+    request = pb2.TranslateRequest(texts=[TEXT], model=model, target_prefixes=target_prefixes,
                                    options=pb2.DecodingOptions(return_scores=True, **options))
     return h.stub.Translate(request, timeout=30).translations[0].hypotheses[0]
 
@@ -66,3 +67,27 @@ def test_bad_controls_are_invalid_argument(harness: ServerHarness, options: dict
         translate(harness, MODELS[0], **options)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in caught.value.details()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("beam", [1, 4])
+def test_target_prefix_forces_the_start_and_continues(harness: ServerHarness, model: str, beam: int) -> None:
+    plain = translate(harness, model, beam_size=beam)
+    own = translate(harness, model, beam_size=beam, target_prefixes=(plain.tokens[0],))
+    assert own.text == plain.text  # forcing the model's own first word changes nothing
+    assert own.token_scores == pytest.approx(plain.token_scores, abs=1e-5)
+    other = next(word for word in ("zehn", "eins", "acht") if word != plain.tokens[0])
+    forced = translate(harness, model, beam_size=beam, target_prefixes=(other,))
+    assert forced.tokens[0] == other  # an unlikely first word is kept, and decoding goes on after it
+    assert len(forced.tokens) > 1
+
+
+def test_target_prefixes_are_checked(harness: ServerHarness) -> None:
+    request = pb2.TranslateRequest(texts=["one", "two"], model=MODELS[0], target_prefixes=["eins"])
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Translate(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one per text" in caught.value.details()
+    both = pb2.TranslateRequest(texts=["one", "two"], model=MODELS[0], target_prefixes=["", "zehn"])
+    first, second = harness.stub.Translate(both, timeout=30).translations
+    assert second.hypotheses[0].tokens[0] == "zehn" and first.hypotheses[0].tokens[0] != "zehn"
