@@ -120,6 +120,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           help="score = log-probability / length^ALPHA")
     decoding.add_argument("--target-language", default="", metavar="LANG",
                           help="a multilingual model's output language, e.g. deu (--list-models shows the choices)")
+    decoding.add_argument("--prefix", default="", metavar="TEXT",
+                          help="target prefix: every translation starts with TEXT and continues from it")
     output = parser.add_argument_group("output")
     output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
     output.add_argument("--attention", action="store_true",
@@ -279,7 +281,8 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
             results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam_size,
                                        num_hypotheses=args.num_hypotheses, max_length=args.max_length,
                                        length_penalty=args.length_penalty, attention=attention, scores=scores,
-                                       target_language=args.target_language)
+                                       target_language=args.target_language,
+                                       target_prefixes=[args.prefix] * len(batch) if args.prefix else ())
             for source, translation in zip(batch, results, strict=True):
                 index += 1
                 if args.json:

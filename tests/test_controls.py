@@ -9,6 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from clients.client import TranslatorClient
+from nmt.cli import main as nmt_main
 from server.config import ServerConfig
 from server.protos import pb2
 from tests.harness import ServerHarness
@@ -91,3 +93,11 @@ def test_target_prefixes_are_checked(harness: ServerHarness) -> None:
     both = pb2.TranslateRequest(texts=["one", "two"], model=MODELS[0], target_prefixes=["", "zehn"])
     first, second = harness.stub.Translate(both, timeout=30).translations
     assert second.hypotheses[0].tokens[0] == "zehn" and first.hypotheses[0].tokens[0] != "zehn"
+
+
+def test_client_and_cli_send_target_prefixes(harness: ServerHarness, capsys: pytest.CaptureFixture[str]) -> None:
+    with TranslatorClient(harness.address) as client:
+        [result] = client.translate(TEXT, model=MODELS[0], target_prefixes=["zehn"])
+    assert result.hypotheses[0].text.split()[0] == "zehn"
+    assert nmt_main(["translate", "--server", harness.address, "--model", MODELS[1], "--prefix", "zehn", TEXT]) == 0
+    assert capsys.readouterr().out.split()[0] == "zehn"
