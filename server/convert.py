@@ -17,6 +17,17 @@ from server.repository import ModelRepository, ModelVersion
 from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
 
 
+def score_from_pb(request: Any) -> TranslateCall:
+    """``ScoreRequest`` -> :class:`TranslateCall`: greedy decoding forced through each target and its end of
+    sentence, with scores (and attention when asked)."""
+    return TranslateCall(
+        texts=list(request.texts), model=request.model, model_version=request.model_version,
+        target_language=request.target_language, target_prefixes=list(request.targets), score=True,
+        options=RequestedOptions(beam_size=1, return_scores=True, return_attention=request.return_attention,
+                                 length_penalty=request.length_penalty),
+    )
+
+
 def from_pb(request: Any) -> TranslateCall:
     """``TranslateRequest`` -> :class:`TranslateCall`."""
     o = request.options

@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from server.config import ServerConfig
-from server.convert import error_response_pb, from_pb, model_list_pb, to_pb
+from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
 from server.repository import ModelRepository
 from server.scheduler import RequestHandle
+from server.types import TranslateCall
 from server.validation import check_texts, resolve_options, target_prefixes
 
 log = logging.getLogger("nmt.server")
@@ -37,7 +38,7 @@ STREAM_WINDOW = 32  # requests of one stream translated concurrently
 
 
 class TranslatorService:
-    """``Translate``, ``TranslateStream`` and ``ListModels`` over the repository's model versions."""
+    """``Translate``, ``TranslateStream``, ``ListModels`` and ``Score`` over the repository's model versions."""
 
     def __init__(self, *, repository: ModelRepository, config: ServerConfig) -> None:
         self.repository = repository
@@ -121,15 +122,24 @@ class TranslatorService:
         """The loaded versions of the models the call's token may use (all without authentication)."""
         return model_list_pb(self.repository, max_beam=self.config.max_beam, allows=current_call().grant.allows)
 
+    @grpc_errors
+    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Given translations scored by forced decoding, through the same scheduler as Translate."""
+        return await self._run(request, score_from_pb, context)
+
     # ---- one translation request -----------------------------------------------------------------------
 
     async def _translate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """One ``TranslateRequest`` -> its ``TranslateResponse``."""
+        return await self._run(request, from_pb, context)
+
+    async def _run(self, request: Any, parse: Callable[[Any], TranslateCall], context: grpc.aio.ServicerContext) -> Any:
+        """One request, read by ``parse`` -> its ``TranslateResponse``."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
         if isinstance(request, Undecodable):
             raise request.error()
-        call = from_pb(request)
+        call = parse(request)
         record = current_call()
         record.texts += len(call.texts)
         if call.model:  # checked before resolving, so a restricted token cannot probe which models exist
@@ -143,7 +153,7 @@ class TranslatorService:
                                       unk_id=model.engine.tokenizer.unk_id)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
             forced = target_prefixes(call.texts, call.target_prefixes, model.engine.tokenizer.encode_target,
-                                     options.max_length)
+                                     options.max_length, end_id=model.engine.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix,
                                                            target_prefixes=forced)

@@ -55,6 +55,7 @@ class TranslateCall:
     options: RequestedOptions = field(default_factory=RequestedOptions)
     target_language: str = ""  # a multilingual model's target language ("" = none)
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
+    score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
 
 
 @dataclass

@@ -172,16 +172,22 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
 
 
 def target_prefixes(texts: Sequence[str], prefixes: Sequence[str], encode: Callable[[str], list[int]],
-                    max_length: int) -> list[list[int]]:
+                    max_length: int, *, end_id: int | None = None) -> list[list[int]]:
     """Target ids of each text's prefix (``encode``: the target tokenizer), or [] when the request has none;
-    InvalidArgument unless there is one prefix per text, each shorter than ``max_length`` pieces."""
-    if not prefixes:
+    InvalidArgument unless there is one prefix per text, each shorter than ``max_length`` pieces. Scoring
+    (``end_id``, the end-of-sentence id): the prefixes are whole translations, required and ended by it."""
+    field = "targets" if end_id is not None else "target_prefixes"
+    if not prefixes and end_id is None:
         return []
     if len(prefixes) != len(texts):
-        raise InvalidArgument(f"target_prefixes has {len(prefixes)} entries for {len(texts)} texts: give none or "
-                              "one per text (\"\" for a text without a prefix)")
+        allowed = "one per text" if end_id is not None else "none or one per text (\"\" for a text without a prefix)"
+        raise InvalidArgument(f"{field} has {len(prefixes)} entries for {len(texts)} texts: give {allowed}")
     ids = [encode(prefix) if prefix else [] for prefix in prefixes]
     for i, forced in enumerate(ids):
+        if end_id is not None:
+            if not forced:
+                raise InvalidArgument(f"targets[{i}] is empty: give the translation to score")
+            forced.append(end_id)
         if len(forced) >= max_length:
-            raise InvalidArgument(f"target_prefixes[{i}] has {len(forced)} pieces; max_length is {max_length}")
+            raise InvalidArgument(f"{field}[{i}] has {len(forced)} pieces; max_length is {max_length}")
     return ids

@@ -3,6 +3,8 @@ engine on both tiny architectures (the step-table tests in ``tests/test_beam.py`
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,7 @@ MODELS = ["tiny-transformer", "tiny-bahdanau"]
 
 @pytest.fixture(scope="module")
 def harness(tiny_models: dict[str, Path], tiny_repository: Path) -> Iterator[ServerHarness]:
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="",
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
                           model_repository=str(tiny_repository), provider="cpu", intra_op_threads=1,
                           grace_seconds=5, reload_interval=0)
     h = ServerHarness(config)
@@ -101,3 +103,42 @@ def test_client_and_cli_send_target_prefixes(harness: ServerHarness, capsys: pyt
     assert result.hypotheses[0].text.split()[0] == "zehn"
     assert nmt_main(["translate", "--server", harness.address, "--model", MODELS[1], "--prefix", "zehn", TEXT]) == 0
     assert capsys.readouterr().out.split()[0] == "zehn"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_score_of_the_own_translation_equals_translate(harness: ServerHarness, model: str) -> None:
+    texts = [TEXT, "one two", "seven"]
+    request = pb2.TranslateRequest(texts=texts, model=model, options=pb2.DecodingOptions(
+        beam_size=1, return_scores=True, return_attention=True))
+    translated = harness.stub.Translate(request, timeout=30).translations
+    targets = [t.hypotheses[0].text for t in translated]
+    scored = harness.stub.Score(pb2.ScoreRequest(texts=texts, targets=targets, model=model, return_attention=True),
+                                timeout=30).translations
+    for own, given in zip(translated, scored, strict=True):
+        [hypothesis], [best] = given.hypotheses, own.hypotheses[:1]
+        assert hypothesis.text == best.text and hypothesis.subword_tokens == best.subword_tokens
+        assert hypothesis.token_scores == pytest.approx(best.token_scores, abs=1e-5)
+        assert hypothesis.score == pytest.approx(best.score, abs=1e-5)
+        assert hypothesis.attention.weights == pytest.approx(best.attention.weights, abs=1e-5)
+        assert hypothesis.attention.pharaoh == best.attention.pharaoh
+    other = harness.stub.Score(pb2.ScoreRequest(texts=[TEXT], targets=["zehn eins"], model=model), timeout=30)
+    [hypothesis] = other.translations[0].hypotheses
+    assert hypothesis.text == "zehn eins" and hypothesis.score < scored[0].hypotheses[0].score
+
+
+@pytest.mark.parametrize("targets, message", [(["eins"], "one per text"), (["eins", ""], "targets[1] is empty")])
+def test_score_checks_its_targets(harness: ServerHarness, targets: list[str], message: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Score(pb2.ScoreRequest(texts=["one", "two"], targets=targets, model=MODELS[0]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in caught.value.details()
+
+
+def test_score_over_http(harness: ServerHarness) -> None:
+    body = json.dumps({"texts": [TEXT], "targets": ["zehn eins"], "model": MODELS[0]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{harness.server.http_port}/v1/score", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        [translation] = json.load(response)["translations"]
+    [hypothesis] = translation["hypotheses"]
+    assert hypothesis["text"] == "zehn eins" and len(hypothesis["tokenScores"]) == len(hypothesis["subwordTokens"]) + 1
