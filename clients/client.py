@@ -248,6 +248,18 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
                                 target_language=target_language, target_prefixes=list(target_prefixes))
 
 
+def build_score_request(texts: str | Iterable[str], targets: str | Iterable[str], *, model: str = "",
+                        version: str = "", attention: bool = False, length_penalty: float = 0.0,
+                        target_language: str = "") -> Any:
+    """A ``ScoreRequest``: the texts and their given translations, one per text."""
+    if not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
+                         f"got {length_penalty!r}")
+    return pb2.ScoreRequest(texts=_texts(texts), targets=_texts(targets), model=model, model_version=version,
+                            return_attention=bool(attention), length_penalty=float(length_penalty),
+                            target_language=target_language)
+
+
 def attention_from_pb(message: Any, source_words: Sequence[str], target_words: Sequence[str]) -> Attention:
     rows, columns = int(message.target_length), int(message.source_length)
     flat = list(message.weights)
@@ -445,6 +457,16 @@ class TranslatorClient(_ClientBase):
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
+    def score(self, texts: str | list[str], targets: str | list[str], *, model: str = "", version: str = "",
+              attention: bool = False, length_penalty: float = 0.0, target_language: str = "",
+              timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
+        """Score given translations (``targets``, one per text): one :class:`Translation` per text whose single
+        hypothesis is its target, with per-token log-probabilities, score and (``attention``) alignment."""
+        request = build_score_request(texts, targets, model=model, version=version, attention=attention,
+                                      length_penalty=length_penalty, target_language=target_language)
+        response = self._call(self.stub.Score, request, timeout, request_id)
+        return translations_from_pb(response, scores=True)
+
     def list_models(self, *, timeout: float | None = None, request_id: str | None = None) -> list[ModelInfo]:
         """Every loaded model version."""
         response = self._call(self.stub.ListModels, pb2.ListModelsRequest(), timeout, request_id)
@@ -528,6 +550,16 @@ class AsyncTranslatorClient(_ClientBase):
                                 target_language=target_language, target_prefixes=target_prefixes)
         response = await self._call(self._open().Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
+
+    async def score(self, texts: str | list[str], targets: str | list[str], *, model: str = "",
+                    version: str = "", attention: bool = False, length_penalty: float = 0.0,
+                    target_language: str = "", timeout: float | None = None,
+                    request_id: str | None = None) -> list[Translation]:
+        """See :meth:`TranslatorClient.score`."""
+        request = build_score_request(texts, targets, model=model, version=version, attention=attention,
+                                      length_penalty=length_penalty, target_language=target_language)
+        response = await self._call(self._open().Score, request, timeout, request_id)
+        return translations_from_pb(response, scores=True)
 
     async def list_models(self, *, timeout: float | None = None, request_id: str | None = None) -> list[ModelInfo]:
         """Every loaded model version."""

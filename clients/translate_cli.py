@@ -122,6 +122,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           help="a multilingual model's output language, e.g. deu (--list-models shows the choices)")
     decoding.add_argument("--prefix", default="", metavar="TEXT",
                           help="target prefix: every translation starts with TEXT and continues from it")
+    decoding.add_argument("--score", metavar="TARGET", default=None,
+                          help="score TARGET as the translation of the one TEXT instead of translating it: its "
+                               "per-token log-probabilities and score (with --attention or --plot, its alignment)")
     output = parser.add_argument_group("output")
     output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
     output.add_argument("--attention", action="store_true",
@@ -272,17 +275,24 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
             return 0
 
         texts, batch_size, numbered = read_input(args, stdin)
+        if args.score is not None and (not isinstance(texts, list) or len(texts) != 1):
+            raise NmtError("--score TARGET scores one text: give that text as the only TEXT argument")
         scores = args.scores or args.num_hypotheses > 1
         attention = args.attention or bool(args.plot)
-        verbose = args.num_hypotheses > 1 or args.scores or args.attention
+        verbose = args.num_hypotheses > 1 or args.scores or args.attention or args.score is not None
         ascii_only = not _unicode_ok(stdout)
         index = 0
         for batch in _batches(texts, batch_size):
-            results = client.translate(batch, model=args.model, version=args.model_version, beam_size=args.beam_size,
-                                       num_hypotheses=args.num_hypotheses, max_length=args.max_length,
-                                       length_penalty=args.length_penalty, attention=attention, scores=scores,
-                                       target_language=args.target_language,
-                                       target_prefixes=[args.prefix] * len(batch) if args.prefix else ())
+            if args.score is not None:
+                results = client.score(batch, [args.score], model=args.model, version=args.model_version,
+                                       attention=attention, length_penalty=args.length_penalty,
+                                       target_language=args.target_language)
+            else:
+                results = client.translate(batch, model=args.model, version=args.model_version,
+                                           beam_size=args.beam_size, num_hypotheses=args.num_hypotheses,
+                                           max_length=args.max_length, length_penalty=args.length_penalty,
+                                           attention=attention, scores=scores, target_language=args.target_language,
+                                           target_prefixes=[args.prefix] * len(batch) if args.prefix else ())
             for source, translation in zip(batch, results, strict=True):
                 index += 1
                 if args.json:

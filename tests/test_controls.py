@@ -142,3 +142,16 @@ def test_score_over_http(harness: ServerHarness) -> None:
         [translation] = json.load(response)["translations"]
     [hypothesis] = translation["hypotheses"]
     assert hypothesis["text"] == "zehn eins" and len(hypothesis["tokenScores"]) == len(hypothesis["subwordTokens"]) + 1
+
+
+def test_client_and_cli_score(harness: ServerHarness, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with TranslatorClient(harness.address) as client:
+        [result] = client.score(TEXT, "zehn eins", model=MODELS[1], attention=True)
+    [hypothesis] = result.hypotheses
+    assert hypothesis.text == "zehn eins" and hypothesis.score < 0 and hypothesis.attention is not None
+    plot = tmp_path / "score.png"
+    assert nmt_main(["translate", "--server", harness.address, "--model", MODELS[0], "--score", "zehn eins",
+                     "--plot", str(plot), TEXT]) == 0
+    assert "zehn eins" in capsys.readouterr().out and plot.stat().st_size > 0
+    assert nmt_main(["translate", "--server", harness.address, "--score", "zehn", "one", "two"]) != 0
+    assert "scores one text" in capsys.readouterr().err
