@@ -11,7 +11,7 @@ from nmt.model_format.manifest import StateTensor
 
 @dataclass
 class GraphSet:
-    """What an architecture exporter produces: three graphs and their I/O description."""
+    """What an architecture exporter produces: three graphs (four with a forced pass) and their I/O description."""
 
     encoder: onnx.ModelProto
     decoder: onnx.ModelProto
@@ -21,6 +21,8 @@ class GraphSet:
     static_src_axes: dict[str, int]
     attention_total: int  # attention blocks that have a fused ONNX Runtime lowering (all must be fused)
     attention_fused: int
+    decoder_forced: onnx.ModelProto | None = None  # the decoder over given positions in one call (Transformer)
 
     def graphs(self) -> dict[str, onnx.ModelProto]:
-        return {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}
+        graphs = {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}
+        return graphs | ({"decoder_forced": self.decoder_forced} if self.decoder_forced is not None else {})

@@ -7,8 +7,9 @@
    it, or a Hugging Face Marian directory (:mod:`export.huggingface`, checked against
    ``transformers.MarianMTModel`` itself); the target directory (refused if it exists, unless ``force``);
 2. **export graphs**: the architecture's exporter (:mod:`export.registry`) traces ``encoder.onnx``,
-   ``decoder.onnx`` (one step) and ``decoder_attention.onnx`` (the same step plus ``attention``) with
-   fused attention; graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
+   ``decoder.onnx`` (one step), ``decoder_attention.onnx`` (the same step plus ``attention``) and, for the
+   Transformer, ``decoder_forced.onnx`` (every given target position in one call) with fused attention;
+   graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
    decoder's in-graph top-k. The I/O contract is described in :mod:`nmt.model_format.manifest`;
 3. **verify parity**: the version is written and loaded with the serving engine, which must match
    PyTorch (:mod:`export.verify`);
@@ -49,6 +50,7 @@ from nmt.errors import NmtError
 from nmt.model_format.layout import (
     BEST_CHECKPOINT,
     GRAPH_FILES,
+    OPTIONAL_GRAPH_FILES,
     SUMMARY_FILE,
     TEST_SPLIT_FILE,
     TOKENIZER_FILE,
@@ -299,8 +301,9 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         _check_against_source(inputs, options, sources, targets)
     fp32_dir = work / "fp32"
     fp32_dir.mkdir()
+    files = _graph_files(graph_set)
     for role, graph in graph_set.graphs().items():
-        save_graph(graph, fp32_dir / GRAPH_FILES[role])
+        save_graph(graph, fp32_dir / files[role])
     manifest = _write_version(fp32_dir, options, inputs, graph_set, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
     parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
@@ -308,7 +311,8 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         details = "; ".join(parity.mismatches[:3])
         raise NmtError(
             f"ONNX parity check failed: max log-prob diff {parity.max_logit_diff:.2e}, max attention diff "
-            f"{parity.max_attention_diff:.2e} (tolerance {options.parity_tolerance:g}), greedy "
+            f"{parity.max_attention_diff:.2e}, max forced-pass diff {parity.max_forced_diff or 0:.2e} "
+            f"(tolerance {options.parity_tolerance:g}), greedy "
             f"{parity.greedy_match[0]}/{parity.greedy_match[1]}, beam-4 {parity.beam4_match[0]}/"
             f"{parity.beam4_match[1]} identical" + (f"; {details}" if details else "")
         )
@@ -320,7 +324,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         stage(f"convert {reduced}")
         reduced_dir = work / reduced
         reduced_dir.mkdir()
-        for filename in GRAPH_FILES.values():
+        for filename in files.values():
             if reduced == "int8":
                 quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
             else:
@@ -357,11 +361,18 @@ def _serving_defaults(options: ExportOptions, inputs: _Inputs) -> dict[str, Any]
             for key, value in fallback.items()}
 
 
+def _graph_files(graph_set: GraphSet) -> dict[str, str]:
+    """Role -> file name of every graph the exporter produced (the forced pass only where it has one)."""
+    names = {**GRAPH_FILES, **OPTIONAL_GRAPH_FILES}
+    return {role: names[role] for role in graph_set.graphs()}
+
+
 def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, graph_set: GraphSet, version: str,
                    *, precision: str) -> Manifest:
     """Complete the model version in ``directory`` (whose graphs are written): tokenizer and a manifest
     without parity figures yet. Returns the manifest."""
     model, cfg = inputs.model, inputs.model.config
+    graph_files = _graph_files(graph_set)
     inputs.tokenizer.save(directory)
     manifest = Manifest(
         name=options.name,
@@ -376,7 +387,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         opset=options.opset,
         onnxruntime_version=ort.__version__,
         precision=precision,
-        graphs=dict(GRAPH_FILES),
+        graphs=graph_files,
         decoder_static=graph_set.decoder_static,
         decoder_state=graph_set.decoder_state,
         static_src_axes=graph_set.static_src_axes,
@@ -384,11 +395,11 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         tokenizer_type=inputs.tokenizer.kind,
         target_languages=inputs.tokenizer.target_languages,
         origin=inputs.origin,
-        fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in GRAPH_FILES.items()},
+        fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in graph_files.items()},
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
         training=_training_info(inputs),
         defaults=_serving_defaults(options, inputs),
-        files={name: sha256_file(directory / name) for name in [*GRAPH_FILES.values(), *inputs.tokenizer.files]},
+        files={name: sha256_file(directory / name) for name in [*graph_files.values(), *inputs.tokenizer.files]},
         created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
     )
     write_manifest(manifest, directory)

@@ -22,7 +22,14 @@ Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
 * decoder step: ``input_ids`` int64 [batch], ``src_mask``, ``cross_*``, ``past_key_{i}``/``past_value_{i}``
   [batch, heads, past_len, head_dim] -> ``log_probs`` [batch, vocab], ``present_key_{i}``/
   ``present_value_{i}`` [batch, heads, past_len + 1, head_dim] (+ ``attention`` [batch, src_len]).
-  The target position is ``past_len``, read from ``past_key_0``'s shape inside the graph.
+  The target position is ``past_len``, read from ``past_key_0``'s shape inside the graph;
+* decoder forced pass (``decoder_forced.onnx``): ``input_ids`` int64 [batch, tgt_len] (the decoder start
+  then the given tokens), ``target_ids`` int64 [batch, tgt_len] (the token whose log-probability each
+  position reports), ``src_mask``, ``cross_*`` -> ``target_log_probs`` [batch, tgt_len], ``last_log_probs``
+  [batch, vocab] (the distribution after the last position), ``attention`` [batch, tgt_len, src_len] (the
+  alignment layer's, computed with standard operators) and ``present_key_{i}``/``present_value_{i}``
+  [batch, heads, tgt_len, head_dim]: the step decoder's ``past_*`` after those positions, so step-wise
+  search continues from them. Causal self-attention over all positions in one call (Score, target prefixes).
 """
 
 from __future__ import annotations
@@ -90,6 +97,36 @@ class StepGraph(nn.Module):
         logits = model.lm_head(x[:, 0]) + model.final_logits_bias
         outputs = (logits.log_softmax(-1), *presents)
         return outputs + (attention[:, 0],) if attention is not None else outputs
+
+
+class ForcedGraph(nn.Module):
+    """The decoder over ``tgt_len`` given positions in one call (see the module docstring for its I/O)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, target_ids: Tensor, src_mask: Tensor, *cross: Tensor) -> tuple[Tensor, ...]:
+        model = self.model
+        layers = model.decoder.layers
+        length = input_ids.shape[1]
+        x = model.shared(input_ids) * model.embed_scale + model.positions[:length]
+        mask = (src_mask != 0)[:, None, None, :]
+        positions = torch.arange(length, device=input_ids.device)
+        causal = positions[:, None] >= positions[None, :]
+        attn = layers[0].self_attn
+        empty = x.new_zeros(x.shape[0], attn.heads, 0, attn.head_dim)
+        alignment_layer = model.config.alignment_layer % len(layers)
+        presents: list[Tensor] = []
+        attention = None
+        for i, layer in enumerate(layers):
+            x, key, value, weights = layer(x, empty, empty, cross[2 * i], cross[2 * i + 1], mask, causal,
+                                           i == alignment_layer)
+            presents += [key, value]
+            attention = weights if weights is not None else attention
+        log_probs = (model.lm_head(x) + model.final_logits_bias).log_softmax(-1)
+        target = log_probs.gather(2, target_ids[:, :, None])[:, :, 0]
+        return (target, log_probs[:, -1], attention, *presents)
 
 
 def _example_inputs(model: Transformer) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
@@ -250,6 +287,38 @@ def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto, head_dim:
     graph.output.append(helper.make_tensor_value_info("attention", TensorProto.FLOAT, ["batch", "src_len"]))
 
 
+def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list[Tensor], opset: int,
+                  shapes: dict[str, list]) -> onnx.ModelProto:
+    """``decoder_forced.onnx``: :class:`ForcedGraph`, fused like the step decoder (the alignment layer's
+    cross-attention stays unfused: its weights are an output)."""
+    cfg = model.config
+    layers, heads = cfg.decoder_layers, cfg.heads
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    src_len = torch.export.Dim("src_len", min=1, max=cfg.max_positions)
+    tgt_len = torch.export.Dim("tgt_len", min=1, max=cfg.max_positions)
+    generator = torch.Generator().manual_seed(1)
+    targets = torch.randint(4, max(cfg.vocab_size, 5), (src.shape[0], 5), generator=generator)  # tgt_len 5
+    inputs = torch.cat([torch.full((src.shape[0], 1), cfg.decoder_start_id), targets[:, :-1]], 1)
+    cross_names, present_names = _names("cross", layers), _names("present", layers)
+    forced = torch_to_onnx(
+        ForcedGraph(model), (inputs, targets, src_mask, *cross),
+        input_names=["input_ids", "target_ids", "src_mask", *cross_names],
+        output_names=["target_log_probs", "last_log_probs", "attention", *present_names],
+        dynamic_shapes=({0: batch, 1: tgt_len}, {0: batch, 1: tgt_len}, {0: batch, 1: src_len},
+                        tuple([{0: batch, 2: src_len}] * len(cross))),
+        opset=opset, fuse=True, what="Transformer decoder forced pass",
+    )
+    feed_cross_kv_directly(forced)
+    cancel_transposes(forced)
+    use_key_padding_mask(forced)
+    head_dim = cfg.d_model // heads
+    set_io_shapes(forced, {**shapes, "input_ids": ["batch", "tgt_len"], "target_ids": ["batch", "tgt_len"],
+                           "target_log_probs": ["batch", "tgt_len"], "last_log_probs": ["batch", cfg.vocab_size],
+                           "attention": ["batch", "tgt_len", "src_len"],
+                           **{name: ["batch", heads, "tgt_len", head_dim] for name in present_names}})
+    return forced
+
+
 def export_transformer(model: Transformer, opset: int) -> GraphSet:
     """The fused encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
     cfg = model.config
@@ -310,6 +379,7 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
         encoder=encoder,
         decoder=decoder,
         decoder_attention=decoder_attention,
+        decoder_forced=_forced_graph(model, src, src_mask, cross, opset, shapes),
         decoder_static=["src_mask", *cross_names],
         decoder_state=[
             StateTensor(input=name, output=name.replace("past_", "present_"), init="empty",

@@ -6,6 +6,9 @@ covers the graphs, the in-graph top-k, the manifest's I/O description and the en
 * teacher-forced steps over held-out targets (the whole batch at once, so padding is exercised)
   compare every log-probability (``decoder.onnx``, read through its top-k with k = vocabulary) and the
   attention (``decoder_attention.onnx``) with PyTorch's at every real position;
+* ``decoder_forced.onnx`` (where the version has it) runs the same teacher-forced targets in one call:
+  its per-position log-probabilities, last distribution, attention and K/V cache are compared with
+  PyTorch's step-wise ones at every position (padding included: both feed the same padded rows);
 * greedy and beam search run one sentence at a time through the engine and the reference search
   (:mod:`training.search`) and must produce the same tokens.
 """
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from export.options import LOGIT_TOLERANCE
+from nmt.model_format.layout import FORCED_GRAPH
 from server.engine import Engine
 from server.search import ScoredSequence
 from server.types import DecodingOptions, SentenceRequest
@@ -37,10 +41,12 @@ class ParityReport:
     sentences: int
     teacher_forced_steps: int
     mismatches: list[str] = field(default_factory=list)
+    max_forced_diff: float | None = None  # decoder_forced vs PyTorch (log-probs, attention, K/V); None: no such graph
 
     def ok(self, tolerance: float = LOGIT_TOLERANCE) -> bool:
         return (
             self.max_logit_diff <= tolerance
+            and (self.max_forced_diff is None or self.max_forced_diff <= tolerance)
             and self.max_attention_diff <= tolerance
             and self.greedy_match[0] == self.greedy_match[1]
             and self.beam4_match[0] == self.beam4_match[1]
@@ -56,7 +62,7 @@ class ParityReport:
             "sentences": self.sentences,
             "teacher_forced_steps": self.teacher_forced_steps,
             "tolerance": LOGIT_TOLERANCE,
-        }
+        } | ({} if self.max_forced_diff is None else {"max_forced_diff": float(f"{self.max_forced_diff:.3g}")})
 
 
 def engine_translate_ids(
@@ -106,6 +112,9 @@ def check_parity(
     tgt_in = [[cfg.decoder_start_id] + list(target)[: max_target_steps - 1] for target in targets]
     lengths = np.array([len(row) for row in tgt_in])
     tgt = pad_rows(tgt_in, cfg.pad_id)
+    tgt_next = pad_rows([(list(target) + [cfg.eos_id])[: len(row)]
+                         for target, row in zip(targets, tgt_in, strict=True)], cfg.pad_id)
+    torch_scores, torch_attention = [], []
     torch_state = model.init_state(model.encode(torch.from_numpy(src)))
     encoded = engine.model.encode(src)
     static = {name: encoded[name] for name in engine.model.static_names}
@@ -117,6 +126,8 @@ def check_parity(
         tokens = np.ascontiguousarray(tgt[:, t])
         logits, attention, torch_state = model.decode_step(torch.from_numpy(tokens), torch_state, need_attention=True)
         log_probs = logits.float().log_softmax(-1).numpy()
+        torch_scores.append(np.take_along_axis(log_probs, tgt_next[:, t : t + 1], 1)[:, 0])
+        torch_attention.append(attention.numpy())
         onnx_log_probs, _, next_state = engine_step_log_probs(engine, tokens, static, state, need_attention=False)
         _, onnx_attention, _ = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
         state = next_state
@@ -124,6 +135,16 @@ def check_parity(
         max_attention = max(max_attention, float(np.abs(onnx_attention - attention.numpy())[rows].max()))
         max_row_error = max(max_row_error, float(np.abs(onnx_attention[rows].sum(-1) - 1).max()))
         steps += int(rows.sum())
+    forced_diff = None
+    if FORCED_GRAPH in engine.model.sessions:
+        initial = {name: encoded[name] for name in engine.model.state_names}
+        out = engine.model.force(tgt, tgt_next, static, initial, need_attention=True)
+        cache = [np.abs(out.state[name] - torch_state["self_" + name.removeprefix("past_").replace("_", ".")].numpy())
+                 for name in engine.model.state_names]
+        forced_diff = float(max(np.abs(out.target_log_probs - np.stack(torch_scores, 1)).max(),
+                                np.abs(out.last_log_probs - log_probs).max(),
+                                np.abs(out.attention - np.stack(torch_attention, 1)).max(),
+                                *(diff.max() for diff in cache)))
 
     greedy = beam = 0
     mismatches: list[str] = []
@@ -139,7 +160,7 @@ def check_parity(
     return ParityReport(
         max_logit_diff=max_logit, max_attention_diff=max_attention, max_attention_row_error=max_row_error,
         greedy_match=(greedy, len(sources)), beam4_match=(beam, len(sources)), sentences=len(sources),
-        teacher_forced_steps=steps, mismatches=mismatches,
+        teacher_forced_steps=steps, mismatches=mismatches, max_forced_diff=forced_diff,
     )
 
 

@@ -18,6 +18,8 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "spm.model"
 MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB = "source.spm", "target.spm", "vocab.json"  # Marian's tokenizer
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
+FORCED_GRAPH = "decoder_forced"  # optional role: the decoder over given target positions in one call
+OPTIONAL_GRAPH_FILES = {FORCED_GRAPH: "decoder_forced.onnx"}  # versions exported before it lack it
 
 # a training run
 BEST_CHECKPOINT = "best.pt"

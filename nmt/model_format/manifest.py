@@ -13,6 +13,11 @@ graphs' I/O so the engine stays architecture-agnostic:
   ``top_ids`` int64 / ``top_log_probs`` float32 [batch, top_k] (the best tokens of each row, best
   first) and ``eos_log_prob`` float32 [batch], so the search never fetches the whole distribution
   (the engine refuses a decoder without them);
+* an optional ``decoder_forced`` graph (versions exported before it lack it; the engine then forces given
+  tokens step by step) runs the decoder over given target positions in one call: ``input_ids`` int64
+  [batch, tgt_len], ``target_ids`` int64 [batch, tgt_len] and the static inputs -> ``target_log_probs``
+  [batch, tgt_len], ``last_log_probs`` [batch, vocab], ``attention`` [batch, tgt_len, src_len] and each
+  state entry's ``output`` after those positions (see :mod:`export.transformer_graphs`);
 * a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
   KV cache); its ``dtype`` is a NumPy dtype name;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
@@ -77,7 +82,7 @@ class Manifest:
     opset: int
     onnxruntime_version: str  # the version that verified parity at export time
     precision: str  # "fp32", "fp16" (GPUs) or "int8" (CPUs)
-    graphs: dict[str, str]  # role (encoder, decoder, decoder_attention) -> file name
+    graphs: dict[str, str]  # role (encoder, decoder, decoder_attention[, decoder_forced]) -> file name
     decoder_static: list[str]
     decoder_state: list[StateTensor]
     files: dict[str, str]  # file name -> sha256 hex digest (every file but the manifest)
