@@ -15,12 +15,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
+from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
@@ -34,7 +36,8 @@ from server.device import (
     session_provider,
 )
 from server.errors import DeviceMemoryExhausted, InvalidArgument
-from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
+from server.forced import ForcedOutput, decode, stepwise_force
+from server.search import BeamSentence, SearchResult, StepOutput, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
 
@@ -95,6 +98,25 @@ class OnnxStepModel:
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
         attention = outputs[heads + len(self.state)] if need_attention else None
         return StepOutput(*outputs[:heads], attention, new_state, outputs[-1] if full else None)
+
+    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
+              state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
+        """Given tokens in one ``decoder_forced`` call (see :class:`server.search.StepModel`), or step by
+        step for a version without that graph (the RNN, Transformers exported before it)."""
+        session = self.sessions.get(FORCED_GRAPH)
+        if session is None:
+            return stepwise_force(self, inputs, targets, static, state, need_attention)
+        names = ["target_log_probs", "last_log_probs", "attention", *(entry.output for entry in self.state)]
+        outputs = dict(zip(names, session.run(names, {"input_ids": inputs, "target_ids": targets, **static}),
+                           strict=True))
+        return ForcedOutput(outputs["target_log_probs"], outputs["last_log_probs"],
+                            outputs["attention"] if need_attention else None, self.state_from_forced(outputs))
+
+    def state_from_forced(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """The step decoder's state after a ``decoder_forced`` call: each state entry's ``output`` there
+        ([batch, heads, tgt_len, head_dim] K/V of every layer), under its input name. The one place
+        that hands the forced pass's cache to the step search (an in-place KV layout adapts it here)."""
+        return {entry.input: outputs[entry.output] for entry in self.state}
 
     def _top_k(self, k: int) -> np.ndarray:
         if k not in self._top_k_feeds:
@@ -172,6 +194,28 @@ class DeviceStepModel(OnnxStepModel):
         attention = outputs[heads + len(self.state)].numpy() if need_attention else None
         return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state,
                           outputs[-1].numpy() if full else None)
+
+    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
+              state: dict[str, ort.OrtValue], need_attention: bool) -> ForcedOutput:
+        """:meth:`OnnxStepModel.force` with the static inputs and the resulting cache on the device."""
+        session = self.sessions.get(FORCED_GRAPH)
+        if session is None:
+            return stepwise_force(self, inputs, targets, static, state, need_attention)
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", inputs)
+        binding.bind_cpu_input("target_ids", targets)
+        for name, value in static.items():
+            binding.bind_ortvalue_input(name, value)
+        heads = ["target_log_probs", "last_log_probs", "attention"]
+        for name in heads:
+            binding.bind_output(name, "cpu")
+        for entry in self.state:
+            binding.bind_output(entry.output, self.device)
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        outputs = dict(zip([*heads, *(entry.output for entry in self.state)], values, strict=True))
+        return ForcedOutput(outputs["target_log_probs"].numpy(), outputs["last_log_probs"].numpy(),
+                            outputs["attention"].numpy() if need_attention else None, self.state_from_forced(outputs))
 
     def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
         selected = {}
@@ -389,19 +433,13 @@ class Engine:
                 is_cancelled=r.is_cancelled,
                 controls=replace(r.options.controls, forced=tuple(r.target_prefix)),
                 patience=r.options.patience,
+                alternatives=r.options.num_hypotheses if r.options.return_alternatives else 0,
             )
             for i, r in enumerate(requests)
         ]
         start = time.perf_counter()
-        results = beam_search(
-            self.model,
-            encoded,
-            sentences,
-            beam_size=first.beam_size,
-            start_id=self.start_id,
-            eos_id=self.eos_id,
-            need_attention=first.return_attention,
-        )
+        results = decode(self.model, encoded, sentences, beam_size=first.beam_size, start_id=self.start_id,
+                         eos_id=self.eos_id, pad_id=self.pad_id, need_attention=first.return_attention)
         return results, src, encode_seconds, time.perf_counter() - start
 
     def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:

@@ -64,6 +64,12 @@ class StepModel(Protocol):
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
         leave the batch and beams follow the rows they extend. :func:`take_rows` for NumPy arrays."""
 
+    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any], state: dict[str, Any],
+              need_attention: bool) -> Any:
+        """Given tokens in one pass (:class:`server.forced.ForcedOutput`): ``inputs`` int64 [R, T] fed at
+        positions 0..T-1 from ``state`` (the initial one), ``targets`` int64 [R, T] the tokens whose
+        log-probabilities each position reports."""
+
 
 def take_rows(tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays."""
@@ -81,6 +87,7 @@ class BeamSentence:
     is_cancelled: Callable[[], bool] | None = None
     controls: Controls = field(default_factory=Controls)
     patience: float = 1.0  # beam search keeps round(beam x patience) finished hypotheses before it stops
+    alternatives: int = 0  # > 0: that many most likely tokens after the forced prefix, each continued
 
     def limit(self) -> int:
         """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix."""
@@ -99,6 +106,17 @@ class ScoredSequence:
 
 
 @dataclass
+class Resume:
+    """Where the search starts when a forced pass (:mod:`server.forced`) has already decided each
+    sentence's first ``T`` tokens: step ``T``, feeding each sentence's last token to ``state``."""
+
+    tokens: np.ndarray  # int64 [N, T], T >= 1
+    token_scores: np.ndarray  # float [N, T]
+    attention: np.ndarray | None  # float32 [N, T, S] (when the search needs attention)
+    state: dict[str, Any]  # the model state after positions 0..T-1 (the start token and tokens[:, :-1])
+
+
+@dataclass
 class SearchResult:
     hypotheses: list[ScoredSequence] = field(default_factory=list)
 
@@ -112,17 +130,18 @@ def beam_search(
     start_id: int,
     eos_id: int,
     need_attention: bool = False,
+    resume: Resume | None = None,
 ) -> list[SearchResult | None]:
     """Decode ``len(sentences)`` sentences together; ``encoded`` holds every static input and the
-    initial value of every state entry, batch first. Returns one result per sentence, ``None`` for
-    a sentence whose ``is_cancelled`` turned true."""
+    initial value of every state entry, batch first (``resume``: start after tokens already decided).
+    Returns one result per sentence, ``None`` for a sentence whose ``is_cancelled`` turned true."""
     if any(not 1 <= s.num_hypotheses <= beam_size for s in sentences):
         raise ValueError("need 1 <= num_hypotheses <= beam_size")
     if beam_size > 1 and any(s.controls.samples for s in sentences):
         raise ValueError("sampling needs beam_size 1")
     search = _greedy if beam_size == 1 else _beam
     return search(model, encoded, sentences, beam_size=beam_size, start_id=start_id, eos_id=eos_id,
-                  need_attention=need_attention)
+                  need_attention=need_attention, resume=resume)
 
 
 def _cancelled(sentence: BeamSentence) -> bool:
@@ -153,6 +172,7 @@ def _greedy(
     start_id: int,
     eos_id: int,
     need_attention: bool,
+    resume: Resume | None,
 ) -> list[SearchResult | None]:
     """:func:`beam_search` for ``beam_size == 1``: arg-max decoding, same results as :func:`_beam`."""
     n = len(sentences)
@@ -171,6 +191,14 @@ def _greedy(
     state = {name: encoded[name] for name in model.state_names}
     tokens = np.full(n, start_id, dtype=np.int64)
     t = 0
+    if resume is not None:
+        t = resume.tokens.shape[1]
+        history[:, :t], history_scores[:, :t] = resume.tokens, resume.token_scores
+        totals = history_scores[:, :t].sum(1)
+        tokens, state = resume.tokens[:, -1].copy(), resume.state
+        if resume.attention is not None:
+            history_attention = np.zeros((n, history.shape[1], resume.attention.shape[2]), dtype=np.float32)
+            history_attention[:, :t] = resume.attention
     while active.size:
         out, processed = _step(model, tokens, static, state, need_attention, 1, [controls[s] for s in active],
                                history[active], t, eos_id)
@@ -224,6 +252,7 @@ def _beam(
     start_id: int,
     eos_id: int,
     need_attention: bool,
+    resume: Resume | None,
 ) -> list[SearchResult | None]:
     """:func:`beam_search`'s general case (any beam size)."""
     n = len(sentences)
@@ -245,6 +274,11 @@ def _beam(
     history_attention: np.ndarray | None = None
 
     t = 0
+    if resume is not None:
+        t = resume.tokens.shape[1]
+        history, history_scores = resume.tokens, resume.token_scores.astype(np.float64)
+        totals = history_scores.sum(1)
+        tokens, state, history_attention = resume.tokens[:, -1].copy(), resume.state, resume.attention
     while active.size:
         # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
         row_controls = [sentences[s].controls for s in np.repeat(active, width)]

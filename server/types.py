@@ -21,6 +21,7 @@ class DecodingOptions:
     return_attention: bool = False
     controls: Controls = field(default_factory=Controls)  # without ``forced`` (per sentence: its target prefix)
     patience: float = 1.0
+    return_alternatives: bool = False  # num_hypotheses alternatives at the prefix's end, each continued
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class RequestedOptions:
     sampling_temperature: float = 0.0
     sampling_seed: int = 0
     patience: float = 0.0
+    return_alternatives: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,170 @@
+"""Given target tokens in one decoder pass: Score, target prefixes and the alternatives at a prefix's end.
+
+A sentence whose target prefix ends with EOS (Score's whole translations) is read off one forced pass and
+never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. p(n-1)``
+(each position's log-probability of the next given piece, the alignment attention, the decoder state
+after them); the search then resumes at step ``n`` from that state, feeding ``pn``
+(:class:`server.search.Resume`), exactly as if it had forced the pieces one step at a time. With
+alternatives the pass also covers ``pn``: the ``k`` most likely tokens after it (under the sentence's
+controls) each become a hypothesis of their own, continued by the search from a copy of the state.
+
+A Transformer exported with ``decoder_forced.onnx`` runs each pass as one call; other models (the RNN,
+versions exported before that graph) step through the given tokens with :func:`stepwise_force`, a lean
+loop without beam bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from nmt.model_format.decoding import normalized_score
+from server.controls import process, top_k
+from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, beam_search
+
+NEG_INF = -np.inf
+
+
+@dataclass
+class ForcedOutput:
+    """One forced pass over ``T`` positions of ``R`` rows."""
+
+    target_log_probs: np.ndarray  # float [R, T]: log-probability of each position's given next token
+    last_log_probs: np.ndarray  # float [R, V]: the distribution after the last position
+    attention: np.ndarray | None  # float32 [R, T, S] alignment attention, when asked for
+    state: dict[str, Any]  # the decoder state after the T positions (the step decoder's state inputs)
+
+
+def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any],
+                   state: dict[str, Any], need_attention: bool) -> ForcedOutput:
+    """:meth:`StepModel.force` one step per position: ``inputs``/``targets`` int64 [R, T]."""
+    rows, length = inputs.shape
+    scores = np.zeros((rows, length), dtype=np.float32)
+    attention = []
+    for t in range(length):
+        out = model.step(np.ascontiguousarray(inputs[:, t]), static, state, need_attention, 1, full=True)
+        scores[:, t] = np.take_along_axis(out.log_probs, targets[:, t : t + 1], 1)[:, 0]
+        if out.attention is not None:
+            attention.append(out.attention)
+        state = out.state
+    return ForcedOutput(scores, out.log_probs, np.stack(attention, 1) if attention else None, state)
+
+
+def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, beam_size: int,
+           start_id: int, eos_id: int, pad_id: int, need_attention: bool) -> list[SearchResult | None]:
+    """:func:`server.search.beam_search` for sentences with target prefixes, whole targets and alternatives
+    (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring).
+    Sentences needing the same pass length go through it, and then the search, together."""
+    results: list[SearchResult | None] = [None] * len(sentences)
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, s in enumerate(sentences):
+        forced = s.controls.forced
+        if s.alternatives:
+            key = ("alternatives", len(forced) + 1)
+        elif forced and forced[-1] == eos_id:
+            key = ("whole", 0)  # any lengths together: the causal pass ignores padding after a row's end
+        else:
+            key = ("prefix" if forced else "plain", len(forced))
+        groups.setdefault(key, []).append(i)
+    settings = dict(beam_size=beam_size, start_id=start_id, eos_id=eos_id, need_attention=need_attention)
+    for (kind, _), members in groups.items():
+        rows = np.array(members)
+        chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, rows)
+        group = [sentences[i] for i in members]
+        if kind == "plain":
+            found = beam_search(model, chosen, group, **settings)
+        else:
+            found = _forced_group(model, chosen, group, kind, pad_id, settings)
+        for i, result in zip(members, found, strict=True):
+            results[i] = result
+    return results
+
+
+def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], kind: str, pad_id: int,
+                  settings: dict[str, Any]) -> list[SearchResult | None]:
+    """One group of :func:`decode`: its forced pass, then the search (or nothing, for whole targets)."""
+    start_id, need_attention = settings["start_id"], settings["need_attention"]
+    given = [list(s.controls.forced) for s in group]
+    length = max(len(g) for g in given) + (kind == "alternatives")
+    inputs = np.full((len(group), max(length, 1)), pad_id, dtype=np.int64)
+    targets = np.full_like(inputs, pad_id)
+    for r, tokens in enumerate(given):
+        inputs[r, : len(tokens) + 1] = ([start_id] + tokens)[: length]
+        targets[r, : len(tokens)] = tokens
+    static = {name: encoded[name] for name in model.static_names}
+    state = {name: encoded[name] for name in model.state_names}
+    out = model.force(inputs, targets, static, state, need_attention)
+    if kind == "whole":
+        return [None if _cancelled(s) else SearchResult([_given(s, tokens, out, r)])
+                for r, (s, tokens) in enumerate(zip(group, given, strict=True))]
+    prefix = np.array([tokens for tokens in given], dtype=np.int64).reshape(len(group), len(given[0]))
+    attention = out.attention[:, : prefix.shape[1]] if out.attention is not None else None
+    if kind == "prefix":
+        resume = Resume(prefix, out.target_log_probs, attention, out.state)
+        return beam_search(model, encoded, group, resume=resume, **settings)
+    return _alternatives(model, encoded, group, prefix, out, settings)
+
+
+def _alternatives(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], prefix: np.ndarray,
+                  out: ForcedOutput, settings: dict[str, Any]) -> list[SearchResult | None]:
+    """Each sentence's ``alternatives`` most likely tokens after its prefix (the forced pass's last
+    distribution under its controls), each continued by the search to one hypothesis, in that order."""
+    n, eos_id = prefix.shape[1], settings["eos_id"]
+    boundary = process(out.last_log_probs, prefix, [s.controls for s in group], n, eos_id)
+    scores = out.target_log_probs[:, :n].astype(np.float64)
+    rows, tokens, subs, finished = [], [], [], {}
+    picks: list[list[int]] = []
+    for r, s in enumerate(group):
+        ids, values = top_k(boundary[r : r + 1], s.alternatives)
+        picks.append([])
+        for token, value in zip(ids[0].tolist(), values[0].tolist(), strict=True):
+            if value == NEG_INF:
+                break
+            picks[r].append(len(rows))
+            rows.append(r)
+            tokens.append(token)
+            forced = (*s.controls.forced, token)
+            subs.append(replace(s, num_hypotheses=1, alternatives=0, controls=replace(s.controls, forced=forced)))
+            if token == eos_id:
+                finished[len(rows) - 1] = None
+    index = np.array(rows, dtype=np.int64)
+    history = np.concatenate([prefix[index], np.array(tokens, dtype=np.int64)[:, None]], 1)
+    history_scores = np.concatenate([scores[index], boundary[index, tokens][:, None]], 1)
+    attention = out.attention[index, : n + 1] if out.attention is not None else None
+    for j in finished:
+        attention_rows = attention[j] if attention is not None else None
+        finished[j] = SearchResult([ScoredSequence(
+            tokens=history[j].tolist(), score=float(normalized_score(history_scores[j].sum(), n + 1,
+                                                                     subs[j].length_penalty)),
+            token_scores=history_scores[j].tolist(), attention=attention_rows)])
+    going = [j for j in range(len(rows)) if j not in finished]
+    found: dict[int, SearchResult | None] = dict(finished)
+    if going:
+        keep = index[going]
+        resume = Resume(history[going], history_scores[going], attention[going] if attention is not None else None,
+                        model.select_rows(out.state, keep))
+        continued = beam_search(model, model.select_rows(encoded, keep), [subs[j] for j in going], resume=resume,
+                                **settings)
+        found.update(zip(going, continued, strict=True))
+    results: list[SearchResult | None] = []
+    for r, s in enumerate(group):
+        if _cancelled(s) or any(found[j] is None for j in picks[r]):
+            results.append(None)
+            continue
+        results.append(SearchResult([found[j].hypotheses[0] for j in picks[r] if found[j].hypotheses]))
+    return results
+
+
+def _given(s: BeamSentence, tokens: list[int], out: ForcedOutput, r: int) -> ScoredSequence:
+    """A whole given target (ending with EOS) read off row ``r`` of its forced pass."""
+    scores = out.target_log_probs[r, : len(tokens)].astype(np.float64)
+    return ScoredSequence(tokens=tokens, score=float(normalized_score(scores.sum(), len(tokens), s.length_penalty)),
+                          token_scores=scores.tolist(),
+                          attention=out.attention[r, : len(tokens)].copy() if out.attention is not None else None)
+
+
+def _cancelled(sentence: BeamSentence) -> bool:
+    return sentence.is_cancelled is not None and sentence.is_cancelled()
