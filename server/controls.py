@@ -6,7 +6,8 @@ Controls that reshape the distribution (minimum length, repetition penalty, no-r
 suppressed sequences) mask or scale log-probabilities and renormalise them, as CTranslate2 and
 Hugging Face do, so reported scores are those of the distribution searched. A forced target prefix
 keeps each forced token's model log-probability unchanged (a scored translation reports the model's
-own probabilities). Sampling draws from the processed distribution after temperature, top-k and top-p.
+own probabilities); so does a partial word to complete (:mod:`server.completion`), which only bars the
+pieces that do not spell it. Sampling draws from the processed distribution after temperature, top-k and top-p.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from server.completion import Completion
 
 NEG_INF = -np.inf
 
@@ -28,6 +31,7 @@ class Controls:
     no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in a hypothesis
     suppress: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (one token: a banned token)
     forced: tuple[int, ...] = ()  # target prefix: the first tokens, whatever their probability
+    completion: Completion | None = None  # the prefix ends inside this word: the next pieces spell it out
     sampling_topk: int = 1  # 1: arg-max / beam search; 0: sample from the whole vocabulary; k: from the k best
     sampling_topp: float = 1.0  # sample from the smallest set of tokens whose probability reaches this
     sampling_temperature: float = 1.0
@@ -49,7 +53,12 @@ class Controls:
 
 def needs_full(controls: Sequence[Controls], step: int) -> bool:
     """Whether step ``step`` needs the whole [R, V] distribution of the model, not only its top k."""
-    return any(c.reshapes or step < len(c.forced) for c in controls)
+    return any(c.reshapes or step < len(c.forced) or completing(c, step) for c in controls)
+
+
+def completing(c: Controls, step: int) -> bool:
+    """Whether step ``step`` may still be spelling out ``c``'s partial word."""
+    return c.completion is not None and c.completion.start <= step < c.completion.start + c.completion.steps()
 
 
 def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> list[int]:
@@ -92,6 +101,13 @@ def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Contr
             token = c.forced[step]
             out[r] = NEG_INF
             out[r, token] = raw[r, token]
+        elif completing(c, step):
+            allowed = c.completion.allowed(history[r, c.completion.start: step])
+            if allowed is not None:
+                ids = list(allowed)
+                kept = out[r, ids]
+                out[r] = NEG_INF
+                out[r, ids] = kept
     return out
 
 

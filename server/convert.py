@@ -44,7 +44,7 @@ def from_pb(request: Any) -> TranslateCall:
             no_repeat_ngram_size=o.no_repeat_ngram_size, disable_unk=o.disable_unk,
             suppress_sequences=tuple(o.suppress_sequences), sampling_topk=o.sampling_topk,
             sampling_topp=o.sampling_topp, sampling_temperature=o.sampling_temperature,
-            sampling_seed=o.sampling_seed, patience=o.patience,
+            sampling_seed=o.sampling_seed, patience=o.patience, return_alternatives=o.return_alternatives,
         ),
     )
 

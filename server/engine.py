@@ -11,6 +11,7 @@ The provider an :class:`Engine` reports is the one its sessions really got (:mod
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
+from server.completion import build_completion, split_partial_word
 from server.device import (
     CUDA,
     DeviceSettings,
@@ -38,7 +40,7 @@ from server.device import (
 from server.errors import DeviceMemoryExhausted, InvalidArgument
 from server.forced import ForcedOutput, decode, stepwise_force
 from server.search import BeamSentence, SearchResult, StepOutput, take_rows
-from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
+from server.types import DecodingOptions, Hypothesis, SentenceRequest, TargetPrefix, Translation
 
 
 @dataclass
@@ -343,6 +345,30 @@ class Engine:
         """Subword ids of ``text`` (EOS excluded)."""
         return self.tokenizer.encode(text)
 
+    def target_prefix(self, text: str, *, whole: bool = False) -> TargetPrefix:
+        """A target prefix, tokenized: when it ends inside a word (no whitespace or punctuation at its end),
+        the text before that word is forced and the word is completed (:mod:`server.completion`); a word
+        no pieces spell, and a ``whole`` translation (Score), are tokenized as they are."""
+        head, word = ("", "") if whole else split_partial_word(text)
+        if word:
+            ids = self.tokenizer.encode_target(head) if head.strip() else []
+            completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._pieces,
+                                          self._special)
+            if completion is not None:
+                return TargetPrefix(tuple(ids), completion)
+        return TargetPrefix(tuple(self.tokenizer.encode_target(text)))
+
+    @functools.cached_property
+    def _pieces(self) -> list[str]:
+        """Every target id's piece (what a partial word's completion is spelt with)."""
+        return self.tokenizer.pieces(range(self.manifest.vocab_size))
+
+    @functools.cached_property
+    def _special(self) -> set[int]:
+        """Ids never used to spell a word: padding, start, end and unknown."""
+        ids = self.manifest.special_ids
+        return {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
+
     def language_prefix(self, language: str) -> list[int]:
         """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
         Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
@@ -431,7 +457,8 @@ class Engine:
                 max_length=min(r.options.max_length, self.max_positions or r.options.max_length),
                 length_penalty=r.options.length_penalty,
                 is_cancelled=r.is_cancelled,
-                controls=replace(r.options.controls, forced=tuple(r.target_prefix)),
+                controls=replace(r.options.controls, forced=r.target_prefix.ids,
+                                 completion=r.target_prefix.completion),
                 patience=r.options.patience,
                 alternatives=r.options.num_hypotheses if r.options.return_alternatives else 0,
             )

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
-from server.types import DecodingOptions, SentenceRequest, Translation
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
 from server.validation import check_budget, tokenize_texts
 
 log = logging.getLogger("nmt.server")
@@ -310,11 +310,11 @@ class ModelScheduler:
 
     async def translate(
         self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None, *,
-        prefix: Sequence[int] = (), target_prefixes: Sequence[Sequence[int]] = (),
+        prefix: Sequence[int] = (), target_prefixes: Sequence[TargetPrefix] = (),
     ) -> list[Translation]:
         """Translate the texts of one request: tokenize them (on a worker thread when the request is
         large) and put ``prefix`` (a target-language token, :meth:`Engine.language_prefix`) before each,
-        force each text's decoding through its ``target_prefixes`` ids (none, or one list per text),
+        force each text's decoding through its ``target_prefixes`` (none, or one per text),
         refuse a text over ``policy.max_tokens`` tokens and a request over the work or response-size
         budget, queue them as sentences and return their translations in order."""
         policy = self.policy
@@ -327,8 +327,10 @@ class ModelScheduler:
             sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, limit)
         else:
             sources = tokenize_texts(texts, tokenize, limit)
+        forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
         work = check_budget(texts, sources, options, piece_bytes=self.engine.tokenizer.max_piece_bytes,
-                            max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes)
+                            max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
+                            prefix_steps=[target.steps() for target in forced])
         request = request or RequestHandle()
         if self._closed:
             raise Unavailable("server is shutting down")
@@ -340,9 +342,8 @@ class ModelScheduler:
                 f"queued, limit {self.policy.queue_size}; this request has {len(sources)}; retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        forced = list(target_prefixes) or [[] for _ in texts]
         pendings = [
-            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=list(target)),
+            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=target),
                      len(ids) + 1, units, loop.create_future(), now, next(self._seq))
             for ids, text, units, target in zip(sources, texts, work, forced, strict=True)
         ]

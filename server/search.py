@@ -90,9 +90,11 @@ class BeamSentence:
     alternatives: int = 0  # > 0: that many most likely tokens after the forced prefix, each continued
 
     def limit(self) -> int:
-        """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix."""
-        forced = self.controls.forced
-        return max(max_target_length(self.source_length, self.max_length), len(forced) + 1)
+        """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix and the
+        partial word it ends with."""
+        c = self.controls
+        typed = len(c.forced) + (c.completion.steps() if c.completion is not None else 0)
+        return max(max_target_length(self.source_length, self.max_length), typed + 1)
 
 
 @dataclass
@@ -172,7 +174,7 @@ def _greedy(
     start_id: int,
     eos_id: int,
     need_attention: bool,
-    resume: Resume | None,
+    resume: Resume | None = None,
 ) -> list[SearchResult | None]:
     """:func:`beam_search` for ``beam_size == 1``: arg-max decoding, same results as :func:`_beam`."""
     n = len(sentences)
@@ -252,7 +254,7 @@ def _beam(
     start_id: int,
     eos_id: int,
     need_attention: bool,
-    resume: Resume | None,
+    resume: Resume | None = None,
 ) -> list[SearchResult | None]:
     """:func:`beam_search`'s general case (any beam size)."""
     n = len(sentences)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server.completion import Completion
 from server.controls import Controls
 
 
@@ -58,6 +59,18 @@ class TranslateCall:
     target_language: str = ""  # a multilingual model's target language ("" = none)
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
     score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
+
+
+@dataclass(frozen=True)
+class TargetPrefix:
+    """One text's target prefix, tokenized: the pieces forced first, then the partial word they end with."""
+
+    ids: tuple[int, ...] = ()
+    completion: Completion | None = None  # the word the prefix ends inside (server.completion)
+
+    def steps(self) -> int:
+        """Decoding steps the prefix can take at most (forced pieces and the pieces spelling the word)."""
+        return len(self.ids) + (self.completion.steps() if self.completion is not None else 0)
 
 
 @dataclass
@@ -114,4 +127,4 @@ class SentenceRequest:
     options: DecodingOptions = field(default_factory=DecodingOptions)
     is_cancelled: Callable[[], bool] | None = None
     text: str = ""  # the original text, for its words ("": words merged from the subword pieces)
-    target_prefix: list[int] = field(default_factory=list)  # target ids decoding is forced through
+    target_prefix: TargetPrefix = field(default_factory=TargetPrefix)  # what decoding is forced through first

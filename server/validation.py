@@ -10,7 +10,7 @@ from nmt.model_format.decoding import max_target_length
 from server.config import ServerConfig
 from server.controls import Controls
 from server.errors import InvalidArgument
-from server.types import DecodingOptions, RequestedOptions
+from server.types import DecodingOptions, RequestedOptions, TargetPrefix
 
 MAX_LENGTH_PENALTY = 10.0
 MAX_REPETITION_PENALTY = 10.0
@@ -44,7 +44,11 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
     if beam > config.max_beam:
         raise InvalidArgument(f"beam_size {beam} is over the limit of {config.max_beam}")
     hypotheses = requested.num_hypotheses or 1
-    if hypotheses > beam:
+    if requested.return_alternatives:  # each alternative is a search of its own: n is not bound by the beam
+        if hypotheses > config.max_beam:
+            raise InvalidArgument(f"num_hypotheses {hypotheses} (the alternatives returned) is over the limit of "
+                                  f"{config.max_beam}")
+    elif hypotheses > beam:
         raise InvalidArgument(f"num_hypotheses {hypotheses} is larger than the beam size {beam}"
                               + ("" if requested.beam_size else " (the model's default)"))
     max_length = requested.max_length or min(int(defaults.get("max_length", 256) or 256), config.max_length,
@@ -61,9 +65,12 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
         penalty = float(defaults.get("length_penalty", 1.0))
     controls = resolve_controls(requested, beam, max_length, target_ids, unk_id)
     patience = _bounded("patience", requested.patience, 1.0, MAX_PATIENCE) or 1.0
+    if requested.return_alternatives and controls.samples:
+        raise InvalidArgument("return_alternatives returns the most likely next tokens; it excludes sampling "
+                              "(sampling_topk > 1 or sampling_topp < 1)")
     return DecodingOptions(beam_size=beam, num_hypotheses=hypotheses, max_length=max_length,
                            length_penalty=penalty, return_attention=requested.return_attention,
-                           controls=controls, patience=patience)
+                           controls=controls, patience=patience, return_alternatives=requested.return_alternatives)
 
 
 def _bounded(name: str, value: float, low: float, high: float) -> float:
@@ -117,16 +124,23 @@ def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], m
     return ids
 
 
-def sentence_work(source_tokens: int, options: DecodingOptions) -> int:
-    """Decoder work a sentence may take, in row-steps: ``beam_size`` x its longest allowed output.
-
-    ``source_tokens`` includes EOS; the longest output is :func:`max_target_length` (EOS included),
-    the rule the search applies, so this bounds the decoder steps of every beam row.
-    """
-    return options.beam_size * max_target_length(source_tokens, options.max_length)
+def longest_output(source_tokens: int, options: DecodingOptions, prefix_steps: int = 0) -> int:
+    """The longest output the search allows a sentence (EOS included): :func:`max_target_length`, or more
+    for a target prefix of ``prefix_steps`` steps (its pieces and the partial word it ends with)."""
+    return max(max_target_length(source_tokens, options.max_length), prefix_steps + 1)
 
 
-def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions, piece_bytes: int) -> int:
+def sentence_work(source_tokens: int, options: DecodingOptions, prefix_steps: int = 0) -> int:
+    """Decoder work a sentence may take, in row-steps: ``beam_size`` x its longest allowed output
+    (:func:`longest_output`, the rule the search applies, so this bounds the decoder steps of every beam
+    row), times ``num_hypotheses`` with alternatives (each is a search of its own). ``source_tokens``
+    includes EOS."""
+    searches = options.num_hypotheses if options.return_alternatives else 1
+    return searches * options.beam_size * longest_output(source_tokens, options, prefix_steps)
+
+
+def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions, piece_bytes: int,
+                         prefix_steps: int = 0) -> int:
     """An upper bound on the serialized size of one text's ``Translation`` in a ``TranslateResponse``.
 
     With ``T`` the longest allowed output, ``P`` the most bytes one target id adds (``piece_bytes``)
@@ -136,7 +150,7 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
     (1-byte tags, 5-byte lengths) and scores are always included, so the bound holds for any output
     of the search and any ``return_scores``.
     """
-    longest = max_target_length(source_tokens, options.max_length)
+    longest = longest_output(source_tokens, options, prefix_steps)
     words = len(text.split())
     header = 6  # tag + length of a length-delimited field
     hypothesis = header + 3 * header  # the message, its text and its two repeated string fields' packing slack
@@ -153,17 +167,20 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
 
 
 def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options: DecodingOptions, *,
-                 piece_bytes: int, max_work: int, max_response_bytes: int) -> list[int]:
+                 piece_bytes: int, max_work: int, max_response_bytes: int,
+                 prefix_steps: Sequence[int] = ()) -> list[int]:
     """Refuse a request whose decoder work or response size could exceed the limits, before any compute;
-    return each sentence's work (:func:`sentence_work`)."""
-    work = [sentence_work(len(ids) + 1, options) for ids in sources]
+    return each sentence's work (:func:`sentence_work`; ``prefix_steps``: each text's target prefix steps,
+    which may go past the usual output limit)."""
+    steps = list(prefix_steps) or [0] * len(sources)
+    work = [sentence_work(len(ids) + 1, options, n) for ids, n in zip(sources, steps, strict=True)]
     if sum(work) > max_work:
         raise InvalidArgument(
             f"request too large: up to {sum(work)} decoder row-steps (beam_size x longest allowed output, summed "
             f"over texts), the limit is {max_work} (max_request_work); send fewer or shorter texts, a smaller "
             "beam_size or a smaller max_length")
-    size = 64 + sum(response_bytes_bound(text, len(ids) + 1, options, piece_bytes)
-                    for text, ids in zip(texts, sources, strict=True))
+    size = 64 + sum(response_bytes_bound(text, len(ids) + 1, options, piece_bytes, n)
+                    for text, ids, n in zip(texts, sources, steps, strict=True))
     if size > max_response_bytes:
         raise InvalidArgument(
             f"response could reach {size} bytes, the limit is {max_response_bytes} (max_response_bytes); send "
@@ -171,23 +188,24 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
     return work
 
 
-def target_prefixes(texts: Sequence[str], prefixes: Sequence[str], encode: Callable[[str], list[int]],
-                    max_length: int, *, end_id: int | None = None) -> list[list[int]]:
-    """Target ids of each text's prefix (``encode``: the target tokenizer), or [] when the request has none;
-    InvalidArgument unless there is one prefix per text, each shorter than ``max_length`` pieces. Scoring
-    (``end_id``, the end-of-sentence id): the prefixes are whole translations, required and ended by it."""
+def target_prefixes(texts: Sequence[str], prefixes: Sequence[str], tokenize: Callable[..., TargetPrefix],
+                    max_length: int, *, end_id: int | None = None) -> list[TargetPrefix]:
+    """Each text's target prefix tokenized by ``tokenize`` (:meth:`server.engine.Engine.target_prefix`), or []
+    when the request has none; InvalidArgument unless there is one prefix per text, each shorter than
+    ``max_length`` pieces. Scoring (``end_id``, the end-of-sentence id): the prefixes are whole
+    translations, required, tokenized as they are and ended by it."""
     field = "targets" if end_id is not None else "target_prefixes"
     if not prefixes and end_id is None:
         return []
     if len(prefixes) != len(texts):
         allowed = "one per text" if end_id is not None else "none or one per text (\"\" for a text without a prefix)"
         raise InvalidArgument(f"{field} has {len(prefixes)} entries for {len(texts)} texts: give {allowed}")
-    ids = [encode(prefix) if prefix else [] for prefix in prefixes]
-    for i, forced in enumerate(ids):
+    tokenized = [tokenize(prefix, whole=end_id is not None) if prefix else TargetPrefix() for prefix in prefixes]
+    for i, target in enumerate(tokenized):
         if end_id is not None:
-            if not forced:
+            if not target.ids:
                 raise InvalidArgument(f"targets[{i}] is empty: give the translation to score")
-            forced.append(end_id)
-        if len(forced) >= max_length:
-            raise InvalidArgument(f"{field}[{i}] has {len(forced)} pieces; max_length is {max_length}")
-    return ids
+            tokenized[i] = target = TargetPrefix((*target.ids, end_id))
+        if target.steps() >= max_length:
+            raise InvalidArgument(f"{field}[{i}] has {target.steps()} pieces; max_length is {max_length}")
+    return tokenized

@@ -4,12 +4,13 @@ Clarity over speed: one sentence at a time, beams as the batch. The length and s
 those of :mod:`nmt.model_format.decoding`, shared with the serving engine (:mod:`server.search`).
 Beam search keeps the best ``beam_size`` finished hypotheses and stops once it has that many and
 the best live beam, scored as if it ended now, is no better than the worst of them (or when no live
-beam is left).
+beam is left). A forced target prefix takes its tokens first, each with its model log-probability
+(the serving engine's target prefixes and alternatives are tested against it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +43,10 @@ def beam_search(
     num_hypotheses: int,
     max_length: int,
     length_penalty: float = 1.0,
+    forced: Sequence[int] = (),
 ) -> list[ScoredSequence]:
-    """Beam search for one sentence; ``state`` has batch 1 and is expanded to the live beams.
+    """Beam search for one sentence; ``state`` has batch 1 and is expanded to the live beams; the first
+    tokens are ``forced`` (a target prefix), whatever their probability.
 
     Each step scores every (beam, token) continuation by summed log-probability and walks the
     ``2 * beam_size`` best candidates in order: those ending in EOS join the finished list, the others
@@ -61,6 +64,10 @@ def beam_search(
     for t in range(max_length):
         log_probs, attention, state = step(tokens, state)
         log_probs = log_probs.double()
+        if t < len(forced):  # the prefix: only its token, with its own log-probability
+            only = torch.full_like(log_probs, float("-inf"))
+            only[:, forced[t]] = log_probs[:, forced[t]]
+            log_probs = only
         if t == max_length - 1:  # out of room: only EOS may follow
             forced = torch.full_like(log_probs, float("-inf"))
             forced[:, eos_id] = log_probs[:, eos_id]
@@ -127,8 +134,10 @@ def translate_ids(
     max_length: int = 256,
     length_penalty: float = 1.0,
     need_attention: bool = False,
+    forced: Sequence[int] = (),
 ) -> list[ScoredSequence]:
-    """Decode one source sentence (ids ending with EOS); beam 1 is greedy search."""
+    """Decode one source sentence (ids ending with EOS); beam 1 is greedy search; ``forced``: the first
+    target tokens (the output is at least one longer)."""
     model.eval()
     cfg = model.config
     state = model.init_state(model.encode(torch.tensor([source_ids])))
@@ -139,8 +148,9 @@ def translate_ids(
         eos_id=cfg.eos_id,
         beam_size=beam_size,
         num_hypotheses=num_hypotheses,
-        max_length=max_target_length(len(source_ids), max_length),
+        max_length=max(max_target_length(len(source_ids), max_length), len(forced) + 1),
         length_penalty=length_penalty,
+        forced=forced,
     )
 
 

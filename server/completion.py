@@ -1,0 +1,73 @@
+"""Target prefixes that end inside a word (the translator is typing it): the output completes that word.
+
+:func:`split_partial_word` cuts the prefix before its trailing word characters; the text before them is
+tokenized and forced as usual, and the partial word becomes a :class:`Completion`: the next pieces must
+spell it out. A piece is allowed when it starts with the characters still to produce (it completes the
+word, and may go on: "▁Apr" -> "▁April") or is a prefix of them (it produces some, and the next piece
+goes on from there). Pieces that lead to a dead end (no piece continues) are left out when the
+automaton is built, so the search never runs into one; a word no sequence of pieces spells is refused
+by :func:`build_completion` (None) and the prefix is then tokenized whole, as before.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Sequence
+
+WORD_END = re.compile(r"\w+$")
+WORD_START = "▁"  # SentencePiece's word-boundary mark, which starts a piece that begins a word
+
+
+def split_partial_word(prefix: str) -> tuple[str, str]:
+    """``prefix`` -> (the text before its trailing word, that word), ``(prefix, "")`` when the prefix ends
+    at a boundary (whitespace or punctuation)."""
+    match = WORD_END.search(prefix)
+    if match is None:
+        return prefix, ""
+    return prefix[: match.start()], match.group()
+
+
+class Completion:
+    """The pieces allowed while a partial word is spelt out, from step ``start`` (the forced pieces
+    before it) on: ``states[k]`` maps each allowed token to the characters of ``text`` produced once it
+    is taken (``len(text)``: the word is complete)."""
+
+    def __init__(self, text: str, start: int, states: list[dict[int, int]]) -> None:
+        self.text = text  # the word in piece spelling ("▁Apr" after whitespace)
+        self.start = start
+        self.states = states
+
+    def steps(self) -> int:
+        """At most this many pieces spell the word (each produces at least one character)."""
+        return len(self.text)
+
+    def allowed(self, tokens: Sequence[int]) -> dict[int, int] | None:
+        """Tokens allowed after ``tokens`` (those generated since ``start``); None once the word is complete,
+        nothing after tokens that do not spell it (a dead beam row's filler)."""
+        produced: int | None = 0
+        for token in tokens:
+            produced = self.states[produced].get(int(token))
+            if produced is None:
+                return {}
+            if produced == len(self.text):
+                return None
+        return self.states[produced]
+
+
+def build_completion(word: str, after_space: bool, start: int, pieces: Sequence[str],
+                     excluded: set[int]) -> Completion | None:
+    """The :class:`Completion` of ``word`` (``after_space``: it begins a word, so its first piece carries
+    the boundary mark) over the vocabulary ``pieces`` (id -> spelling, ``excluded`` ids never allowed);
+    None when no sequence of pieces spells it."""
+    text = (WORD_START if after_space else "") + unicodedata.normalize("NFKC", word)
+    length = len(text)
+    candidates = [(i, piece) for i, piece in enumerate(pieces) if piece and i not in excluded]
+    states: list[dict[int, int]] = [{} for _ in range(length)]
+    viable = [False] * length + [True]
+    for k in range(length - 1, -1, -1):
+        rest = text[k:]
+        states[k] = {i: min(k + len(piece), length) for i, piece in candidates
+                     if (piece.startswith(rest) or rest.startswith(piece)) and viable[min(k + len(piece), length)]}
+        viable[k] = bool(states[k])
+    return Completion(text, start, states) if viable[0] else None
