@@ -233,16 +233,17 @@ def _count(name: str, value: int) -> int:
 def build_request(texts: str | Iterable[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
-                  target_prefixes: Sequence[str] = ()) -> Any:
+                  target_prefixes: Sequence[str] = (), alternatives: bool = False) -> Any:
     """A ``TranslateRequest`` (zeros mean the model's defaults; ``target_language`` picks a multilingual
-    model's output language; ``target_prefixes``, none or one per text, force each translation's start)."""
+    model's output language; ``target_prefixes``, none or one per text, force each translation's start;
+    ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix)."""
     if not math.isfinite(length_penalty) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
                          f"got {length_penalty!r}")
     options = pb2.DecodingOptions(
         beam_size=_count("beam_size", beam_size), num_hypotheses=_count("num_hypotheses", num_hypotheses),
         max_length=_count("max_length", max_length), length_penalty=float(length_penalty),
-        return_attention=bool(attention), return_scores=bool(scores),
+        return_attention=bool(attention), return_scores=bool(scores), return_alternatives=bool(alternatives),
     )
     return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
                                 target_language=target_language, target_prefixes=list(target_prefixes))
@@ -440,20 +441,23 @@ class TranslatorClient(_ClientBase):
     def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
-                  target_prefixes: Sequence[str] = (), timeout: float | None = None,
-                  request_id: str | None = None) -> list[Translation]:
+                  target_prefixes: Sequence[str] = (), alternatives: bool = False,
+                  timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
         """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
 
         Zero options mean the model's defaults; ``model``/``version`` empty: the server's default model, its
         newest version. ``attention`` and ``scores`` fill :attr:`Hypothesis.attention` and the scores.
-        ``target_prefixes`` (none, or one per text, "" for none) force the start of each translation.
+        ``target_prefixes`` (none, or one per text, "" for none) force the start of each translation (a prefix
+        ending inside a word is completed); ``alternatives``: the hypotheses are the ``num_hypotheses`` most
+        likely next pieces after the prefix, each continued (an editor's next-word suggestions).
         ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
         ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
         """
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
-                                target_language=target_language, target_prefixes=target_prefixes)
+                                target_language=target_language, target_prefixes=target_prefixes,
+                                alternatives=alternatives)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
@@ -541,13 +545,14 @@ class AsyncTranslatorClient(_ClientBase):
     async def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
                         num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                         attention: bool = False, scores: bool = False, target_language: str = "",
-                        target_prefixes: Sequence[str] = (), timeout: float | None = None,
-                        request_id: str | None = None) -> list[Translation]:
+                        target_prefixes: Sequence[str] = (), alternatives: bool = False,
+                        timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
         """See :meth:`TranslatorClient.translate`."""
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
-                                target_language=target_language, target_prefixes=target_prefixes)
+                                target_language=target_language, target_prefixes=target_prefixes,
+                                alternatives=alternatives)
         response = await self._call(self._open().Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 

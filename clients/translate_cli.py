@@ -36,6 +36,7 @@ Errors print "nmt translate: error: <STATUS>: <message>" and exit with status 2.
 examples:
   nmt translate "Tuesday, April 25, 2045" --model demo-transformer --beam-size 4 --num-hypotheses 3 --attention
   nmt translate --plot alignment.png "Tuesday, April 25, 2045"
+  nmt translate --prefix "Dienstag, 25. Apr" --alternatives 5 "Tuesday, April 25, 2045"   # next-word suggestions
   nmt translate --json < sentences.txt > translations.jsonl
   nmt translate --list-models
   nmt translate --server 10.0.0.1:50051,10.0.0.2:50051 "one two"          # round robin over two replicas
@@ -75,15 +76,8 @@ def _penalty(value: str) -> float:
     return number
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register the ``translate`` subcommand."""
-    parser = subparsers.add_parser(
-        "translate",
-        help="translate texts with a running server (the client)",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to translate (default: lines of stdin)")
+def add_connection_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The "server" argument group (address, TLS, token, timeout) that every client command shares."""
     server = parser.add_argument_group("server")
     server.add_argument("--server", default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER, metavar="HOST:PORT",
                         help=f"server address; several replicas: comma-separated host:port or "
@@ -103,6 +97,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              f"TOKEN' metadata [env {TOKEN_ENV}: prefer it, a flag shows in the process list]")
     server.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                         help="deadline of each request, retries included (default: 30)")
+    return server
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``translate`` subcommand."""
+    parser = subparsers.add_parser(
+        "translate",
+        help="translate texts with a running server (the client)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to translate (default: lines of stdin)")
+    server = add_connection_arguments(parser)
     server.add_argument("--list-models", action="store_true", help="print the server's models and exit")
     server.add_argument("--health", nargs="?", const="", metavar="MODEL",
                         help="print the gRPC health status of the server (or of MODEL) and exit: status 0 when "
@@ -121,20 +128,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     decoding.add_argument("--target-language", default="", metavar="LANG",
                           help="a multilingual model's output language, e.g. deu (--list-models shows the choices)")
     decoding.add_argument("--prefix", default="", metavar="TEXT",
-                          help="target prefix: every translation starts with TEXT and continues from it")
+                          help="target prefix: every translation starts with TEXT and continues from it (a TEXT "
+                               "ending inside a word, e.g. 'Dienstag, 25. Apr', has that word completed)")
+    decoding.add_argument("--alternatives", type=_count, default=0, metavar="N",
+                          help="the N most likely next words after --prefix (or at the start), each continued "
+                               "to a whole translation, in the order of that word's probability")
     decoding.add_argument("--score", metavar="TARGET", default=None,
-                          help="score TARGET as the translation of the one TEXT instead of translating it: its "
-                               "per-token log-probabilities and score (with --attention or --plot, its alignment)")
-    output = parser.add_argument_group("output")
+                          help="score TARGET as the translation of the one TEXT (kept for scripts; `nmt score "
+                               "SOURCE TARGET` is the command for it)")
+    output = add_output_arguments(parser)
     output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The "output" argument group shared by ``nmt translate`` and ``nmt score``."""
+    output = parser.add_argument_group("output")
     output.add_argument("--attention", action="store_true",
                         help="print the alignment grid and Pharaoh alignments of each hypothesis")
     output.add_argument("--plot", metavar="FILE",
                         help="write the best hypothesis' attention heatmap: .png, .svg, .pdf (matplotlib) or "
                              ".html; several texts: FILE-1.png, FILE-2.png...")
     output.add_argument("--json", action="store_true", help="one JSON object per text (JSON lines)")
-    parser.set_defaults(func=run)
-    return parser
+    return output
 
 
 # ---- input ---------------------------------------------------------------------------------------------------
@@ -247,20 +264,43 @@ def format_models(models: list[Any]) -> str:
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
-        stderr: TextIO | None = None) -> int:
+def connect(args: argparse.Namespace) -> Any:
+    """A :class:`clients.client.TranslatorClient` for the connection arguments (a context manager); checks
+    ``--plot``'s format first."""
     from clients.client import TranslatorClient
-    from clients.render import FORMATS, save_heatmap
+    from clients.render import FORMATS
     from nmt.errors import NmtError
 
-    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if args.plot and Path(args.plot).suffix.lower() not in FORMATS:
         raise NmtError(f"--plot {args.plot}: use one of {', '.join(FORMATS)}")
     if bool(args.client_cert) != bool(args.client_key):
         raise NmtError("--client-cert and --client-key go together (mutual TLS needs the certificate and its key)")
     tls = args.tls or bool(args.ca_cert) or bool(args.client_cert)
-    with TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert,
-                          client_cert=args.client_cert, client_key=args.client_key, token=args.token) as client:
+    return TranslatorClient(args.server, timeout=args.timeout, tls=tls, root_certificates=args.ca_cert,
+                            client_cert=args.client_cert, client_key=args.client_key, token=args.token)
+
+
+def print_translation(args: argparse.Namespace, source: str, translation: Any, index: int, *, numbered: bool,
+                      verbose: bool, stdout: TextIO, stderr: TextIO) -> None:
+    """One text's result as ``--json``, text (``verbose``: numbered hypotheses, scores, grids) and ``--plot``."""
+    from clients.render import save_heatmap
+
+    if args.json:
+        print(json.dumps(translation_json(source, translation), ensure_ascii=False), file=stdout)
+    else:
+        print(format_translation(source, translation, verbose=verbose, attention=args.attention,
+                                 ascii_only=not _unicode_ok(stdout), legend=index == 1), file=stdout)
+    if args.plot and translation.hypotheses and translation.hypotheses[0].attention is not None:
+        path = save_heatmap(translation.hypotheses[0].attention, plot_path(args.plot, index, numbered))
+        print(f"wrote {path}", file=stderr)
+
+
+def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
+        stderr: TextIO | None = None) -> int:
+    from nmt.errors import NmtError
+
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    with connect(args) as client:
         if args.health is not None:
             status = client.health(args.health)
             print(status, file=stdout)
@@ -277,10 +317,10 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
         texts, batch_size, numbered = read_input(args, stdin)
         if args.score is not None and (not isinstance(texts, list) or len(texts) != 1):
             raise NmtError("--score TARGET scores one text: give that text as the only TEXT argument")
-        scores = args.scores or args.num_hypotheses > 1
+        hypotheses = args.alternatives or args.num_hypotheses
+        scores = args.scores or hypotheses > 1
         attention = args.attention or bool(args.plot)
-        verbose = args.num_hypotheses > 1 or args.scores or args.attention or args.score is not None
-        ascii_only = not _unicode_ok(stdout)
+        verbose = hypotheses > 1 or args.scores or args.attention or args.score is not None
         index = 0
         for batch in _batches(texts, batch_size):
             if args.score is not None:
@@ -289,19 +329,14 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                                        target_language=args.target_language)
             else:
                 results = client.translate(batch, model=args.model, version=args.model_version,
-                                           beam_size=args.beam_size, num_hypotheses=args.num_hypotheses,
+                                           beam_size=args.beam_size, num_hypotheses=hypotheses,
                                            max_length=args.max_length, length_penalty=args.length_penalty,
                                            attention=attention, scores=scores, target_language=args.target_language,
-                                           target_prefixes=[args.prefix] * len(batch) if args.prefix else ())
+                                           target_prefixes=[args.prefix] * len(batch) if args.prefix else (),
+                                           alternatives=bool(args.alternatives))
             for source, translation in zip(batch, results, strict=True):
                 index += 1
-                if args.json:
-                    print(json.dumps(translation_json(source, translation), ensure_ascii=False), file=stdout)
-                else:
-                    print(format_translation(source, translation, verbose=verbose, attention=args.attention,
-                                             ascii_only=ascii_only, legend=index == 1), file=stdout)
-                if args.plot and translation.hypotheses and translation.hypotheses[0].attention is not None:
-                    path = save_heatmap(translation.hypotheses[0].attention, plot_path(args.plot, index, numbered))
-                    print(f"wrote {path}", file=stderr)
+                print_translation(args, source, translation, index, numbered=numbered, verbose=verbose,
+                                  stdout=stdout, stderr=stderr)
             stdout.flush()
     return 0

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "export.export_cli",
     "serve": "nmt.serve_cli",
     "translate": "clients.translate_cli",
+    "score": "clients.score_cli",
     "bench": "nmt.bench_cli",
     "loadtest": "loadtests.cli",
 }
