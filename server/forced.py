@@ -1,12 +1,12 @@
 """Given target tokens in one decoder pass: Score, target prefixes and the alternatives at a prefix's end.
 
 A sentence whose target prefix ends with EOS (Score's whole translations) is read off one forced pass and
-never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. p(n-1)``
-(each position's log-probability of the next given piece, the alignment attention, the decoder state
-after them); the search then resumes at step ``n`` from that state, feeding ``pn``
-(:class:`server.search.Resume`), exactly as if it had forced the pieces one step at a time. With
-alternatives the pass also covers ``pn``: the ``k`` most likely tokens after it (under the sentence's
-controls) each become a hypothesis of their own, continued by the search from a copy of the state.
+never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. pn`` (each position's
+log-probability of the next given piece, the alignment attention, the decoder state after them, and
+the whole distribution after ``pn``); the search then resumes at step ``n`` from that state, its first
+step read off the pass (:class:`server.search.Resume`), exactly as if it had forced the pieces one step
+at a time. With alternatives the ``k`` most likely tokens after ``pn`` (under the sentence's controls)
+each become a hypothesis of their own, continued by the search from a copy of the state.
 
 A Transformer exported with ``decoder_forced.onnx`` runs each pass as one call; other models (the RNN,
 versions exported before that graph) step through the given tokens with :func:`stepwise_force`, a lean
@@ -23,7 +23,7 @@ import numpy as np
 
 from nmt.model_format.decoding import normalized_score
 from server.controls import process, top_k
-from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, beam_search
+from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput, beam_search
 
 NEG_INF = -np.inf
 
@@ -67,7 +67,7 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
         elif forced and forced[-1] == eos_id:
             key = ("whole", 0)  # any lengths together: the causal pass ignores padding after a row's end
         else:
-            key = ("prefix" if forced else "plain", len(forced))
+            key = ("prefix", len(forced)) if forced else ("plain", 0)
         groups.setdefault(key, []).append(i)
     settings = dict(beam_size=beam_size, start_id=start_id, eos_id=eos_id, need_attention=need_attention)
     for (kind, _), members in groups.items():
@@ -88,7 +88,7 @@ def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSen
     """One group of :func:`decode`: its forced pass, then the search (or nothing, for whole targets)."""
     start_id, need_attention = settings["start_id"], settings["need_attention"]
     given = [list(s.controls.forced) for s in group]
-    length = max(len(g) for g in given) + (kind == "alternatives")
+    length = max(len(g) for g in given) + (kind != "whole")
     inputs = np.full((len(group), max(length, 1)), pad_id, dtype=np.int64)
     targets = np.full_like(inputs, pad_id)
     for r, tokens in enumerate(given):
@@ -102,8 +102,11 @@ def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSen
                 for r, (s, tokens) in enumerate(zip(group, given, strict=True))]
     prefix = np.array([tokens for tokens in given], dtype=np.int64).reshape(len(group), len(given[0]))
     attention = out.attention[:, : prefix.shape[1]] if out.attention is not None else None
-    if kind == "prefix":
-        resume = Resume(prefix, out.target_log_probs, attention, out.state)
+    if kind == "prefix":  # the pass ran the search's first step too: its distribution is the last one
+        n = prefix.shape[1]
+        first = StepOutput(np.empty((len(group), 0), dtype=np.int64), np.empty((len(group), 0)), np.empty(0),
+                           out.attention[:, n] if out.attention is not None else None, out.state, out.last_log_probs)
+        resume = Resume(prefix, out.target_log_probs[:, :n], attention, out.state, first)
         return beam_search(model, encoded, group, resume=resume, **settings)
     return _alternatives(model, encoded, group, prefix, out, settings)
 

@@ -110,12 +110,14 @@ class ScoredSequence:
 @dataclass
 class Resume:
     """Where the search starts when a forced pass (:mod:`server.forced`) has already decided each
-    sentence's first ``T`` tokens: step ``T``, feeding each sentence's last token to ``state``."""
+    sentence's first ``T`` tokens: step ``T``, whose model output the pass may have computed too."""
 
     tokens: np.ndarray  # int64 [N, T], T >= 1
     token_scores: np.ndarray  # float [N, T]
     attention: np.ndarray | None  # float32 [N, T, S] (when the search needs attention)
     state: dict[str, Any]  # the model state after positions 0..T-1 (the start token and tokens[:, :-1])
+    first: StepOutput | None = None  # step T already run by the forced pass (``log_probs`` whole, ``state``
+    # after it); None: the search runs it, feeding tokens[:, -1] to ``state``
 
 
 @dataclass
@@ -152,10 +154,16 @@ def _cancelled(sentence: BeamSentence) -> bool:
 
 def _step(model: StepModel, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any],
           need_attention: bool, k: int, controls: list[Controls], history: np.ndarray, t: int,
-          eos_id: int) -> tuple[StepOutput, np.ndarray | None]:
+          eos_id: int, given: StepOutput | None = None) -> tuple[StepOutput, np.ndarray | None]:
     """One model step of rows under ``controls`` (``history`` [R, >= t]: their tokens so far). When a
     control is active the top k and the EOS log-probability are those of the processed distribution,
-    which is returned too (else None)."""
+    which is returned too (else None). ``given``: the step a forced pass already ran (its whole
+    distribution, :attr:`Resume.first`), read instead of calling the model."""
+    if given is not None:
+        processed = process(given.log_probs, history, controls, t, eos_id)
+        given.top_ids, given.top_log_probs = top_k(processed, k)
+        given.eos_log_prob = processed[:, eos_id]
+        return given, processed
     if not needs_full(controls, t):
         return model.step(tokens, static, state, need_attention, k), None
     out = model.step(tokens, static, state, need_attention, k, full=True)
@@ -201,9 +209,11 @@ def _greedy(
         if resume.attention is not None:
             history_attention = np.zeros((n, history.shape[1], resume.attention.shape[2]), dtype=np.float32)
             history_attention[:, :t] = resume.attention
+    given = resume.first if resume is not None else None
     while active.size:
         out, processed = _step(model, tokens, static, state, need_attention, 1, [controls[s] for s in active],
-                               history[active], t, eos_id)
+                               history[active], t, eos_id, given)
+        given = None
         attention, state = out.attention, out.state
         tokens = out.top_ids[:, 0].astype(np.int64)
         scores = out.top_log_probs[:, 0].astype(np.float64)
@@ -281,10 +291,13 @@ def _beam(
         history, history_scores = resume.tokens, resume.token_scores.astype(np.float64)
         totals = history_scores.sum(1)
         tokens, state, history_attention = resume.tokens[:, -1].copy(), resume.state, resume.attention
+    given = resume.first if resume is not None else None
     while active.size:
         # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
         row_controls = [sentences[s].controls for s in np.repeat(active, width)]
-        out, _ = _step(model, tokens, static, state, need_attention, 2 * beam_size, row_controls, history, t, eos_id)
+        out, _ = _step(model, tokens, static, state, need_attention, 2 * beam_size, row_controls, history, t, eos_id,
+                       given)
+        given = None
         attention, state = out.attention, out.state
         row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
         rows, per_row = row_tokens.shape

@@ -112,17 +112,19 @@ def test_forced_pass_is_one_graph_and_older_versions_fall_back(engines, tiny_mod
     write_manifest(manifest, old)
     slow = Engine.load(old, provider="cpu", intra_op_threads=1)
     assert FORCED_GRAPH not in slow.model.sessions
+    bound = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, device_state=True)
     for source in SOURCES[:3]:
         own = search(fast, source, [], beam_size=1)[0].tokens
         for prefix, options in ((own, dict(beam_size=1, return_attention=True)),  # a whole target: Score
                                 (own[:2], dict(beam_size=4, return_attention=True)),
                                 (own[:1], dict(beam_size=1, num_hypotheses=3, return_alternatives=True))):
-            for a, b in zip(search(fast, source, prefix, **options), search(slow, source, prefix, **options),
-                            strict=True):
-                assert a.tokens == b.tokens
-                assert a.token_scores == pytest.approx(b.token_scores, abs=1e-5)
-                if a.attention is not None:
-                    np.testing.assert_allclose(a.attention, b.attention, atol=1e-5)
+            expected = search(fast, source, prefix, **options)
+            for other in (slow, bound):  # step-wise forcing; the forced pass through I/O binding
+                for a, b in zip(expected, search(other, source, prefix, **options), strict=True):
+                    assert a.tokens == b.tokens
+                    assert a.token_scores == pytest.approx(b.token_scores, abs=1e-5)
+                    if a.attention is not None:
+                        np.testing.assert_allclose(a.attention, b.attention, atol=1e-5)
 
 
 def test_split_partial_word_and_completion_automaton() -> None:
