@@ -467,7 +467,8 @@ def manifest_summary(manifest: Manifest) -> str:
             for role, ops in manifest.fused_ops.items()
         ),
         f"  parity: max log-prob diff {parity.get('max_logit_diff')}, max attention diff "
-        f"{parity.get('max_attention_diff')}, greedy {parity.get('greedy_match')}, beam-4 {parity.get('beam4_match')}",
+        f"{parity.get('max_attention_diff')}, greedy {parity.get('greedy_match')}, beam-4 {parity.get('beam4_match')}"
+        + (f", forced pass {parity['max_forced_diff']}" if "max_forced_diff" in parity else ""),
     ]
     if manifest.quantization:
         q = manifest.quantization

@@ -24,7 +24,7 @@ from export.registry import EXPORTERS, graph_exporter
 from export.verify import check_parity, engine_step_log_probs, engine_translate_ids
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
-from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, next_version
+from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
 from nmt.model_format.manifest import ManifestError, read_manifest
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from server.engine import Engine
@@ -291,7 +291,7 @@ def test_manifest_contents(tiny_runs, tiny_models):
     assert manifest.vocab_size == tokenizer.vocab_size == manifest.dimensions["vocab_size"]
     assert manifest.special_ids == {"pad": 0, "unk": 1, "bos": 2, "eos": 3, "decoder_start": 2}
     assert manifest.opset == 18 and manifest.onnxruntime_version == ort.__version__
-    assert manifest.graphs == GRAPH_FILES
+    assert manifest.graphs == {**GRAPH_FILES, **OPTIONAL_GRAPH_FILES}  # the Transformer has a forced pass
     assert manifest.decoder_static == ["src_mask", "cross_key_0", "cross_value_0", "cross_key_1", "cross_value_1"]
     state = {entry.input: entry for entry in manifest.decoder_state}
     assert list(state) == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
@@ -303,7 +303,8 @@ def test_manifest_contents(tiny_runs, tiny_models):
                                  "checkpoint_step": 150}
     assert manifest.quantization is None
     assert manifest.defaults == {"beam_size": 4, "length_penalty": 1.0, "max_length": 256}
-    assert set(manifest.files) == {*GRAPH_FILES.values(), "spm.model"}
+    assert set(manifest.files) == {*GRAPH_FILES.values(), *OPTIONAL_GRAPH_FILES.values(), "spm.model"}
+    assert manifest.parity["max_forced_diff"] <= manifest.parity["tolerance"]
     exported_tokenizer = (tiny_models["transformer"] / "spm.model").read_bytes()
     assert exported_tokenizer == (tiny_runs["transformer"] / "spm.model").read_bytes()
     raw = json.loads((tiny_models["transformer"] / MANIFEST_FILE).read_text())
