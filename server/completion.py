@@ -55,19 +55,28 @@ class Completion:
         return self.states[produced]
 
 
-def build_completion(word: str, after_space: bool, start: int, pieces: Sequence[str],
-                     excluded: set[int]) -> Completion | None:
+def piece_index(pieces: Sequence[str], excluded: set[int]) -> dict[str, list[tuple[int, str]]]:
+    """The vocabulary (id -> spelling, ``excluded`` ids left out) by first character: a piece that can
+    spell part of a word starts with that part's first character (built once per model version)."""
+    index: dict[str, list[tuple[int, str]]] = {}
+    for i, piece in enumerate(pieces):
+        if piece and i not in excluded:
+            index.setdefault(piece[0], []).append((i, piece))
+    return index
+
+
+def build_completion(word: str, after_space: bool, start: int,
+                     index: dict[str, list[tuple[int, str]]]) -> Completion | None:
     """The :class:`Completion` of ``word`` (``after_space``: it begins a word, so its first piece carries
-    the boundary mark) over the vocabulary ``pieces`` (id -> spelling, ``excluded`` ids never allowed);
-    None when no sequence of pieces spells it."""
+    the boundary mark) over the vocabulary ``index`` (:func:`piece_index`); None when no sequence of
+    pieces spells it."""
     text = (WORD_START if after_space else "") + unicodedata.normalize("NFKC", word)
     length = len(text)
-    candidates = [(i, piece) for i, piece in enumerate(pieces) if piece and i not in excluded]
     states: list[dict[int, int]] = [{} for _ in range(length)]
     viable = [False] * length + [True]
     for k in range(length - 1, -1, -1):
         rest = text[k:]
-        states[k] = {i: min(k + len(piece), length) for i, piece in candidates
+        states[k] = {i: min(k + len(piece), length) for i, piece in index.get(rest[0], ())
                      if (piece.startswith(rest) or rest.startswith(piece)) and viable[min(k + len(piece), length)]}
         viable[k] = bool(states[k])
     return Completion(text, start, states) if viable[0] else None

@@ -27,7 +27,7 @@ from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
-from server.completion import build_completion, split_partial_word
+from server.completion import build_completion, piece_index, split_partial_word
 from server.device import (
     CUDA,
     DeviceSettings,
@@ -352,22 +352,17 @@ class Engine:
         head, word = ("", "") if whole else split_partial_word(text)
         if word:
             ids = self.tokenizer.encode_target(head) if head.strip() else []
-            completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._pieces,
-                                          self._special)
+            completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._piece_index)
             if completion is not None:
                 return TargetPrefix(tuple(ids), completion)
         return TargetPrefix(tuple(self.tokenizer.encode_target(text)))
 
     @functools.cached_property
-    def _pieces(self) -> list[str]:
-        """Every target id's piece (what a partial word's completion is spelt with)."""
-        return self.tokenizer.pieces(range(self.manifest.vocab_size))
-
-    @functools.cached_property
-    def _special(self) -> set[int]:
-        """Ids never used to spell a word: padding, start, end and unknown."""
+    def _piece_index(self) -> dict[str, list[tuple[int, str]]]:
+        """The target pieces a partial word is spelt with (not padding, start, end or unknown)."""
         ids = self.manifest.special_ids
-        return {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
+        special = {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
+        return piece_index(self.tokenizer.pieces(range(self.manifest.vocab_size)), special)
 
     def language_prefix(self, language: str) -> list[int]:
         """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual

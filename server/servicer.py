@@ -152,7 +152,8 @@ class TranslatorService:
                                       target_ids=model.engine.tokenizer.encode_target,
                                       unk_id=model.engine.tokenizer.unk_id)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
-            forced = target_prefixes(call.texts, call.target_prefixes, model.engine.target_prefix,
+            forced = target_prefixes(call.texts, call.target_prefixes,
+                                     lambda text, whole: model.engine.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=model.engine.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix,

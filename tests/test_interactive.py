@@ -17,7 +17,7 @@ import torch
 from nmt.cli import main as nmt_main
 from nmt.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
 from nmt.model_format.manifest import read_manifest, write_manifest
-from server.completion import build_completion, split_partial_word
+from server.completion import build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
 from server.engine import Engine
 from server.protos import pb2
@@ -132,13 +132,13 @@ def test_split_partial_word_and_completion_automaton() -> None:
     assert split_partial_word("Dienstag, 25.") == ("Dienstag, 25.", "")
     assert split_partial_word("zwei ") == ("zwei ", "")
     pieces = ["<pad>", "▁Apr", "▁A", "pr", "il", "▁April", "▁Ap", "x", "▁Aug"]
-    completion = build_completion("Apr", True, 3, pieces, excluded={0})
+    completion = build_completion("Apr", True, 3, piece_index(pieces, excluded={0}))
     assert completion is not None and completion.text == "▁Apr" and completion.start == 3
     assert sorted(completion.allowed([])) == [1, 2, 5]  # not "▁Ap": no piece spells the "r" left after it
     assert completion.allowed([2]) == {3: 4}  # "▁A" then "pr"
     assert completion.allowed([2, 3]) is None and completion.allowed([5]) is None  # the word is complete
     assert completion.allowed([8]) == {}  # not a spelling: nothing (a dead beam row)
-    assert build_completion("Qu", True, 0, pieces, excluded=set()) is None  # no pieces spell it
+    assert build_completion("Qu", True, 0, piece_index(pieces, excluded=set())) is None  # no pieces spell it
 
 
 @pytest.mark.parametrize("arch", ARCHS)
