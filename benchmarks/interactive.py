@@ -15,7 +15,8 @@ serving engine (no server), one ONNX Runtime session per graph with ``--threads`
 
 For a Transformer the rows also give the engine without its ``decoder_forced.onnx`` (the step-wise forcing
 of versions exported before it) as ``step-wise``. The sides of each row alternate, ``--repeats`` times;
-the table gives medians. The CPU model and instruction set are printed above it.
+the table gives medians, and the ratios are the median (min-max) of each repeat's back-to-back ratio. The
+CPU model and instruction set, and the batch-1 cost of each model call, are printed above it.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def alternate(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each side, the sides run in turn (order rotating) ``repeats`` times after a warm-up."""
+def alternate(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each side per repeat, the sides run in turn (order rotating) ``repeats`` times after a warm-up."""
     names = list(sides)
     for name in names:
         sides[name]()
@@ -63,7 +64,13 @@ def alternate(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     for repeat in range(repeats):
         for name in names[repeat % len(names):] + names[: repeat % len(names)]:
             times[name].append(timed(sides[name]))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def ratio(over: list[float], under: list[float]) -> str:
+    """Median (min-max) of the per-repeat ratios ``over / under`` (back-to-back runs: steadier on a busy host)."""
+    ratios = [a / b for a, b in zip(over, under, strict=True)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def stepwise(engine: Engine) -> Engine:
@@ -122,10 +129,12 @@ def prefix_rows(name: str, engine: Engine, pairs: list[tuple[str, str]], repeats
                 for ids, half in zip(sources, halves, strict=True):
                     e.translate_batch([SentenceRequest(ids, options, target_prefix=half)])
             sides[label] = given
-        medians = alternate(sides, repeats)
+        times = alternate(sides, repeats)
+        scratch_ms = statistics.median(times["scratch"]) * 1e3 / len(pairs)
         for label in engines:
-            rows.append(f"| {name} | {beam} | {label} | {medians['scratch'] * 1e3 / len(pairs):.2f} | "
-                        f"{medians[label] * 1e3 / len(pairs):.2f} | {medians[label] / medians['scratch']:.2f}x |")
+            rows.append(f"| {name} | {beam} | {label} | {scratch_ms:.2f} | "
+                        f"{statistics.median(times[label]) * 1e3 / len(pairs):.2f} | "
+                        f"{ratio(times[label], times['scratch'])} |")
     return rows
 
 
@@ -149,10 +158,11 @@ def score_rows(name: str, engine: Engine, pairs: list[tuple[str, str]], repeats:
                 for chunk in chunks:
                     e.translate_batch([SentenceRequest(sources[i], greedy, target_prefix=given[i]) for i in chunk])
             sides[label] = score
-        medians = alternate(sides, repeats)
+        times = alternate(sides, repeats)
         for label in engines:
-            rows.append(f"| {name} | {batch} | {label} | {len(pairs) / medians['translate']:.0f} | "
-                        f"{len(pairs) / medians[label]:.0f} | {medians['translate'] / medians[label]:.1f}x |")
+            rows.append(f"| {name} | {batch} | {label} | {len(pairs) / statistics.median(times['translate']):.0f} | "
+                        f"{len(pairs) / statistics.median(times[label]):.0f} | "
+                        f"{ratio(times['translate'], times[label])} |")
     return rows
 
 
@@ -183,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         prefix += prefix_rows(name, engine, pairs, args.repeats)
         score += score_rows(name, engine, pairs, args.repeats)
     print("\n(a) completing a sentence given half its reference as prefix, batch 1 (ms per sentence)\n")
-    print("| model | beam | prefix path | from scratch | with prefix | prefix / scratch |")
+    print("| model | beam | prefix path | from scratch | with prefix | prefix / scratch, median (range) |")
     print("|---|---|---|---|---|---|")
     print("\n".join(prefix))
     print("\n(b) Score of the reference vs greedy Translate of the source (sentences/s)\n")
-    print("| model | batch | Score path | Translate greedy | Score | Score / Translate |")
+    print("| model | batch | Score path | Translate greedy | Score | Score / Translate, median (range) |")
     print("|---|---|---|---|---|---|")
     print("\n".join(score))
     return 0
