@@ -52,7 +52,8 @@ def table_search(beam, n, length_penalty, max_length=10, sentences=1, controls=N
     specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
                           controls=controls or Controls())
              for _ in range(sentences)]
-    return beam_search(TableModel(logit_offset), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS, need_attention=True)
+    return beam_search(TableModel(logit_offset), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS,
+                       need_attention=True)
 
 
 def test_table_beam_search_exact_hypotheses_and_scores():
