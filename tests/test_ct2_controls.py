@@ -99,6 +99,7 @@ CASES = {  # name -> (target prefixes?, our options)
     "repetition_penalty 5": (False, dict(repetition_penalty=5.0)),
     "repetition_penalty with a prefix (penalised)": (True, dict(repetition_penalty=2.0)),
     "no_repeat_ngram_size 1": (False, dict(no_repeat_ngram_size=1)),
+    "no_repeat_ngram_size 1 with a prefix (its pieces count)": (True, dict(no_repeat_ngram_size=1)),
     "no_repeat_ngram_size 2 with a prefix": (True, dict(no_repeat_ngram_size=2)),
     "suppress_sequences": (False, dict(suppress_sequences=SUPPRESSED)),
     "patience 2": (False, dict(patience=2.0)),
