@@ -88,9 +88,10 @@ def test_served_equals_transformers_and_ctranslate2(marian_server: ServerHarness
     translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=1)
     tokenizer = transformers.MarianTokenizer.from_pretrained(marian_dir)
     sources = [tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"]) for text in texts]
-    # CTranslate2 ends a beam search once its best beam has finished; transformers (early_stopping=False) and
-    # this engine go on while an unfinished beam can still win. CTranslate2's patience=4 goes on too
-    # (measured: with its default, 14 of 20 beam-4 outputs agree; with patience 4, 20 of 20).
+    # CTranslate2 ends a beam search once it holds beam x patience finished hypotheses; transformers
+    # (early_stopping=False) and this engine go on while an unfinished beam can still win. CTranslate2's
+    # patience=4 goes on long enough (measured: with its default, 14 of 20 beam-4 outputs agree; with
+    # patience 4, 20 of 20).
     results = translator.translate_batch(sources, beam_size=beam, length_penalty=LENGTH_PENALTY, max_batch_size=8,
                                          patience=4)
     assert [list(h.subword_tokens) for h in hypotheses] == [r.hypotheses[0] for r in results]
