@@ -80,7 +80,7 @@ def main() -> None:
         with_output, without_output = (Engine.load(directory, provider="cpu", intra_op_threads=args.threads,
                                                    inter_op_threads=1)
                                        for directory in (version, without_logits(version, work / "without-logits")))
-        if not with_output.model.has_logits:
+        if not with_output.has_logits:
             raise SystemExit(f"{version} has no {LOGITS_OUTPUT} output: export it with this version of nmt export")
         print(f"{host()}; ONNX Runtime, {args.threads} thread(s); {len(texts)} sentences per batch; "
               f"median of {args.repeats} alternating runs")

@@ -256,6 +256,7 @@ class Engine:
         self.max_positions = int(manifest.dimensions.get("max_positions") or 0)  # 0: no position table
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
+        self.has_logits = model.has_logits  # False: exported before the logits output, no repetition_penalty
 
     @classmethod
     def load(

@@ -152,7 +152,7 @@ class TranslatorService:
             record.model, record.version = model.name, model.version
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
                                       target_ids=model.engine.tokenizer.encode_target,
-                                      unk_id=model.engine.tokenizer.unk_id, logits=model.engine.model.has_logits)
+                                      unk_id=model.engine.tokenizer.unk_id, logits=model.engine.has_logits)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
             forced = target_prefixes(call.texts, call.target_prefixes, model.engine.tokenizer.encode_target,
                                      options.max_length, end_id=model.engine.eos_id if call.score else None)

@@ -165,7 +165,7 @@ def test_a_version_without_logits_refuses_only_the_repetition_penalty(harness: S
                                                                       tmp_path: Path) -> None:
     """A version exported before the decoders' ``logits`` output still serves everything else."""
     for model in MODELS:
-        assert harness.engine(model).model.has_logits
+        assert harness.engine(model).has_logits
     old = tmp_path / "repository" / "old" / "1"
     shutil.copytree(tiny_models["transformer"], old)
     manifest = json.loads((old / "manifest.json").read_text())
@@ -177,7 +177,7 @@ def test_a_version_without_logits_refuses_only_the_repetition_penalty(harness: S
                           provider="cpu", intra_op_threads=1, grace_seconds=1, reload_interval=0)
     h = ServerHarness(config)
     try:
-        assert not h.engine("old").model.has_logits
+        assert not h.engine("old").has_logits
         assert translate(h, "old", min_length=3, no_repeat_ngram_size=2).text
         with pytest.raises(grpc.RpcError) as caught:
             translate(h, "old", repetition_penalty=1.5)
