@@ -1,13 +1,15 @@
 """Decoding controls, applied step by step to each row's next-token distribution.
 
-Every control reads only the row's tokens so far and the step's log-probabilities, so the search applies
-them one step at a time, whatever the batching (a row may join or leave the batch between steps).
+Every control reads only the row's tokens so far and the step's log-probabilities (the repetition
+penalty: its logits), so the search applies them one step at a time, whatever the batching (a row may
+join or leave the batch between steps).
 Controls that reshape the distribution follow CTranslate2's logits processors (``decoding_utils.cc``):
 the repetition penalty scales the logits of tokens already in the hypothesis (forced prefix included;
 negative ones multiplied by the penalty, the others divided), minimum length, no-repeat n-grams and
 suppressed sequences set tokens to -inf, and the result is log-softmaxed, so reported scores are those
 of the distribution searched. A forced target prefix keeps each forced token's model log-probability
-unchanged (a scored translation reports the model's own probabilities). Sampling draws from the
+unchanged in the token scores (a scored translation reports the model's own probabilities), though the
+search does not add them to the hypothesis score. Sampling draws from the
 processed distribution after temperature, top-k and top-p.
 """
 
@@ -25,7 +27,7 @@ NEG_INF = -np.inf
 class Controls:
     """One sentence's controls (the defaults change nothing)."""
 
-    min_length: int = 0  # EOS is barred before this many generated tokens (EOS excluded)
+    min_length: int = 0  # EOS is barred before this many tokens (forced prefix included, EOS excluded)
     repetition_penalty: float = 1.0  # > 1: logits of tokens already generated: < 0 multiplied by it, else divided
     no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in a hypothesis
     suppress: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (one token: a banned token)
