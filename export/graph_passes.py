@@ -1,5 +1,5 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
-projections, the decoder's in-graph top-k, Gemm -> MatMul for quantization, and op counts."""
+projections, the decoder's in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from export.tracing import MAX_IR_VERSION
-from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS
+from nmt.errors import NmtError
+from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
 
 FUSED_STANDARD_OPS = {"LayerNormalization", "GRU", "LSTM", "RNN", "Attention", "RMSNormalization"}
 
@@ -210,6 +211,32 @@ def add_top_k(model: onnx.ModelProto, eos_id: int) -> None:
         helper.make_tensor_value_info(top_scores, TensorProto.FLOAT, ["batch", "top_k"]),
         helper.make_tensor_value_info(eos_scores, TensorProto.FLOAT, ["batch"]),
     ])
+
+
+def add_logits(model: onnx.ModelProto) -> None:
+    """Give a decoder step graph a ``logits`` [batch, vocab] output (in place): the input of the ``LogSoftmax``
+    that makes ``log_probs``, renamed, so no node is added (requests that do not fetch it cost nothing more).
+    For the controls that scale logits before the softmax (the repetition penalty, as CTranslate2 and
+    Hugging Face do); the engine fetches it only while such a control is on."""
+    graph = model.graph
+    node = producers(graph).get("log_probs")
+    if node is None or node.op_type != "LogSoftmax":
+        raise NmtError(f"the decoder's log_probs come from {node.op_type if node else 'nothing'}, not LogSoftmax: "
+                       "cannot expose its logits")
+    old = node.input[0]
+    if old in {value.name for value in graph.input}:
+        raise NmtError(f"the decoder's LogSoftmax reads the graph input {old!r}: cannot expose its logits")
+    for other in graph.node:
+        other.input[:] = [LOGITS_OUTPUT if name == old else name for name in other.input]
+        other.output[:] = [LOGITS_OUTPUT if name == old else name for name in other.output]
+    for value in [*graph.value_info, *graph.output]:
+        if value.name == old:
+            value.name = LOGITS_OUTPUT
+    if LOGITS_OUTPUT not in {output.name for output in graph.output}:
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(next(output for output in graph.output if output.name == "log_probs"))  # float [batch, vocab]
+        value.name = LOGITS_OUTPUT
+        graph.output.append(value)
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> int:

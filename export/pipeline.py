@@ -38,7 +38,7 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
-from export.graph_passes import add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
+from export.graph_passes import add_logits, add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
 from export.graphs import GraphSet
 from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian, write_marian
 from export.options import OPSETS, ExportOptions
@@ -293,6 +293,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
     for graph in graph_set.graphs().values():
         pack_parallel_matmuls(graph)
     for step_graph in (graph_set.decoder, graph_set.decoder_attention):
+        add_logits(step_graph)
         add_top_k(step_graph, model.config.eos_id)
 
     stage("verify parity")

@@ -16,6 +16,7 @@ SCRIPTS = {
     "http": "http_vs_grpc.py",
     "proxy": "proxy.py",
     "interactive": "interactive.py",
+    "controls": "controls_cost.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -27,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
         "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
         "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load; interactive: "
-        "completing a sentence from a target prefix vs from scratch, Score vs Translate.",
+        "completing a sentence from a target prefix vs from scratch, Score vs Translate; controls: what the "
+        "decoders' logits output and the decoding controls cost.",
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

@@ -1,13 +1,17 @@
 """Decoding controls, applied step by step to each row's next-token distribution.
 
-Every control reads only the row's tokens so far and the step's log-probabilities, so the search applies
-them one step at a time, whatever the batching (a row may join or leave the batch between steps).
-Controls that reshape the distribution (minimum length, repetition penalty, no-repeat n-grams,
-suppressed sequences) mask or scale log-probabilities and renormalise them, as CTranslate2 and
-Hugging Face do, so reported scores are those of the distribution searched. A forced target prefix
-keeps each forced token's model log-probability unchanged (a scored translation reports the model's
-own probabilities); so does a partial word to complete (:mod:`server.completion`), which only bars the
-pieces that do not spell it. Sampling draws from the processed distribution after temperature, top-k and top-p.
+Every control reads only the row's tokens so far and the step's log-probabilities (the repetition
+penalty: its logits), so the search applies them one step at a time, whatever the batching (a row may
+join or leave the batch between steps).
+Controls that reshape the distribution follow CTranslate2's logits processors (``decoding_utils.cc``):
+the repetition penalty scales the logits of tokens already in the hypothesis (forced prefix included;
+negative ones multiplied by the penalty, the others divided), minimum length, no-repeat n-grams and
+suppressed sequences set tokens to -inf, and the result is log-softmaxed, so reported scores are those
+of the distribution searched. A forced target prefix keeps each forced token's model log-probability
+unchanged in the token scores (a scored translation reports the model's own probabilities), though the
+search does not add them to the hypothesis score; so does a partial word to complete
+(:mod:`server.completion`), which only bars the pieces that do not spell it. Sampling draws from the
+processed distribution after temperature, top-k and top-p.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ NEG_INF = -np.inf
 class Controls:
     """One sentence's controls (the defaults change nothing)."""
 
-    min_length: int = 0  # EOS is barred before this many generated tokens (EOS excluded)
-    repetition_penalty: float = 1.0  # > 1: log-probabilities of tokens already generated are multiplied by it
+    min_length: int = 0  # EOS is barred before this many tokens (forced prefix included, EOS excluded)
+    repetition_penalty: float = 1.0  # > 1: logits of tokens already generated: < 0 multiplied by it, else divided
     no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in a hypothesis
     suppress: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (one token: a banned token)
     forced: tuple[int, ...] = ()  # target prefix: the first tokens, whatever their probability
@@ -61,6 +65,11 @@ def completing(c: Controls, step: int) -> bool:
     return c.completion is not None and c.completion.start <= step < c.completion.start + c.completion.steps()
 
 
+def needs_logits(controls: Sequence[Controls], step: int) -> bool:
+    """Whether step ``step`` needs the logits (the repetition penalty scales them; nothing to penalise at 0)."""
+    return step > 0 and any(c.repetition_penalty != 1.0 for c in controls)
+
+
 def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> list[int]:
     """Tokens a row with ``history`` (its ``step`` tokens so far) may not take next."""
     banned: list[int] = []
@@ -80,17 +89,22 @@ def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> l
 
 
 def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Controls], step: int,
-            eos_id: int) -> np.ndarray:
+            eos_id: int, logits: np.ndarray | None = None) -> np.ndarray:
     """``log_probs`` [R, V] of one step -> the distribution searched (float64), row ``r`` under
-    ``controls[r]`` with ``history[r, :step]`` its tokens so far."""
+    ``controls[r]`` with ``history[r, :step]`` its tokens so far; ``logits`` [R, V] (the log-softmax's
+    input) are needed when a row has a repetition penalty (:func:`needs_logits`)."""
     raw = log_probs.astype(np.float64)
     out = raw.copy()
     for r, c in enumerate(controls):
         if c.reshapes:
             row = out[r]
             if c.repetition_penalty != 1.0 and step:
+                if logits is None:
+                    raise ValueError("the repetition penalty needs the step's logits")
+                row[:] = logits[r]
                 seen = np.unique(history[r, :step])
-                row[seen] *= c.repetition_penalty
+                row[seen] = np.where(row[seen] < 0, row[seen] * c.repetition_penalty,
+                                     row[seen] / c.repetition_penalty)
             banned = banned_tokens(c, history[r], step, eos_id)
             if banned:
                 row[banned] = NEG_INF

@@ -24,7 +24,15 @@ from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import FORCED_GRAPH
-from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
+from nmt.model_format.manifest import (
+    FORMAT,
+    LOGITS_OUTPUT,
+    TOP_K_INPUT,
+    TOP_K_OUTPUTS,
+    Manifest,
+    ManifestError,
+    read_manifest,
+)
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.completion import build_completion, piece_index, split_partial_word
@@ -70,6 +78,9 @@ class OnnxStepModel:
                 raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
                                     "format: export the model again with this version of nmt export")
         self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
+        # versions exported before the ``logits`` output: no repetition penalty (it scales logits)
+        self.has_logits = all(LOGITS_OUTPUT in {o.name for o in sessions[role].get_outputs()}
+                              for role in ("decoder", "decoder_attention"))
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
@@ -84,22 +95,23 @@ class OnnxStepModel:
 
     def step(
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int, full: bool = False,
+        k: int, full: bool = False, logits: bool = False,
     ) -> StepOutput:
         """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
-        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` asks for it."""
+        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
         output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
-        if full:
-            output_names.append("log_probs")
-        outputs = session.run(output_names, feeds)
+        extra = (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
+        outputs = session.run(output_names + extra, feeds)
         heads = len(TOP_K_OUTPUTS)
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
         attention = outputs[heads + len(self.state)] if need_attention else None
-        return StepOutput(*outputs[:heads], attention, new_state, outputs[-1] if full else None)
+        full_outputs = dict(zip(extra, outputs[len(output_names):], strict=True))
+        return StepOutput(*outputs[:heads], attention, new_state, full_outputs.get("log_probs"),
+                          full_outputs.get(LOGITS_OUTPUT))
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
               state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
@@ -171,7 +183,7 @@ class DeviceStepModel(OnnxStepModel):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
-        need_attention: bool, k: int, full: bool = False,
+        need_attention: bool, k: int, full: bool = False, logits: bool = False,
     ) -> StepOutput:
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         binding = session.io_binding()
@@ -187,15 +199,18 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_output(entry.output, self.device)
         if need_attention:
             binding.bind_output("attention", "cpu")
-        if full:
-            binding.bind_output("log_probs", "cpu")
+        extra = (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
+        for name in extra:
+            binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()  # in binding order
         heads = len(TOP_K_OUTPUTS)
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
         attention = outputs[heads + len(self.state)].numpy() if need_attention else None
+        full_outputs = {name: value.numpy() for name, value in zip(extra, outputs[len(outputs) - len(extra):],
+                                                                   strict=True)}
         return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state,
-                          outputs[-1].numpy() if full else None)
+                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
               state: dict[str, ort.OrtValue], need_attention: bool) -> ForcedOutput:
@@ -287,6 +302,7 @@ class Engine:
         self.max_positions = int(manifest.dimensions.get("max_positions") or 0)  # 0: no position table
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
+        self.has_logits = model.has_logits  # False: exported before the logits output, no repetition_penalty
 
     @classmethod
     def load(

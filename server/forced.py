@@ -66,8 +66,10 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
             key = ("alternatives", len(forced) + 1)
         elif forced and forced[-1] == eos_id:
             key = ("whole", 0)  # any lengths together: the causal pass ignores padding after a row's end
-        else:
-            key = ("prefix", len(forced)) if forced else ("plain", 0)
+        elif forced and s.controls.repetition_penalty == 1.0:
+            key = ("prefix", len(forced))
+        else:  # no prefix; or a repetition penalty, which needs logits the forced pass does not return: the
+            key = ("plain", 0)  # search forces the prefix step by step
         groups.setdefault(key, []).append(i)
     settings = dict(beam_size=beam_size, start_id=start_id, eos_id=eos_id, need_attention=need_attention)
     for (kind, _), members in groups.items():

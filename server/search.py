@@ -2,11 +2,13 @@
 
 The model is reached only through :class:`StepModel`; the search never knows whether it drives a
 Transformer or an RNN. Length and scoring rules are those of :mod:`nmt.model_format.decoding`, as in
-the PyTorch reference (``training/search.py``). Each step walks the ``2 * beam`` best continuations
-of a sentence in order, finishing those that end in EOS and keeping the others until ``beam`` are
-live; a sentence is done once it holds ``beam`` finished hypotheses and its best live beam, scored
-as if it ended now, is no better than the worst of them (or nothing is live). Finished and
-cancelled sentences leave the batch, so later steps run on fewer rows.
+the PyTorch reference (``training/search.py``); a forced target prefix adds nothing to a hypothesis'
+score, which counts the tokens the search chose (as CTranslate2), though its length does count them.
+Each step walks the ``2 * beam`` best continuations of a sentence in order, finishing those that end
+in EOS and keeping the others until ``beam`` are live; a sentence is done once it holds ``beam``
+finished hypotheses and its best live beam, scored as if it ended now, is no better than the worst
+of them (or nothing is live). Finished and cancelled sentences leave the batch, so later steps run
+on fewer rows.
 
 With ``beam_size == 1`` these rules reduce to arg-max decoding (the best token is kept; when it is
 EOS the sentence is done, since no live continuation can beat it), which :func:`beam_search` runs
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nmt.model_format.decoding import max_target_length, normalized_score
-from server.controls import Controls, needs_full, process, sample, top_k
+from server.controls import Controls, needs_full, needs_logits, process, sample, top_k
 
 NEG_INF = -np.inf
 
@@ -38,6 +40,7 @@ class StepOutput:
     attention: np.ndarray | None  # float32 [R, S] cross-attention, when asked for
     state: dict[str, Any]  # next recurrent state [R, ...], kept where the model keeps it
     log_probs: np.ndarray | None = None  # float [R, V]: the whole distribution, when asked for (``full``)
+    logits: np.ndarray | None = None  # float [R, V]: the softmax's input, when asked for (``logits``)
 
 
 class StepModel(Protocol):
@@ -53,12 +56,13 @@ class StepModel(Protocol):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], need_attention: bool, k: int,
-        full: bool = False,
+        full: bool = False, logits: bool = False,
     ) -> StepOutput:
         """``tokens`` int64 [R] (previous token of each row), ``static`` tensors [R, ...], ``state``
         tensors [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
-        log-probabilities, the EOS log-probability, attention [R, S] (or None), the next state and,
-        with ``full``, the whole [R, V] distribution (for the decoding controls)."""
+        log-probabilities, the EOS log-probability, attention [R, S] (or None), the next state,
+        with ``full`` the whole [R, V] distribution and with ``logits`` the [R, V] logits it is the
+        log-softmax of (for the decoding controls)."""
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
@@ -166,8 +170,8 @@ def _step(model: StepModel, tokens: np.ndarray, static: dict[str, Any], state: d
         return given, processed
     if not needs_full(controls, t):
         return model.step(tokens, static, state, need_attention, k), None
-    out = model.step(tokens, static, state, need_attention, k, full=True)
-    processed = process(out.log_probs, history, controls, t, eos_id)
+    out = model.step(tokens, static, state, need_attention, k, full=True, logits=needs_logits(controls, t))
+    processed = process(out.log_probs, history, controls, t, eos_id, out.logits)
     out.top_ids, out.top_log_probs = top_k(processed, k)
     out.eos_log_prob = processed[:, eos_id]
     return out, processed
@@ -189,6 +193,7 @@ def _greedy(
     limits = np.array([s.limit() for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
     controls = [s.controls for s in sentences]
+    forced_lengths = np.array([len(c.forced) for c in controls])
     rngs = [c.rng() if c.samples else None for c in controls]
     results: list[SearchResult | None] = [None] * n
     history = np.zeros((n, int(limits.max())), dtype=np.int64)
@@ -204,7 +209,7 @@ def _greedy(
     if resume is not None:
         t = resume.tokens.shape[1]
         history[:, :t], history_scores[:, :t] = resume.tokens, resume.token_scores
-        totals = history_scores[:, :t].sum(1)
+        totals = np.where(np.arange(t) < forced_lengths[:, None], 0.0, history_scores[:, :t]).sum(1)  # prefix: given
         tokens, state = resume.tokens[:, -1].copy(), resume.state
         if resume.attention is not None:
             history_attention = np.zeros((n, history.shape[1], resume.attention.shape[2]), dtype=np.float32)
@@ -227,7 +232,7 @@ def _greedy(
             scores[forced] = out.eos_log_prob[forced]
         history[active, t] = tokens
         history_scores[active, t] = scores
-        totals[active] += scores
+        totals[active] += np.where(t < forced_lengths[active], 0.0, scores)  # a forced prefix is given, not scored
         if attention is not None:
             if history_attention is None:
                 history_attention = np.zeros((n, history.shape[1], attention.shape[1]), dtype=np.float32)
@@ -271,6 +276,7 @@ def _beam(
     limits = np.array([s.limit() for s in sentences])
     penalties = np.array([s.length_penalty for s in sentences])
     quotas = [max(beam_size, round(beam_size * s.patience)) for s in sentences]  # finished kept
+    forced_lengths = np.array([len(s.controls.forced) for s in sentences])
     results: list[SearchResult | None] = [None] * n
     finished: list[list[ScoredSequence]] = [[] for _ in range(n)]
 
@@ -289,7 +295,7 @@ def _beam(
     if resume is not None:
         t = resume.tokens.shape[1]
         history, history_scores = resume.tokens, resume.token_scores.astype(np.float64)
-        totals = history_scores.sum(1)
+        totals = np.where(np.arange(t) < forced_lengths[:, None], 0.0, history_scores).sum(1)  # prefix: given
         tokens, state, history_attention = resume.tokens[:, -1].copy(), resume.state, resume.attention
     given = resume.first if resume is not None else None
     while active.size:
@@ -306,7 +312,9 @@ def _beam(
             row_tokens[forced] = eos_id
             row_scores[forced] = NEG_INF
             row_scores[forced, 0] = out.eos_log_prob[forced]
-        candidates = (totals[:, None] + row_scores).reshape(active.size, width * per_row)
+        # a forced prefix is given: its tokens add nothing to the score (token_scores keep their log-probabilities)
+        prefix_step = (t < np.repeat(forced_lengths[active], width))[:, None] & (row_scores > NEG_INF)
+        candidates = (totals[:, None] + np.where(prefix_step, 0.0, row_scores)).reshape(active.size, width * per_row)
         order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam_size]
         top_scores = np.take_along_axis(candidates, order, 1)
         token = np.take_along_axis(row_tokens.reshape(active.size, -1), order, 1)

@@ -19,17 +19,19 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
+from nmt.model_format.decoding import normalized_score
 from server.config import ServerConfig
 from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
 from server.repository import ModelRepository
 from server.scheduler import RequestHandle
-from server.types import TranslateCall
+from server.types import TranslateCall, Translation
 from server.validation import check_texts, resolve_options, target_prefixes
 
 log = logging.getLogger("nmt.server")
@@ -150,7 +152,7 @@ class TranslatorService:
             record.model, record.version = model.name, model.version
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
                                       target_ids=model.engine.tokenizer.encode_target,
-                                      unk_id=model.engine.tokenizer.unk_id)
+                                      unk_id=model.engine.tokenizer.unk_id, logits=model.engine.has_logits)
             prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
             forced = target_prefixes(call.texts, call.target_prefixes,
                                      lambda text, whole: model.engine.target_prefix(text, whole=whole),  # if any
@@ -158,4 +160,14 @@ class TranslatorService:
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix,
                                                            target_prefixes=forced)
+            if call.score:  # the search scores only the tokens it chose; here all are given
+                translations = [scored_whole(t, options.length_penalty) for t in translations]
             return to_pb(translations, model, call.options)
+
+
+def scored_whole(translation: Translation, length_penalty: float) -> Translation:
+    """A Score result: its hypothesis' ``score`` is the whole given target's log-probability (end of
+    sentence included) over length^length_penalty, as CTranslate2's score_batch sums its tokens_score."""
+    hypotheses = [replace(h, score=normalized_score(sum(h.token_scores), len(h.token_scores), length_penalty))
+                  for h in translation.hypotheses]
+    return replace(translation, hypotheses=hypotheses)

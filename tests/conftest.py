@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny trained models of both architectures, as training runs and exported versions.
+"""Shared fixtures: tiny trained models of both architectures, as training runs and exported versions,
+and the small Hugging Face Marian model of :mod:`tests.marian` (imported, served, converted for CTranslate2).
 
 The models train for a few seconds on English number words whose German side is reversed (so
 alignments are not the diagonal); the session exports each once into a temporary model repository.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,9 @@ from export.options import ExportOptions
 from export.pipeline import export_model
 from nmt.cli import main as nmt_main
 from nmt.model_format.tokenizer import PAD_ID, train_tokenizer
+from server.config import ServerConfig
+from tests.harness import ServerHarness
+from tests.marian import MODEL, build_marian_dir
 from training.models.checkpoint import build_model, save_checkpoint
 from training.train import collate, encode_pairs
 
@@ -118,3 +123,37 @@ def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory
     for version in ("1", "2", "10"):
         shutil.copytree(model_version_dir, root / SERVED_MODEL / version)
     return root
+
+
+@pytest.fixture(scope="session")
+def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Marian directory of :mod:`tests.marian`, trained once per session (about 30 s)."""
+    return build_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-en-de-dates")
+
+
+@pytest.fixture(scope="session")
+def marian_repository(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Marian directory imported into a model repository through ``nmt export`` (detected from config.json)."""
+    repository = tmp_path_factory.mktemp("hf-models")
+    assert nmt_main(["export", str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
+                     "--no-progress"]) == 0
+    return repository
+
+
+@pytest.fixture(scope="module")
+def marian_server(marian_repository: Path) -> Iterator[ServerHarness]:
+    """The imported Marian model served over gRPC (one server per test module)."""
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(marian_repository),
+                          provider="cpu", intra_op_threads=1, grace_seconds=1).validate()
+    harness = ServerHarness(config)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="session")
+def ct2_dir(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same Marian directory converted for CTranslate2 (``TransformersConverter``)."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    directory = tmp_path_factory.mktemp("ct2") / "model"
+    ctranslate2.converters.TransformersConverter(str(marian_dir)).convert(str(directory), force=True)
+    return directory

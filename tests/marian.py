@@ -8,6 +8,7 @@ behave as in a real model, all saved with ``save_pretrained``.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from pathlib import Path
@@ -21,6 +22,7 @@ from training.data import generate_dates_corpus
 SIZE = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=128, decoder_ffn_dim=128)
 TRAIN_SENTENCES, HELD_OUT = 3000, 20
+MODEL = "opus-dates"  # its name in the test repository
 LANGUAGES = ("deu", "nld")  # target-language tokens in the vocabulary (never trained on: served as transformers does)
 
 
@@ -32,11 +34,17 @@ def _spm(texts: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
+@functools.cache
 def dates_split() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(training pairs, 20 held-out pairs) of the dates corpus."""
+    """(training pairs, 20 held-out pairs) of the dates corpus (built once: do not modify the lists)."""
     pairs = [(p.source, p.target) for p in generate_dates_corpus(TRAIN_SENTENCES + 200, seed=7)]
     held_out = [pair for pair in pairs[TRAIN_SENTENCES:] if pair not in pairs[:TRAIN_SENTENCES]]
     return pairs[:TRAIN_SENTENCES], held_out[:HELD_OUT]
+
+
+def held_out() -> list[str]:
+    """The 20 held-out sources."""
+    return [source for source, _ in dates_split()[1]]
 
 
 def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish") -> Path:

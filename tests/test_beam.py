@@ -13,21 +13,25 @@ from training.models.checkpoint import build_model
 from training.search import translate_ids
 
 
-def step_output(log_probs, k, eos_id, attention, state):
+def step_output(log_probs, k, eos_id, attention, state, logits=None):
     """A :class:`StepOutput` from a whole [R, V] distribution, as an exported decoder's ``TopK`` computes it
     (best first, ties to the lower id)."""
     ids = np.argsort(-log_probs, axis=1, kind="stable")[:, : min(k, log_probs.shape[1])]
     return StepOutput(ids, np.take_along_axis(log_probs, ids, 1).astype(np.float64), log_probs[:, eos_id].copy(),
-                      attention, state, log_probs)
+                      attention, state, log_probs, logits)
 
 
 class TableModel:
-    """StepModel reading the reference test's probability table; the state is the generated prefix."""
+    """StepModel reading the reference test's probability table; the state is the generated prefix. Its
+    logits are the log-probabilities plus ``logit_offset`` (any offset has the same softmax)."""
 
     static_names: list[str] = []
     state_names = ["prefix"]
 
-    def step(self, tokens, static, state, need_attention, k, full=False):
+    def __init__(self, logit_offset: float = 0.0) -> None:
+        self.logit_offset = logit_offset
+
+    def step(self, tokens, static, state, need_attention, k, full=False, logits=False):
         prefix = state["prefix"]
         if prefix.shape[1] or tokens[0] != BOS:
             prefix = np.concatenate([prefix, tokens[:, None]], 1)
@@ -36,18 +40,20 @@ class TableModel:
             for token, p in TABLE.get(tuple(row), {EOS: 1.0}).items():
                 log_probs[r, token] = math.log(p)
         attention = np.full((len(prefix), 2), 0.5, dtype=np.float32)
-        return step_output(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix})
+        return step_output(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix},
+                           log_probs + self.logit_offset if logits else None)
 
     def select_rows(self, tensors, rows):
         return take_rows(tensors, rows)
 
 
-def table_search(beam, n, length_penalty, max_length=10, sentences=1, controls=None):
+def table_search(beam, n, length_penalty, max_length=10, sentences=1, controls=None, logit_offset=0.0):
     encoded = {"prefix": np.zeros((sentences, 0), dtype=np.int64)}
     specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
                           controls=controls or Controls())
              for _ in range(sentences)]
-    return beam_search(TableModel(), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS, need_attention=True)
+    return beam_search(TableModel(logit_offset), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS,
+                       need_attention=True)
 
 
 def test_table_beam_search_exact_hypotheses_and_scores():
@@ -170,6 +176,11 @@ def test_table_forced_prefix_keeps_model_log_probs(beam):
     [result] = table_search(beam=beam, n=1, length_penalty=0.0, controls=Controls(forced=(B, A)))
     assert result.hypotheses[0].tokens == [B, A, EOS]
     assert result.hypotheses[0].token_scores == pytest.approx([math.log(0.4), math.log(0.05), 0.0], abs=1e-6)
+    # the score counts only what follows the prefix (given, as in CTranslate2), over the whole length
+    [result] = table_search(beam=beam, n=1, length_penalty=1.0, controls=Controls(forced=(B,)))
+    assert result.hypotheses[0].tokens == [B, EOS]
+    assert result.hypotheses[0].token_scores == pytest.approx([math.log(0.4), math.log(0.9)], abs=1e-6)
+    assert result.hypotheses[0].score == pytest.approx(math.log(0.9) / 2, abs=1e-6)
 
 
 @pytest.mark.parametrize("beam", [1, 2])
@@ -192,11 +203,18 @@ def test_table_suppressed_token_and_sequence():
 def test_table_no_repeat_ngram_and_repetition_penalty():
     [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(no_repeat_ngram_size=1))
     assert result.hypotheses[0].tokens == [A, B, EOS]
-    # (A,): A 0.5 -> log(0.5) * 3 renormalised against B 0.4, EOS 0.1: B wins
+    # the penalty scales logits: negative ones are multiplied by it. (A,) with logits = log-probabilities:
+    # A 0.5 -> log(0.5) * 3, softmaxed against B 0.4 and EOS 0.1: B wins
     [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(repetition_penalty=3.0))
     assert result.hypotheses[0].tokens == [A, B, EOS]
     weights = np.array([0.5 ** 3, 0.4, 0.1])
     assert result.hypotheses[0].token_scores[1] == pytest.approx(math.log(0.4 / weights.sum()), abs=1e-6)
+    # positive ones are divided by it: logits 1 + log p make A's 0.307 / 3 = 0.102, still above B's 0.084
+    [result] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(repetition_penalty=3.0),
+                            logit_offset=1.0)
+    assert result.hypotheses[0].tokens == [A, A, EOS]
+    logits = np.array([(1 + math.log(0.5)) / 3, 1 + math.log(0.4), 1 + math.log(0.1)])
+    assert result.hypotheses[0].token_scores[1] == pytest.approx(logits[0] - np.log(np.exp(logits).sum()), abs=1e-6)
 
 
 def test_table_sampling_with_a_seed_is_reproducible():

@@ -4,8 +4,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from nmt.model_format.manifest import TOP_K_OUTPUTS, ManifestError
+from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, word_groups
+from server.controls import Controls
 from server.engine import Engine, OnnxStepModel
 from server.types import DecodingOptions, SentenceRequest
 from training.models.checkpoint import load_checkpoint
@@ -44,8 +45,10 @@ def test_device_state_decodes_like_numpy_state(arch, engines, tiny_models):
     bound = Engine.load(tiny_models[arch], provider="cpu", intra_op_threads=1, device_state=True)
     src = np.array([bound.tokenize("three four five") + [bound.eos_id]], dtype=np.int64)
     assert all(isinstance(value, ort.OrtValue) for value in bound.model.encode(src).values())
-    for beam in (1, 4):
-        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
+    controls = Controls(min_length=2, repetition_penalty=1.5)  # the full log-probabilities and the logits, bound
+    for beam, with_controls in ((1, False), (4, False), (1, True), (4, True)):
+        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True,
+                                  controls=controls if with_controls else Controls())
         expected, got = engines[arch].translate(TEXTS, options), bound.translate(TEXTS, options)
         for theirs, ours in zip(expected, got, strict=True):
             assert [h.token_ids for h in ours.hypotheses] == [h.token_ids for h in theirs.hypotheses]
@@ -65,8 +68,12 @@ def test_in_graph_top_k_matches_the_full_distribution(arch, engines):
     state = {name: encoded[name] for name in model.state_names}
     tokens = np.full(1, engine.start_id, dtype=np.int64)
     session = model.sessions["decoder"]
-    log_probs, ids, scores, eos = session.run(["log_probs", "top_ids", "top_log_probs", "eos_log_prob"],
-                                              {"input_ids": tokens, **static, **state, "top_k": np.array([5])})
+    log_probs, ids, scores, eos, logits = session.run(
+        ["log_probs", "top_ids", "top_log_probs", "eos_log_prob", LOGITS_OUTPUT],
+        {"input_ids": tokens, **static, **state, "top_k": np.array([5])})
+    shifted = logits - logits.max(axis=1, keepdims=True)  # the logits are what log_probs is the log-softmax of
+    np.testing.assert_allclose(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), log_probs, atol=1e-5)
+    assert not np.allclose(logits, log_probs, atol=1e-3)  # not merely the log-probabilities again
     assert ids.shape == (1, 5) and (np.diff(scores, axis=1) <= 0).all()
     np.testing.assert_array_equal(scores, np.take_along_axis(log_probs, ids, 1))
     assert scores[0, 0] == log_probs.max() and eos[0] == log_probs[0, engine.eos_id]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,42 +24,12 @@ from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.manifest import read_manifest
 from nmt.model_format.tokenizer import MarianTokenizer
-from server.config import ServerConfig
 from server.protos import pb2
 from tests.harness import ServerHarness
-from tests.marian import LANGUAGES, build_marian_dir, dates_split
+from tests.marian import LANGUAGES, MODEL, dates_split, held_out
 
 transformers = pytest.importorskip("transformers")
-MODEL = "opus-dates"
 LENGTH_PENALTY = 1.0
-
-
-@pytest.fixture(scope="session")
-def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Marian directory, trained once per session."""
-    return build_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-en-de-dates")
-
-
-@pytest.fixture(scope="session")
-def imported(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Marian directory imported into a model repository through ``nmt export`` (detected from config.json)."""
-    repository = tmp_path_factory.mktemp("hf-models")
-    assert nmt_main(["export", str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
-                     "--no-progress"]) == 0
-    return repository
-
-
-@pytest.fixture(scope="module")
-def server(imported: Path) -> Iterator[ServerHarness]:
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(imported), provider="cpu",
-                          intra_op_threads=1, grace_seconds=1).validate()
-    harness = ServerHarness(config)
-    yield harness
-    harness.close()
-
-
-def held_out() -> list[str]:
-    return [source for source, _ in dates_split()[1]]
 
 
 def served(server: ServerHarness, texts: list[str], beam: int, **request: Any) -> list[Any]:
@@ -89,8 +58,8 @@ def test_tokenizer_ids_equal_marian_tokenizers(marian_dir: Path) -> None:
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 
-def test_import_records_its_origin_and_marian_settings(imported: Path, marian_dir: Path) -> None:
-    manifest = read_manifest(imported / MODEL / "1")
+def test_import_records_its_origin_and_marian_settings(marian_repository: Path, marian_dir: Path) -> None:
+    manifest = read_manifest(marian_repository / MODEL / "1")
     assert manifest.tokenizer_type == "marian"
     assert manifest.target_languages == list(LANGUAGES)
     assert {"source.spm", "target.spm", "vocab.json"} <= manifest.files.keys()
@@ -106,24 +75,23 @@ def test_import_records_its_origin_and_marian_settings(imported: Path, marian_di
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_served_equals_transformers_and_ctranslate2(server: ServerHarness, marian_dir: Path, beam: int,
-                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_served_equals_transformers_and_ctranslate2(marian_server: ServerHarness, marian_dir: Path, beam: int,
+                                                    ct2_dir: Path) -> None:
     ctranslate2 = pytest.importorskip("ctranslate2")
     texts = held_out()
     assert len(texts) == 20
     vocab = json.loads((marian_dir / "vocab.json").read_text())
-    hypotheses = served(server, texts, beam)
+    hypotheses = served(marian_server, texts, beam)
     ours = [[vocab[piece] for piece in h.subword_tokens] for h in hypotheses]
     assert ours == hf_generate(marian_dir, texts, beam)
 
-    ct2_dir = tmp_path_factory.mktemp("ct2") / "model"
-    ctranslate2.converters.TransformersConverter(str(marian_dir)).convert(str(ct2_dir), force=True)
     translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=1)
     tokenizer = transformers.MarianTokenizer.from_pretrained(marian_dir)
     sources = [tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"]) for text in texts]
-    # CTranslate2 ends a beam search once its best beam has finished; transformers (early_stopping=False) and
-    # this engine go on while an unfinished beam can still win. CTranslate2's patience=4 goes on too
-    # (measured: with its default, 14 of 20 beam-4 outputs agree; with patience 4, 20 of 20).
+    # CTranslate2 ends a beam search once it holds beam x patience finished hypotheses; transformers
+    # (early_stopping=False) and this engine go on while an unfinished beam can still win. CTranslate2's
+    # patience=4 goes on long enough (measured: with its default, 14 of 20 beam-4 outputs agree; with
+    # patience 4, 20 of 20).
     results = translator.translate_batch(sources, beam_size=beam, length_penalty=LENGTH_PENALTY, max_batch_size=8,
                                          patience=4)
     assert [list(h.subword_tokens) for h in hypotheses] == [r.hypotheses[0] for r in results]
@@ -134,21 +102,21 @@ def test_served_equals_transformers_and_ctranslate2(server: ServerHarness, maria
     assert sum(a == b for a, b in zip(texts_out, references, strict=True)) >= 12  # a trained model, not noise
 
 
-def test_target_language_inserts_the_language_token(server: ServerHarness, marian_dir: Path) -> None:
-    [info] = server.stub.ListModels(pb2.ListModelsRequest(), timeout=10).models
+def test_target_language_inserts_the_language_token(marian_server: ServerHarness, marian_dir: Path) -> None:
+    [info] = marian_server.stub.ListModels(pb2.ListModelsRequest(), timeout=10).models
     assert list(info.target_languages) == list(LANGUAGES)
     texts = held_out()[:6]
     vocab = json.loads((marian_dir / "vocab.json").read_text())
     for language in LANGUAGES:
-        hypotheses = served(server, texts, 1, target_language=language)
+        hypotheses = served(marian_server, texts, 1, target_language=language)
         expected = hf_generate(marian_dir, [f">>{language}<< {text}" for text in texts], 1)
         assert [[vocab[piece] for piece in h.subword_tokens] for h in hypotheses] == expected
-    with TranslatorClient(server.address, timeout=30) as client:
+    with TranslatorClient(marian_server.address, timeout=30) as client:
         assert client.list_models()[0].target_languages == LANGUAGES
         [result] = client.translate(texts[0], beam_size=1, target_language="nld")
-        assert result.best.text == served(server, texts[:1], 1, target_language="nld")[0].text
+        assert result.best.text == served(marian_server, texts[:1], 1, target_language="nld")[0].text
     with pytest.raises(grpc.RpcError) as error:
-        served(server, texts, 1, target_language="fra")
+        served(marian_server, texts, 1, target_language="fra")
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "choose deu, nld" in error.value.details()
 

@@ -79,6 +79,7 @@ class SlowEngine:
     def __init__(self, engine: Any, poll_seconds: float) -> None:
         self.engine, self.poll_seconds = engine, poll_seconds
         self.manifest, self.tokenizer, self.provider = engine.manifest, engine.tokenizer, engine.provider
+        self.has_logits = engine.has_logits
         self.results: list[Any] = []
 
     def tokenize(self, text: str) -> list[int]:

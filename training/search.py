@@ -4,8 +4,9 @@ Clarity over speed: one sentence at a time, beams as the batch. The length and s
 those of :mod:`nmt.model_format.decoding`, shared with the serving engine (:mod:`server.search`).
 Beam search keeps the best ``beam_size`` finished hypotheses and stops once it has that many and
 the best live beam, scored as if it ended now, is no better than the worst of them (or when no live
-beam is left). A forced target prefix takes its tokens first, each with its model log-probability
-(the serving engine's target prefixes and alternatives are tested against it).
+beam is left). A forced target prefix takes its tokens first, each reported with its model
+log-probability but, as in CTranslate2, not added to the hypothesis score (the length it is divided by
+still counts them); the serving engine's target prefixes and alternatives are tested against it.
 """
 
 from __future__ import annotations
@@ -64,16 +65,18 @@ def beam_search(
     for t in range(max_length):
         log_probs, attention, state = step(tokens, state)
         log_probs = log_probs.double()
-        if t < len(forced):  # the prefix: only its token, with its own log-probability
+        added = log_probs  # what each continuation adds to the score
+        if t < len(forced):  # the prefix: only its token, reported with its log-probability, adding nothing
             only = torch.full_like(log_probs, float("-inf"))
             only[:, forced[t]] = log_probs[:, forced[t]]
             log_probs = only
+            added = torch.where(only > float("-inf"), 0.0, only)
         if t == max_length - 1:  # out of room: only EOS may follow
             forced = torch.full_like(log_probs, float("-inf"))
             forced[:, eos_id] = log_probs[:, eos_id]
-            log_probs = forced
+            log_probs = added = forced
         vocab = log_probs.shape[1]
-        candidates = (totals[:, None] + log_probs).view(-1)
+        candidates = (totals[:, None] + added).view(-1)
         top_scores, top_index = candidates.topk(min(2 * beam_size, candidates.numel()))
         keep: list[tuple[int, int, float]] = []
         for total, index in zip(top_scores.tolist(), top_index.tolist(), strict=True):

@@ -2,7 +2,8 @@
 serving engine (:mod:`server.search`) must agree on them to produce identical hypotheses.
 
 * A hypothesis' score is its summed token log-probability over ``length ** length_penalty``, where
-  ``length`` counts generated tokens including EOS (:func:`normalized_score`).
+  ``length`` counts generated tokens including EOS (:func:`normalized_score`). The serving search's
+  forced target prefix counts in ``length`` but not in the sum (it is given, as in CTranslate2).
 * At most :func:`max_target_length` tokens are generated; at the last allowed step only EOS may follow.
 """
 

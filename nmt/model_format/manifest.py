@@ -18,6 +18,9 @@ graphs' I/O so the engine stays architecture-agnostic:
   [batch, tgt_len], ``target_ids`` int64 [batch, tgt_len] and the static inputs -> ``target_log_probs``
   [batch, tgt_len], ``last_log_probs`` [batch, vocab], ``attention`` [batch, tgt_len, src_len] and each
   state entry's ``output`` after those positions (see :mod:`export.transformer_graphs`);
+* a decoder graph may also return ``logits`` float32 [batch, vocab], the input of the softmax (versions
+  exported since the repetition penalty scales logits have it; the server refuses ``repetition_penalty``
+  on a version without it);
 * a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
   KV cache); its ``dtype`` is a NumPy dtype name;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
@@ -47,6 +50,7 @@ STATE_INITS = ("empty", "encoder")
 SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
 TOP_K_INPUT = "top_k"
 TOP_K_OUTPUTS = ["top_ids", "top_log_probs", "eos_log_prob"]
+LOGITS_OUTPUT = "logits"  # optional: versions exported before it lack it (no repetition_penalty there)
 
 
 class ManifestError(NmtError):
