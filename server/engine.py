@@ -2,7 +2,7 @@
 
 No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
 (encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
-:func:`server.search.beam_search` drives any model through the :class:`StepModel` contract. On the
+:class:`server.decode.RunningDecode` drives any model through the :class:`StepModel` contract. On the
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 
@@ -24,6 +24,7 @@ from nmt.errors import NmtError
 from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
+from server.decode import RunningDecode
 from server.device import (
     CUDA,
     DeviceSettings,
@@ -34,7 +35,7 @@ from server.device import (
     session_provider,
 )
 from server.errors import DeviceMemoryExhausted, InvalidArgument
-from server.search import BeamSentence, SearchResult, StepOutput, beam_search, take_rows
+from server.search import BeamSentence, SearchResult, StepOutput, concat_rows, take_rows
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
 
@@ -65,6 +66,9 @@ class OnnxStepModel:
                 raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
                                     "format: export the model again with this version of nmt export")
         self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
+        # rows may decode at different steps (continuous batching) when no state grows with the step
+        # (an RNN: its step reads no target position)
+        self.per_row_positions = all(entry.init != "empty" for entry in self.state)
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
@@ -79,10 +83,11 @@ class OnnxStepModel:
 
     def step(
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int, full: bool = False,
+        k: int, full: bool = False, positions: np.ndarray | None = None,
     ) -> StepOutput:
         """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
-        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` asks for it."""
+        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` asks for it. ``positions``
+        is not fed: only a position-free model takes it (:attr:`per_row_positions`)."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
         output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
@@ -103,6 +108,9 @@ class OnnxStepModel:
 
     def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
         return take_rows(tensors, rows)
+
+    def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return concat_rows(first, second)
 
     @property
     def state_names(self) -> list[str]:
@@ -147,7 +155,7 @@ class DeviceStepModel(OnnxStepModel):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
-        need_attention: bool, k: int, full: bool = False,
+        need_attention: bool, k: int, full: bool = False, positions: np.ndarray | None = None,
     ) -> StepOutput:
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         binding = session.io_binding()
@@ -185,6 +193,13 @@ class DeviceStepModel(OnnxStepModel):
             session.run_with_iobinding(binding)
             selected[name] = binding.get_outputs()[0]
         return selected
+
+    def concat_rows(self, first: dict[str, ort.OrtValue], second: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
+        """:func:`server.search.concat_rows` through the host: sentences join a running decode a few times per
+        sentence, not every step, so the copy to the host and back is not worth a graph of its own."""
+        joined = concat_rows({name: value.numpy() for name, value in first.items()},
+                             {name: value.numpy() for name, value in second.items()})
+        return {name: ort.OrtValue.ortvalue_from_numpy(value, self.device) for name, value in joined.items()}
 
     def _gather_session(self, element_type: str) -> ort.InferenceSession:
         """A one-node ``Gather(x, rows, axis=0)`` session for tensors of ``element_type`` ("tensor(float)")."""
@@ -329,19 +344,16 @@ class Engine:
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
-        """Decode sentences together. All must share ``beam_size`` and ``return_attention``;
-        the other options may differ per sentence. Cancelled sentences leave the batch between steps."""
+        """Decode sentences together (a running decode that admits them all at its first step); their
+        options may differ. Cancelled sentences leave the batch between steps."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
         try:
             results, src, encode_seconds, decode_seconds = self._search(requests)
         except Exception as error:
-            if is_out_of_memory(error):  # this batch is too large for the arena; the engine is fine
-                raise DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {len(requests)} "
-                                            "sentences; retry with fewer or shorter texts") from error
-            raise
+            raise self.memory_error(error, len(requests)) from error
         translations = [
-            None if result is None else self._to_translation(request, result)
+            None if result is None else self.to_translation(request, result)
             for request, result in zip(requests, results, strict=True)
         ]
         source_tokens = sum(len(r.source_ids) + 1 for r in requests)  # EOS included, padding not
@@ -355,6 +367,14 @@ class Engine:
             cancelled=sum(r is None for r in results),
         )
 
+    def memory_error(self, error: Exception, sentences: int) -> Exception:
+        """``error`` as :class:`DeviceMemoryExhausted` when the device arena could not hold the batch (the
+        engine is fine), else ``error`` itself."""
+        if is_out_of_memory(error):
+            return DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {sentences} sentences; "
+                                         "retry with fewer or shorter texts")
+        return error
+
     def search(self, requests: Sequence[SentenceRequest]) -> list[SearchResult | None]:
         """:meth:`translate_batch` before detokenization: token ids, scores and subword attention
         [tokens incl. EOS, source tokens incl. EOS] of each sentence's hypotheses."""
@@ -364,22 +384,27 @@ class Engine:
         self, requests: Sequence[SentenceRequest]
     ) -> tuple[list[SearchResult | None], np.ndarray, float, float]:
         """Encode and search; returns the results, the padded source batch and the seconds of both stages."""
-        first = requests[0].options
-        if any(
-            r.options.beam_size != first.beam_size or r.options.return_attention != first.return_attention
-            for r in requests
-        ):
-            raise ValueError("all sentences of a batch must share beam_size and return_attention")
+        start = time.perf_counter()
+        encoded, sentences, src = self.encode(requests)
+        encode_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        decode = RunningDecode(self.model, start_id=self.start_id, eos_id=self.eos_id)
+        decode.admit(encoded, sentences, range(len(requests)))
+        results: list[SearchResult | None] = [None] * len(requests)
+        while decode.rows:
+            for index, result in decode.step():
+                results[index] = result
+        return results, src, encode_seconds, time.perf_counter() - start
+
+    def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], np.ndarray]:
+        """Run the encoder on the sentences (padded into one batch): their encoder outputs, search settings
+        and the padded source batch [N, S]."""
         sources = [list(r.source_ids) + [self.eos_id] for r in requests]
         width = max(len(s) for s in sources)
         src = np.full((len(sources), width), self.pad_id, dtype=np.int64)
         for i, ids in enumerate(sources):
             src[i, : len(ids)] = ids
-
-        start = time.perf_counter()
         encoded = self.model.encode(src)
-        encode_seconds = time.perf_counter() - start
-
         sentences = [
             BeamSentence(
                 source_length=len(sources[i]),
@@ -389,22 +414,14 @@ class Engine:
                 is_cancelled=r.is_cancelled,
                 controls=replace(r.options.controls, forced=tuple(r.target_prefix)),
                 patience=r.options.patience,
+                beam_size=r.options.beam_size,
+                need_attention=r.options.return_attention,
             )
             for i, r in enumerate(requests)
         ]
-        start = time.perf_counter()
-        results = beam_search(
-            self.model,
-            encoded,
-            sentences,
-            beam_size=first.beam_size,
-            start_id=self.start_id,
-            eos_id=self.eos_id,
-            need_attention=first.return_attention,
-        )
-        return results, src, encode_seconds, time.perf_counter() - start
+        return encoded, sentences, src
 
-    def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
+    def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
         """Detokenize one sentence's result: pieces, text and words (computed once here, see
         :func:`server.alignment.segment_words`) and word-level attention over those same words."""
         source_pieces = self.tokenizer.pieces(request.source_ids)

@@ -109,8 +109,10 @@ def test_per_sentence_options_and_batch_report(engines):
     assert len(result.translations[1].hypotheses[0].token_ids) <= 1  # max_length 2 counts EOS
     assert result.source_tokens == sum(len(r.source_ids) + 1 for r in requests)
     assert 0 < result.padding_ratio < 1 and result.cancelled == 0 and result.generated_tokens > 0
-    with pytest.raises(ValueError, match="share beam_size"):
-        engine.translate_batch([requests[0], SentenceRequest([5], DecodingOptions(beam_size=1))])
+    greedy = SentenceRequest([5], DecodingOptions(beam_size=1, return_attention=True))  # beams and graphs mix
+    mixed = engine.translate_batch([requests[0], greedy]).translations
+    assert mixed[0].hypotheses[0].token_ids == result.translations[0].hypotheses[0].token_ids
+    assert mixed[1].hypotheses[0].attention is not None and mixed[0].hypotheses[0].attention is None
 
 
 def test_cancelled_sentences_leave_the_batch(engines):
