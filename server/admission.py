@@ -1,6 +1,7 @@
 """What the schedulers share: the batching policy, a request's handle, a queued sentence, and the
 rules that pick which queued sentences decode next (:func:`form_batch` for a static batch,
-:func:`admit_to_decode` for a running decode). See :mod:`server.scheduler` for the policy."""
+:func:`admit_to_decode` for a running decode). See :mod:`server.scheduler` and :mod:`server.continuous`
+for the policies."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class BatchPolicy:
     batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
     max_request_work: int = 65536  # decoder row-steps of one request
     max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
+    batching: str = "static"  # or "continuous" (server.continuous)
+    max_batch_rows: int = 128  # decoder rows of the running decode (a sentence holds its beam size)
+    decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:
@@ -35,7 +39,9 @@ class BatchPolicy:
         return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
                    max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
                    max_tokens=config.max_tokens, batch_work=config.batch_work,
-                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes)
+                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
+                   batching=config.batching, max_batch_rows=config.max_batch_rows,
+                   decode_tokens=config.decode_tokens)
 
 
 class RequestHandle:
@@ -80,6 +86,7 @@ class Pending:
     future: asyncio.Future
     enqueued: float
     seq: int
+    steps: int = 0  # decoding steps the running decode had run when the sentence was queued
     key: tuple[int, bool] = field(init=False)
     due: float = field(init=False)  # the earliest-deadline-first order
 
@@ -147,3 +154,34 @@ def form_batch(candidates: Sequence[Pending], first: Pending, policy: BatchPolic
     return ordered[lo : hi + 1]
 
 
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What a running decode holds, as admission reads it."""
+
+    rows: int = 0  # rows reserved (each sentence its beam size)
+    source_width: int = 0  # widest source (EOS incl.): the width its encoder outputs are padded to
+    target_length: int = 0  # longest target decoded so far
+
+
+def admit_to_decode(queue: Sequence[Pending], load: DecodeLoad, policy: BatchPolicy) -> list[Pending]:
+    """The queued sentences that join the running decode before its next step: in urgency order (earliest
+    deadline, then oldest), while their rows fit in ``max_batch_rows``, the decode's tokens (rows x (widest
+    source + longest target)) stay within ``decode_tokens`` and their encoder batch (longest x count) within
+    ``batch_tokens`` and ``max_batch_sentences``. Admission stops at the first sentence that does not fit,
+    so a long sentence is never overtaken for ever by shorter ones behind it; into an empty decode the most
+    urgent sentence always goes."""
+    admitted: list[Pending] = []
+    rows, width, longest = load.rows, load.source_width, 0
+    for p in sorted(queue, key=lambda p: p.urgency):
+        beam = p.sentence.options.beam_size
+        fits = (rows + beam <= policy.max_batch_rows
+                and (rows + beam) * (max(width, p.tokens) + load.target_length) <= policy.decode_tokens
+                and max(longest, p.tokens) * (len(admitted) + 1) <= policy.batch_tokens
+                and len(admitted) < policy.max_batch_sentences)
+        if not fits and (rows or admitted):
+            break
+        admitted.append(p)
+        rows, width, longest = rows + beam, max(width, p.tokens), max(longest, p.tokens)
+    return admitted

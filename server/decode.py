@@ -127,6 +127,10 @@ class RunningDecode:
         """The tags of the sentences decoding, in row order."""
         return [s.tag for s in self._sentences]
 
+    def source_lengths(self) -> list[int]:
+        """Each decoding sentence's source length (EOS included), in row order."""
+        return [s.spec.source_length for s in self._sentences]
+
     def steps(self) -> list[int]:
         """Each decoding sentence's step (tokens decoded), in row order."""
         return [s.step for s in self._sentences]

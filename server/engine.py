@@ -351,7 +351,10 @@ class Engine:
         try:
             results, src, encode_seconds, decode_seconds = self._search(requests)
         except Exception as error:
-            raise self.memory_error(error, len(requests)) from error
+            exhausted = self.memory_error(error, len(requests))
+            if exhausted is None:
+                raise
+            raise exhausted from error
         translations = [
             None if result is None else self.to_translation(request, result)
             for request, result in zip(requests, results, strict=True)
@@ -367,13 +370,13 @@ class Engine:
             cancelled=sum(r is None for r in results),
         )
 
-    def memory_error(self, error: Exception, sentences: int) -> Exception:
-        """``error`` as :class:`DeviceMemoryExhausted` when the device arena could not hold the batch (the
-        engine is fine), else ``error`` itself."""
-        if is_out_of_memory(error):
-            return DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {sentences} sentences; "
-                                         "retry with fewer or shorter texts")
-        return error
+    def memory_error(self, error: Exception, sentences: int) -> DeviceMemoryExhausted | None:
+        """The error to raise instead of ``error`` when the device arena could not hold a batch of ``sentences``
+        (the engine is fine), else None."""
+        if not is_out_of_memory(error):
+            return None
+        return DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {sentences} sentences; "
+                                     "retry with fewer or shorter texts")
 
     def search(self, requests: Sequence[SentenceRequest]) -> list[SearchResult | None]:
         """:meth:`translate_batch` before detokenization: token ids, scores and subword attention

@@ -8,6 +8,13 @@ on the version's own single worker thread, so the event loop never blocks on inf
 version's batches never overlap. Results go back to each request's futures and are reassembled in
 request order.
 
+Continuous batching
+    With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
+    runs :class:`server.continuous.ContinuousBatcher` instead of forming batches: sentences join the
+    version's running decode between steps and leave as soon as they finish (see that module). The
+    queue, its bound, the request checks, deadline admission, cancellation, fault isolation and the
+    metrics below are shared; the batch key, ``max_wait`` and ``batch_work`` apply to static batches only.
+
 Bounded work
     Before queueing, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
     decoder work (row-steps: beam size x longest allowed output, summed over its texts) exceeds
@@ -86,6 +93,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from server.admission import BatchPolicy, Pending, RequestHandle, by_request, form_batch, resolve
+from server.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.types import DecodingOptions, SentenceRequest, Translation
 from server.validation import check_budget, tokenize_texts
@@ -134,6 +142,18 @@ class ModelScheduler:
         self.seconds_per_cost: float | None = None  # EMA, see the module docstring
         self.batches = 0
         self.cancelled_sentences = 0
+        self._continuous: ContinuousBatcher | None = None
+        if self.policy.batching == "continuous":
+            if getattr(getattr(engine, "model", None), "per_row_positions", False):
+                self._continuous = ContinuousBatcher(self)
+            else:
+                log.info("continuous batching needs a model that decodes rows at different steps; this version "
+                         "batches statically", extra={"fields": {"model": model, "version": version}})
+
+    @property
+    def batching(self) -> str:
+        """How this version batches: "continuous" or "static"."""
+        return "static" if self._continuous is None else "continuous"
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -209,15 +229,18 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         forced = list(target_prefixes) or [[] for _ in texts]
+        steps = 0 if self._continuous is None else self._continuous.batch.steps
         pendings = [
             Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=list(target)),
-                     len(ids) + 1, units, loop.create_future(), now, next(self._seq))
+                    len(ids) + 1, units, loop.create_future(), now, next(self._seq), steps)
             for ids, text, units, target in zip(sources, texts, work, forced, strict=True)
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
         self._queue.extend(pendings)
         self._expected = max(self._expected, len(self._queue) + len(self._running))
         self._update_depth()
+        if self._continuous is not None:
+            self._continuous.queued(len(pendings))
         self._arrived.set()
         futures = [p.future for p in pendings]
         try:
@@ -282,7 +305,7 @@ class ModelScheduler:
     async def _run(self) -> None:
         while True:
             try:
-                await self._step()
+                await (self._step() if self._continuous is None else self._continuous.step())
             except Exception as error:  # noqa: BLE001 - a bug here must not strand every queued request
                 log.exception("batcher error", extra={"fields": {"model": self.labels[0], "version": self.labels[1]}})
                 for pending in self._queue:
@@ -341,28 +364,35 @@ class ModelScheduler:
                 for p in batch:
                     m.queue_duration.labels(*labels).observe(now - p.enqueued)
             error = await self._decode(batch)
-            groups = by_request(batch)
-            if isinstance(error, ServingError):  # e.g. out of device memory: the batch's fault, not the engine's
-                log.warning("batch refused", extra={"fields": {
-                    "model": labels[0], "version": labels[1], "sentences": len(batch), "error": str(error)}})
-                for p in batch:
-                    resolve(p, error=error)
-            elif error is not None and len(groups) > 1:
-                log.warning("batch failed; running its requests one by one", extra={"fields": {
-                    "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
-                    "error": f"{type(error).__name__}: {error}"}})
-                for group in groups:
-                    if group[0].request.is_cancelled():
-                        for p in group:
-                            resolve(p, error=p.request.error())
-                    elif (group_error := await self._decode(group)) is not None:
-                        await self._fail(group, group_error)
-            elif error is not None:
-                await self._fail(batch, error)
+            if error is not None:
+                await self._recover(batch, error)
         finally:
             self._running = []
             self._free_since = time.monotonic()
             self._notify_idle()
+
+    async def _recover(self, batch: list[Pending], error: Exception) -> None:
+        """``batch`` failed with ``error``: fail it with a :class:`ServingError`'s status, or decode each of its
+        requests on its own (see the module docstring)."""
+        labels = self.labels
+        groups = by_request(batch)
+        if isinstance(error, ServingError):  # e.g. out of device memory: the batch's fault, not the engine's
+            log.warning("batch refused", extra={"fields": {
+                "model": labels[0], "version": labels[1], "sentences": len(batch), "error": str(error)}})
+            for p in batch:
+                resolve(p, error=error)
+        elif len(groups) > 1:
+            log.warning("batch failed; running its requests one by one", extra={"fields": {
+                "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
+                "error": f"{type(error).__name__}: {error}"}})
+            for group in groups:
+                if group[0].request.is_cancelled():
+                    for p in group:
+                        resolve(p, error=p.request.error())
+                elif (group_error := await self._decode(group)) is not None:
+                    await self._fail(group, group_error)
+        else:
+            await self._fail(batch, error)
 
     async def _decode(self, batch: list[Pending]) -> Exception | None:
         """Decode ``batch`` on the worker thread and resolve its futures; return the error when it failed."""
@@ -403,6 +433,11 @@ class ModelScheduler:
                     "error": f"{type(probe_error).__name__}: {probe_error}"}})
                 self.on_broken()
 
+    def observe_rate(self, sample: float) -> None:
+        """Fold one measurement of compute seconds per unit of cost into the rate estimate."""
+        rate = self.seconds_per_cost
+        self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
+
     def _record(self, batch: list[Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""
         self.batches += 1
@@ -410,9 +445,7 @@ class ModelScheduler:
         compute = result.encode_seconds + result.decode_seconds
         cost = sum(p.cost for p in batch)
         if cost and result.cancelled == 0:  # cancelled sentences would make the batch look cheap
-            sample = compute / cost
-            rate = self.seconds_per_cost
-            self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
+            self.observe_rate(compute / cost)
         m, labels = self.metrics, self.labels
         if m is None:
             return

@@ -1,0 +1,215 @@
+"""Continuous (iteration-level) batching: one running decode per model version (``--batching continuous``).
+
+Where the static batcher (:mod:`server.scheduler`) decodes a batch to its end while later sentences
+wait behind its longest sentence, here sentences join the version's running decode
+(:class:`server.decode.RunningDecode`) between two decoding steps and leave it as soon as they finish:
+a sentence's latency is its own decoding length plus at most about one step of waiting.
+
+The loop (the scheduler's batcher task; inference on the version's single worker thread):
+
+1. Drop cancelled and expired queued sentences (their callers get CANCELLED / DEADLINE_EXCEEDED).
+2. Admission (:func:`server.admission.admit_to_decode`): queued sentences in urgency order (earliest
+   deadline first, then oldest, as the static batcher), while their rows (beam size each) fit in
+   ``max_batch_rows``, the decode's tokens, rows x (widest source + longest target so far), stay within
+   ``decode_tokens`` (bounding its memory) and the one encoder call for all of them stays within
+   ``batch_tokens`` / ``max_batch_sentences``. It stops at the first sentence that does not fit: a long
+   sentence waits for rows to free, and the shorter sentences behind it wait with it, so it is never
+   starved. Sentences of any beam size, options and attention share the decode.
+3. On the worker thread: encode the admitted sentences (one encoder call), insert them into free rows,
+   then decode steps until a sentence leaves, the decode is empty, or a sentence was queued while rows
+   are free (so it joins after at most one step). Every step polls each sentence's cancellation: a
+   cancelled or expired sentence leaves at once and frees its rows.
+4. The sentences that left get their translations (or errors) at once.
+
+Attention: the attention graph runs while any sentence in the decode asked for it, which costs the
+others the measured cost of the attention output (0-3 %, benchmarks/README.md); the rows that did not
+ask get none.
+
+Fault isolation: when a step raises, the running decode is discarded and each request that was in it
+runs again on its own through the static path (:meth:`ModelScheduler._decode`), exactly as a failing
+static batch: the request that breaks inference gets INTERNAL, the others their translations (equal
+by construction); a :class:`server.errors.ServingError` (out of device memory) fails them all with its
+status. The rate estimate of deadline admission is updated from compute seconds per unit of cost of
+the sentences that finish.
+
+Metrics: ``nmt_running_rows`` (rows in the decode), ``nmt_admission_wait_steps`` (steps the decode ran
+while a sentence waited to join), and the batch families per admission (one encoder call): sentences,
+source positions, padding; ``nmt_inference_duration_seconds`` per encoder call and per run of steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
+from server.decode import RunningDecode
+from server.types import SentenceRequest, Translation
+
+
+@dataclass
+class Progress:
+    """What one :meth:`RunningBatch.advance` did."""
+
+    finished: list[tuple[Any, Translation | None]] = field(default_factory=list)  # (tag, None if cancelled)
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    source_tokens: int = 0  # of the admitted sentences, EOS included, padding not
+    source_positions: int = 0  # of their encoder batch, padding included
+    generated_tokens: int = 0
+
+
+class RunningBatch:
+    """An engine's running decode of :class:`SentenceRequest` s, driven from the worker thread."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+        self.steps = 0  # decoding steps run so far
+
+    def load(self) -> DecodeLoad:
+        """What the decode holds now (read on the event loop while the worker is idle)."""
+        widths = self.decode.source_lengths()
+        return DecodeLoad(self.decode.reserved_rows, max(widths, default=0), max(self.decode.steps(), default=0))
+
+    def advance(self, requests: Sequence[SentenceRequest], tags: Sequence[Any],
+                until: Callable[[], bool]) -> Progress:
+        """Admit ``requests`` (one encoder call), then decode steps until a sentence leaves, the decode is
+        empty or ``until()`` is true; returns the sentences that left with their translations."""
+        progress = Progress()
+        engine = self.engine
+        try:
+            if requests:
+                start = time.perf_counter()
+                encoded, sentences, src = engine.encode(requests)
+                self.decode.admit(encoded, sentences, list(zip(tags, requests, strict=True)))
+                progress.encode_seconds = time.perf_counter() - start
+                progress.source_tokens = sum(len(r.source_ids) + 1 for r in requests)
+                progress.source_positions = int(src.size)
+            start = time.perf_counter()
+            while self.decode.rows:
+                left = self.decode.step()
+                self.steps += 1
+                progress.steps += 1
+                for (tag, request), result in left:
+                    if result is not None:
+                        progress.generated_tokens += sum(len(h.tokens) for h in result.hypotheses)
+                    progress.finished.append((tag, None if result is None else engine.to_translation(request, result)))
+                if left or until():
+                    break
+            progress.decode_seconds = time.perf_counter() - start
+        except Exception as error:
+            exhausted = engine.memory_error(error, self.decode.sentences + len(requests))
+            if exhausted is None:
+                raise
+            raise exhausted from error
+        return progress
+
+
+class ContinuousBatcher:
+    """The continuous batching loop of one :class:`server.scheduler.ModelScheduler` (see the module docstring)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.batch = RunningBatch(scheduler.engine)
+        self.arrivals = 0  # sentences queued so far (read by the worker thread: a new one may join)
+        self._cost_done = 0  # cost of the sentences finished since the rate was last updated
+        self._compute = 0.0  # compute seconds since then
+
+    def queued(self, count: int) -> None:
+        """``count`` sentences were queued (on the event loop)."""
+        self.arrivals += count
+
+    async def step(self) -> None:
+        """Wait for work, or admit what fits and run the decode until a sentence leaves."""
+        s = self.scheduler
+        s._drop_cancelled()
+        if not s._queue and not self.batch.decode.rows:
+            s._notify_idle()
+            s._arrived.clear()
+            await s._arrived.wait()
+            return
+        admitted = admit_to_decode(s._queue, self.batch.load(), s.policy) if s._queue else []
+        now = time.monotonic()
+        if admitted:
+            joined = set(map(id, admitted))
+            s._queue = [p for p in s._queue if id(p) not in joined]
+            s._update_depth()
+            if not s._running:
+                s._running_since = now
+            s._running.extend(admitted)
+            if s.metrics is not None:
+                for p in admitted:
+                    s.metrics.queue_duration.labels(*s.labels).observe(now - p.enqueued)
+                    s.metrics.admission_wait_steps.labels(*s.labels).observe(self.batch.steps - p.steps)
+        arrivals, rows_limit, decode = self.arrivals, s.policy.max_batch_rows, self.batch.decode
+
+        def until() -> bool:  # a sentence was queued since this admission and rows are free for it
+            return self.arrivals != arrivals and decode.reserved_rows < rows_limit
+
+        try:
+            progress = await asyncio.get_running_loop().run_in_executor(
+                s._executor, self.batch.advance, [p.sentence for p in admitted], admitted, until)
+        except Exception as error:  # noqa: BLE001 - a failing step fails its requests, not the batcher
+            await self._recover(error)
+            return
+        s.failures = 0
+        self._record(admitted, progress)
+        for pending, translation in progress.finished:
+            s._running.remove(pending)
+            if translation is None:
+                resolve(pending, error=pending.request.error())
+            else:
+                resolve(pending, result=translation)
+        if not s._running:
+            s._free_since = time.monotonic()
+            s._notify_idle()
+
+    def _record(self, admitted: list[Pending], progress: Progress) -> None:
+        """Metrics of one advance, and the cost-rate estimate from the sentences that finished."""
+        s = self.scheduler
+        self._compute += progress.encode_seconds + progress.decode_seconds
+        cancelled = sum(translation is None for _, translation in progress.finished)
+        s.cancelled_sentences += cancelled
+        if cancelled:  # cancelled sentences would make the work look cheap
+            self._compute, self._cost_done = 0.0, 0
+        else:
+            self._cost_done += sum(p.cost for p, _ in progress.finished)
+            if self._cost_done and not self.batch.decode.rows:
+                s.observe_rate(self._compute / self._cost_done)
+                self._compute, self._cost_done = 0.0, 0
+        m, labels = s.metrics, s.labels
+        if m is None:
+            return
+        m.running_rows.labels(*labels).set(self.batch.decode.rows)
+        if admitted:
+            s.batches += 1
+            m.inference_duration.labels(*labels, "encode").observe(progress.encode_seconds)
+            m.batch_sentences.labels(*labels).observe(len(admitted))
+            m.batch_tokens.labels(*labels).observe(progress.source_positions)
+            m.padding_ratio.labels(*labels).observe(1.0 - progress.source_tokens / progress.source_positions)
+            m.source_tokens.labels(*labels).inc(progress.source_tokens)
+        m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
+        m.generated_tokens.labels(*labels).inc(progress.generated_tokens)
+        if cancelled:
+            m.cancelled_sentences.labels(*labels).inc(cancelled)
+
+    async def _recover(self, error: Exception) -> None:
+        """A step failed: discard the running decode and decode each of its requests on its own (see the
+        module docstring)."""
+        s = self.scheduler
+        running, s._running = list(s._running), []
+        self.batch = RunningBatch(s.engine)
+        self._compute, self._cost_done = 0.0, 0
+        if s.metrics is not None:
+            s.metrics.running_rows.labels(*s.labels).set(0)
+        try:
+            await s._recover(running, error)
+        finally:
+            s._free_since = time.monotonic()
+            s._notify_idle()
+
