@@ -53,21 +53,46 @@ class StepModel(Protocol):
 
     def step(
         self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], need_attention: bool, k: int,
-        full: bool = False,
+        full: bool = False, positions: np.ndarray | None = None,
     ) -> StepOutput:
         """``tokens`` int64 [R] (previous token of each row), ``static`` tensors [R, ...], ``state``
         tensors [R, ...], ``k`` >= 1 -> the ``min(k, V)`` best tokens of each row and their
         log-probabilities, the EOS log-probability, attention [R, S] (or None), the next state and,
-        with ``full``, the whole [R, V] distribution (for the decoding controls)."""
+        with ``full``, the whole [R, V] distribution (for the decoding controls). ``positions`` int64
+        [R]: each row's own target position (tokens it has decoded), passed only to a model whose
+        ``per_row_positions`` is true; None: all rows are at the same step."""
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
         leave the batch and beams follow the rows they extend. :func:`take_rows` for NumPy arrays."""
 
+    def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        """The rows of ``first`` followed by those of ``second`` (sentences joining a running decode); a
+        non-row axis on which they differ (source length, cache capacity) is zero-padded first, and zero
+        must mean padding there (a source mask's 0). :func:`concat_rows` for NumPy arrays. Needed only by
+        a model whose ``per_row_positions`` is true (one that can decode rows at different steps)."""
+
 
 def take_rows(tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays."""
     return {name: value[rows] for name, value in tensors.items()}
+
+
+def concat_rows(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:meth:`StepModel.concat_rows` for models that keep their tensors as NumPy arrays."""
+    joined = {}
+    for name, a in first.items():
+        b = second[name]
+        width = np.maximum(a.shape[1:], b.shape[1:])
+        joined[name] = np.concatenate([_pad_to(a, width), _pad_to(b, width)])
+    return joined
+
+
+def _pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """``array`` zero-padded at the end of every non-row axis to ``shape`` (rows excluded)."""
+    if tuple(array.shape[1:]) == tuple(shape):
+        return array
+    return np.pad(array, [(0, 0), *((0, int(want) - have) for have, want in zip(array.shape[1:], shape, strict=True))])
 
 
 @dataclass
