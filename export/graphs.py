@@ -21,6 +21,7 @@ class GraphSet:
     static_src_axes: dict[str, int]
     attention_total: int  # attention blocks that have a fused ONNX Runtime lowering (all must be fused)
     attention_fused: int
+    decoder_positions: str = ""  # the decoder's per-row position input (a "buffer" state), else ""
 
     def graphs(self) -> dict[str, onnx.ModelProto]:
         return {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}

@@ -380,6 +380,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         decoder_static=graph_set.decoder_static,
         decoder_state=graph_set.decoder_state,
         static_src_axes=graph_set.static_src_axes,
+        decoder_positions=graph_set.decoder_positions,
         tokenizer=TOKENIZER_FILE,
         tokenizer_type=inputs.tokenizer.kind,
         target_languages=inputs.tokenizer.target_languages,

@@ -40,8 +40,10 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
 
 # computed in fp32 inside an fp16 graph: the normalisations whose sums lose small terms in fp16 (ONNX Runtime's
 # LayerNorm-type kernels and MultiHeadAttention accumulate in fp32 themselves), and TopK, so that the scores
-# and the order of the served candidates come from fp32 log-probabilities
-FP32_OPS = ("Softmax", "LogSoftmax", "ReduceMean", "TopK")
+# and the order of the served candidates come from fp32 log-probabilities; and the self-attention
+# GroupQueryAttention, whose past/present KV buffers are fp32 graph I/O bound in place (a cast in between
+# would copy the whole cache every step)
+FP32_OPS = ("Softmax", "LogSoftmax", "ReduceMean", "TopK", "GroupQueryAttention")
 
 
 def convert_fp16(source: Path, target: Path) -> None:

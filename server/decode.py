@@ -145,8 +145,8 @@ class RunningDecode:
                 raise ValueError("need 1 <= num_hypotheses <= beam_size")
             if s.beam_size > 1 and s.controls.samples:
                 raise ValueError("sampling needs beam_size 1")
-        if self._sentences and not self.per_row_positions and any(s.step for s in self._sentences):
-            raise ValueError("this model decodes all rows at one step: sentences join only before the first step")
+        if self._sentences and not self.per_row_positions:
+            raise ValueError("this model decodes all rows at one step: sentences join only an empty decode")
         static = {name: encoded[name] for name in self.model.static_names}
         state = {name: encoded[name] for name in self.model.state_names}
         if self._static is None or not self._sentences:

@@ -6,6 +6,8 @@ No torch here. The engine is architecture-agnostic: the manifest names the decod
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 
+The step models live in :mod:`server.step_models` (with the in-place KV cache of ``nmt-model/2``).
+
 The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.device`).
 """
 
@@ -18,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
-from nmt.model_format.manifest import FORMAT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, ManifestError, read_manifest
+from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.decode import RunningDecode
@@ -35,7 +36,8 @@ from server.device import (
     session_provider,
 )
 from server.errors import DeviceMemoryExhausted, InvalidArgument
-from server.search import BeamSentence, SearchResult, StepOutput, concat_rows, take_rows
+from server.search import BeamSentence, SearchResult
+from server.step_models import DeviceStepModel, OnnxStepModel
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, Translation
 
 
@@ -50,181 +52,6 @@ class BatchResult:
     source_tokens: int
     padding_ratio: float  # padded positions / all positions of the source batch
     cancelled: int  # sentences that left the batch because their request was cancelled or expired
-
-
-class OnnxStepModel:
-    """The :class:`server.search.StepModel` of an exported model version: encoder + one-step decoder."""
-
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
-        self.manifest = manifest
-        self.sessions = sessions
-        self.static_names = list(manifest.decoder_static)
-        self.state = list(manifest.decoder_state)
-        for role in ("decoder", "decoder_attention"):
-            missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
-            if missing:
-                raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
-                                    "format: export the model again with this version of nmt export")
-        self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
-        # rows may decode at different steps (continuous batching) when no state grows with the step
-        # (an RNN: its step reads no target position)
-        self.per_row_positions = all(entry.init != "empty" for entry in self.state)
-
-    def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
-        """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
-        outputs = self.sessions["encoder"].run(None, {"src_ids": src})
-        names = [o.name for o in self.sessions["encoder"].get_outputs()]
-        encoded = dict(zip(names, outputs, strict=True))
-        batch = src.shape[0]
-        for entry in self.state:
-            if entry.init == "empty":
-                encoded[entry.input] = np.zeros((batch, *entry.shape), dtype=entry.dtype or "float32")
-        return encoded
-
-    def step(
-        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int, full: bool = False, positions: np.ndarray | None = None,
-    ) -> StepOutput:
-        """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
-        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` asks for it. ``positions``
-        is not fed: only a position-free model takes it (:attr:`per_row_positions`)."""
-        session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
-        output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
-        if need_attention:
-            output_names.append("attention")
-        if full:
-            output_names.append("log_probs")
-        outputs = session.run(output_names, feeds)
-        heads = len(TOP_K_OUTPUTS)
-        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[heads + len(self.state)] if need_attention else None
-        return StepOutput(*outputs[:heads], attention, new_state, outputs[-1] if full else None)
-
-    def _top_k(self, k: int) -> np.ndarray:
-        if k not in self._top_k_feeds:
-            self._top_k_feeds[k] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
-        return self._top_k_feeds[k]
-
-    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
-        return take_rows(tensors, rows)
-
-    def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return concat_rows(first, second)
-
-    @property
-    def state_names(self) -> list[str]:
-        return [entry.input for entry in self.state]
-
-
-class DeviceStepModel(OnnxStepModel):
-    """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
-    Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
-    selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
-    top-k, the EOS log-prob and (when asked) the attention back to the host.
-
-    For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
-    it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
-    binding logic on machines without a GPU.
-
-    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
-    here, at load, with the decoder's options and providers (device id and memory limit included)."""
-
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
-        super().__init__(manifest, sessions)
-        self.device = device
-        self._top_k_values: dict[int, ort.OrtValue] = {}  # k -> top_k as an OrtValue (wraps the cached feed)
-        types = {o.type for o in sessions["encoder"].get_outputs()}
-        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
-        self._gathers = {element_type: self._gather_session(element_type) for element_type in sorted(types)}
-
-    def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue]:
-        session = self.sessions["encoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("src_ids", src)
-        names = [o.name for o in session.get_outputs()]
-        for name in names:
-            binding.bind_output(name, self.device)
-        session.run_with_iobinding(binding)
-        encoded = dict(zip(names, binding.get_outputs(), strict=True))
-        for entry in self.state:
-            if entry.init == "empty":
-                zeros = np.zeros((src.shape[0], *entry.shape), dtype=entry.dtype or "float32")
-                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
-        return encoded
-
-    def step(
-        self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
-        need_attention: bool, k: int, full: bool = False, positions: np.ndarray | None = None,
-    ) -> StepOutput:
-        session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", tokens)
-        for name, value in (static | state).items():
-            binding.bind_ortvalue_input(name, value)
-        if k not in self._top_k_values:  # an overridable initializer: only an OrtValue binds to it
-            self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
-        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_values[k])
-        for name in TOP_K_OUTPUTS:
-            binding.bind_output(name, "cpu")
-        for entry in self.state:
-            binding.bind_output(entry.output, self.device)
-        if need_attention:
-            binding.bind_output("attention", "cpu")
-        if full:
-            binding.bind_output("log_probs", "cpu")
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # in binding order
-        heads = len(TOP_K_OUTPUTS)
-        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[heads + len(self.state)].numpy() if need_attention else None
-        return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state,
-                          outputs[-1].numpy() if full else None)
-
-    def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
-        selected = {}
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
-        for name, value in tensors.items():
-            session = self._gathers[value.data_type()]
-            binding = session.io_binding()
-            binding.bind_ortvalue_input("x", value)
-            binding.bind_ortvalue_input("rows", rows_value)
-            binding.bind_output("y", self.device)
-            session.run_with_iobinding(binding)
-            selected[name] = binding.get_outputs()[0]
-        return selected
-
-    def concat_rows(self, first: dict[str, ort.OrtValue], second: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        """:func:`server.search.concat_rows` through the host: sentences join a running decode a few times per
-        sentence, not every step, so the copy to the host and back is not worth a graph of its own."""
-        joined = concat_rows({name: value.numpy() for name, value in first.items()},
-                             {name: value.numpy() for name, value in second.items()})
-        return {name: ort.OrtValue.ortvalue_from_numpy(value, self.device) for name, value in joined.items()}
-
-    def _gather_session(self, element_type: str) -> ort.InferenceSession:
-        """A one-node ``Gather(x, rows, axis=0)`` session for tensors of ``element_type`` ("tensor(float)")."""
-        dtype = _ELEMENT_TYPES[element_type]
-        graph = helper.make_graph(
-            [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "select_rows",
-            [helper.make_tensor_value_info("x", dtype, None),
-             helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])],
-            [helper.make_tensor_value_info("y", dtype, None)],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-        decoder = self.sessions["decoder"]
-        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
-        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
-        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
-
-    @property
-    def gather_sessions(self) -> dict[str, ort.InferenceSession]:
-        """Element type -> the ``Gather`` session that selects rows of such tensors."""
-        return self._gathers
-
-
-_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
-                  "tensor(bool)": TensorProto.BOOL}
 
 
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:

@@ -82,21 +82,18 @@ def continuous(engine: Engine, **policy: Any) -> ModelScheduler:
     return ModelScheduler(engine, policy=BatchPolicy(batching="continuous", **policy))
 
 
-def test_server_translations_equal_one_by_one_and_transformer_falls_back(
-        mixed_repository: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="nmt.server"):
-        h = ServerHarness(test_config(mixed_repository, batching="continuous", max_batch_rows=12), default_loader())
+@pytest.mark.parametrize("model", ["rnn", "transformer"])
+def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str) -> None:
+    h = ServerHarness(test_config(mixed_repository, batching="continuous", max_batch_rows=12), default_loader())
     try:
-        assert h.scheduler("rnn").batching == "continuous" and h.scheduler("transformer").batching == "static"
-        assert any(r.getMessage().startswith("continuous batching needs") and r.fields["model"] == "transformer"
-                   for r in caplog.records)
+        assert h.scheduler(model).batching == "continuous"
         calls = []
         for i, text in enumerate([LONG, *SHORT, LONG, *SHORT]):
             options = pb2.DecodingOptions(beam_size=[1, 4, 2][i % 3], num_hypotheses=1, return_attention=i % 2 == 0,
                                           return_scores=True, min_length=MIN_LENGTH if text == LONG else 0)
             calls.append((text, options, h.stub.Translate.future(
-                pb2.TranslateRequest(texts=[text], model="rnn", options=options), timeout=60)))
-        engine = h.engine("rnn")
+                pb2.TranslateRequest(texts=[text], model=model, options=options), timeout=60)))
+        engine = h.engine(model)
         for text, options, future in calls:
             [got] = future.result().translations
             [alone] = engine.translate([text], DecodingOptions(
@@ -108,14 +105,39 @@ def test_server_translations_equal_one_by_one_and_transformer_falls_back(
             if options.return_attention:
                 weights = np.array(got.hypotheses[0].attention.weights).reshape(len(got.hypotheses[0].tokens), -1)
                 np.testing.assert_allclose(weights, alone.hypotheses[0].attention.weights, atol=1e-5)
-        labels = {"model": "rnn", "version": "1"}
+        labels = {"model": model, "version": "1"}
         assert h.metric("nmt_admission_wait_steps_count", labels) == len(calls)
         assert h.metric("nmt_admission_wait_steps_sum", labels) > 0  # the rows were full: some waited
         wait_for(lambda: h.metric("nmt_running_rows", labels) == 0)
-        static = h.stub.Translate(pb2.TranslateRequest(texts=SHORT, model="transformer"), timeout=30)
-        assert len(static.translations) == len(SHORT)
     finally:
         h.close()
+
+
+class SharedPosition(StepModel):
+    """A step model that decodes all rows at one position (as a Transformer exported before the in-place cache)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.per_row_positions = False
+
+
+def test_a_model_without_per_row_positions_batches_statically(tiny_models: dict[str, Path],
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    base = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1)
+    engine = Engine(base.manifest, base.tokenizer, SharedPosition(base.model), base.provider)
+
+    async def scenario() -> tuple[str, Any]:
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(batching="continuous"), model="old", version="1")
+        scheduler.start()
+        result = await asyncio.gather(*(scheduler.translate([t], DecodingOptions()) for t in SHORT))
+        await scheduler.close(timeout=5)
+        return scheduler.batching, result
+
+    with caplog.at_level(logging.INFO, logger="nmt.server"):
+        batching, results = asyncio.run(scenario())
+    assert batching == "static" and len(results) == len(SHORT)
+    [line] = [r for r in caplog.records if r.getMessage().startswith("continuous batching needs")]
+    assert line.fields == {"model": "old", "version": "1"}
 
 
 def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[str, Path]) -> None:

@@ -148,10 +148,10 @@ class OutOfMemoryOverTwoRows:
     def __init__(self, engine: Engine) -> None:
         step = engine.model.step
 
-        def limited(tokens: np.ndarray, *args: Any) -> Any:
+        def limited(tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
             if tokens.shape[0] > 2:
                 raise RuntimeError(ORT_OUT_OF_MEMORY)
-            return step(tokens, *args)
+            return step(tokens, *args, **kwargs)
 
         engine.model.step = limited  # type: ignore[method-assign]
         self.engine = engine
