@@ -13,6 +13,7 @@ SCRIPTS = {
     "train": "train_quality.py",
     "engine": "engine_throughput.py",
     "server": "server_load.py",
+    "batching": "batching.py",
     "http": "http_vs_grpc.py",
     "proxy": "proxy.py",
 }
@@ -25,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a benchmark (training quality, engine throughput, server load)",
         description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
         "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
-        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load.",
+        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load; batching: static "
+        "vs continuous batching under a mix of short and long sentences.",
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
