@@ -21,6 +21,9 @@ now, is no better than the worst of them (or nothing is live). With ``beam_size 
 reduce to arg-max decoding (the best token is kept; when it is EOS the sentence is done), which runs
 through a lean path of a few array operations per step instead of the general candidate bookkeeping.
 
+Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
+when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).
+
 Attention. The attention graph runs while any sentence in the decode asked for attention (the
 attention output costs 0-3 % of a step, benchmarks/README.md); only those sentences keep it. A
 hypothesis' attention is [its tokens, its own source length]: it never depends on its companions.
@@ -371,10 +374,23 @@ class RunningDecode:
         if moved:
             self._state = self.model.select_rows(self._state, origin)
             if origin.size != self.rows or not np.array_equal(self._row_sentence[origin], self._row_sentence):
-                self._static = self.model.select_rows(self._static, origin)  # a row's sentence changed
+                self._static = self._trim_sources(self.model.select_rows(self._static, origin))  # sentences moved
         self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
         for s in self._sentences:
             s.step += 1
+
+    def _trim_sources(self, static: dict[str, Any]) -> dict[str, Any]:
+        """``static`` cut on its source axis (the model's ``static_src_axes``) to the widest source still
+        decoding, once that is a quarter narrower or more: every row's step then costs what its companions'
+        sources need, not what the widest sentence that ever joined needed. Only the padding is cut (zeros,
+        that no row reads), so no row's result changes; NumPy arrays only."""
+        widest = max(s.spec.source_length for s in self._sentences)
+        trimmed = dict(static)
+        for name, axis in getattr(self.model, "static_src_axes", {}).items():
+            value = static.get(name)
+            if isinstance(value, np.ndarray) and 4 * widest <= 3 * value.shape[axis]:
+                trimmed[name] = np.ascontiguousarray(value[(slice(None),) * axis + (slice(0, widest),)])
+        return trimmed
 
     def _fit_attention(self, width: int) -> None:
         """Make the attention history hold every row and ``width`` source positions."""

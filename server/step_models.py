@@ -38,6 +38,7 @@ class OnnxStepModel:
         self.manifest = manifest
         self.sessions = sessions
         self.static_names = list(manifest.decoder_static)
+        self.static_src_axes = dict(manifest.static_src_axes)  # static input -> its source-length axis
         self.state = list(manifest.decoder_state)
         self.positions = manifest.decoder_positions  # "": the concatenating cache of nmt-model/1 (or none)
         self.buffers = {entry.input: entry for entry in self.state if entry.init == "buffer"}

@@ -195,3 +195,23 @@ def test_a_model_without_per_row_positions_admits_only_at_the_first_step(engines
     decode.step()
     with pytest.raises(ValueError, match="at one step"):
         decode.admit(*engine.encode([request(engine, "four")])[:2], [1])
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_padding_is_cut_when_the_widest_sentence_leaves(arch, engines):
+    engine = engines[arch]
+    wide = request(engine, " ".join(WORDS * 2), max_length=3)
+    narrow = request(engine, "one two", controls=Controls(min_length=8))
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    encoded, sentences, _ = engine.encode([wide, narrow])
+    decode.admit(encoded, sentences, ["wide", "narrow"])
+    left = []
+    while not left:
+        left = decode.step()
+    assert left[0][0] == "wide" and decode.tags() == ["narrow"]
+    width = len(narrow.source_ids) + 1
+    assert all(value.shape[axis] == width for name, axis in engine.model.static_src_axes.items()
+               for value in [decode._static[name]])
+    while decode.rows:
+        left = decode.step()
+    assert_same(left[0][1], alone(engine, narrow))
