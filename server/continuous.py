@@ -16,12 +16,14 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    sentence waits for rows to free, and the shorter sentences behind it wait with it, so it is never
    starved. Sentences of any beam size, options and attention share the decode.
 3. On the worker thread: encode the admitted sentences (one encoder call), insert them into free rows,
-   then decode steps until a sentence leaves, the decode is empty, or a sentence queued while rows are
-   free has waited ``max_wait`` (``--max-wait-ms``, 5 ms: about one step), so that sentences arriving
-   close together join in one encoder call instead of one each, which on 2 cores cost more than the
-   step they saved. Every step polls each sentence's cancellation: a cancelled or expired sentence
-   leaves at once and frees its rows.
-4. The sentences that left get their translations (or errors) at once.
+   then decode steps until the decode is empty or the oldest queued sentence fits in the free rows and
+   has waited ``max_wait`` (``--max-wait-ms``, 5 ms: about a step), so that sentences arriving close
+   together join in one encoder call instead of one each. Every step polls each sentence's
+   cancellation: a cancelled or expired sentence leaves at once and frees its rows.
+4. The sentences that leave are handed to the event loop right after their step
+   (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
+   worker goes on decoding (it never waits for the event loop, which on 2 cores left it idle a third
+   of the time when it returned after every sentence).
 
 Attention: the attention graph runs while any sentence in the decode asked for it, which costs the
 others the measured cost of the attention output (0-3 %, benchmarks/README.md); the rows that did not
@@ -42,9 +44,10 @@ source positions, padding; ``nmt_inference_duration_seconds`` per encoder call a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
@@ -56,13 +59,14 @@ from server.types import SentenceRequest, Translation
 class Progress:
     """What one :meth:`RunningBatch.advance` did."""
 
-    finished: list[tuple[Any, Translation | None]] = field(default_factory=list)  # (tag, None if cancelled)
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
     source_tokens: int = 0  # of the admitted sentences, EOS included, padding not
     source_positions: int = 0  # of their encoder batch, padding included
-    generated_tokens: int = 0
+
+
+Finished = list[tuple[Any, "Translation | None", int]]  # (tag, translation or None if cancelled, generated tokens)
 
 
 class RunningBatch:
@@ -72,16 +76,17 @@ class RunningBatch:
         self.engine = engine
         self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
         self.steps = 0  # decoding steps run so far
+        self.left = 0  # sentences that left so far
 
     def load(self) -> DecodeLoad:
         """What the decode holds now (read on the event loop while the worker is idle)."""
         widths = self.decode.source_lengths()
         return DecodeLoad(self.decode.reserved_rows, max(widths, default=0), max(self.decode.steps(), default=0))
 
-    def advance(self, requests: Sequence[SentenceRequest], tags: Sequence[Any],
-                until: Callable[[], bool]) -> Progress:
-        """Admit ``requests`` (one encoder call), then decode steps until a sentence leaves, the decode is
-        empty or ``until()`` is true; returns the sentences that left with their translations."""
+    def advance(self, requests: Sequence[SentenceRequest], tags: Sequence[Any], until: Callable[[], bool],
+                deliver: Callable[[Finished], None]) -> Progress:
+        """Admit ``requests`` (one encoder call), then decode steps until the decode is empty or ``until()``
+        is true; the sentences that leave go to ``deliver`` with their translations after each step."""
         progress = Progress()
         engine = self.engine
         try:
@@ -97,11 +102,12 @@ class RunningBatch:
                 left = self.decode.step()
                 self.steps += 1
                 progress.steps += 1
-                for (tag, request), result in left:
-                    if result is not None:
-                        progress.generated_tokens += sum(len(h.tokens) for h in result.hypotheses)
-                    progress.finished.append((tag, None if result is None else engine.to_translation(request, result)))
-                if left or until():
+                if left:
+                    self.left += len(left)
+                    deliver([(tag, None, 0) if result is None else (
+                        tag, engine.to_translation(request, result), sum(len(h.tokens) for h in result.hypotheses))
+                        for (tag, request), result in left])
+                if until():
                     break
             progress.decode_seconds = time.perf_counter() - start
         except Exception as error:
@@ -118,16 +124,12 @@ class ContinuousBatcher:
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.batch = RunningBatch(scheduler.engine)
-        self.arrivals = 0  # sentences queued so far (read by the worker thread: a new one may join)
         self._cost_done = 0  # cost of the sentences finished since the rate was last updated
         self._compute = 0.0  # compute seconds since then
-
-    def queued(self, count: int) -> None:
-        """``count`` sentences were queued (on the event loop)."""
-        self.arrivals += count
+        self._cancelled = False  # a sentence was cancelled since then (the work would look cheap)
 
     async def step(self) -> None:
-        """Wait for work, or admit what fits and run the decode until a sentence leaves."""
+        """Wait for work, or admit what fits and run the decode until it is empty or others can join."""
         s = self.scheduler
         s._drop_cancelled()
         if not s._queue and not self.batch.decode.rows:
@@ -148,46 +150,63 @@ class ContinuousBatcher:
                 for p in admitted:
                     s.metrics.queue_duration.labels(*s.labels).observe(now - p.enqueued)
                     s.metrics.admission_wait_steps.labels(*s.labels).observe(self.batch.steps - p.steps)
-        arrivals, rows_limit, decode = self.arrivals, s.policy.max_batch_rows, self.batch.decode
-        wait = s.policy.max_wait_seconds
+        blocked = s._queue[0] if s._queue else None  # did not fit: it waits for a sentence to leave
+        batch, rows_limit, wait, left = self.batch, s.policy.max_batch_rows, s.policy.max_wait_seconds, self.batch.left
 
-        def until() -> bool:  # sentences were queued since this admission, rows are free, and they waited enough
-            if self.arrivals == arrivals or decode.reserved_rows >= rows_limit:
-                return False
+        def until() -> bool:  # the oldest queued sentence fits in the free rows and has waited max_wait
             queue = s._queue
-            return not queue or time.monotonic() - queue[0].enqueued >= wait
+            if not queue or (queue[0] is blocked and batch.left == left):
+                return False
+            head = queue[0]
+            return (batch.decode.reserved_rows + head.sentence.options.beam_size <= rows_limit
+                    and time.monotonic() - head.enqueued >= wait)
+
+        loop = asyncio.get_running_loop()
+
+        def deliver(finished: Finished) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits any more
+                loop.call_soon_threadsafe(self._deliver, finished)
 
         try:
-            progress = await asyncio.get_running_loop().run_in_executor(
-                s._executor, self.batch.advance, [p.sentence for p in admitted], admitted, until)
+            progress = await loop.run_in_executor(
+                s._executor, batch.advance, [p.sentence for p in admitted], admitted, until, deliver)
         except Exception as error:  # noqa: BLE001 - a failing step fails its requests, not the batcher
             await self._recover(error)
             return
         s.failures = 0
         self._record(admitted, progress)
-        for pending, translation in progress.finished:
+
+    def _deliver(self, finished: Finished) -> None:
+        """Resolve the sentences that left the decode (on the event loop, as soon as they left)."""
+        s = self.scheduler
+        m, labels = s.metrics, s.labels
+        for pending, translation, generated in finished:
+            if pending not in s._running:
+                continue  # the decode failed meanwhile and its requests were answered
             s._running.remove(pending)
             if translation is None:
+                s.cancelled_sentences += 1
+                self._cancelled = True
                 resolve(pending, error=pending.request.error())
+                if m is not None:
+                    m.cancelled_sentences.labels(*labels).inc()
             else:
+                self._cost_done += pending.cost
                 resolve(pending, result=translation)
+                if m is not None:
+                    m.generated_tokens.labels(*labels).inc(generated)
         if not s._running:
             s._free_since = time.monotonic()
             s._notify_idle()
 
     def _record(self, admitted: list[Pending], progress: Progress) -> None:
-        """Metrics of one advance, and the cost-rate estimate from the sentences that finished."""
+        """Metrics of one advance, and the cost-rate estimate once the decode is empty."""
         s = self.scheduler
         self._compute += progress.encode_seconds + progress.decode_seconds
-        cancelled = sum(translation is None for _, translation in progress.finished)
-        s.cancelled_sentences += cancelled
-        if cancelled:  # cancelled sentences would make the work look cheap
-            self._compute, self._cost_done = 0.0, 0
-        else:
-            self._cost_done += sum(p.cost for p, _ in progress.finished)
-            if self._cost_done and not self.batch.decode.rows:
+        if not self.batch.decode.rows:
+            if self._cost_done and not self._cancelled:
                 s.observe_rate(self._compute / self._cost_done)
-                self._compute, self._cost_done = 0.0, 0
+            self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         m, labels = s.metrics, s.labels
         if m is None:
             return
@@ -200,9 +219,6 @@ class ContinuousBatcher:
             m.padding_ratio.labels(*labels).observe(1.0 - progress.source_tokens / progress.source_positions)
             m.source_tokens.labels(*labels).inc(progress.source_tokens)
         m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
-        m.generated_tokens.labels(*labels).inc(progress.generated_tokens)
-        if cancelled:
-            m.cancelled_sentences.labels(*labels).inc(cancelled)
 
     async def _recover(self, error: Exception) -> None:
         """A step failed: discard the running decode and decode each of its requests on its own (see the
@@ -210,7 +226,7 @@ class ContinuousBatcher:
         s = self.scheduler
         running, s._running = list(s._running), []
         self.batch = RunningBatch(s.engine)
-        self._compute, self._cost_done = 0.0, 0
+        self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         if s.metrics is not None:
             s.metrics.running_rows.labels(*s.labels).set(0)
         try:

@@ -239,8 +239,6 @@ class ModelScheduler:
         self._queue.extend(pendings)
         self._expected = max(self._expected, len(self._queue) + len(self._running))
         self._update_depth()
-        if self._continuous is not None:
-            self._continuous.queued(len(pendings))
         self._arrived.set()
         futures = [p.future for p in pendings]
         try:
