@@ -215,9 +215,13 @@ def main() -> None:
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of each server")
     parser.add_argument("--single", type=int, default=40, help="sentences of the single-caller comparison")
+    parser.add_argument("--max-batch-rows", type=int, help="the continuous server's --max-batch-rows (default: its "
+                        "default)")
     args = parser.parse_args()
 
     flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128"]
+    if args.max_batch_rows:
+        flags += ["--max-batch-rows", str(args.max_batch_rows)]
     servers = {mode: start_server(args.model_repository, [*flags, "--batching", mode]) for mode in MODES}
     results: list[tuple[str, dict[str, dict]]] = []
     try:

@@ -86,8 +86,9 @@ class ServerConfig:
         "one running decode per model version that sentences join between decoding steps and leave as soon as "
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
         "falls back to static, with a log line)", choices=BATCHING)
-    max_batch_rows: int = option(128, "continuous batching: most decoder rows in the running decode (a sentence "
-                                 "holds beam_size rows)")
+    max_batch_rows: int = option(32, "continuous batching: most decoder rows in the running decode (a sentence "
+                                 "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
+                                 "on a CPU), more rows only slow every sentence down: raise it on a GPU")
     decode_tokens: int = option(65536, "continuous batching: token budget of the running decode, rows x (widest "
                                 "source + longest target so far), checked when sentences join (bounds its "
                                 "memory)")
