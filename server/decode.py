@@ -152,7 +152,7 @@ class RunningDecode:
             raise ValueError("this model decodes all rows at one step: sentences join only an empty decode")
         static = {name: encoded[name] for name in self.model.static_names}
         state = {name: encoded[name] for name in self.model.state_names}
-        if self._static is None or not self._sentences:
+        if not self._sentences:
             self._static, self._state = static, state
         else:
             self._static = self.model.concat_rows(self._static, static)

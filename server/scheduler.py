@@ -28,7 +28,8 @@ Batching policy
       one whose request is due first (its deadline; a request without a deadline is due
       ``NO_DEADLINE_SECONDS`` after it arrived), oldest first among equals.
     * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
-      (the engine decodes one beam width and one graph per batch); ``num_hypotheses``,
+      (the engine could mix them, but a greedy sentence would then wait for beam searches and every
+      sentence would pay for the attention graph); ``num_hypotheses``,
       ``max_length`` and ``length_penalty`` vary per sentence.
     * A batch starts only when the worker is free: sentences arriving while a batch runs accumulate,
       so batches grow with load. The batcher then waits for companions only as long as it has reason
