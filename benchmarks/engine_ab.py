@@ -1,14 +1,20 @@
-"""A/B of the bare engine: two (checkout, model version) pairs on real sentences, each run in its own
-process, alternating; sentences/s per batch size and beam, medians of the repeats and the B/A ratio.
+"""A/B of the bare engine: two (checkout, model version) pairs, sentences/s and tokens/s per batch size
+and beam, medians and the B/A ratio.
 
     python benchmarks/engine_ab.py --a /work/main /work/main/models/demo-transformer/1 \\
         --b . /tmp/models/demo-transformer/1 --texts /work/main/runs/demo-transformer/test.tsv
+    python benchmarks/engine_ab.py --a . OLD_VERSION --b . NEW_VERSION --ids 8000 --max-length 24
 
-Each worker puts its checkout first on ``sys.path`` before importing the engine, so A and B may be
-different versions of this project (main against a branch) on versions exported by each one's own
-exporter from the same weights. Workers load the engine as ``nmt serve`` does on the CPU (2 intra-op
-threads, spinning within a run), translate the first ``batch`` source texts (the first column of
-``--texts``) once to warm up, then back to back for ``--seconds``; outputs must agree between A and B.
+Sources are the first column of ``--texts`` (tokenized by each version), or with ``--ids VOCAB`` random
+20-token id sequences (for engine_throughput.py's random-weight models, whose EOS is suppressed so every
+output has ``--max-length`` tokens). Engines load as ``nmt serve`` does on the CPU (2 intra-op threads,
+spinning within a run); outputs must agree between A and B.
+
+When A and B share a checkout (one version of this project's engine, e.g. a version exported before a
+format change against one exported after), both load into one process and alternate every
+``--window`` seconds, ``--rounds`` times per cell: on a shared host the load drifts less within a
+window pair than between processes. Otherwise each worker is its own process (its checkout first on
+``sys.path``), alternating ``--repeats`` times.
 """
 
 from __future__ import annotations
@@ -24,28 +30,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(checkout: str, version_dir: str, job_path: str) -> None:
-    """Measure one (checkout, version) pair; prints one JSON line."""
+def worker(checkout: str, versions: list[str], job_path: str) -> None:
+    """Measure ``versions`` with ``checkout``'s engine (alternating when there are two); prints one JSON line."""
     sys.path.insert(0, checkout)
+    import server.engine
     from server.engine import Engine
-    from server.types import DecodingOptions
+    from server.types import DecodingOptions, SentenceRequest
 
     job = json.loads(Path(job_path).read_text())
-    engine = Engine.load(version_dir, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1)
-    import server.engine
+    engines = [Engine.load(v, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1) for v in versions]
 
-    report: dict = {"rates": {}, "outputs": {}, "engine": server.engine.__file__}
-    for beam in job["beams"]:
+    def decode(engine: Engine, batch: int, beam: int) -> list[list[int]]:
         options = DecodingOptions(beam_size=beam, max_length=job["max_length"])
+        if job["ids"] is not None:
+            requests = [SentenceRequest(ids, options) for ids in job["ids"][:batch]]
+        else:
+            requests = [SentenceRequest(engine.tokenize(text), options, text=text) for text in job["texts"][:batch]]
+        return [t.hypotheses[0].token_ids for t in engine.translate_batch(requests).translations]
+
+    report: dict = {"rates": [{} for _ in engines], "outputs": [{} for _ in engines], "engine": server.engine.__file__}
+    for beam in job["beams"]:
         for batch in job["batches"]:
-            texts = job["texts"][:batch]
-            outputs = [t.hypotheses[0].text for t in engine.translate(texts, options)]
-            calls, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < job["seconds"] or not calls:
-                engine.translate(texts, options)
-                calls += 1
-            report["rates"][f"{batch}x{beam}"] = calls * batch / elapsed
-            report["outputs"][f"{batch}x{beam}"] = outputs
+            key = f"{batch}x{beam}"
+            for i, engine in enumerate(engines):
+                report["outputs"][i][key] = decode(engine, batch, beam)  # also the warm-up
+                report["rates"][i][key] = []
+            for _ in range(job["rounds"]):
+                for i, engine in enumerate(engines):
+                    calls, tokens, start = 0, 0, time.perf_counter()
+                    while (elapsed := time.perf_counter() - start) < job["window"] or not calls:
+                        tokens += sum(len(ids) for ids in decode(engine, batch, beam))
+                        calls += 1
+                    report["rates"][i][key].append((calls * batch / elapsed, tokens / elapsed))
     print(json.dumps(report))
 
 
@@ -53,47 +69,65 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", nargs=2, metavar=("CHECKOUT", "VERSION_DIR"), required=True)
     parser.add_argument("--b", nargs=2, metavar=("CHECKOUT", "VERSION_DIR"), required=True)
-    parser.add_argument("--texts", type=Path, required=True, help="TSV whose first column holds source texts")
+    sources = parser.add_mutually_exclusive_group(required=True)
+    sources.add_argument("--texts", type=Path, help="TSV whose first column holds source texts")
+    sources.add_argument("--ids", type=int, metavar="VOCAB", help="random 20-token sources of ids 2..VOCAB-2")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="worker processes per side (different checkouts)")
+    parser.add_argument("--rounds", type=int, default=6, help="windows per side and cell (one checkout)")
+    parser.add_argument("--window", type=float, default=0.4, help="seconds per window (one checkout)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker)
+        worker(args.worker[0], args.worker[1:-1], args.worker[-1])
         return
     from engine_throughput import host
+    from engine_throughput import sources as random_sources
 
-    texts = [line.split("\t")[0] for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
-    job = {"texts": texts[: max(args.batches)], "batches": args.batches, "beams": args.beams,
-           "seconds": args.seconds, "threads": args.threads, "max_length": 256}
+    count = max(args.batches)
+    texts = ([line.split("\t")[0] for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
+             if args.texts else [])
+    job = {"texts": texts[:count], "ids": random_sources(count, args.ids) if args.ids else None,
+           "batches": args.batches, "beams": args.beams, "max_length": args.max_length, "threads": args.threads}
+    same = Path(args.a[0]).resolve() == Path(args.b[0]).resolve()
+    job |= {"rounds": args.rounds, "window": args.window} if same else {"rounds": 1, "window": 1.5}
     job_path = Path(f"/tmp/engine_ab_job_{time.time_ns()}.json")
     job_path.write_text(json.dumps(job))
-    print(f"host: {host()}; A = {' '.join(args.a)}; B = {' '.join(args.b)}", flush=True)
+    print(f"host: {host()}; A = {' '.join(args.a)}; B = {' '.join(args.b)}; "
+          + ("one process, alternating windows" if same else "one process per run, alternating"), flush=True)
     runs: dict[str, list[dict]] = {"A": [], "B": []}
+    plan = [("A", "B")] if same else [(label,) for r in range(args.repeats) for label in ("AB" if r % 2 else "BA")]
     pairs = {"A": args.a, "B": args.b}
-    for repeat in range(args.repeats):
-        for label in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
-            checkout, version = (str(Path(p).resolve()) for p in pairs[label])
-            done = subprocess.run([sys.executable, __file__, "--a", *args.a, "--b", *args.b, "--texts", str(args.texts),
-                                   "--worker", checkout, version, str(job_path)], capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"worker {label} failed:\n{done.stderr[-3000:]}")
-            runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            time.sleep(1.0)
+    for labels in plan:
+        checkout = str(Path(pairs[labels[0]][0]).resolve())
+        versions = [str(Path(pairs[label][1]).resolve()) for label in labels]
+        done = subprocess.run([sys.executable, __file__, "--a", *args.a, "--b", *args.b, "--ids", "0",
+                               "--worker", checkout, *versions, str(job_path)], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"worker {labels} failed:\n{done.stderr[-3000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        for i, label in enumerate(labels):
+            runs[label].append({key: report[key][i] for key in ("rates", "outputs")} | {"engine": report["engine"]})
+        time.sleep(0.5)
     job_path.unlink()
     print("engines: " + ", ".join(f"{label} {runs[label][0]['engine']}" for label in runs))
-    print("\n| beam | batch | A sentences/s | B sentences/s | B/A | outputs agree |\n|---|---|---|---|---|---|")
+    print("\n| beam | batch | A sentences/s | B sentences/s | A tokens/s | B tokens/s | B/A | outputs agree |\n"
+          "|---|---|---|---|---|---|---|---|")
     for beam in args.beams:
         for batch in args.batches:
             key = f"{batch}x{beam}"
-            a, b = ([run["rates"][key] for run in runs[label]] for label in ("A", "B"))
+            a, b = ([rate for run in runs[label] for rate in run["rates"][key]] for label in ("A", "B"))
             agree = runs["A"][0]["outputs"][key] == runs["B"][0]["outputs"][key]
-            print(f"| {beam} | {batch} | {statistics.median(a):,.0f} ({min(a):,.0f}-{max(a):,.0f}) | "
-                  f"{statistics.median(b):,.0f} ({min(b):,.0f}-{max(b):,.0f}) | "
-                  f"{statistics.median(b) / statistics.median(a):.2f}x | {'yes' if agree else 'NO'} |")
+            median = {label: [statistics.median(r[i] for r in rates) for i in (0, 1)] for label, rates in
+                      (("A", a), ("B", b))}
+            spread = {label: f"{min(r[0] for r in rates):,.0f}-{max(r[0] for r in rates):,.0f}"
+                      for label, rates in (("A", a), ("B", b))}
+            print(f"| {beam} | {batch} | {median['A'][0]:,.0f} ({spread['A']}) | {median['B'][0]:,.0f} ({spread['B']}) "
+                  f"| {median['A'][1]:,.0f} | {median['B'][1]:,.0f} | {median['B'][0] / median['A'][0]:.2f}x | "
+                  f"{'yes' if agree else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,14 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
     finally:
         prepared.unlink(missing_ok=True)
     quantized = onnx.load(str(target))
-    if quantized.ir_version > MAX_IR_VERSION:
-        quantized.ir_version = MAX_IR_VERSION
-        onnx.save(quantized, str(target))
+    quantized.ir_version = min(quantized.ir_version, MAX_IR_VERSION)
+    # quantize_dynamic's shape inference pins dynamic sizes it can compute (top_k's default 1 becomes a fixed
+    # [batch, 1] top_ids); the engine binds outputs by their declared shapes, so keep the exported ones
+    declared = {value.name: value.type for value in [*model.graph.input, *model.graph.output]}
+    for value in [*quantized.graph.input, *quantized.graph.output]:
+        if value.name in declared:
+            value.type.CopyFrom(declared[value.name])
+    onnx.save(quantized, str(target))
 
 
 # computed in fp32 inside an fp16 graph: the normalisations whose sums lose small terms in fp16 (ONNX Runtime's

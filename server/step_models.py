@@ -316,7 +316,9 @@ class DeviceStepModel(OnnxStepModel):
                 binding.bind_output(entry.output, self.device)
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()  # in binding order
-        new_state = {entry.input: outputs[len(host) + i] for i, entry in enumerate(self.state)}
+        # a buffer stays the OrtValue it was (which keeps a host array it wraps alive), not get_outputs()'s twin
+        new_state = {entry.input: state[entry.input] if entry.init == "buffer" else outputs[len(host) + i]
+                     for i, entry in enumerate(self.state)}
         if self.positions:
             new_state[self.positions] = positions + 1
         values = [value.numpy() for value in outputs[: len(host)]]
