@@ -324,7 +324,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
             if reduced == "int8":
                 quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
             else:
-                convert_fp16(fp32_dir / filename, reduced_dir / filename)
+                convert_fp16(fp32_dir / filename, reduced_dir / filename, _buffer_io(graph_set))
         reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, version, precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
         parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
@@ -363,6 +363,9 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
     without parity figures yet. Returns the manifest."""
     model, cfg = inputs.model, inputs.model.config
     inputs.tokenizer.save(directory)
+    state = graph_set.decoder_state
+    if precision == "fp16":  # the in-place KV cache is fp16 there (export.quantize.convert_fp16)
+        state = [dataclasses.replace(entry, dtype="float16") if entry.init == "buffer" else entry for entry in state]
     manifest = Manifest(
         name=options.name,
         version=version,
@@ -378,7 +381,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         precision=precision,
         graphs=dict(GRAPH_FILES),
         decoder_static=graph_set.decoder_static,
-        decoder_state=graph_set.decoder_state,
+        decoder_state=state,
         static_src_axes=graph_set.static_src_axes,
         decoder_positions=graph_set.decoder_positions,
         tokenizer=TOKENIZER_FILE,
@@ -394,6 +397,11 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
     )
     write_manifest(manifest, directory)
     return manifest
+
+
+def _buffer_io(graph_set: GraphSet) -> set[str]:
+    """The graph inputs and outputs of the in-place KV cache (its "buffer" state entries)."""
+    return {name for entry in graph_set.decoder_state if entry.init == "buffer" for name in (entry.input, entry.output)}
 
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:

@@ -6,6 +6,9 @@ covers the graphs, the in-graph top-k, the manifest's I/O description and the en
 * teacher-forced steps over held-out targets (the whole batch at once, so padding is exercised)
   compare every log-probability (``decoder.onnx``, read through its top-k with k = vocabulary) and the
   attention (``decoder_attention.onnx``) with PyTorch's at every real position;
+* with the in-place KV cache (rows may decode at different positions), the same targets once more with
+  row ``i`` starting ``i % 3`` steps late, so one step mixes positions; every row's log-probabilities
+  are compared with PyTorch's at its own position (within the same tolerance);
 * greedy and beam search run one sentence at a time through the engine and the reference search
   (:mod:`training.search`) and must produce the same tokens.
 """
@@ -79,11 +82,12 @@ def engine_translate_ids(
 
 
 def engine_step_log_probs(engine: Engine, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any],
-                          need_attention: bool) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+                          need_attention: bool, positions: np.ndarray | None = None,
+                          ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
     """One decoding step through the engine's step model, with the whole distribution rebuilt from its
     top-k (k = vocabulary): (log-probabilities [R, V], attention [R, S] or None, next state)."""
     vocab = engine.manifest.vocab_size
-    out = engine.model.step(tokens, static, state, need_attention, vocab)
+    out = engine.model.step(tokens, static, state, need_attention, vocab, positions=positions)
     log_probs = np.full((len(tokens), vocab), -np.inf, dtype=np.float32)
     np.put_along_axis(log_probs, out.top_ids, out.top_log_probs, axis=1)
     return log_probs, out.attention, out.state
@@ -112,11 +116,13 @@ def check_parity(
     state = {name: encoded[name] for name in engine.model.state_names}
     max_logit = max_attention = max_row_error = 0.0
     steps = 0
+    reference: list[np.ndarray] = []  # PyTorch's log-probabilities [B, V] at each target position
     for t in range(tgt.shape[1]):
         rows = lengths > t
         tokens = np.ascontiguousarray(tgt[:, t])
         logits, attention, torch_state = model.decode_step(torch.from_numpy(tokens), torch_state, need_attention=True)
         log_probs = logits.float().log_softmax(-1).numpy()
+        reference.append(log_probs)
         onnx_log_probs, _, next_state = engine_step_log_probs(engine, tokens, static, state, need_attention=False)
         _, onnx_attention, _ = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
         state = next_state
@@ -124,6 +130,8 @@ def check_parity(
         max_attention = max(max_attention, float(np.abs(onnx_attention - attention.numpy())[rows].max()))
         max_row_error = max(max_row_error, float(np.abs(onnx_attention[rows].sum(-1) - 1).max()))
         steps += int(rows.sum())
+    if engine.model.per_row_positions:
+        max_logit = max(max_logit, staggered_log_prob_diff(engine, src, tgt, lengths, reference))
 
     greedy = beam = 0
     mismatches: list[str] = []
@@ -141,6 +149,26 @@ def check_parity(
         greedy_match=(greedy, len(sources)), beam4_match=(beam, len(sources)), sentences=len(sources),
         teacher_forced_steps=steps, mismatches=mismatches,
     )
+
+
+def staggered_log_prob_diff(engine: Engine, src: np.ndarray, tgt: np.ndarray, lengths: np.ndarray,
+                            reference: list[np.ndarray]) -> float:
+    """Max |log-prob difference| from PyTorch's ``reference`` when row ``i`` of the teacher-forced batch
+    starts ``i % 3`` steps late: until it starts, and after its last target, a row repeats an input
+    (same token, same position), which rewrites the same cache entry."""
+    encoded = engine.model.encode(src)
+    static = {name: encoded[name] for name in engine.model.static_names}
+    state = {name: encoded[name] for name in engine.model.state_names}
+    delays = np.arange(len(src)) % 3
+    worst = 0.0
+    for t in range(tgt.shape[1] + int(delays.max())):
+        positions = np.clip(t - delays, 0, tgt.shape[1] - 1)
+        tokens = np.ascontiguousarray(tgt[np.arange(len(src)), positions])
+        log_probs, _, state = engine_step_log_probs(engine, tokens, static, state, False, positions=positions)
+        expected = np.stack([reference[p][i] for i, p in enumerate(positions)])
+        rows = positions < lengths
+        worst = max(worst, float(np.abs(log_probs - expected)[rows].max()))
+    return worst
 
 
 def greedy_texts(engine: Engine, texts: Sequence[str], batch_size: int = 32) -> list[str]:

@@ -458,8 +458,14 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
         graph = onnx.load(str(result.version_dir / name)).graph
         weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
         assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
-        io = [*graph.input, *graph.output]
-        assert onnx.TensorProto.FLOAT16 not in {v.type.tensor_type.elem_type for v in io}, "the I/O contract stays"
+        io = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+        cache = {name for name in io if name.startswith(("past_", "present_"))}
+        assert onnx.TensorProto.FLOAT16 not in {io[name] for name in set(io) - cache}, "the I/O contract stays"
+        assert {io[name] for name in cache} <= {onnx.TensorProto.FLOAT16}, "the in-place cache is fp16, no casts"
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                assert node.input[3].startswith("past_key_") and node.output[1].startswith("present_key_")
+    assert {entry.dtype for entry in manifest.decoder_state} == {"float16"}
     with pytest.raises(NmtError, match="exclude each other"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
                                    quantize="int8", model_repository=str(tiny_repository), progress=False))
