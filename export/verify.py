@@ -130,7 +130,7 @@ def check_parity(
         max_attention = max(max_attention, float(np.abs(onnx_attention - attention.numpy())[rows].max()))
         max_row_error = max(max_row_error, float(np.abs(onnx_attention[rows].sum(-1) - 1).max()))
         steps += int(rows.sum())
-    if engine.model.per_row_positions:
+    if engine.model.positions:  # the in-place cache (a recurrent state cannot repeat a step: it advances)
         max_logit = max(max_logit, staggered_log_prob_diff(engine, src, tgt, lengths, reference))
 
     greedy = beam = 0
