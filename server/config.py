@@ -92,9 +92,11 @@ class ServerConfig:
     decode_tokens: int = option(65536, "continuous batching: token budget of the running decode, rows x (widest "
                                 "source + longest target so far), checked when sentences join (bounds its "
                                 "memory)")
-    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
+    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count); "
+                               "continuous: of the sentences encoded together to join the running decode")
     max_batch_sentences: int = option(64, "most sentences in one batch")
-    max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts")
+    max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts; continuous: "
+                                "how long sentences gather before they join a running decode (one encoder call)")
     queue_size: int = option(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
     batch_work: int = option(16384, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
                              "output, summed over sentences): bounds how long one batch holds the worker, so "
