@@ -47,11 +47,6 @@ class Controls:
         return np.random.default_rng(self.seed or None)
 
 
-def needs_full(controls: Sequence[Controls], step: int) -> bool:
-    """Whether step ``step`` needs the whole [R, V] distribution of the model, not only its top k."""
-    return any(c.reshapes or step < len(c.forced) for c in controls)
-
-
 def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> list[int]:
     """Tokens a row with ``history`` (its ``step`` tokens so far) may not take next."""
     banned: list[int] = []

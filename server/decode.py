@@ -35,6 +35,7 @@ so their rows are free for the next admission.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -82,6 +83,7 @@ class _Sentence:
     limit: int
     quota: int  # finished hypotheses kept (beam x patience)
     rng: np.random.Generator | None
+    full_until: float  # steps that need the whole distribution: all (a control reshapes it), or the forced prefix
     step: int = 0  # tokens decoded so far
     finished: list[ScoredSequence] = field(default_factory=list)
 
@@ -161,7 +163,8 @@ class RunningDecode:
         for s, tag in zip(sentences, tags, strict=True):
             self._sentences.append(_Sentence(
                 tag, s, s.beam_size, s.need_attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
-                s.controls.rng() if s.controls.samples else None))
+                s.controls.rng() if s.controls.samples else None,
+                math.inf if s.controls.reshapes else len(s.controls.forced)))
         n = len(sentences)
         capacity = max(self._history.shape[1], *(s.limit for s in self._sentences[first:]))
         self._row_sentence = np.concatenate([self._row_sentence, np.arange(first, first + n)])
@@ -179,7 +182,8 @@ class RunningDecode:
         if not sentences:
             return []
         row_sentence = self._row_sentence
-        steps = np.array([s.step for s in sentences])[row_sentence]  # each row's target position
+        sentence_steps = np.array([s.step for s in sentences])
+        steps = sentence_steps[row_sentence]  # each row's target position
         beams = np.array([s.beam for s in sentences])
         limits = np.array([s.limit for s in sentences])[row_sentence]
         need_attention = any(s.attention for s in sentences)
@@ -201,17 +205,20 @@ class RunningDecode:
         left: list[tuple[Any, SearchResult | None]] = []
         kept: list[int] = []  # sentences that stay, in their new row order
         parts: list[tuple[np.ndarray, ...]] = []  # (origin row, token, token score, total) of the new rows
-        if row_sentence.size == len(sentences):  # one row each
-            starts, widths = np.arange(len(sentences)), np.ones(len(sentences), dtype=np.int64)
-        else:
-            starts = np.flatnonzero(np.diff(row_sentence, prepend=-1))  # first row of each sentence
-            widths = np.diff(starts, append=row_sentence.size)
-        lean = (beams == 1) if self.lean_greedy else np.zeros(len(sentences), dtype=bool)
+        n = len(sentences)
+        if row_sentence.size == n:  # one row each
+            starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
+        else:  # a sentence holds one row before its first step, then its beam
+            widths = np.where(sentence_steps > 0, beams, 1)
+            starts = np.cumsum(widths) - widths
+        lean = (beams == 1) if self.lean_greedy else np.zeros(n, dtype=bool)
         if lean.any():
             parts.append(self._greedy(np.flatnonzero(lean), starts, row_tokens, row_scores, processed, attention,
                                       left, kept))
-        for beam, width in sorted({(int(beams[j]), int(widths[j])) for j in np.flatnonzero(~lean)}):
-            group = np.flatnonzero(~lean & (beams == beam) & (widths == width))
+        groups = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
+        for beam, width in groups:
+            group = np.arange(n) if len(groups) == 1 and not lean.any() else \
+                np.flatnonzero(~lean & (beams == beam) & (widths == width))
             parts.append(self._beam(group, beam, width, starts, row_tokens, row_scores, attention, left, kept))
 
         self._advance(kept, parts, attention)
@@ -223,7 +230,7 @@ class RunningDecode:
         """The model's step under the rows' controls. When a control is active the top k and the EOS
         log-probability are those of the processed distribution, which is returned too (else None)."""
         extra = {"positions": steps} if self.per_row_positions else {}
-        full = any(s.controls.reshapes or s.step < len(s.controls.forced) for s in self._sentences)
+        full = any(s.step < s.full_until for s in self._sentences)
         out = self.model.step(self._tokens, self._static, self._state, need_attention, k, **extra,
                               **({"full": True} if full else {}))
         if not full:
