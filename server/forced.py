@@ -23,7 +23,8 @@ import numpy as np
 
 from nmt.model_format.decoding import normalized_score
 from server.controls import process, top_k
-from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput, beam_search
+from server.decode import beam_search
+from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
 
 NEG_INF = -np.inf
 
@@ -53,11 +54,20 @@ def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, st
     return ForcedOutput(scores, out.log_probs, np.stack(attention, 1) if attention else None, state)
 
 
-def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, beam_size: int,
-           start_id: int, eos_id: int, pad_id: int, need_attention: bool) -> list[SearchResult | None]:
-    """:func:`server.search.beam_search` for sentences with target prefixes, whole targets and alternatives
-    (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring).
-    Sentences needing the same pass length go through it, and then the search, together."""
+def runs_apart(s: BeamSentence, eos_id: int) -> bool:
+    """Whether ``s`` cannot join a running decode as a plain sentence: a whole target (its forced pass is
+    its result) or alternatives (the pass branches it into several hypotheses); :func:`decode` them.
+    A target prefix can join: the running decode forces it step by step, with the same results."""
+    forced = s.controls.forced
+    return bool(s.alternatives) or (bool(forced) and forced[-1] == eos_id)
+
+
+def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
+           eos_id: int, pad_id: int) -> list[SearchResult | None]:
+    """:func:`server.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
+    (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
+    each sentence keeps its own beam size and attention. Sentences needing the same pass length go through
+    it, and then the search, together."""
     results: list[SearchResult | None] = [None] * len(sentences)
     groups: dict[tuple[str, int], list[int]] = {}
     for i, s in enumerate(sentences):
@@ -71,7 +81,7 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
         else:  # no prefix; or a repetition penalty, which needs logits the forced pass does not return: the
             key = ("plain", 0)  # search forces the prefix step by step
         groups.setdefault(key, []).append(i)
-    settings = dict(beam_size=beam_size, start_id=start_id, eos_id=eos_id, need_attention=need_attention)
+    settings = dict(start_id=start_id, eos_id=eos_id)
     for (kind, _), members in groups.items():
         rows = np.array(members)
         chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, rows)
@@ -88,7 +98,7 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
 def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], kind: str, pad_id: int,
                   settings: dict[str, Any]) -> list[SearchResult | None]:
     """One group of :func:`decode`: its forced pass, then the search (or nothing, for whole targets)."""
-    start_id, need_attention = settings["start_id"], settings["need_attention"]
+    start_id, need_attention = settings["start_id"], any(s.need_attention for s in group)
     given = [list(s.controls.forced) for s in group]
     length = max(len(g) for g in given) + (kind != "whole")
     inputs = np.full((len(group), max(length, 1)), pad_id, dtype=np.int64)
@@ -140,7 +150,7 @@ def _alternatives(model: StepModel, encoded: dict[str, Any], group: list[BeamSen
     history_scores = np.concatenate([scores[index], boundary[index, tokens][:, None]], 1)
     attention = out.attention[index, : n + 1] if out.attention is not None else None
     for j in finished:
-        attention_rows = attention[j] if attention is not None else None
+        attention_rows = attention[j] if attention is not None and subs[j].need_attention else None
         finished[j] = SearchResult([ScoredSequence(
             tokens=history[j].tolist(), score=float(normalized_score(history_scores[j].sum(), n + 1,
                                                                      subs[j].length_penalty)),
@@ -168,7 +178,7 @@ def _given(s: BeamSentence, tokens: list[int], out: ForcedOutput, r: int) -> Sco
     scores = out.target_log_probs[r, : len(tokens)].astype(np.float64)
     return ScoredSequence(tokens=tokens, score=float(normalized_score(scores.sum(), len(tokens), s.length_penalty)),
                           token_scores=scores.tolist(),
-                          attention=out.attention[r, : len(tokens)].copy() if out.attention is not None else None)
+                          attention=out.attention[r, : len(tokens)].copy() if s.need_attention else None)
 
 
 def _cancelled(sentence: BeamSentence) -> bool:
