@@ -98,6 +98,7 @@ class _Sentence:
     forced_length: int  # the forced prefix's steps: their tokens add nothing to the score
     penalised: bool  # a repetition penalty: steps after the first need the logits
     step: int = 0  # tokens decoded so far
+    joined_at: int = 0  # its step when it joined (> 0 after a forced pass): it holds 1 row until it expands
     finished: list[ScoredSequence] = field(default_factory=list)
 
     @property
@@ -194,17 +195,17 @@ class RunningDecode:
             self._tokens = np.concatenate([self._tokens, np.full(n, self.start_id, dtype=np.int64)])
             self._totals = np.concatenate([self._totals, np.zeros(n)])
             return
-        t = resume.tokens.shape[1]
+        t, rows = resume.tokens.shape[1], slice(self.rows, self.rows + n)  # the new rows: one per sentence
         forced = np.array([s.forced_length for s in self._sentences[first:]])
         scores = resume.token_scores.astype(np.float64)
         self._tokens = np.concatenate([self._tokens, resume.tokens[:, -1].astype(np.int64)])
         self._totals = np.concatenate([self._totals, np.where(np.arange(t) < forced[:, None], 0.0, scores).sum(1)])
-        self._history[first:, :t], self._history_scores[first:, :t] = resume.tokens, scores
+        self._history[rows, :t], self._history_scores[rows, :t] = resume.tokens, scores
         if resume.attention is not None:
             self._fit_attention(resume.attention.shape[2])
-            self._attention[first:, :t, : resume.attention.shape[2]] = resume.attention
+            self._attention[rows, :t, : resume.attention.shape[2]] = resume.attention
         for s in self._sentences[first:]:
-            s.step = t
+            s.step = s.joined_at = t
         self._given = resume.first
 
     def step(self) -> list[tuple[Any, SearchResult | None]]:
@@ -215,6 +216,7 @@ class RunningDecode:
             return []
         row_sentence = self._row_sentence
         sentence_steps = np.array([s.step for s in sentences])
+        expanded = sentence_steps > np.array([s.joined_at for s in sentences])
         steps = sentence_steps[row_sentence]  # each row's target position
         beams = np.array([s.beam for s in sentences])
         limits = np.array([s.limit for s in sentences])[row_sentence]
@@ -241,7 +243,7 @@ class RunningDecode:
         if row_sentence.size == n:  # one row each
             starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
         else:  # a sentence holds one row before its first step, then its beam
-            widths = np.where(sentence_steps > 0, beams, 1)
+            widths = np.where(expanded, beams, 1)
             starts = np.cumsum(widths) - widths
         lean = (beams == 1) if self.lean_greedy else np.zeros(n, dtype=bool)
         if lean.any():

@@ -215,3 +215,35 @@ def test_padding_is_cut_when_the_widest_sentence_leaves(arch, engines):
     while decode.rows:
         left = decode.step()
     assert_same(left[0][1], alone(engine, narrow))
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
+    """A sentence whose prefix ran as one forced pass (the Transformer's decoder_forced: its K/V copied
+    into the in-place buffers, every row's position set) joins a decode already running through
+    ``admit(resume=)`` (Resume without a first step: the search feeds the prefix's last piece) and gets
+    what the static path gives it alone; so does the sentence it joined."""
+    from server.search import Resume
+
+    engine = engines[arch]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    running = request(engine, " ".join(WORDS * 2), beam_size=4, num_hypotheses=2, return_attention=True)
+    encoded, sentences, _ = engine.encode([running])
+    decode.admit(encoded, sentences, ["running"])
+    results = {}
+    for _ in range(3):
+        results.update(decode.step())
+    joining = request(engine, "six seven eight", beam_size=beam, num_hypotheses=beam, return_attention=True)
+    joining.target_prefix = TargetPrefix(tuple(engine.tokenize("six seven")))
+    encoded, sentences, _ = engine.encode([joining])
+    prefix = np.array([joining.target_prefix.ids], dtype=np.int64)
+    inputs = np.concatenate([[[engine.start_id]], prefix[:, :-1]], 1)
+    model = engine.model
+    out = model.force(inputs, prefix, {name: encoded[name] for name in model.static_names},
+                      {name: encoded[name] for name in model.state_names}, True)
+    decode.admit(encoded, sentences, ["joining"], Resume(prefix, out.target_log_probs, out.attention, out.state))
+    while decode.rows:
+        results.update(decode.step())
+    for tag, r in (("running", running), ("joining", joining)):
+        assert_same(results[tag], alone(engine, r))
