@@ -25,10 +25,12 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    worker goes on decoding (it never waits for the event loop, which on 2 cores left it idle a third
    of the time when it returned after every sentence).
 
-Given target tokens (:mod:`server.forced`): a sentence with a target prefix joins the running decode
-like any other, which forces its prefix step by step (the prefix adds nothing to its score, as in the
-static path; the forced pass would give the same results within 1e-5, but its resumed first step must
-run apart from the other rows). Whole targets (Score: one forced pass is their result) and
+Given target tokens (:mod:`server.forced`): sentences with a target prefix run one forced pass per
+prefix length right after their encoder call (a Transformer's ``decoder_forced``: the prefix in one call,
+its K/V copied into the in-place buffers) and join the running decode from the state it leaves
+(:func:`server.forced.admit`); the search then feeds the prefix's last piece with the other rows (one
+decoder row-step more than the static path, whose first step is read off the pass, which only works
+when every row starts there together). Whole targets (Score: the forced pass is their result) and
 alternatives (the pass branches a sentence into several) do not join: right after their encoder call
 the worker runs them through :func:`server.forced.decode` on their own and delivers them, then decodes
 on; an alternatives request holds the running decode for its own (short) search.
@@ -62,7 +64,7 @@ import numpy as np
 
 from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
 from server.decode import RunningDecode
-from server.forced import decode, runs_apart
+from server.forced import admit, decode, runs_apart
 from server.search import BeamSentence
 from server.types import SentenceRequest, Translation
 
@@ -109,7 +111,7 @@ class RunningBatch:
                 apart = [i for i, s in enumerate(sentences) if runs_apart(s, engine.eos_id)]
                 if apart:  # whole targets and alternatives: their forced pass (and search) now, on their own
                     encoded, sentences, tagged = self._run_apart(encoded, sentences, tagged, apart, deliver)
-                self.decode.admit(encoded, sentences, tagged)
+                admit(self.decode, encoded, sentences, tagged, start_id=engine.start_id)
                 progress.encode_seconds = time.perf_counter() - start
                 progress.source_tokens = sum(len(r.source_ids) + 1 for r in requests)
                 progress.source_positions = int(src.size)

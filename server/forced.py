@@ -23,7 +23,7 @@ import numpy as np
 
 from nmt.model_format.decoding import normalized_score
 from server.controls import process, top_k
-from server.decode import beam_search
+from server.decode import RunningDecode, beam_search
 from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
 
 NEG_INF = -np.inf
@@ -55,9 +55,8 @@ def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, st
 
 
 def runs_apart(s: BeamSentence, eos_id: int) -> bool:
-    """Whether ``s`` cannot join a running decode as a plain sentence: a whole target (its forced pass is
-    its result) or alternatives (the pass branches it into several hypotheses); :func:`decode` them.
-    A target prefix can join: the running decode forces it step by step, with the same results."""
+    """Whether ``s`` cannot join a running decode (:func:`admit`): a whole target (its forced pass is its
+    result) or alternatives (the pass branches it into several hypotheses); :func:`decode` them."""
     forced = s.controls.forced
     return bool(s.alternatives) or (bool(forced) and forced[-1] == eos_id)
 
@@ -93,6 +92,29 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
         for i, result in zip(members, found, strict=True):
             results[i] = result
     return results
+
+
+def admit(decode: RunningDecode, encoded: dict[str, Any], sentences: Sequence[BeamSentence], tags: Sequence[Any],
+          *, start_id: int) -> None:
+    """Admit ``sentences`` (none :func:`runs_apart`) to a running ``decode``: those with a target prefix of
+    ``n`` pieces after one forced pass over the start token and its first ``n - 1`` pieces (one pass per
+    prefix length), resuming at step ``n`` from the pass's state (:class:`Resume` without a first step:
+    the search feeds the last piece with the other rows, so they may join a decode already running)."""
+    model = decode.model
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(sentences):
+        groups.setdefault(len(s.controls.forced), []).append(i)
+    for length, members in sorted(groups.items()):
+        chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, np.array(members))
+        group, group_tags = [sentences[i] for i in members], [tags[i] for i in members]
+        if not length:
+            decode.admit(chosen, group, group_tags)
+            continue
+        prefix = np.array([s.controls.forced for s in group], dtype=np.int64)
+        inputs = np.concatenate([np.full((len(group), 1), start_id, dtype=np.int64), prefix[:, :-1]], 1)
+        out = model.force(inputs, prefix, {name: chosen[name] for name in model.static_names},
+                          {name: chosen[name] for name in model.state_names}, any(s.need_attention for s in group))
+        decode.admit(chosen, group, group_tags, Resume(prefix, out.target_log_probs, out.attention, out.state))
 
 
 def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], kind: str, pad_id: int,

@@ -218,6 +218,55 @@ def test_padding_is_cut_when_the_widest_sentence_leaves(arch, engines):
 
 
 @pytest.mark.parametrize("arch", CONTINUOUS)
+def test_given_tokens_in_a_running_decode_equal_the_static_path(arch, engines):
+    """Through the continuous batcher's worker side (RunningBatch): sentences with a target prefix (one
+    with a repetition penalty, one ending inside a word) join a decode already running after one forced
+    pass over their prefix; a whole target (Score) and alternatives run apart through the forced pass.
+    Each gets what the static path (forced pass, then the search) gives it alone."""
+    from server.continuous import RunningBatch
+
+    engine = engines[arch]
+    own = engine.search([request(engine, "three four five", beam_size=1)])[0].hypotheses[0].tokens
+    long = [request(engine, " ".join(WORDS * 2), beam_size=beam) for beam in (1, 4)]
+    joining = [
+        request(engine, "six seven eight", beam_size=4, num_hypotheses=2),
+        request(engine, "six seven eight", beam_size=1, controls=Controls(repetition_penalty=1.5)),
+        request(engine, "nine ten", beam_size=4, return_attention=True),
+        request(engine, "three four five", beam_size=1, return_attention=True),  # Score: the whole target
+        request(engine, "two three", beam_size=4, num_hypotheses=3, return_alternatives=True),
+        request(engine, "one two", beam_size=1),
+    ]
+    prefix = TargetPrefix(tuple(engine.tokenize("six seven")))
+    for r in joining[:3]:
+        r.target_prefix = prefix
+    joining[3].target_prefix = TargetPrefix(tuple(own))
+    joining[4].target_prefix = TargetPrefix(tuple(engine.tokenize("two")))
+    joining[5].target_prefix = engine.target_prefix("one tw")
+    assert joining[5].target_prefix.completion is not None
+
+    batch, delivered = RunningBatch(engine), {}
+
+    def deliver(finished):
+        delivered.update({tag: translation for tag, translation, _ in finished})
+
+    batch.advance(long, ["long-1", "long-4"], lambda: batch.steps >= 3, deliver)
+    assert batch.decode.rows > 0 and not delivered  # running when the others join
+    tags = [f"joining-{i}" for i in range(len(joining))]
+    batch.advance(joining, tags, lambda: False, deliver)
+    assert batch.decode.rows == 0
+    for tag, r in zip(["long-1", "long-4", *tags], [*long, *joining], strict=True):
+        [expected] = engine.translate_batch([r]).translations
+        got = delivered[tag]
+        assert [h.token_ids for h in got.hypotheses] == [h.token_ids for h in expected.hypotheses]
+        for a, b in zip(got.hypotheses, expected.hypotheses, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+            np.testing.assert_allclose(a.token_scores, b.token_scores, atol=1e-5)
+            assert (a.attention is None) == (b.attention is None)
+    assert len(delivered["joining-4"].hypotheses) == 3  # one per alternative
+    assert delivered["joining-3"].hypotheses[0].token_ids == own[:-1]  # the target, EOS dropped
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
 @pytest.mark.parametrize("beam", [1, 4])
 def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
     """A sentence whose prefix ran as one forced pass (the Transformer's decoder_forced: its K/V copied
