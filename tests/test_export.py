@@ -28,6 +28,7 @@ from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_F
 from nmt.model_format.manifest import ManifestError, read_manifest
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from server.engine import Engine
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
 
@@ -467,6 +468,17 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
             if node.op_type == "GroupQueryAttention":
                 assert node.input[3].startswith("past_key_") and node.output[1].startswith("present_key_")
     assert {entry.dtype for entry in manifest.decoder_state} == {"float16"}
+    # the forced pass hands its K/V to the fp16 buffers as they are (fp16 outputs) and resumes from them
+    forced = onnx.load(str(result.version_dir / OPTIONAL_GRAPH_FILES["decoder_forced"])).graph
+    assert {v.type.tensor_type.elem_type for v in forced.output if v.name.startswith("present_")} == {
+        onnx.TensorProto.FLOAT16}
+    assert manifest.parity["max_forced_diff"] <= FP16_LOGIT_TOLERANCE
+    engine = Engine.load(result.version_dir, provider="cpu", intra_op_threads=1)
+    [whole] = engine.translate(["three four five"])
+    prefix = SentenceRequest(engine.tokenize("three four five"), DecodingOptions(beam_size=4),
+                             target_prefix=TargetPrefix(tuple(whole.hypotheses[0].token_ids[:2])))
+    [continued] = engine.translate_batch([prefix]).translations
+    assert continued.hypotheses[0].token_ids[:2] == whole.hypotheses[0].token_ids[:2]
     with pytest.raises(NmtError, match="exclude each other"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
                                    quantize="int8", model_repository=str(tiny_repository), progress=False))
