@@ -11,9 +11,8 @@ memory), capacity doubles when a row reaches it, and a beam reorder moves only t
 differs. Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
-A Transformer version with ``decoder_forced.onnx`` runs given target tokens in one call (:meth:`force`,
-:mod:`server.forced`); its K/V outputs cover exactly the given positions, and :meth:`state_from_forced`
-copies them into the step decoder's buffers (and each row's position), so the search resumes from them.
+``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
+those positions go into the step decoder's buffers (:meth:`OnnxStepModel.state_from_forced`).
 """
 
 from __future__ import annotations
@@ -133,21 +132,18 @@ class OnnxStepModel:
         """The step decoder's state after a ``decoder_forced`` call over ``length`` positions: each state
         entry's ``output`` there ([batch, heads, length, head_dim] K/V of every layer) under its input
         name; an in-place cache's buffers hold them in their first ``length`` positions (capacity
-        :data:`INITIAL_CAPACITY` or the next power of two that fits, zeros beyond) and every row's
+        :data:`INITIAL_CAPACITY` doubled until they fit, zeros beyond) and every row's
         position is ``length``. The one place that hands the forced pass's cache to the step search."""
         state = {}
         for entry in self.state:
             value = outputs[entry.output]
-            if entry.init == "buffer":
-                value = self._grow(self._as_buffer(value, entry), entry, _capacity(length))
+            if entry.init == "buffer":  # a host array takes the buffers' type (an fp16 graph's already has it)
+                value = value.astype(entry.dtype or "float32", copy=False) if isinstance(value, np.ndarray) else value
+                value = self._grow(value, entry, max(INITIAL_CAPACITY, 1 << (length - 1).bit_length()))
             state[entry.input] = value
         if self.positions:
             state[self.positions] = np.full(_shape(outputs[self.state[0].output])[0], length, dtype=np.int64)
         return state
-
-    def _as_buffer(self, value: np.ndarray, entry: StateTensor) -> np.ndarray:
-        """A forced-pass K/V output as the step decoder's buffer element type."""
-        return np.asarray(value, dtype=entry.dtype or "float32")
 
     def _step_in_place(
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
@@ -287,14 +283,6 @@ def _extra_outputs(full: bool, logits: bool) -> list[str]:
     return (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
 
 
-def _capacity(length: int) -> int:
-    """The buffer capacity for ``length`` cached positions: :data:`INITIAL_CAPACITY`, doubled until they fit."""
-    capacity = INITIAL_CAPACITY
-    while capacity < length:
-        capacity *= 2
-    return capacity
-
-
 def _initial_shape(entry: StateTensor, batch: int) -> tuple[int, ...]:
     """The first value of an ``empty`` state entry, or of a ``buffer`` at :data:`INITIAL_CAPACITY`."""
     shape = [batch, *entry.shape]
@@ -422,8 +410,6 @@ class DeviceStepModel(OnnxStepModel):
                             outputs["attention"].numpy() if need_attention else None,
                             self.state_from_forced(outputs, inputs.shape[1]))
 
-    def _as_buffer(self, value: ort.OrtValue, entry: StateTensor) -> ort.OrtValue:
-        return value  # the forced graph's K/V outputs have the buffers' element type (fp16 versions: both fp16)
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
         """Rows by a ``Gather`` on the device (the whole tensor; positions are gathered on the host)."""
