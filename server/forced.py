@@ -8,6 +8,11 @@ step read off the pass (:class:`server.search.Resume`), exactly as if it had for
 at a time. With alternatives the ``k`` most likely tokens after ``pn`` (under the sentence's controls)
 each become a hypothesis of their own, continued by the search from a copy of the state.
 
+:func:`decode` is the static batch. Under continuous batching, :func:`admit` lets sentences with a
+prefix join a running decode (:class:`server.decode.RunningDecode`) after a pass over ``start, p1 ..
+p(n-1)``: the decode feeds ``pn`` with its other rows, since a step read off the pass would have to run
+apart from them; whole targets and alternatives (:func:`runs_apart`) go through :func:`decode` on their own.
+
 A Transformer exported with ``decoder_forced.onnx`` runs each pass as one call; other models (the RNN,
 versions exported before that graph) step through the given tokens with :func:`stepwise_force`, a lean
 loop without beam bookkeeping.
