@@ -3,6 +3,8 @@ each runtime alone in its own process.
 
     python benchmarks/engine_throughput.py                 # SMALL and BASE, fp32 and int8, batch 1/8/32, beam 1/4
     python benchmarks/engine_throughput.py --sizes SMALL --batches 1 32 --repeats 3
+    python benchmarks/engine_throughput.py --sizes SMALL --precisions fp32 --runtimes project ctranslate2 \
+        --baseline /work/main            # this checkout's engine against main's, same weights
 
 A random-weight Hugging Face ``MarianMTModel`` is built for each size, converted with CTranslate2's
 ``TransformersConverter`` and loaded into this project's Transformer, which the project's exporter
@@ -17,6 +19,9 @@ reports target tokens/s; outputs are forced to 24 tokens (EOS suppressed through
 ``final_logits_bias``), 20-token sources, 2 threads each. Workers of the different runtimes alternate
 (the order rotates every repeat) with a pause between them; the tables give medians with min-max and
 the project/CTranslate2 ratio of the medians. Greedy outputs are checked to agree token for token.
+``--baseline CHECKOUT`` adds another checkout of this project as a runtime ("baseline"): that
+checkout's exporter turns the same weights into a model version and that checkout's worker decodes
+it, so a change to the export or the engine is measured against the code before it in the same run.
 Printed beside the tables: the CPU model and instruction set, each runtime's backend (CTranslate2 with
 ``CT2_VERBOSE=1``: its CPU ISA and GEMM backend), and the machine's fp32 GEMM rate (the compute
 ceiling) with the share of it each batch-32 cell uses.
@@ -49,7 +54,7 @@ THREADS = 2
 EOS, UNK = 0, 1  # Marian's layout; pad is the last id
 WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
 RUNTIMES = ("project", "ctranslate2", "pytorch")
-WITHOUT_TORCH = ("project", "ctranslate2")
+WITHOUT_TORCH = ("project", "ctranslate2", "baseline")
 
 
 def marian_model(size: str, seed: int = 0):
@@ -160,6 +165,24 @@ def export_project(model, work: Path, quantize: str | None) -> tuple[Path, Path]
     return export_model(options).version_dir, run / BEST_CHECKPOINT
 
 
+def export_baseline(checkout: Path, model, work: Path, quantize: str | None) -> Path:
+    """The same weights exported by another checkout's code (its own ``export_project``); returns the
+    model version directory."""
+    hf_dir = work / "hf"
+    if not hf_dir.exists():
+        model.save_pretrained(hf_dir)
+    code = (f"import sys; sys.path[:0] = [{str(checkout)!r}, {str(checkout / 'benchmarks')!r}]\n"
+            "from pathlib import Path\nfrom transformers import MarianMTModel\nimport engine_throughput as bench\n"
+            f"model = MarianMTModel.from_pretrained({str(hf_dir)!r})\n"
+            f"print(bench.export_project(model, Path({str(work / 'baseline')!r}), {quantize!r})[0])")
+    (work / "baseline").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=checkout, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"the baseline export failed:\n{result.stderr[-3000:]}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
 def sources(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, vocab - 1, SOURCE_TOKENS).tolist() for _ in range(batch)]
@@ -190,10 +213,13 @@ class Cell:
     runs: dict[str, list[float]] = field(default_factory=dict)  # runtime -> tokens/s per repeat
 
 
-def run_worker(runtime: str, model: Path, job: Path, *, load_torch: bool = False) -> tuple[dict, str]:
-    """One worker process; returns its report and the backend lines of its stderr (CTranslate2's ISA)."""
+def run_worker(runtime: str, model: Path, job: Path, *, load_torch: bool = False,
+               baseline: Path | None = None) -> tuple[dict, str]:
+    """One worker process; returns its report and the backend lines of its stderr (CTranslate2's ISA).
+    Runtime "baseline" is the project worker of the ``baseline`` checkout."""
     env = {**os.environ, "CT2_VERBOSE": "1"}
-    command = [sys.executable, str(WORKER), runtime, str(model), str(job)] + (["--load-torch"] if load_torch else [])
+    worker, kind = (WORKER, runtime) if runtime != "baseline" else (baseline / "benchmarks" / WORKER.name, "project")
+    command = [sys.executable, str(worker), kind, str(model), str(job)] + (["--load-torch"] if load_torch else [])
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"{runtime} worker failed:\n{result.stderr[-3000:]}")
@@ -222,7 +248,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     order, reports, gemm = list(models), {runtime: [] for runtime in models}, []
     for repeat in range(args.repeats):
         for runtime in order[repeat % len(order):] + order[: repeat % len(order)]:
-            report, backend = run_worker(runtime, models[runtime], jobs[runtime])
+            report, backend = run_worker(runtime, models[runtime], jobs[runtime], baseline=args.baseline)
             if report["torch_loaded"] and runtime in WITHOUT_TORCH:
                 raise SystemExit(f"the {runtime} worker loaded torch: its figures would not be its own")
             notes.setdefault(runtime, report["backend"] + (f"; {backend}" if backend else ""))
@@ -262,6 +288,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="worker runs per runtime, alternating")
     parser.add_argument("--seconds", type=float, default=1.5, help="sustained timing per cell and worker run")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between worker runs")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="also measure another checkout of this project (e.g. main's) on the same weights, "
+                             "exported by its own code")
     parser.add_argument("--ort-spinning", action=argparse.BooleanOptionalAction, default=True,
                         help="the project's ONNX Runtime threads busy-wait within a run (the engine's default)")
     args = parser.parse_args()
@@ -284,6 +313,8 @@ def main() -> None:
                     models["ctranslate2"] = convert_ctranslate2(hf, work, quantize)
                 if "pytorch" in runtimes and precision == "fp32":
                     models["pytorch"] = checkpoint
+                if args.baseline:
+                    models["baseline"] = export_baseline(args.baseline.resolve(), hf, work, quantize)
                 measured, rates = measure(size, precision, models, args, work, notes, torch_loaded)
                 cells += measured
                 gemm += rates
@@ -314,10 +345,10 @@ def _stat(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
-def _ratio(cell: Cell) -> str:
-    if "ctranslate2" not in cell.runs:
+def _ratio(cell: Cell, other: str = "ctranslate2") -> str:
+    if other not in cell.runs:
         return "-"
-    return f"{statistics.median(cell.runs['project']) / statistics.median(cell.runs['ctranslate2']):.2f}x"
+    return f"{statistics.median(cell.runs['project']) / statistics.median(cell.runs[other]):.2f}x"
 
 
 def _share(cell: Cell, gflops: float) -> str:
@@ -329,20 +360,24 @@ def _share(cell: Cell, gflops: float) -> str:
 def format_cell(cell: Cell, gflops: float) -> str:
     parts = [f"{cell.size:<5} {cell.precision:<4} B={cell.batch:<3} beam={cell.beam}",
              *(f"{runtime} {_stat(runs)}" for runtime, runs in cell.runs.items()), f"ratio {_ratio(cell)}"]
+    if "baseline" in cell.runs:
+        parts.append(f"project/baseline {_ratio(cell, 'baseline')}")
     return " | ".join(parts) + (f" | ceiling share {_share(cell, gflops)}" if _share(cell, gflops) != "-" else "")
 
 
 def table(cells: list[Cell], gflops: float) -> str:
+    baseline = any("baseline" in c.runs for c in cells)
     lines = [
         "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | project/CT2 | PyTorch tok/s "
-        "| % of fp32 ceiling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| % of fp32 ceiling |" + (" baseline tok/s | project/baseline |" if baseline else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else ""),
     ]
     for c in cells:
         ct2 = _stat(c.runs["ctranslate2"]) if "ctranslate2" in c.runs else "-"
         torch_cell = _stat(c.runs["pytorch"]) if "pytorch" in c.runs else "-"
+        extra = f" {_stat(c.runs['baseline'])} | {_ratio(c, 'baseline')} |" if "baseline" in c.runs else ""
         lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | {_stat(c.runs['project'])} | {ct2} | "
-                     f"{_ratio(c)} | {torch_cell} | {_share(c, gflops)} |")
+                     f"{_ratio(c)} | {torch_cell} | {_share(c, gflops)} |{extra}")
     return "\n".join(lines)
 
 

@@ -28,13 +28,15 @@ from server_load import sentences, start_server  # noqa: E402
 UNBOUNDED = 10**9
 
 
-def measure(repository: str, model: str, batch_work: int, texts: list[str], small: int) -> dict:
-    """One server with ``batch_work``: the large request, and ``small`` one-sentence requests behind it."""
+def measure(repository: str, model: str, batch_work: int, texts: list[str], small: int,
+            batching: str = "static") -> dict:
+    """One server with ``batch_work`` and ``batching``: the large request, and ``small`` one-sentence requests
+    behind it."""
     import grpc
 
     from server.protos import pb2, pb2_grpc
 
-    process, address, _ = start_server(repository, ["--batch-work", str(batch_work)])
+    process, address, _ = start_server(repository, ["--batch-work", str(batch_work), "--batching", batching])
     try:
         with grpc.insecure_channel(address) as channel:
             stub = pb2_grpc.TranslatorStub(channel)
@@ -78,15 +80,19 @@ def main() -> None:
     parser.add_argument("--model", default="demo-transformer")
     parser.add_argument("--batch-work", type=int, nargs="+", default=[16384, UNBOUNDED])
     parser.add_argument("--small", type=int, default=10, help="one-sentence requests behind the large one")
+    parser.add_argument("--batching", nargs="+", choices=["static", "continuous"], default=["static"],
+                        help="the server's --batching (continuous ignores --batch-work: the large request's "
+                        "sentences and the small ones share the running decode)")
     args = parser.parse_args()
     texts = sentences(400)
     print(f"host: {host()}")
-    print(f"{'batch work':>10} {'met 1 s':>8} {'p50 ms':>7} {'max ms':>7} {'large request s':>16}")
-    for batch_work in args.batch_work:
-        r = measure(args.model_repository, args.model, batch_work, texts, args.small)
-        label = "unbounded" if batch_work >= UNBOUNDED else str(batch_work)
-        print(f"{label:>10} {r['met']:>4}/{r['small']:<3} {r['p50_ms']:>7} {r['max_ms']:>7} "
-              f"{r['large_s']:>16.2f}", flush=True)
+    print(f"{'batching':>10} {'batch work':>10} {'met 1 s':>8} {'p50 ms':>7} {'max ms':>7} {'large request s':>16}")
+    for batching in args.batching:
+        for batch_work in args.batch_work if batching == "static" else args.batch_work[:1]:
+            r = measure(args.model_repository, args.model, batch_work, texts, args.small, batching)
+            label = "unbounded" if batch_work >= UNBOUNDED else str(batch_work)
+            print(f"{batching:>10} {label:>10} {r['met']:>4}/{r['small']:<3} {r['p50_ms']:>7} {r['max_ms']:>7} "
+                  f"{r['large_s']:>16.2f}", flush=True)
 
 
 if __name__ == "__main__":

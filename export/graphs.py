@@ -22,6 +22,7 @@ class GraphSet:
     attention_total: int  # attention blocks that have a fused ONNX Runtime lowering (all must be fused)
     attention_fused: int
     decoder_forced: onnx.ModelProto | None = None  # the decoder over given positions in one call (Transformer)
+    decoder_positions: str = ""  # the decoder's per-row position input (a "buffer" state), else ""
 
     def graphs(self) -> dict[str, onnx.ModelProto]:
         graphs = {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}

@@ -329,7 +329,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
             if reduced == "int8":
                 quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
             else:
-                convert_fp16(fp32_dir / filename, reduced_dir / filename)
+                convert_fp16(fp32_dir / filename, reduced_dir / filename, _buffer_io(graph_set))
         reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, version, precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
         parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
@@ -375,6 +375,9 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
     model, cfg = inputs.model, inputs.model.config
     graph_files = _graph_files(graph_set)
     inputs.tokenizer.save(directory)
+    state = graph_set.decoder_state
+    if precision == "fp16":  # the in-place KV cache is fp16 there (export.quantize.convert_fp16)
+        state = [dataclasses.replace(entry, dtype="float16") if entry.init == "buffer" else entry for entry in state]
     manifest = Manifest(
         name=options.name,
         version=version,
@@ -390,8 +393,9 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         precision=precision,
         graphs=graph_files,
         decoder_static=graph_set.decoder_static,
-        decoder_state=graph_set.decoder_state,
+        decoder_state=state,
         static_src_axes=graph_set.static_src_axes,
+        decoder_positions=graph_set.decoder_positions,
         tokenizer=TOKENIZER_FILE,
         tokenizer_type=inputs.tokenizer.kind,
         target_languages=inputs.tokenizer.target_languages,
@@ -405,6 +409,11 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
     )
     write_manifest(manifest, directory)
     return manifest
+
+
+def _buffer_io(graph_set: GraphSet) -> set[str]:
+    """The graph inputs and outputs of the in-place KV cache (its "buffer" state entries)."""
+    return {name for entry in graph_set.decoder_state if entry.init == "buffer" for name in (entry.input, entry.output)}
 
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import onnx
@@ -33,9 +34,14 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
     finally:
         prepared.unlink(missing_ok=True)
     quantized = onnx.load(str(target))
-    if quantized.ir_version > MAX_IR_VERSION:
-        quantized.ir_version = MAX_IR_VERSION
-        onnx.save(quantized, str(target))
+    quantized.ir_version = min(quantized.ir_version, MAX_IR_VERSION)
+    # quantize_dynamic's shape inference pins dynamic sizes it can compute (top_k's default 1 becomes a fixed
+    # [batch, 1] top_ids); the engine binds outputs by their declared shapes, so keep the exported ones
+    declared = {value.name: value.type for value in [*model.graph.input, *model.graph.output]}
+    for value in [*quantized.graph.input, *quantized.graph.output]:
+        if value.name in declared:
+            value.type.CopyFrom(declared[value.name])
+    onnx.save(quantized, str(target))
 
 
 # computed in fp32 inside an fp16 graph: the normalisations whose sums lose small terms in fp16 (ONNX Runtime's
@@ -44,17 +50,21 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
 FP32_OPS = ("Softmax", "LogSoftmax", "ReduceMean", "TopK")
 
 
-def convert_fp16(source: Path, target: Path) -> None:
+def convert_fp16(source: Path, target: Path, fp16_io: Collection[str] = ()) -> None:
     """fp16 weights and activations, with :data:`FP32_OPS` (and ONNX Runtime's own block list) kept in fp32.
 
     The graph's inputs and outputs stay fp32 (``keep_io_types``), so the serving engine and the manifest's
-    I/O contract do not change; casts at the edges cost a few microseconds per step."""
+    I/O contract do not change; casts at the edges cost a few microseconds per step. Except ``fp16_io``:
+    the in-place KV cache buffers, fp16 like the GroupQueryAttention that reads and writes them in place
+    (a cast in between would copy the whole cache every step; CUDA's kernel takes only fp16/bf16)."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     blocked = [*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]
+    model = onnx.load(str(source))
+    keep = [value.name for value in [*model.graph.input, *model.graph.output] if value.name not in set(fp16_io)]
     try:
         with quiet():
-            converted = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True, op_block_list=blocked,
+            converted = convert_float_to_float16(model, keep_io_types=keep, op_block_list=blocked,
                                                  disable_shape_infer=True)
     except Exception as error:
         raise NmtError(f"fp16 conversion of {source.name} failed: {type(error).__name__}: {error}") from error

@@ -19,17 +19,28 @@ Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
 
 * encoder: ``src_ids`` int64 [batch, src_len] -> ``src_mask`` int32 [batch, src_len] (1 = token, 0 = pad),
   ``cross_key_{i}``, ``cross_value_{i}`` float32 [batch, heads, src_len, head_dim];
-* decoder step: ``input_ids`` int64 [batch], ``src_mask``, ``cross_*``, ``past_key_{i}``/``past_value_{i}``
-  [batch, heads, past_len, head_dim] -> ``log_probs`` [batch, vocab], ``present_key_{i}``/
-  ``present_value_{i}`` [batch, heads, past_len + 1, head_dim] (+ ``attention`` [batch, src_len]).
-  The target position is ``past_len``, read from ``past_key_0``'s shape inside the graph;
+* decoder step: ``input_ids`` int64 [batch], ``positions`` int64 [batch] (each row's target position =
+  its cached length), ``src_mask``, ``cross_*``, ``past_key_{i}``/``past_value_{i}`` [batch, heads,
+  capacity, head_dim] -> ``log_probs`` [batch, vocab], ``present_key_{i}``/``present_value_{i}`` (the same
+  shape: the past buffer with each row's new key/value written at its position) (+ ``attention``
+  [batch, src_len]);
 * decoder forced pass (``decoder_forced.onnx``): ``input_ids`` int64 [batch, tgt_len] (the decoder start
   then the given tokens), ``target_ids`` int64 [batch, tgt_len] (the token whose log-probability each
   position reports), ``src_mask``, ``cross_*`` -> ``target_log_probs`` [batch, tgt_len], ``last_log_probs``
   [batch, vocab] (the distribution after the last position), ``attention`` [batch, tgt_len, src_len] (the
   alignment layer's, computed with standard operators) and ``present_key_{i}``/``present_value_{i}``
-  [batch, heads, tgt_len, head_dim]: the step decoder's ``past_*`` after those positions, so step-wise
-  search continues from them. Causal self-attention over all positions in one call (Score, target prefixes).
+  [batch, heads, tgt_len, head_dim]: the K/V of those positions, which the engine copies into the step
+  decoder's ``past_*`` buffers (capacity >= tgt_len, each row's ``positions`` = tgt_len:
+  ``OnnxStepModel.state_from_forced``), so step-wise search continues from them. Causal self-attention
+  over all positions in one call (Score, target prefixes).
+
+The self-attention KV cache is kept in place (:func:`use_inplace_cache`): each layer's self-attention is
+``com.microsoft.GroupQueryAttention`` (num_heads = kv_num_heads) with ``seqlens_k`` = ``positions`` and
+``total_sequence_length`` = the buffer's capacity. When the engine binds ``present_*`` to the memory of
+``past_*`` (I/O binding), the kernel sees one buffer and writes only the new entry; each row attends
+over its own ``positions[r] + 1`` entries, so rows of one step may be at different positions. Versions
+exported before this layout (``past_len + 1`` concatenation, position read from ``past_key_0``'s shape)
+stay loadable: the engine drives both (``Manifest.decoder_positions`` tells them apart).
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ from nmt.model_format.manifest import StateTensor
 from training.models.transformer import Transformer
 
 MHA = "MultiHeadAttention"
+GQA = "GroupQueryAttention"
+POSITIONS = "positions"
 
 
 class EncoderGraph(nn.Module):
@@ -68,21 +81,23 @@ class EncoderGraph(nn.Module):
 
 
 class StepGraph(nn.Module):
-    """One decoding step: (input_ids, src_mask, cross K/V..., past K/V...) -> (log_probs, present K/V...)."""
+    """One decoding step: (input_ids, positions, src_mask, cross K/V..., past K/V...) -> (log_probs, present
+    K/V...). Traced with the concatenating cache (which the fusion turns into MultiHeadAttention with
+    past/present); :func:`use_inplace_cache` then makes it the in-place one."""
 
     def __init__(self, model: Transformer, need_attention: bool = False) -> None:
         super().__init__()
         self.model = model
         self.need_attention = need_attention  # fallback only: unfused attention output of the alignment layer
 
-    def forward(self, input_ids: Tensor, src_mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, input_ids: Tensor, positions: Tensor, src_mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         model = self.model
         layers = model.decoder.layers
         cross, past = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
-        step = past[0].shape[2]
-        # Transformer.embed for one position; indexing (not slicing) the position table keeps the
-        # query length a literal 1, which the attention fusion rules need.
-        x = model.shared(input_ids[:, None]) * model.embed_scale + model.positions[step]
+        # Transformer.embed at each row's own position (one Gather of the table); the query length stays
+        # a literal 1, which the attention fusion rules need.
+        position = nn.functional.embedding(positions[:, None], model.positions)
+        x = model.shared(input_ids[:, None]) * model.embed_scale + position
         mask = (src_mask != 0)[:, None, None, :]
         alignment_layer = model.config.alignment_layer % len(layers)
         presents: list[Tensor] = []
@@ -243,12 +258,48 @@ def cross_attention_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto |
 
 
 def self_attention_layers(model: onnx.ModelProto) -> list[int]:
-    """Decoder layers whose self-attention is a fused node reading ``past_key_i``."""
+    """Decoder layers whose self-attention is a fused node reading ``past_key_i`` (MultiHeadAttention as
+    traced, GroupQueryAttention after :func:`use_inplace_cache`)."""
     layers = []
     for node in model.graph.node:
-        if node.op_type == MHA and len(node.input) > 6 and node.input[6].startswith("past_key_"):
-            layers.append(int(node.input[6].rsplit("_", 1)[1]))
+        past = {MHA: 6, GQA: 3}.get(node.op_type)
+        if past is not None and len(node.input) > past and node.input[past].startswith("past_key_"):
+            layers.append(int(node.input[past].rsplit("_", 1)[1]))
     return sorted(layers)
+
+
+def use_inplace_cache(model: onnx.ModelProto, heads: int, layers: int) -> None:
+    """Turn every decoder layer's fused self-attention ``MultiHeadAttention(q, k, v, past_key_i,
+    past_value_i)`` (present = concat(past, new)) into ``GroupQueryAttention(q, k, v, past_key_i,
+    past_value_i, seqlens_k, total_sequence_length)`` with ``num_heads = kv_num_heads = heads``: ``seqlens_k``
+    is ``positions`` (int32: the row's cached length; its new entry goes there) and
+    ``total_sequence_length`` the capacity of ``past_key_0`` (axis 2). Same arithmetic per row; present
+    keeps the past's shape and, bound to the same memory, is the past buffer updated in place."""
+    graph = model.graph
+    rewritten = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != MHA or len(node.input) <= 7 or not node.input[6].startswith("past_key_"):
+            continue
+        layer = int(node.input[6].rsplit("_", 1)[1])
+        if any(node.input[3:6]) or node.input[7] != f"past_value_{layer}" or len(node.output) != 3:
+            raise NmtError(f"decoder layer {layer}'s self-attention has a bias, a mask or an unexpected past; "
+                           "the in-place cache takes plain q, k, v")
+        scale = [a for a in node.attribute if a.name == "scale"]
+        gqa = helper.make_node(GQA, [*node.input[:3], node.input[6], node.input[7], "cache_seqlens", "cache_capacity"],
+                               list(node.output), name=f"self_attention_{layer}", domain="com.microsoft",
+                               num_heads=heads, kv_num_heads=heads)
+        gqa.attribute.extend(scale)
+        graph.node[index].CopyFrom(gqa)
+        rewritten.append(layer)
+    if sorted(rewritten) != list(range(layers)):
+        raise NmtError(f"the in-place KV cache needs every decoder layer's self-attention fused; layers "
+                       f"{sorted(set(range(layers)) - set(rewritten))} were not")
+    graph.initializer.append(helper.make_tensor("cache_capacity_axis", TensorProto.INT64, [], [2]))
+    graph.node.insert(0, helper.make_node("Cast", [POSITIONS], ["cache_seqlens"], to=TensorProto.INT32))
+    graph.node.insert(0, helper.make_node("Cast", ["cache_capacity_64"], ["cache_capacity"], to=TensorProto.INT32))
+    graph.node.insert(0, helper.make_node("Gather", ["cache_shape", "cache_capacity_axis"], ["cache_capacity_64"]))
+    graph.node.insert(0, helper.make_node("Shape", ["past_key_0"], ["cache_shape"]))
+    prune(model)
 
 
 def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto, head_dim: int) -> None:
@@ -336,27 +387,28 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
         dynamic_shapes=({0: batch, 1: src_len},), opset=opset, fuse=True, what="Transformer encoder",
     )
     step_args = dict(
-        input_names=["input_ids", "src_mask", *cross_names, *past_names],
+        input_names=["input_ids", POSITIONS, "src_mask", *cross_names, *past_names],
         dynamic_shapes=(
-            {0: batch}, {0: batch, 1: src_len},
+            {0: batch}, {0: batch}, {0: batch, 1: src_len},
             tuple([{0: batch, 2: src_len}] * len(cross) + [{0: batch, 2: past_len}] * len(past)),
         ),
         opset=opset, fuse=True,
     )
-    step_inputs = (src[:, 0], src_mask, *cross, *past)
+    step_inputs = (src[:, 0], torch.tensor([2, 2, 2]), src_mask, *cross, *past)
     decoder = torch_to_onnx(StepGraph(model), step_inputs, output_names=["log_probs", *present_names],
                             what="Transformer decoder step", **step_args)
     cross_layers = feed_cross_kv_directly(decoder)
+    self_layers = self_attention_layers(decoder)
+    use_inplace_cache(decoder, heads, layers)
     for graph in (encoder, decoder):
         cancel_transposes(graph)
         use_key_padding_mask(graph)
 
     shapes: dict[str, list] = {"src_ids": ["batch", "src_len"], "src_mask": ["batch", "src_len"],
-                               "input_ids": ["batch"], "log_probs": ["batch", cfg.vocab_size],
+                               "input_ids": ["batch"], POSITIONS: ["batch"], "log_probs": ["batch", cfg.vocab_size],
                                "attention": ["batch", "src_len"]}
     shapes.update({name: ["batch", heads, "src_len", head_dim] for name in cross_names})
-    shapes.update({name: ["batch", heads, "past_len", head_dim] for name in past_names})
-    shapes.update({name: ["batch", heads, "past_len + 1", head_dim] for name in present_names})
+    shapes.update({name: ["batch", heads, "capacity", head_dim] for name in [*past_names, *present_names]})
     set_io_shapes(encoder, shapes)
     set_io_shapes(decoder, shapes)
 
@@ -371,6 +423,7 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
             what="Transformer decoder step with attention", **step_args,
         )
         feed_cross_kv_directly(decoder_attention)
+        use_inplace_cache(decoder_attention, heads, layers)
         cancel_transposes(decoder_attention)
         use_key_padding_mask(decoder_attention)
         set_io_shapes(decoder_attention, shapes)
@@ -382,12 +435,13 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
         decoder_forced=_forced_graph(model, src, src_mask, cross, opset, shapes),
         decoder_static=["src_mask", *cross_names],
         decoder_state=[
-            StateTensor(input=name, output=name.replace("past_", "present_"), init="empty",
-                        shape=[heads, 0, head_dim], dtype="float32")
+            StateTensor(input=name, output=name.replace("past_", "present_"), init="buffer",
+                        shape=[heads, 0, head_dim], dtype="float32", capacity_axis=2)
             for name in past_names
         ],
+        decoder_positions=POSITIONS,
         static_src_axes={"src_mask": 1, **{name: 2 for name in cross_names}},
         attention_total=cfg.encoder_layers + 2 * layers,
         attention_fused=min(count_ops(encoder)[MHA], cfg.encoder_layers)
-        + len(set(cross_layers)) + len(set(self_attention_layers(decoder))),
+        + len(set(cross_layers)) + len(set(self_layers)),
     )

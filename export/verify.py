@@ -7,8 +7,13 @@ covers the graphs, the in-graph top-k, the manifest's I/O description and the en
   compare every log-probability (``decoder.onnx``, read through its top-k with k = vocabulary) and the
   attention (``decoder_attention.onnx``) with PyTorch's at every real position;
 * ``decoder_forced.onnx`` (where the version has it) runs the same teacher-forced targets in one call:
-  its per-position log-probabilities, last distribution, attention and K/V cache are compared with
-  PyTorch's step-wise ones at every position (padding included: both feed the same padded rows);
+  its per-position log-probabilities, last distribution, attention and K/V cache (as the step decoder
+  receives it: the in-place buffers' first positions, each row's position at the pass's length) are
+  compared with PyTorch's step-wise ones at every position (padding included: both feed the same padded
+  rows), and one step of the step decoder resumed from that cache with PyTorch's next step;
+* with the in-place KV cache (rows may decode at different positions), the same targets once more with
+  row ``i`` starting ``i % 3`` steps late, so one step mixes positions; every row's log-probabilities
+  are compared with PyTorch's at its own position (within the same tolerance);
 * greedy and beam search run one sentence at a time through the engine and the reference search
   (:mod:`training.search`) and must produce the same tokens.
 """
@@ -85,11 +90,12 @@ def engine_translate_ids(
 
 
 def engine_step_log_probs(engine: Engine, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any],
-                          need_attention: bool) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+                          need_attention: bool, positions: np.ndarray | None = None,
+                          ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
     """One decoding step through the engine's step model, with the whole distribution rebuilt from its
     top-k (k = vocabulary): (log-probabilities [R, V], attention [R, S] or None, next state)."""
     vocab = engine.manifest.vocab_size
-    out = engine.model.step(tokens, static, state, need_attention, vocab)
+    out = engine.model.step(tokens, static, state, need_attention, vocab, positions=positions)
     log_probs = np.full((len(tokens), vocab), -np.inf, dtype=np.float32)
     np.put_along_axis(log_probs, out.top_ids, out.top_log_probs, axis=1)
     return log_probs, out.attention, out.state
@@ -121,6 +127,7 @@ def check_parity(
     state = {name: encoded[name] for name in engine.model.state_names}
     max_logit = max_attention = max_row_error = 0.0
     steps = 0
+    reference: list[np.ndarray] = []  # PyTorch's log-probabilities [B, V] at each target position
     for t in range(tgt.shape[1]):
         rows = lengths > t
         tokens = np.ascontiguousarray(tgt[:, t])
@@ -128,6 +135,7 @@ def check_parity(
         log_probs = logits.float().log_softmax(-1).numpy()
         torch_scores.append(np.take_along_axis(log_probs, tgt_next[:, t : t + 1], 1)[:, 0])
         torch_attention.append(attention.numpy())
+        reference.append(log_probs)
         onnx_log_probs, _, next_state = engine_step_log_probs(engine, tokens, static, state, need_attention=False)
         _, onnx_attention, _ = engine_step_log_probs(engine, tokens, static, state, need_attention=True)
         state = next_state
@@ -137,14 +145,10 @@ def check_parity(
         steps += int(rows.sum())
     forced_diff = None
     if FORCED_GRAPH in engine.model.sessions:
-        initial = {name: encoded[name] for name in engine.model.state_names}
-        out = engine.model.force(tgt, tgt_next, static, initial, need_attention=True)
-        cache = [np.abs(out.state[name] - torch_state["self_" + name.removeprefix("past_").replace("_", ".")].numpy())
-                 for name in engine.model.state_names]
-        forced_diff = float(max(np.abs(out.target_log_probs - np.stack(torch_scores, 1)).max(),
-                                np.abs(out.last_log_probs - log_probs).max(),
-                                np.abs(out.attention - np.stack(torch_attention, 1)).max(),
-                                *(diff.max() for diff in cache)))
+        forced_diff = forced_pass_diff(engine, model, encoded, tgt, tgt_next, lengths, torch_state,
+                                       (np.stack(torch_scores, 1), reference[-1], np.stack(torch_attention, 1)))
+    if engine.model.positions:  # the in-place cache (a recurrent state cannot repeat a step: it advances)
+        max_logit = max(max_logit, staggered_log_prob_diff(engine, src, tgt, lengths, reference))
 
     greedy = beam = 0
     mismatches: list[str] = []
@@ -162,6 +166,59 @@ def check_parity(
         greedy_match=(greedy, len(sources)), beam4_match=(beam, len(sources)), sentences=len(sources),
         teacher_forced_steps=steps, mismatches=mismatches, max_forced_diff=forced_diff,
     )
+
+
+def forced_pass_diff(engine: Engine, model: Seq2SeqModel, encoded: dict[str, Any], tgt: np.ndarray,
+                     tgt_next: np.ndarray, lengths: np.ndarray, torch_state: dict[str, Any],
+                     expected: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
+    """Max |difference| of ``decoder_forced`` over the teacher-forced batch from PyTorch's step-wise
+    ``expected`` (target log-probabilities [B, T], last distribution [B, V], attention [B, T, S]) and
+    ``torch_state`` (the K/V after the T positions; PyTorch's state advances one step more here), as the
+    engine hands the pass's cache to the step decoder (:meth:`OnnxStepModel.state_from_forced`: the
+    buffers' first T positions, each row's position T); then one step of the step decoder resumed from
+    that state against PyTorch's next step, on the rows whose targets fill the T positions."""
+    static = {name: encoded[name] for name in engine.model.static_names}
+    initial = {name: encoded[name] for name in engine.model.state_names}
+    step_model, length = engine.model, tgt.shape[1]
+    out = step_model.force(tgt, tgt_next, static, initial, need_attention=True)
+    scores, last, attention = expected
+    diffs = [np.abs(out.target_log_probs - scores).max(), np.abs(out.last_log_probs - last).max(),
+             np.abs(out.attention - attention).max()]
+    for entry in step_model.state:
+        value = np.asarray(out.state[entry.input], dtype=np.float32)
+        if entry.capacity_axis is not None:
+            value = value[(slice(None),) * entry.capacity_axis + (slice(0, length),)]
+        torch_name = "self_" + entry.input.removeprefix("past_").replace("_", ".")
+        diffs.append(np.abs(value - torch_state[torch_name].numpy()).max())
+    if step_model.positions:
+        if not (out.state[step_model.positions] == length).all():
+            return float("inf")
+        tokens = np.ascontiguousarray(tgt_next[:, -1])
+        log_probs, _, _ = engine_step_log_probs(engine, tokens, static, out.state, need_attention=False)
+        logits, _, _ = model.decode_step(torch.from_numpy(tokens), torch_state, need_attention=False)
+        rows = lengths == length
+        diffs.append(np.abs(log_probs - logits.float().log_softmax(-1).numpy())[rows].max())
+    return float(max(diffs))
+
+
+def staggered_log_prob_diff(engine: Engine, src: np.ndarray, tgt: np.ndarray, lengths: np.ndarray,
+                            reference: list[np.ndarray]) -> float:
+    """Max |log-prob difference| from PyTorch's ``reference`` when row ``i`` of the teacher-forced batch
+    starts ``i % 3`` steps late: until it starts, and after its last target, a row repeats an input
+    (same token, same position), which rewrites the same cache entry."""
+    encoded = engine.model.encode(src)
+    static = {name: encoded[name] for name in engine.model.static_names}
+    state = {name: encoded[name] for name in engine.model.state_names}
+    delays = np.arange(len(src)) % 3
+    worst = 0.0
+    for t in range(tgt.shape[1] + int(delays.max())):
+        positions = np.clip(t - delays, 0, tgt.shape[1] - 1)
+        tokens = np.ascontiguousarray(tgt[np.arange(len(src)), positions])
+        log_probs, _, state = engine_step_log_probs(engine, tokens, static, state, False, positions=positions)
+        expected = np.stack([reference[p][i] for i, p in enumerate(positions)])
+        rows = positions < lengths
+        worst = max(worst, float(np.abs(log_probs - expected)[rows].max()))
+    return worst
 
 
 def greedy_texts(engine: Engine, texts: Sequence[str], batch_size: int = 32) -> list[str]:

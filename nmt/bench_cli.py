@@ -13,6 +13,7 @@ SCRIPTS = {
     "train": "train_quality.py",
     "engine": "engine_throughput.py",
     "server": "server_load.py",
+    "batching": "batching.py",
     "http": "http_vs_grpc.py",
     "proxy": "proxy.py",
     "interactive": "interactive.py",
@@ -27,9 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a benchmark (training quality, engine throughput, server load)",
         description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
         "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
-        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load; interactive: "
-        "completing a sentence from a target prefix vs from scratch, Score vs Translate; controls: what the "
-        "decoders' logits output and the decoding controls cost.",
+        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load; batching: static "
+        "vs continuous batching under a mix of short and long sentences; interactive: completing a sentence "
+        "from a target prefix vs from scratch, Score vs Translate; controls: what the decoders' logits output "
+        "and the decoding controls cost.",
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

@@ -29,6 +29,7 @@ from nmt.options import (
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+BATCHING = ("static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,22 @@ class ServerConfig:
         10.0, "seconds between scans of the model repository for new, changed and removed versions "
         "(hot reload; SIGHUP scans at once); 0 disables polling")
     # batching
-    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count)")
+    batching: str = option(
+        "static", "static: a batch is formed and decoded to its end while later sentences wait; continuous: "
+        "one running decode per model version that sentences join between decoding steps and leave as soon as "
+        "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
+        "falls back to static, with a log line)", choices=BATCHING)
+    max_batch_rows: int = option(32, "continuous batching: most decoder rows in the running decode (a sentence "
+                                 "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
+                                 "on a CPU), more rows only slow every sentence down: raise it on a GPU")
+    decode_tokens: int = option(65536, "continuous batching: token budget of the running decode, rows x (widest "
+                                "source + longest target so far), checked when sentences join (bounds its "
+                                "memory)")
+    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count); "
+                               "continuous: of the sentences encoded together to join the running decode")
     max_batch_sentences: int = option(64, "most sentences in one batch")
-    max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts")
+    max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts; continuous: "
+                                "how long sentences gather before they join a running decode (one encoder call)")
     queue_size: int = option(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
     batch_work: int = option(16384, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
                              "output, summed over sentences): bounds how long one batch holds the worker, so "
@@ -110,7 +124,8 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
         positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
-                    "max_tokens", "max_length", "batch_work", "max_request_work", "max_response_bytes")
+                    "max_tokens", "max_length", "batch_work", "max_request_work", "max_response_bytes",
+                    "max_batch_rows", "decode_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -121,6 +136,14 @@ class ServerConfig:
         if self.max_tokens + 1 > self.batch_tokens:
             raise NmtError(f"batch_tokens ({self.batch_tokens}) must hold one text of max_tokens "
                            f"({self.max_tokens}) plus EOS")
+        if self.max_batch_rows < self.max_beam:
+            raise NmtError(f"max_batch_rows ({self.max_batch_rows}) must hold one sentence of max_beam "
+                           f"({self.max_beam}) rows")
+        if self.decode_tokens < self.max_beam * (self.max_tokens + 1):
+            raise NmtError(f"decode_tokens ({self.decode_tokens}) must hold one sentence of max_tokens "
+                           f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
+        if self.batching not in BATCHING:
+            raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         if self.provider not in PROVIDERS:

@@ -55,11 +55,6 @@ class Controls:
         return np.random.default_rng(self.seed or None)
 
 
-def needs_full(controls: Sequence[Controls], step: int) -> bool:
-    """Whether step ``step`` needs the whole [R, V] distribution of the model, not only its top k."""
-    return any(c.reshapes or step < len(c.forced) or completing(c, step) for c in controls)
-
-
 def completing(c: Controls, step: int) -> bool:
     """Whether step ``step`` may still be spelling out ``c``'s partial word."""
     return c.completion is not None and c.completion.start <= step < c.completion.start + c.completion.steps()

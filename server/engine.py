@@ -2,9 +2,11 @@
 
 No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
 (encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
-:func:`server.search.beam_search` drives any model through the :class:`StepModel` contract. On the
+:class:`server.decode.RunningDecode` drives any model through the :class:`StepModel` contract. On the
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
+
+The step models live in :mod:`server.step_models` (with the in-place KV cache of ``nmt-model/2``).
 
 The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.device`).
 """
@@ -16,23 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
-from nmt.model_format.layout import FORCED_GRAPH
-from nmt.model_format.manifest import (
-    FORMAT,
-    LOGITS_OUTPUT,
-    TOP_K_INPUT,
-    TOP_K_OUTPUTS,
-    Manifest,
-    ManifestError,
-    read_manifest,
-)
+from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.completion import build_completion, piece_index, split_partial_word
@@ -46,8 +37,9 @@ from server.device import (
     session_provider,
 )
 from server.errors import DeviceMemoryExhausted, InvalidArgument
-from server.forced import ForcedOutput, decode, stepwise_force
-from server.search import BeamSentence, SearchResult, StepOutput, take_rows
+from server.forced import decode
+from server.search import BeamSentence, SearchResult
+from server.step_models import DeviceStepModel, OnnxStepModel
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, TargetPrefix, Translation
 
 
@@ -62,215 +54,6 @@ class BatchResult:
     source_tokens: int
     padding_ratio: float  # padded positions / all positions of the source batch
     cancelled: int  # sentences that left the batch because their request was cancelled or expired
-
-
-class OnnxStepModel:
-    """The :class:`server.search.StepModel` of an exported model version: encoder + one-step decoder."""
-
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
-        self.manifest = manifest
-        self.sessions = sessions
-        self.static_names = list(manifest.decoder_static)
-        self.state = list(manifest.decoder_state)
-        for role in ("decoder", "decoder_attention"):
-            missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
-            if missing:
-                raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
-                                    "format: export the model again with this version of nmt export")
-        self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
-        # versions exported before the ``logits`` output: no repetition penalty (it scales logits)
-        self.has_logits = all(LOGITS_OUTPUT in {o.name for o in sessions[role].get_outputs()}
-                              for role in ("decoder", "decoder_attention"))
-
-    def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
-        """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
-        outputs = self.sessions["encoder"].run(None, {"src_ids": src})
-        names = [o.name for o in self.sessions["encoder"].get_outputs()]
-        encoded = dict(zip(names, outputs, strict=True))
-        batch = src.shape[0]
-        for entry in self.state:
-            if entry.init == "empty":
-                encoded[entry.input] = np.zeros((batch, *entry.shape), dtype=entry.dtype or "float32")
-        return encoded
-
-    def step(
-        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
-        k: int, full: bool = False, logits: bool = False,
-    ) -> StepOutput:
-        """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
-        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it."""
-        session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
-        output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
-        if need_attention:
-            output_names.append("attention")
-        extra = (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
-        outputs = session.run(output_names + extra, feeds)
-        heads = len(TOP_K_OUTPUTS)
-        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[heads + len(self.state)] if need_attention else None
-        full_outputs = dict(zip(extra, outputs[len(output_names):], strict=True))
-        return StepOutput(*outputs[:heads], attention, new_state, full_outputs.get("log_probs"),
-                          full_outputs.get(LOGITS_OUTPUT))
-
-    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
-              state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
-        """Given tokens in one ``decoder_forced`` call (see :class:`server.search.StepModel`), or step by
-        step for a version without that graph (the RNN, Transformers exported before it)."""
-        session = self.sessions.get(FORCED_GRAPH)
-        if session is None:
-            return stepwise_force(self, inputs, targets, static, state, need_attention)
-        names = ["target_log_probs", "last_log_probs", "attention", *(entry.output for entry in self.state)]
-        outputs = dict(zip(names, session.run(names, {"input_ids": inputs, "target_ids": targets, **static}),
-                           strict=True))
-        return ForcedOutput(outputs["target_log_probs"], outputs["last_log_probs"],
-                            outputs["attention"] if need_attention else None, self.state_from_forced(outputs))
-
-    def state_from_forced(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        """The step decoder's state after a ``decoder_forced`` call: each state entry's ``output`` there
-        ([batch, heads, tgt_len, head_dim] K/V of every layer), under its input name. The one place
-        that hands the forced pass's cache to the step search (an in-place KV layout adapts it here)."""
-        return {entry.input: outputs[entry.output] for entry in self.state}
-
-    def _top_k(self, k: int) -> np.ndarray:
-        if k not in self._top_k_feeds:
-            self._top_k_feeds[k] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
-        return self._top_k_feeds[k]
-
-    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
-        return take_rows(tensors, rows)
-
-    @property
-    def state_names(self) -> list[str]:
-        return [entry.input for entry in self.state]
-
-
-class DeviceStepModel(OnnxStepModel):
-    """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
-    Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
-    selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
-    top-k, the EOS log-prob and (when asked) the attention back to the host.
-
-    For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
-    it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
-    binding logic on machines without a GPU.
-
-    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
-    here, at load, with the decoder's options and providers (device id and memory limit included)."""
-
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
-        super().__init__(manifest, sessions)
-        self.device = device
-        self._top_k_values: dict[int, ort.OrtValue] = {}  # k -> top_k as an OrtValue (wraps the cached feed)
-        types = {o.type for o in sessions["encoder"].get_outputs()}
-        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
-        self._gathers = {element_type: self._gather_session(element_type) for element_type in sorted(types)}
-
-    def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue]:
-        session = self.sessions["encoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("src_ids", src)
-        names = [o.name for o in session.get_outputs()]
-        for name in names:
-            binding.bind_output(name, self.device)
-        session.run_with_iobinding(binding)
-        encoded = dict(zip(names, binding.get_outputs(), strict=True))
-        for entry in self.state:
-            if entry.init == "empty":
-                zeros = np.zeros((src.shape[0], *entry.shape), dtype=entry.dtype or "float32")
-                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
-        return encoded
-
-    def step(
-        self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue],
-        need_attention: bool, k: int, full: bool = False, logits: bool = False,
-    ) -> StepOutput:
-        session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", tokens)
-        for name, value in (static | state).items():
-            binding.bind_ortvalue_input(name, value)
-        if k not in self._top_k_values:  # an overridable initializer: only an OrtValue binds to it
-            self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
-        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_values[k])
-        for name in TOP_K_OUTPUTS:
-            binding.bind_output(name, "cpu")
-        for entry in self.state:
-            binding.bind_output(entry.output, self.device)
-        if need_attention:
-            binding.bind_output("attention", "cpu")
-        extra = (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
-        for name in extra:
-            binding.bind_output(name, "cpu")
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # in binding order
-        heads = len(TOP_K_OUTPUTS)
-        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
-        attention = outputs[heads + len(self.state)].numpy() if need_attention else None
-        full_outputs = {name: value.numpy() for name, value in zip(extra, outputs[len(outputs) - len(extra):],
-                                                                   strict=True)}
-        return StepOutput(*(value.numpy() for value in outputs[:heads]), attention, new_state,
-                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
-
-    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
-              state: dict[str, ort.OrtValue], need_attention: bool) -> ForcedOutput:
-        """:meth:`OnnxStepModel.force` with the static inputs and the resulting cache on the device."""
-        session = self.sessions.get(FORCED_GRAPH)
-        if session is None:
-            return stepwise_force(self, inputs, targets, static, state, need_attention)
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", inputs)
-        binding.bind_cpu_input("target_ids", targets)
-        for name, value in static.items():
-            binding.bind_ortvalue_input(name, value)
-        heads = ["target_log_probs", "last_log_probs", "attention"]
-        for name in heads:
-            binding.bind_output(name, "cpu")
-        for entry in self.state:
-            binding.bind_output(entry.output, self.device)
-        session.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        outputs = dict(zip([*heads, *(entry.output for entry in self.state)], values, strict=True))
-        return ForcedOutput(outputs["target_log_probs"].numpy(), outputs["last_log_probs"].numpy(),
-                            outputs["attention"].numpy() if need_attention else None, self.state_from_forced(outputs))
-
-    def select_rows(self, tensors: dict[str, ort.OrtValue], rows: np.ndarray) -> dict[str, ort.OrtValue]:
-        selected = {}
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
-        for name, value in tensors.items():
-            session = self._gathers[value.data_type()]
-            binding = session.io_binding()
-            binding.bind_ortvalue_input("x", value)
-            binding.bind_ortvalue_input("rows", rows_value)
-            binding.bind_output("y", self.device)
-            session.run_with_iobinding(binding)
-            selected[name] = binding.get_outputs()[0]
-        return selected
-
-    def _gather_session(self, element_type: str) -> ort.InferenceSession:
-        """A one-node ``Gather(x, rows, axis=0)`` session for tensors of ``element_type`` ("tensor(float)")."""
-        dtype = _ELEMENT_TYPES[element_type]
-        graph = helper.make_graph(
-            [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "select_rows",
-            [helper.make_tensor_value_info("x", dtype, None),
-             helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])],
-            [helper.make_tensor_value_info("y", dtype, None)],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-        decoder = self.sessions["decoder"]
-        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
-        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
-        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
-
-    @property
-    def gather_sessions(self) -> dict[str, ort.InferenceSession]:
-        """Element type -> the ``Gather`` session that selects rows of such tensors."""
-        return self._gathers
-
-
-_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
-                  "tensor(bool)": TensorProto.BOOL}
 
 
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:
@@ -410,19 +193,19 @@ class Engine:
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
-        """Decode sentences together. All must share ``beam_size`` and ``return_attention``;
-        the other options may differ per sentence. Cancelled sentences leave the batch between steps."""
+        """Decode sentences together (a running decode that admits them all at its first step); their
+        options may differ. Cancelled sentences leave the batch between steps."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
         try:
             results, src, encode_seconds, decode_seconds = self._search(requests)
         except Exception as error:
-            if is_out_of_memory(error):  # this batch is too large for the arena; the engine is fine
-                raise DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {len(requests)} "
-                                            "sentences; retry with fewer or shorter texts") from error
-            raise
+            exhausted = self.memory_error(error, len(requests))
+            if exhausted is None:
+                raise
+            raise exhausted from error
         translations = [
-            None if result is None else self._to_translation(request, result)
+            None if result is None else self.to_translation(request, result)
             for request, result in zip(requests, results, strict=True)
         ]
         source_tokens = sum(len(r.source_ids) + 1 for r in requests)  # EOS included, padding not
@@ -436,6 +219,14 @@ class Engine:
             cancelled=sum(r is None for r in results),
         )
 
+    def memory_error(self, error: Exception, sentences: int) -> DeviceMemoryExhausted | None:
+        """The error to raise instead of ``error`` when the device arena could not hold a batch of ``sentences``
+        (the engine is fine), else None."""
+        if not is_out_of_memory(error):
+            return None
+        return DeviceMemoryExhausted(f"{self.provider} memory exhausted by a batch of {sentences} sentences; "
+                                     "retry with fewer or shorter texts")
+
     def search(self, requests: Sequence[SentenceRequest]) -> list[SearchResult | None]:
         """:meth:`translate_batch` before detokenization: token ids, scores and subword attention
         [tokens incl. EOS, source tokens incl. EOS] of each sentence's hypotheses."""
@@ -445,22 +236,23 @@ class Engine:
         self, requests: Sequence[SentenceRequest]
     ) -> tuple[list[SearchResult | None], np.ndarray, float, float]:
         """Encode and search; returns the results, the padded source batch and the seconds of both stages."""
-        first = requests[0].options
-        if any(
-            r.options.beam_size != first.beam_size or r.options.return_attention != first.return_attention
-            for r in requests
-        ):
-            raise ValueError("all sentences of a batch must share beam_size and return_attention")
+        start = time.perf_counter()
+        encoded, sentences, src = self.encode(requests)
+        encode_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        results = decode(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
+                         pad_id=self.pad_id)
+        return results, src, encode_seconds, time.perf_counter() - start
+
+    def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], np.ndarray]:
+        """Run the encoder on the sentences (padded into one batch): their encoder outputs, search settings
+        and the padded source batch [N, S]."""
         sources = [list(r.source_ids) + [self.eos_id] for r in requests]
         width = max(len(s) for s in sources)
         src = np.full((len(sources), width), self.pad_id, dtype=np.int64)
         for i, ids in enumerate(sources):
             src[i, : len(ids)] = ids
-
-        start = time.perf_counter()
         encoded = self.model.encode(src)
-        encode_seconds = time.perf_counter() - start
-
         sentences = [
             BeamSentence(
                 source_length=len(sources[i]),
@@ -472,15 +264,14 @@ class Engine:
                                  completion=r.target_prefix.completion),
                 patience=r.options.patience,
                 alternatives=r.options.num_hypotheses if r.options.return_alternatives else 0,
+                beam_size=r.options.beam_size,
+                need_attention=r.options.return_attention,
             )
             for i, r in enumerate(requests)
         ]
-        start = time.perf_counter()
-        results = decode(self.model, encoded, sentences, beam_size=first.beam_size, start_id=self.start_id,
-                         eos_id=self.eos_id, pad_id=self.pad_id, need_attention=first.return_attention)
-        return results, src, encode_seconds, time.perf_counter() - start
+        return encoded, sentences, src
 
-    def _to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
+    def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
         """Detokenize one sentence's result: pieces, text and words (computed once here, see
         :func:`server.alignment.segment_words`) and word-level attention over those same words."""
         source_pieces = self.tokenizer.pieces(request.source_ids)

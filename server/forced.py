@@ -8,6 +8,11 @@ step read off the pass (:class:`server.search.Resume`), exactly as if it had for
 at a time. With alternatives the ``k`` most likely tokens after ``pn`` (under the sentence's controls)
 each become a hypothesis of their own, continued by the search from a copy of the state.
 
+:func:`decode` is the static batch. Under continuous batching, :func:`admit` lets sentences with a
+prefix join a running decode (:class:`server.decode.RunningDecode`) after a pass over ``start, p1 ..
+p(n-1)``: the decode feeds ``pn`` with its other rows, since a step read off the pass would have to run
+apart from them; whole targets and alternatives (:func:`runs_apart`) go through :func:`decode` on their own.
+
 A Transformer exported with ``decoder_forced.onnx`` runs each pass as one call; other models (the RNN,
 versions exported before that graph) step through the given tokens with :func:`stepwise_force`, a lean
 loop without beam bookkeeping.
@@ -23,7 +28,8 @@ import numpy as np
 
 from nmt.model_format.decoding import normalized_score
 from server.controls import process, top_k
-from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput, beam_search
+from server.decode import RunningDecode, beam_search
+from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
 
 NEG_INF = -np.inf
 
@@ -53,11 +59,19 @@ def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, st
     return ForcedOutput(scores, out.log_probs, np.stack(attention, 1) if attention else None, state)
 
 
-def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, beam_size: int,
-           start_id: int, eos_id: int, pad_id: int, need_attention: bool) -> list[SearchResult | None]:
-    """:func:`server.search.beam_search` for sentences with target prefixes, whole targets and alternatives
-    (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring).
-    Sentences needing the same pass length go through it, and then the search, together."""
+def runs_apart(s: BeamSentence, eos_id: int) -> bool:
+    """Whether ``s`` cannot join a running decode (:func:`admit`): a whole target (its forced pass is its
+    result) or alternatives (the pass branches it into several hypotheses); :func:`decode` them."""
+    forced = s.controls.forced
+    return bool(s.alternatives) or (bool(forced) and forced[-1] == eos_id)
+
+
+def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
+           eos_id: int, pad_id: int) -> list[SearchResult | None]:
+    """:func:`server.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
+    (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
+    each sentence keeps its own beam size and attention. Sentences needing the same pass length go through
+    it, and then the search, together."""
     results: list[SearchResult | None] = [None] * len(sentences)
     groups: dict[tuple[str, int], list[int]] = {}
     for i, s in enumerate(sentences):
@@ -71,7 +85,7 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
         else:  # no prefix; or a repetition penalty, which needs logits the forced pass does not return: the
             key = ("plain", 0)  # search forces the prefix step by step
         groups.setdefault(key, []).append(i)
-    settings = dict(beam_size=beam_size, start_id=start_id, eos_id=eos_id, need_attention=need_attention)
+    settings = dict(start_id=start_id, eos_id=eos_id)
     for (kind, _), members in groups.items():
         rows = np.array(members)
         chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, rows)
@@ -85,10 +99,33 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
     return results
 
 
+def admit(decode: RunningDecode, encoded: dict[str, Any], sentences: Sequence[BeamSentence], tags: Sequence[Any],
+          *, start_id: int) -> None:
+    """Admit ``sentences`` (none :func:`runs_apart`) to a running ``decode``: those with a target prefix of
+    ``n`` pieces after one forced pass over the start token and its first ``n - 1`` pieces (one pass per
+    prefix length), resuming at step ``n`` from the pass's state (:class:`Resume` without a first step:
+    the search feeds the last piece with the other rows, so they may join a decode already running)."""
+    model = decode.model
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(sentences):
+        groups.setdefault(len(s.controls.forced), []).append(i)
+    for length, members in sorted(groups.items()):
+        chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, np.array(members))
+        group, group_tags = [sentences[i] for i in members], [tags[i] for i in members]
+        if not length:
+            decode.admit(chosen, group, group_tags)
+            continue
+        prefix = np.array([s.controls.forced for s in group], dtype=np.int64)
+        inputs = np.concatenate([np.full((len(group), 1), start_id, dtype=np.int64), prefix[:, :-1]], 1)
+        out = model.force(inputs, prefix, {name: chosen[name] for name in model.static_names},
+                          {name: chosen[name] for name in model.state_names}, any(s.need_attention for s in group))
+        decode.admit(chosen, group, group_tags, Resume(prefix, out.target_log_probs, out.attention, out.state))
+
+
 def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], kind: str, pad_id: int,
                   settings: dict[str, Any]) -> list[SearchResult | None]:
     """One group of :func:`decode`: its forced pass, then the search (or nothing, for whole targets)."""
-    start_id, need_attention = settings["start_id"], settings["need_attention"]
+    start_id, need_attention = settings["start_id"], any(s.need_attention for s in group)
     given = [list(s.controls.forced) for s in group]
     length = max(len(g) for g in given) + (kind != "whole")
     inputs = np.full((len(group), max(length, 1)), pad_id, dtype=np.int64)
@@ -140,7 +177,7 @@ def _alternatives(model: StepModel, encoded: dict[str, Any], group: list[BeamSen
     history_scores = np.concatenate([scores[index], boundary[index, tokens][:, None]], 1)
     attention = out.attention[index, : n + 1] if out.attention is not None else None
     for j in finished:
-        attention_rows = attention[j] if attention is not None else None
+        attention_rows = attention[j] if attention is not None and subs[j].need_attention else None
         finished[j] = SearchResult([ScoredSequence(
             tokens=history[j].tolist(), score=float(normalized_score(history_scores[j].sum(), n + 1,
                                                                      subs[j].length_penalty)),
@@ -168,7 +205,7 @@ def _given(s: BeamSentence, tokens: list[int], out: ForcedOutput, r: int) -> Sco
     scores = out.target_log_probs[r, : len(tokens)].astype(np.float64)
     return ScoredSequence(tokens=tokens, score=float(normalized_score(scores.sum(), len(tokens), s.length_penalty)),
                           token_scores=scores.tolist(),
-                          attention=out.attention[r, : len(tokens)].copy() if out.attention is not None else None)
+                          attention=out.attention[r, : len(tokens)].copy() if s.need_attention else None)
 
 
 def _cancelled(sentence: BeamSentence) -> bool:

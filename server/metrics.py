@@ -42,6 +42,7 @@ from server.config import split_host_port
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SENTENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 STAGES = ("encode", "decode")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
@@ -87,6 +88,11 @@ class ServerMetrics:
         self.cancelled_sentences = Counter("nmt_cancelled_sentences",
                                            "Sentences that left a running batch because their request was "
                                            "cancelled or expired", ["model", "version"], registry=r)
+        self.running_rows = Gauge("nmt_running_rows", "Decoder rows in the running decode (continuous batching; "
+                                  "a sentence holds beam_size rows)", ["model", "version"], registry=r)
+        self.admission_wait_steps = Histogram("nmt_admission_wait_steps", "Decoding steps the running decode ran "
+                                              "while a sentence waited to join it (continuous batching)",
+                                              ["model", "version"], buckets=STEP_BUCKETS, registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r)
         self.model_loads = Counter("nmt_model_loads", "Model version loads (start-up, hot reload and reloads of a "
@@ -144,7 +150,8 @@ class ServerMetrics:
 
     def _version_families(self) -> tuple[Any, ...]:
         return (self.queue_duration, self.queue_depth, self.queue_capacity, self.batch_sentences, self.batch_tokens,
-                self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences)
+                self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences,
+                self.running_rows, self.admission_wait_steps)
 
     def _init_requests(self, model: str) -> None:
         labels = [(method, method) for method in self._methods]

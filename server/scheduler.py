@@ -8,6 +8,13 @@ on the version's own single worker thread, so the event loop never blocks on inf
 version's batches never overlap. Results go back to each request's futures and are reassembled in
 request order.
 
+Continuous batching
+    With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
+    runs :class:`server.continuous.ContinuousBatcher` instead of forming batches: sentences join the
+    version's running decode between steps and leave as soon as they finish (see that module). The
+    queue, its bound, the request checks, deadline admission, cancellation, fault isolation and the
+    metrics below are shared; the batch key, ``max_wait`` and ``batch_work`` apply to static batches only.
+
 Bounded work
     Before queueing, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
     decoder work (row-steps: beam size x longest allowed output, summed over its texts) exceeds
@@ -21,7 +28,8 @@ Batching policy
       one whose request is due first (its deadline; a request without a deadline is due
       ``NO_DEADLINE_SECONDS`` after it arrived), oldest first among equals.
     * Sentences batch together only when they share the *batch key* ``(beam_size, return_attention)``
-      (the engine decodes one beam width and one graph per batch); ``num_hypotheses``,
+      (the engine could mix them, but a greedy sentence would then wait for beam searches and every
+      sentence would pay for the attention graph); ``num_hypotheses``,
       ``max_length`` and ``length_penalty`` vary per sentence.
     * A batch starts only when the worker is free: sentences arriving while a batch runs accumulate,
       so batches grow with load. The batcher then waits for companions only as long as it has reason
@@ -83,17 +91,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from server.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
+from server.admission import BatchPolicy, Pending, RequestHandle, by_request, form_batch, resolve
+from server.continuous import ContinuousBatcher
+from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
 from server.validation import check_budget, tokenize_texts
 
 log = logging.getLogger("nmt.server")
 
 EMA_ALPHA = 0.2
-NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
 FAILURES_BEFORE_PROBE = 3  # failed request runs in a row before the engine is probed with smoke_test
 SMOKE_TEXT = "Hello, world."  # translated by every version before it serves (any text the tokenizer takes)
 SMOKE_OPTIONS = DecodingOptions(beam_size=1, num_hypotheses=1, max_length=8)
@@ -109,137 +117,6 @@ def smoke_test(engine: Any) -> None:
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
-@dataclass(frozen=True)
-class BatchPolicy:
-    """Limits of the scheduler (from :class:`server.config.ServerConfig`)."""
-
-    batch_tokens: int = 4096  # longest source (EOS incl.) x sentences
-    max_batch_sentences: int = 64
-    max_wait_seconds: float = 0.005
-    queue_size: int = 1024  # queued sentences (not yet in a batch)
-    max_tokens: int = 256  # source tokens of one text (EOS excl.); longer texts are refused
-    batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
-    max_request_work: int = 65536  # decoder row-steps of one request
-    max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
-
-    @classmethod
-    def from_config(cls, config: Any) -> BatchPolicy:
-        """The policy of ``config`` (a :class:`server.config.ServerConfig`)."""
-        return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
-                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
-                   max_tokens=config.max_tokens, batch_work=config.batch_work,
-                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes)
-
-
-class RequestHandle:
-    """Cancellation state and deadline of one request, shared by its sentences.
-
-    ``is_cancelled`` is called from the engine's worker thread; it only reads two attributes.
-    """
-
-    def __init__(self, deadline: float | None = None, request_id: str = "") -> None:
-        self.deadline = deadline  # time.monotonic() seconds, None: no deadline
-        self.request_id = request_id  # for error messages and logs
-        self._cancelled = False
-
-    @classmethod
-    def with_timeout(cls, seconds: float | None, request_id: str = "") -> RequestHandle:
-        return cls(None if seconds is None else time.monotonic() + seconds, request_id)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def is_cancelled(self) -> bool:
-        return self._cancelled or self.expired()
-
-    def error(self) -> ServingError:
-        if self.expired():
-            return DeadlineExceeded("deadline exceeded while the request was queued or being translated")
-        return Cancelled("request cancelled")
-
-
-@dataclass(eq=False)
-class _Pending:
-    request: RequestHandle
-    sentence: SentenceRequest
-    tokens: int  # source tokens incl. EOS
-    work: int  # decoder row-steps at most (server.validation.sentence_work)
-    future: asyncio.Future
-    enqueued: float
-    seq: int
-    key: tuple[int, bool] = field(init=False)
-    due: float = field(init=False)  # the earliest-deadline-first order
-
-    def __post_init__(self) -> None:
-        self.key = (self.sentence.options.beam_size, self.sentence.options.return_attention)
-        deadline = self.request.deadline
-        self.due = self.enqueued + NO_DEADLINE_SECONDS if deadline is None else deadline
-
-    @property
-    def urgency(self) -> tuple[float, int]:
-        return self.due, self.seq
-
-    @property
-    def cost(self) -> int:
-        return self.tokens * self.sentence.options.beam_size
-
-
-def _by_request(batch: Sequence[_Pending]) -> list[list[_Pending]]:
-    """The batch's sentences grouped by request, in batch order."""
-    groups: dict[int, list[_Pending]] = {}
-    for p in batch:
-        groups.setdefault(id(p.request), []).append(p)
-    return list(groups.values())
-
-
-def _resolve(pending: _Pending, *, result: Translation | None = None, error: BaseException | None = None) -> None:
-    if pending.future.done():
-        return
-    if error is None:
-        pending.future.set_result(result)
-    elif pending.request.is_cancelled():
-        pending.future.cancel()  # nobody waits for it any more: no "exception never retrieved"
-    else:
-        pending.future.set_exception(error)
-
-
-def form_batch(candidates: Sequence[_Pending], first: _Pending, policy: BatchPolicy) -> list[_Pending]:
-    """The batch grown around ``first`` through ``candidates`` (same key) by length, within the policy."""
-    ordered = sorted(candidates, key=lambda p: (p.tokens, p.seq))
-    lo = hi = ordered.index(first)
-    width = first.tokens  # longest in the window (the window is sorted: ordered[hi].tokens)
-    work = first.work
-    while True:
-        count = hi - lo + 1
-        if count >= policy.max_batch_sentences:
-            break
-        options: list[tuple[int, int, str]] = []
-        if lo > 0 and (count + 1) * width <= policy.batch_tokens and work + ordered[lo - 1].work <= policy.batch_work:
-            below = ordered[lo - 1]
-            options.append((width - below.tokens, below.seq, "lo"))
-        if (hi + 1 < len(ordered) and (count + 1) * ordered[hi + 1].tokens <= policy.batch_tokens
-                and work + ordered[hi + 1].work <= policy.batch_work):
-            above = ordered[hi + 1]
-            options.append(((above.tokens - width) * count, above.seq, "hi"))
-        if not options:
-            break
-        _, _, side = min(options)  # least added padding, then the older sentence
-        if side == "lo":
-            lo -= 1
-            work += ordered[lo].work
-        else:
-            hi += 1
-            width = ordered[hi].tokens
-            work += ordered[hi].work
-    return ordered[lo : hi + 1]
-
-
 class ModelScheduler:
     """Queue, batcher task and worker thread of one model version."""
 
@@ -251,7 +128,7 @@ class ModelScheduler:
         self.policy = policy or BatchPolicy()
         self.metrics = metrics
         self.labels = (model, version)
-        self._queue: list[_Pending] = []  # arrival order
+        self._queue: list[Pending] = []  # arrival order
         self._seq = itertools.count()
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
@@ -259,13 +136,25 @@ class ModelScheduler:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model}-{version}")
         self._task: asyncio.Task | None = None
         self._closed = False
-        self._running: list[_Pending] = []
+        self._running: list[Pending] = []
         self._running_since = 0.0
         self._free_since = 0.0  # when the worker last finished a batch
         self._expected = 0  # most sentences outstanding since the last batch started (see the docstring)
         self.seconds_per_cost: float | None = None  # EMA, see the module docstring
         self.batches = 0
         self.cancelled_sentences = 0
+        self._continuous: ContinuousBatcher | None = None
+        if self.policy.batching == "continuous":
+            if getattr(getattr(engine, "model", None), "per_row_positions", False):
+                self._continuous = ContinuousBatcher(self)
+            else:
+                log.info("continuous batching needs a model that decodes rows at different steps; this version "
+                         "batches statically", extra={"fields": {"model": model, "version": version}})
+
+    @property
+    def batching(self) -> str:
+        """How this version batches: "continuous" or "static"."""
+        return "static" if self._continuous is None else "continuous"
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -288,7 +177,7 @@ class ModelScheduler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for pending in left:
-            _resolve(pending, error=Unavailable("server is shutting down"))
+            resolve(pending, error=Unavailable("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _wait_idle(self) -> None:
@@ -342,9 +231,10 @@ class ModelScheduler:
                 f"queued, limit {self.policy.queue_size}; this request has {len(sources)}; retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        steps = 0 if self._continuous is None else self._continuous.batch.steps
         pendings = [
-            _Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=target),
-                     len(ids) + 1, units, loop.create_future(), now, next(self._seq))
+            Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=target),
+                    len(ids) + 1, units, loop.create_future(), now, next(self._seq), steps)
             for ids, text, units, target in zip(sources, texts, work, forced, strict=True)
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
@@ -388,7 +278,7 @@ class ModelScheduler:
                 f"with {len(self._queue)} sentences queued ahead for model {self.labels[0]} "
                 f"version {self.labels[1]}; allow more time or send fewer texts")
 
-    def _withdraw(self, pendings: Sequence[_Pending]) -> None:
+    def _withdraw(self, pendings: Sequence[Pending]) -> None:
         """Take a failed or cancelled request's sentences out of the queue; cancel their futures."""
         gone = set(map(id, pendings))
         before = len(self._queue)
@@ -415,11 +305,11 @@ class ModelScheduler:
     async def _run(self) -> None:
         while True:
             try:
-                await self._step()
+                await (self._step() if self._continuous is None else self._continuous.step())
             except Exception as error:  # noqa: BLE001 - a bug here must not strand every queued request
                 log.exception("batcher error", extra={"fields": {"model": self.labels[0], "version": self.labels[1]}})
                 for pending in self._queue:
-                    _resolve(pending, error=Internal(f"scheduler error: {type(error).__name__}: {error}"))
+                    resolve(pending, error=Internal(f"scheduler error: {type(error).__name__}: {error}"))
                 self._queue.clear()
                 self._update_depth()
 
@@ -453,10 +343,10 @@ class ModelScheduler:
         if dropped:
             self._queue = [p for p in self._queue if not p.request.is_cancelled()]
             for p in dropped:
-                _resolve(p, error=p.request.error())
+                resolve(p, error=p.request.error())
             self._update_depth()
 
-    async def _execute(self, batch: list[_Pending]) -> None:
+    async def _execute(self, batch: list[Pending]) -> None:
         """Run one batch on the worker thread and resolve its futures; never raises (the batcher lives on).
 
         When the batch fails and holds several requests, each request's sentences run again on their
@@ -474,30 +364,37 @@ class ModelScheduler:
                 for p in batch:
                     m.queue_duration.labels(*labels).observe(now - p.enqueued)
             error = await self._decode(batch)
-            groups = _by_request(batch)
-            if isinstance(error, ServingError):  # e.g. out of device memory: the batch's fault, not the engine's
-                log.warning("batch refused", extra={"fields": {
-                    "model": labels[0], "version": labels[1], "sentences": len(batch), "error": str(error)}})
-                for p in batch:
-                    _resolve(p, error=error)
-            elif error is not None and len(groups) > 1:
-                log.warning("batch failed; running its requests one by one", extra={"fields": {
-                    "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
-                    "error": f"{type(error).__name__}: {error}"}})
-                for group in groups:
-                    if group[0].request.is_cancelled():
-                        for p in group:
-                            _resolve(p, error=p.request.error())
-                    elif (group_error := await self._decode(group)) is not None:
-                        await self._fail(group, group_error)
-            elif error is not None:
-                await self._fail(batch, error)
+            if error is not None:
+                await self._recover(batch, error)
         finally:
             self._running = []
             self._free_since = time.monotonic()
             self._notify_idle()
 
-    async def _decode(self, batch: list[_Pending]) -> Exception | None:
+    async def _recover(self, batch: list[Pending], error: Exception) -> None:
+        """``batch`` failed with ``error``: fail it with a :class:`ServingError`'s status, or decode each of its
+        requests on its own (see the module docstring)."""
+        labels = self.labels
+        groups = by_request(batch)
+        if isinstance(error, ServingError):  # e.g. out of device memory: the batch's fault, not the engine's
+            log.warning("batch refused", extra={"fields": {
+                "model": labels[0], "version": labels[1], "sentences": len(batch), "error": str(error)}})
+            for p in batch:
+                resolve(p, error=error)
+        elif len(groups) > 1:
+            log.warning("batch failed; running its requests one by one", extra={"fields": {
+                "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
+                "error": f"{type(error).__name__}: {error}"}})
+            for group in groups:
+                if group[0].request.is_cancelled():
+                    for p in group:
+                        resolve(p, error=p.request.error())
+                elif (group_error := await self._decode(group)) is not None:
+                    await self._fail(group, group_error)
+        else:
+            await self._fail(batch, error)
+
+    async def _decode(self, batch: list[Pending]) -> Exception | None:
         """Decode ``batch`` on the worker thread and resolve its futures; return the error when it failed."""
         try:
             result = await asyncio.get_running_loop().run_in_executor(
@@ -511,19 +408,19 @@ class ModelScheduler:
         self._record(batch, result)
         for p, translation in zip(batch, result.translations, strict=True):
             if translation is None:
-                _resolve(p, error=p.request.error())
+                resolve(p, error=p.request.error())
             else:
-                _resolve(p, result=translation)
+                resolve(p, result=translation)
         return None
 
-    async def _fail(self, group: list[_Pending], error: Exception) -> None:
+    async def _fail(self, group: list[Pending], error: Exception) -> None:
         """Fail one request's sentences with INTERNAL (the details go to the log, with the request id);
         after ``FAILURES_BEFORE_PROBE`` failures in a row, probe the engine (see the module docstring)."""
         request_id = group[0].request.request_id
         log.error("inference failed", exc_info=error, extra={"fields": {
             "model": self.labels[0], "version": self.labels[1], "request_id": request_id, "sentences": len(group)}})
         for p in group:
-            _resolve(p, error=Internal(f"inference failed for request {request_id} ({type(error).__name__}); "
+            resolve(p, error=Internal(f"inference failed for request {request_id} ({type(error).__name__}); "
                                        "the server logged the details under this request id"))
         self.failures += 1
         if self.failures >= FAILURES_BEFORE_PROBE and self.on_broken is not None:
@@ -536,16 +433,19 @@ class ModelScheduler:
                     "error": f"{type(probe_error).__name__}: {probe_error}"}})
                 self.on_broken()
 
-    def _record(self, batch: list[_Pending], result: Any) -> None:
+    def observe_rate(self, sample: float) -> None:
+        """Fold one measurement of compute seconds per unit of cost into the rate estimate."""
+        rate = self.seconds_per_cost
+        self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
+
+    def _record(self, batch: list[Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""
         self.batches += 1
         self.cancelled_sentences += result.cancelled
         compute = result.encode_seconds + result.decode_seconds
         cost = sum(p.cost for p in batch)
         if cost and result.cancelled == 0:  # cancelled sentences would make the batch look cheap
-            sample = compute / cost
-            rate = self.seconds_per_cost
-            self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
+            self.observe_rate(compute / cost)
         m, labels = self.metrics, self.labels
         if m is None:
             return

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from server.controls import Controls
-from server.search import BeamSentence, StepOutput, _beam, _greedy, beam_search, take_rows
+from server.decode import beam_search
+from server.search import BeamSentence, StepOutput, take_rows
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model
 from training.search import translate_ids
@@ -49,7 +50,7 @@ class TableModel:
 
 def table_search(beam, n, length_penalty, max_length=10, sentences=1, controls=None, logit_offset=0.0):
     encoded = {"prefix": np.zeros((sentences, 0), dtype=np.int64)}
-    specs = [BeamSentence(source_length=1, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
+    specs = [BeamSentence(source_length=2, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
                           controls=controls or Controls())
              for _ in range(sentences)]
     return beam_search(TableModel(logit_offset), encoded, specs, beam_size=beam, start_id=BOS, eos_id=EOS,
@@ -160,8 +161,8 @@ def test_greedy_loop_equals_the_general_search_at_beam_1(arch):
     specs = [BeamSentence(len(s), 1, max_length=[3, 9, 9, 2, 9][i], length_penalty=[1.0, 0.6, 0.0, 1.0, 2.0][i])
              for i, s in enumerate(sources)]
     kwargs = dict(beam_size=1, start_id=BOS, eos_id=EOS, need_attention=True)
-    lean = _greedy(adapter, adapter.encode(src), specs, **kwargs)
-    general = _beam(adapter, adapter.encode(src), specs, **kwargs)
+    lean = beam_search(adapter, adapter.encode(src), specs, **kwargs)
+    general = beam_search(adapter, adapter.encode(src), specs, lean_greedy=False, **kwargs)
     assert {len(r.hypotheses[0].tokens) for r in lean} != {len(lean[0].hypotheses[0].tokens)}  # lengths differ
     for ours, reference in zip(lean, general, strict=True):
         [a], [b] = ours.hypotheses, reference.hypotheses

@@ -44,7 +44,8 @@ def test_device_state_decodes_like_numpy_state(arch, engines, tiny_models):
     OrtValues, rows are selected by a Gather graph) gives the NumPy model's results; run here on the CPU."""
     bound = Engine.load(tiny_models[arch], provider="cpu", intra_op_threads=1, device_state=True)
     src = np.array([bound.tokenize("three four five") + [bound.eos_id]], dtype=np.int64)
-    assert all(isinstance(value, ort.OrtValue) for value in bound.model.encode(src).values())
+    encoded = bound.model.encode(src)  # the rows' positions stay on the host (they size the cache buffers)
+    assert all(isinstance(value, ort.OrtValue) for name, value in encoded.items() if name != bound.model.positions)
     controls = Controls(min_length=2, repetition_penalty=1.5)  # the full log-probabilities and the logits, bound
     for beam, with_controls in ((1, False), (4, False), (1, True), (4, True)):
         options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True,
@@ -116,8 +117,10 @@ def test_per_sentence_options_and_batch_report(engines):
     assert len(result.translations[1].hypotheses[0].token_ids) <= 1  # max_length 2 counts EOS
     assert result.source_tokens == sum(len(r.source_ids) + 1 for r in requests)
     assert 0 < result.padding_ratio < 1 and result.cancelled == 0 and result.generated_tokens > 0
-    with pytest.raises(ValueError, match="share beam_size"):
-        engine.translate_batch([requests[0], SentenceRequest([5], DecodingOptions(beam_size=1))])
+    greedy = SentenceRequest([5], DecodingOptions(beam_size=1, return_attention=True))  # beams and graphs mix
+    mixed = engine.translate_batch([requests[0], greedy]).translations
+    assert mixed[0].hypotheses[0].token_ids == result.translations[0].hypotheses[0].token_ids
+    assert mixed[1].hypotheses[0].attention is not None and mixed[0].hypotheses[0].attention is None
 
 
 def test_cancelled_sentences_leave_the_batch(engines):

@@ -28,6 +28,7 @@ from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_F
 from nmt.model_format.manifest import ManifestError, read_manifest
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from server.engine import Engine
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
 
@@ -89,12 +90,19 @@ def test_one_step_by_hand(arch, tiny_runs, tiny_models):
     encoded = run_graph(graphs["encoder"], {"src_ids": src})
     feeds = {name: encoded[name] for name in manifest.decoder_static}
     for entry in manifest.decoder_state:
-        feeds[entry.input] = (encoded[entry.input] if entry.init == "encoder"
-                              else np.zeros((2, *entry.shape), dtype=entry.dtype))
+        if entry.init == "encoder":
+            feeds[entry.input] = encoded[entry.input]
+            continue
+        shape = [2, *entry.shape]
+        if entry.init == "buffer":  # the in-place cache: a buffer of capacity 5, rows at their positions
+            shape[entry.capacity_axis] = 5
+        feeds[entry.input] = np.zeros(shape, dtype=entry.dtype)
     with torch.no_grad():
         state = model.init_state(model.encode(torch.from_numpy(src)))
-        for token in (manifest.special_ids["decoder_start"], 11, 12):
+        for step, token in enumerate((manifest.special_ids["decoder_start"], 11, 12)):
             tokens = np.array([token, token], dtype=np.int64)
+            if manifest.decoder_positions:
+                feeds[manifest.decoder_positions] = np.array([step, step])
             logits, attention, state = model.decode_step(torch.from_numpy(tokens), state, need_attention=True)
             out = run_graph(graphs["decoder_attention"], {"input_ids": tokens, **feeds})
             plain = run_graph(graphs["decoder"], {"input_ids": tokens, **feeds})
@@ -106,8 +114,10 @@ def test_one_step_by_hand(arch, tiny_runs, tiny_models):
             assert (out["attention"][1, 3:] == 0).all(), "padding gets exactly zero attention"
             for entry in manifest.decoder_state:
                 feeds[entry.input] = out[entry.output]
-    if arch == "transformer":
-        assert feeds["past_key_0"].shape == (2, 4, 3, 8)  # [batch, heads, past_len + 3 steps, head_dim]
+    if arch == "transformer":  # [batch, heads, capacity, head_dim]: 3 steps written, the rest untouched
+        assert feeds["past_key_0"].shape == (2, 4, 5, 8)
+        torch.testing.assert_close(torch.from_numpy(feeds["past_key_0"][:, :, :3]), state["self_key.0"])
+        assert (feeds["past_key_0"][:, :, 3:] == 0).all()
 
 
 def test_attention_rows_sum_to_one(tiny_runs, tiny_models):
@@ -168,10 +178,10 @@ def test_transformer_attention_is_fused(tiny_runs, tiny_models):
     cfg = manifest.dimensions
     total = cfg["encoder_layers"] + 2 * cfg["decoder_layers"]
     assert manifest.attention_blocks == {"fused": total, "total": total}
-    mha = "com.microsoft.MultiHeadAttention"
+    mha, gqa = "com.microsoft.MultiHeadAttention", "com.microsoft.GroupQueryAttention"
     assert manifest.fused_ops["encoder"][mha] == cfg["encoder_layers"]
-    assert manifest.fused_ops["decoder"][mha] == 2 * cfg["decoder_layers"]
-    assert manifest.fused_ops["decoder_attention"][mha] == 2 * cfg["decoder_layers"]
+    for role in ("decoder", "decoder_attention"):  # cross-attention, and self-attention over the in-place cache
+        assert manifest.fused_ops[role][mha] == manifest.fused_ops[role][gqa] == cfg["decoder_layers"]
     assert manifest.fused_ops["decoder"]["com.microsoft.SkipLayerNormalization"] >= 2 * cfg["decoder_layers"]
     for role, name in GRAPH_FILES.items():
         graph = onnx.load(str(tiny_models["transformer"] / name)).graph
@@ -190,6 +200,11 @@ def test_transformer_attention_is_fused(tiny_runs, tiny_models):
             alignment = {f"cross_key_{cfg['alignment_layer'] % cfg['decoder_layers']}"} \
                 if role == "decoder_attention" else set()  # read once, untransposed, by the alignment MatMul
             assert {name for name in consumers if name.startswith("cross_")} == alignment, "per-step copy of K/V"
+            for node in graph.node:  # self-attention reads and writes the cache buffers as graph I/O (no copy)
+                if node.op_type == "GroupQueryAttention":
+                    layer = node.input[3].rsplit("_", 1)[1]
+                    assert list(node.input[3:5]) == [f"past_key_{layer}", f"past_value_{layer}"]
+                    assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
 
 
 def test_projections_of_one_input_are_packed(tiny_models):
@@ -285,7 +300,7 @@ def test_bahdanau_uses_gru_nodes(tiny_models):
 def test_manifest_contents(tiny_runs, tiny_models):
     manifest = read_manifest(tiny_models["transformer"])
     tokenizer = Tokenizer.load(tiny_runs["transformer"])
-    assert manifest.format == "nmt-model/1" and manifest.name == "tiny-transformer" and manifest.version == "1"
+    assert manifest.format == "nmt-model/2" and manifest.name == "tiny-transformer" and manifest.version == "1"
     assert manifest.architecture == "transformer" and manifest.precision == "fp32"
     assert (manifest.source_language, manifest.target_language) == ("en", "de")
     assert manifest.vocab_size == tokenizer.vocab_size == manifest.dimensions["vocab_size"]
@@ -297,7 +312,8 @@ def test_manifest_contents(tiny_runs, tiny_models):
     assert list(state) == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
     assert state["past_key_1"].output == "present_key_1"
     assert (state["past_key_1"].init, state["past_key_1"].shape, state["past_key_1"].dtype) == (
-        "empty", [4, 0, 8], "float32")
+        "buffer", [4, 0, 8], "float32")
+    assert state["past_key_1"].capacity_axis == 2 and manifest.decoder_positions == "positions"
     assert manifest.static_src_axes["src_mask"] == 1 and manifest.static_src_axes["cross_key_0"] == 2
     assert manifest.training == {"corpus": "numbers", "valid_bleu": 50.0, "test_bleu": 40.0, "steps": 150,
                                  "checkpoint_step": 150}
@@ -308,8 +324,8 @@ def test_manifest_contents(tiny_runs, tiny_models):
     exported_tokenizer = (tiny_models["transformer"] / "spm.model").read_bytes()
     assert exported_tokenizer == (tiny_runs["transformer"] / "spm.model").read_bytes()
     raw = json.loads((tiny_models["transformer"] / MANIFEST_FILE).read_text())
-    assert raw["decoder_state"][0] == {"input": "past_key_0", "output": "present_key_0", "init": "empty",
-                                      "shape": [4, 0, 8], "dtype": "float32"}
+    assert raw["decoder_state"][0] == {"input": "past_key_0", "output": "present_key_0", "init": "buffer",
+                                      "shape": [4, 0, 8], "dtype": "float32", "capacity_axis": 2}
 
     bahdanau = read_manifest(tiny_models["bahdanau"])
     assert bahdanau.decoder_static == ["memory", "keys", "src_mask"]
@@ -444,8 +460,25 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
         graph = onnx.load(str(result.version_dir / name)).graph
         weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
         assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
-        io = [*graph.input, *graph.output]
-        assert onnx.TensorProto.FLOAT16 not in {v.type.tensor_type.elem_type for v in io}, "the I/O contract stays"
+        io = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+        cache = {name for name in io if name.startswith(("past_", "present_"))}
+        assert onnx.TensorProto.FLOAT16 not in {io[name] for name in set(io) - cache}, "the I/O contract stays"
+        assert {io[name] for name in cache} <= {onnx.TensorProto.FLOAT16}, "the in-place cache is fp16, no casts"
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                assert node.input[3].startswith("past_key_") and node.output[1].startswith("present_key_")
+    assert {entry.dtype for entry in manifest.decoder_state} == {"float16"}
+    # the forced pass hands its K/V to the fp16 buffers as they are (fp16 outputs) and resumes from them
+    forced = onnx.load(str(result.version_dir / OPTIONAL_GRAPH_FILES["decoder_forced"])).graph
+    assert {v.type.tensor_type.elem_type for v in forced.output if v.name.startswith("present_")} == {
+        onnx.TensorProto.FLOAT16}
+    assert manifest.parity["max_forced_diff"] <= FP16_LOGIT_TOLERANCE
+    engine = Engine.load(result.version_dir, provider="cpu", intra_op_threads=1)
+    [whole] = engine.translate(["three four five"])
+    prefix = SentenceRequest(engine.tokenize("three four five"), DecodingOptions(beam_size=4),
+                             target_prefix=TargetPrefix(tuple(whole.hypotheses[0].token_ids[:2])))
+    [continued] = engine.translate_batch([prefix]).translations
+    assert continued.hypotheses[0].token_ids[:2] == whole.hypotheses[0].token_ids[:2]
     with pytest.raises(NmtError, match="exclude each other"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
                                    quantize="int8", model_repository=str(tiny_repository), progress=False))

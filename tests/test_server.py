@@ -30,10 +30,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.admission import Pending
 from server.config import ServerConfig
 from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
-from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, _Pending, form_batch
+from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, form_batch
 from server.types import DecodingOptions, SentenceRequest, Translation
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
@@ -526,9 +527,9 @@ def test_graceful_shutdown_drains(repository: Path) -> None:
 # ---- units: batching policy and configuration -----------------------------------------------------------
 
 
-def _pending(tokens: int, seq: int, work: int = 1) -> _Pending:
+def _pending(tokens: int, seq: int, work: int = 1) -> Pending:
     sentence = SentenceRequest(list(range(tokens - 1)), DecodingOptions(beam_size=1))
-    return _Pending(RequestHandle(), sentence, tokens, work, None, 0.0, seq)  # type: ignore[arg-type]
+    return Pending(RequestHandle(), sentence, tokens, work, None, 0.0, seq)  # type: ignore[arg-type]
 
 
 def test_form_batch_respects_budget_and_sorts_by_length() -> None:

@@ -22,7 +22,14 @@ graphs' I/O so the engine stays architecture-agnostic:
   exported since the repetition penalty scales logits have it; the server refuses ``repetition_penalty``
   on a version without it);
 * a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
-  KV cache); its ``dtype`` is a NumPy dtype name;
+  KV cache that the decoder returns one entry longer: the concatenating layout of versions exported
+  before ``nmt-model/2``); its ``dtype`` is a NumPy dtype name;
+* a state entry whose ``init`` is ``"buffer"`` is a preallocated cache kept in place: zeros of shape
+  ``[batch, *shape]`` with ``shape[capacity_axis - 1]`` set to the capacity the engine chooses (and grows);
+  the decoder writes each row's new entry at that row's position and returns the same buffer, which the
+  engine binds as both input and output (nothing is copied). Such a version names ``decoder_positions``:
+  the int64 [batch] decoder input holding each row's target position (= its cached length), so rows of
+  one step may be at different positions; entries beyond a row's position are never read;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
   merge sentences of different lengths into one batch; a zero in ``src_mask`` marks padding).
 
@@ -43,10 +50,11 @@ from nmt.errors import NmtError
 from nmt.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
 from nmt.model_format.tokenizer import TOKENIZERS
 
-FORMAT = "nmt-model/1"
+FORMAT = "nmt-model/2"  # /2 added "buffer" state entries and decoder_positions (the in-place KV cache)
+READABLE_FORMATS = ("nmt-model/1", FORMAT)
 GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
 PRECISIONS = ("fp32", "fp16", "int8")
-STATE_INITS = ("empty", "encoder")
+STATE_INITS = ("empty", "encoder", "buffer")
 SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
 TOP_K_INPUT = "top_k"
 TOP_K_OUTPUTS = ["top_ids", "top_log_probs", "eos_log_prob"]
@@ -63,9 +71,11 @@ class StateTensor:
 
     input: str  # decoder input name, e.g. ``past_key_0`` or ``hidden``
     output: str  # decoder output name holding the next value, e.g. ``present_key_0``
-    init: str  # "empty": zeros [batch, *shape]; "encoder": the encoder output named like ``input``
-    shape: list[int] | None = None  # per-row shape without batch (init "empty" only)
-    dtype: str | None = None  # NumPy dtype name (init "empty" only)
+    init: str  # "empty": zeros [batch, *shape]; "encoder": the encoder output named like ``input``;
+    # "buffer": an in-place cache, zeros [batch, *shape] with a chosen capacity on ``capacity_axis``
+    shape: list[int] | None = None  # per-row shape without batch (init "empty" and "buffer")
+    dtype: str | None = None  # NumPy dtype name (init "empty" and "buffer")
+    capacity_axis: int | None = None  # the buffer's position axis in [batch, *shape] (init "buffer" only)
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
@@ -95,6 +105,7 @@ class Manifest:
     target_languages: list[str] = field(default_factory=list)  # a multilingual model's >>xx<< codes
     origin: dict[str, Any] = field(default_factory=dict)  # where an imported model came from (format, path...)
     static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
+    decoder_positions: str = ""  # int64 [batch] input of each row's target position ("buffer" state), else ""
     fused_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> op type -> count
     attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
     parity: dict[str, Any] = field(default_factory=dict)
@@ -121,8 +132,9 @@ class Manifest:
         """Build and validate a manifest from parsed JSON; raises :class:`ManifestError`."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object")
-        if data.get("format") != FORMAT:
-            raise ManifestError(f"{where}: unsupported format {data.get('format')!r} (this server reads {FORMAT})")
+        if data.get("format") not in READABLE_FORMATS:
+            raise ManifestError(f"{where}: unsupported format {data.get('format')!r} (this server reads "
+                                f"{', '.join(READABLE_FORMATS)})")
         known = {f.name for f in dataclasses.fields(cls)}
         required = [
             f.name
@@ -177,6 +189,11 @@ class Manifest:
         names = [entry.input for entry in self.decoder_state]
         if len(set(names)) != len(names) or set(names) & set(self.decoder_static or []):
             problems.append("decoder_state and decoder_static input names must be unique")
+        buffers = [entry.input for entry in self.decoder_state if entry.init == "buffer"]
+        if bool(buffers) != bool(self.decoder_positions):
+            problems.append("decoder_positions names the positions input exactly when decoder_state has buffers")
+        if self.decoder_positions and self.decoder_positions in [*names, *(self.decoder_static or [])]:
+            problems.append("decoder_positions must differ from the state and static input names")
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
 
@@ -190,11 +207,17 @@ def _state_from_dict(entry: dict[str, Any]) -> StateTensor:
         init=str(entry["init"]),
         shape=list(entry["shape"]) if entry.get("shape") is not None else None,
         dtype=entry.get("dtype"),
+        capacity_axis=entry.get("capacity_axis"),
     )
     if state.init not in STATE_INITS:
         raise ValueError(f"{state.input}: init must be one of {', '.join(STATE_INITS)}, not {state.init!r}")
-    if state.init == "empty" and (state.shape is None or state.dtype is None):
-        raise ValueError(f"{state.input}: init 'empty' needs shape and dtype")
+    if state.init in ("empty", "buffer") and (state.shape is None or state.dtype is None):
+        raise ValueError(f"{state.input}: init {state.init!r} needs shape and dtype")
+    if (state.init == "buffer") != (state.capacity_axis is not None):
+        raise ValueError(f"{state.input}: capacity_axis goes with init 'buffer' (and only with it)")
+    if state.capacity_axis is not None and not (
+            isinstance(state.capacity_axis, int) and 1 <= state.capacity_axis <= len(state.shape or [])):
+        raise ValueError(f"{state.input}: capacity_axis must be an axis of [batch, *shape] after batch")
     if state.shape is not None and not all(isinstance(d, int) and d >= 0 for d in state.shape):
         raise ValueError(f"{state.input}: shape must hold non-negative integers")
     return state

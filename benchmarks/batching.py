@@ -1,0 +1,279 @@
+"""Static vs continuous batching (``--batching``) under a mix of short and long sentences.
+
+    python benchmarks/batching.py --model-repository models --model demo-bahdanau
+
+Two ``nmt serve`` subprocesses on the same model, one ``--batching static``, one ``--batching
+continuous``, are driven alternately with the same requests (``--repeats`` times per cell, the order
+flipping every time; medians over the repeats, so a busy neighbour on a shared host hits both): one
+sentence per request, a mix of short date sentences and long ones (``--long-share`` of them:
+``--long-dates`` dates joined by "and", whose translations are several times longer).
+
+* Closed loop: ``--callers`` concurrent callers, each sending its next request when the previous returns.
+* Open loop: Poisson arrivals at ``--rates`` requests/s (default: 0.5, 0.9 and 1.2 x the static
+  server's closed-loop throughput at the largest number of callers), latency from each request's
+  scheduled send time (so a server that falls behind pays for it).
+
+Per cell: sentences/s, p50/p95/p99 latency, p50/p95 latency of the short sentences (long ones are in
+flight nearly all the time), and the server's mean decoder rows: for continuous batching the mean of
+``nmt_running_rows`` sampled every 50 ms while the cell runs, for static batching the mean batch size
+(sentences x beam) from ``nmt_batch_size_sentences``. Then the ratios continuous / static the targets
+are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
+sentences (one at a time, alternating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
+
+from engine_throughput import host  # noqa: E402
+from server_load import sentences, start_server  # noqa: E402
+
+MODES = ("static", "continuous")
+
+
+def workload(count: int, seed: int, long_share: float, long_dates: int) -> list[tuple[str, bool]]:
+    """``count`` (text, is_long) pairs: date sentences, ``long_share`` of them ``long_dates`` dates long."""
+    rng = random.Random(seed)
+    dates = sentences(count * long_dates, seed)
+    texts = []
+    for i in range(count):
+        is_long = rng.random() < long_share
+        texts.append((" and ".join(dates[i * long_dates: (i + 1) * long_dates]) if is_long else dates[i], is_long))
+    return texts
+
+
+async def closed_loop(address: str, model: str, texts: list[tuple[str, bool]], callers: int,
+                      beam: int) -> dict:
+    """``callers`` concurrent callers sending ``texts`` one per request."""
+    import grpc
+
+    from server.protos import pb2, pb2_grpc
+
+    queue = list(reversed(texts))
+    records: list[tuple[float, bool]] = []
+
+    async def caller(stub) -> None:
+        while queue:
+            text, is_long = queue.pop()
+            request = pb2.TranslateRequest(texts=[text], model=model, options=pb2.DecodingOptions(beam_size=beam))
+            start = time.perf_counter()
+            await stub.Translate(request, timeout=300)
+            records.append((time.perf_counter() - start, is_long))
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb2_grpc.TranslatorStub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(caller(stub) for _ in range(callers)))
+        seconds = time.perf_counter() - start
+    return {"sentences_s": len(texts) / seconds, "records": records}
+
+
+async def open_loop(address: str, model: str, texts: list[tuple[str, bool]], rate: float, beam: int,
+                    seed: int) -> dict:
+    """Requests sent at Poisson arrival times of ``rate`` per second, whatever the answers."""
+    import grpc
+
+    from server.protos import pb2, pb2_grpc
+
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, len(texts)))
+    records: list[tuple[float, bool]] = []
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb2_grpc.TranslatorStub(channel)
+        start = time.perf_counter()
+
+        async def send(offset: float, text: str, is_long: bool) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            request = pb2.TranslateRequest(texts=[text], model=model, options=pb2.DecodingOptions(beam_size=beam))
+            await stub.Translate(request, timeout=300)
+            records.append((time.perf_counter() - (start + offset), is_long))
+
+        await asyncio.gather(*(send(o, t, is_long) for o, (t, is_long) in zip(offsets, texts, strict=True)))
+        seconds = time.perf_counter() - start
+    return {"sentences_s": len(texts) / seconds, "records": records}
+
+
+def scrape(metrics: str) -> dict[str, float]:
+    """Every sample of the server's /metrics: name{labels} -> value (the labels dropped)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+class RowSampler:
+    """The server's ``nmt_running_rows``, sampled every 50 ms on a thread while a cell runs."""
+
+    def __init__(self, metrics: str) -> None:
+        self.metrics, self.samples, self._stop = metrics, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append(scrape(self.metrics).get("nmt_running_rows", 0.0))
+
+    def __enter__(self) -> RowSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(server: tuple, mode: str, model: str, texts: list, beam: int, callers: int | None,
+            rate: float | None, seed: int) -> dict:
+    """One cell on one server: the load, then latency percentiles and mean rows."""
+    _, address, metrics = server
+    before = scrape(metrics)
+    with RowSampler(metrics) as sampler:
+        if rate is None:
+            result = asyncio.run(closed_loop(address, model, texts, callers, beam))
+        else:
+            result = asyncio.run(open_loop(address, model, texts, rate, beam, seed))
+    after = scrape(metrics)
+    if mode == "continuous":
+        rows = statistics.fmean(sampler.samples) if sampler.samples else 0.0
+    else:
+        sentences_batched = after["nmt_batch_size_sentences_sum"] - before["nmt_batch_size_sentences_sum"]
+        batches = after["nmt_batch_size_sentences_count"] - before["nmt_batch_size_sentences_count"]
+        rows = beam * sentences_batched / max(batches, 1)
+    latencies = np.array([seconds for seconds, _ in result["records"]]) * 1000
+    short = np.array([seconds for seconds, is_long in result["records"] if not is_long]) * 1000
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
+    s50, s95 = np.percentile(short, [50, 95])
+    return {"sentences_s": result["sentences_s"], "p50": p50, "p95": p95, "p99": p99, "short_p50": s50,
+            "short_p95": s95, "rows": rows}
+
+
+def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads: int,
+                    servers: dict[str, tuple]) -> dict[str, float]:
+    """p50 of one sentence at a time: the bare engine, then each server, alternating per sentence."""
+    import grpc
+
+    from server.engine import Engine
+    from server.protos import pb2, pb2_grpc
+    from server.types import DecodingOptions, SentenceRequest
+
+    version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent
+    engine = Engine.load(version, provider="cpu", intra_op_threads=threads)
+    options = DecodingOptions(beam_size=beam)
+    times: dict[str, list[float]] = {"engine": [], **{mode: [] for mode in servers}}
+    channels = {mode: grpc.insecure_channel(address) for mode, (_, address, _) in servers.items()}
+    stubs = {mode: pb2_grpc.TranslatorStub(channel) for mode, channel in channels.items()}
+    for text, _ in texts:
+        start = time.perf_counter()
+        engine.translate_batch([SentenceRequest(engine.tokenize(text), options)])
+        times["engine"].append(time.perf_counter() - start)
+        for mode, stub in stubs.items():
+            start = time.perf_counter()
+            stub.Translate(pb2.TranslateRequest(texts=[text], model=model,
+                                                options=pb2.DecodingOptions(beam_size=beam)), timeout=60)
+            times[mode].append(time.perf_counter() - start)
+    for channel in channels.values():
+        channel.close()
+    return {name: float(np.median(values)) * 1000 for name, values in times.items()}
+
+
+def row(label: str, cells: dict[str, dict]) -> str:
+    s, c = cells["static"], cells["continuous"]
+    return (f"| {label} | {s['sentences_s']:.1f} / {c['sentences_s']:.1f} ({c['sentences_s'] / s['sentences_s']:.2f}x) "
+            f"| {s['p50']:.0f} / {c['p50']:.0f} | {s['p95']:.0f} / {c['p95']:.0f} ({c['p95'] / s['p95']:.2f}x) "
+            f"| {s['p99']:.0f} / {c['p99']:.0f} | {s['short_p50']:.0f} / {c['short_p50']:.0f} "
+            f"| {s['short_p95']:.0f} / {c['short_p95']:.0f} ({c['short_p95'] / s['short_p95']:.2f}x) "
+            f"| {s['rows']:.1f} / {c['rows']:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", default="models")
+    parser.add_argument("--model", default="demo-bahdanau")
+    parser.add_argument("--callers", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--rates", nargs="*", type=float, help="open-loop requests/s (default: from static's "
+                        "closed-loop throughput at the most callers, x 0.5, 0.9, 1.2)")
+    parser.add_argument("--requests", type=int, default=120, help="requests per cell and repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each cell on each server (medians)")
+    parser.add_argument("--long-share", type=float, default=0.25)
+    parser.add_argument("--long-dates", type=int, default=4, help="dates in a long sentence")
+    parser.add_argument("--beam-size", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of each server")
+    parser.add_argument("--single", type=int, default=40, help="sentences of the single-caller comparison")
+    parser.add_argument("--max-batch-rows", type=int, help="the continuous server's --max-batch-rows (default: its "
+                        "default)")
+    args = parser.parse_args()
+
+    flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128"]
+    if args.max_batch_rows:
+        flags += ["--max-batch-rows", str(args.max_batch_rows)]
+    servers = {mode: start_server(args.model_repository, [*flags, "--batching", mode]) for mode in MODES}
+    results: list[tuple[str, dict[str, dict]]] = []
+    try:
+        for mode in MODES:  # warm up
+            measure(servers[mode], mode, args.model, workload(32, 99, args.long_share, args.long_dates),
+                    args.beam_size, 8, None, 0)
+        cell = 0
+
+        def run_cell(label: str, callers: int | None, rate: float | None) -> dict[str, dict]:
+            nonlocal cell
+            texts = workload(args.requests, cell, args.long_share, args.long_dates)
+            runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            for repeat in range(args.repeats):
+                for mode in (MODES if (cell + repeat) % 2 == 0 else MODES[::-1]):
+                    runs[mode].append(measure(servers[mode], mode, args.model, texts, args.beam_size, callers, rate,
+                                              cell))
+            cells = {mode: {key: float(np.median([r[key] for r in runs[mode]])) for key in runs[mode][0]}
+                     for mode in MODES}
+            cell += 1
+            results.append((label, cells))
+            print(row(label, cells), flush=True)
+            return cells
+
+        for callers in args.callers:
+            closed = run_cell(f"{callers} callers", callers, None)
+        rates = args.rates or [round(closed["static"]["sentences_s"] * f, 1) for f in (0.5, 0.9, 1.2)]
+        for rate in rates:
+            run_cell(f"Poisson {rate:g}/s", None, rate)
+        single = bare_engine_p50(args.model_repository, args.model,
+                                 workload(args.single, 1000, args.long_share, args.long_dates), args.beam_size,
+                                 args.threads, servers)
+    finally:
+        for process, _, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=30)
+
+    print(f"\nhost: {host()}")
+    print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads per server, {args.requests} requests "
+          f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
+          "static / continuous in each cell")
+    print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
+          "| mean rows |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, cells in results:
+        print(row(label, cells))
+    worst = min(min(c["continuous"]["sentences_s"] / c["static"]["sentences_s"],
+                    c["static"]["p95"] / c["continuous"]["p95"]) for _, c in results)
+    print(f"\nworst cell, continuous over static (throughput, or static p95 over continuous p95): {worst:.2f}x")
+    print(f"single caller p50 ({args.single} sentences, alternating): engine {single['engine']:.1f} ms, static "
+          f"{single['static']:.1f} ms ({single['static'] / single['engine']:.2f}x), continuous "
+          f"{single['continuous']:.1f} ms ({single['continuous'] / single['engine']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""What the schedulers share: the batching policy, a request's handle, a queued sentence, and the
+rules that pick which queued sentences decode next (:func:`form_batch` for a static batch,
+:func:`admit_to_decode` for a running decode). See :mod:`server.scheduler` and :mod:`server.continuous`
+for the policies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import Cancelled, DeadlineExceeded, ServingError
+from server.types import SentenceRequest, Translation
+
+NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Limits of the scheduler (from :class:`server.config.ServerConfig`)."""
+
+    batch_tokens: int = 4096  # longest source (EOS incl.) x sentences
+    max_batch_sentences: int = 64
+    max_wait_seconds: float = 0.005
+    queue_size: int = 1024  # queued sentences (not yet in a batch)
+    max_tokens: int = 256  # source tokens of one text (EOS excl.); longer texts are refused
+    batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
+    max_request_work: int = 65536  # decoder row-steps of one request
+    max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
+    batching: str = "static"  # or "continuous" (server.continuous)
+    max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size)
+    decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
+
+    @classmethod
+    def from_config(cls, config: Any) -> BatchPolicy:
+        """The policy of ``config`` (a :class:`server.config.ServerConfig`)."""
+        return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
+                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
+                   max_tokens=config.max_tokens, batch_work=config.batch_work,
+                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
+                   batching=config.batching, max_batch_rows=config.max_batch_rows,
+                   decode_tokens=config.decode_tokens)
+
+
+class RequestHandle:
+    """Cancellation state and deadline of one request, shared by its sentences.
+
+    ``is_cancelled`` is called from the engine's worker thread; it only reads two attributes.
+    """
+
+    def __init__(self, deadline: float | None = None, request_id: str = "") -> None:
+        self.deadline = deadline  # time.monotonic() seconds, None: no deadline
+        self.request_id = request_id  # for error messages and logs
+        self._cancelled = False
+
+    @classmethod
+    def with_timeout(cls, seconds: float | None, request_id: str = "") -> RequestHandle:
+        return cls(None if seconds is None else time.monotonic() + seconds, request_id)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled or self.expired()
+
+    def error(self) -> ServingError:
+        if self.expired():
+            return DeadlineExceeded("deadline exceeded while the request was queued or being translated")
+        return Cancelled("request cancelled")
+
+
+@dataclass(eq=False)
+class Pending:
+    request: RequestHandle
+    sentence: SentenceRequest
+    tokens: int  # source tokens incl. EOS
+    work: int  # decoder row-steps at most (server.validation.sentence_work)
+    future: asyncio.Future
+    enqueued: float
+    seq: int
+    steps: int = 0  # decoding steps the running decode had run when the sentence was queued
+    key: tuple[int, bool] = field(init=False)
+    due: float = field(init=False)  # the earliest-deadline-first order
+
+    def __post_init__(self) -> None:
+        self.key = (self.sentence.options.beam_size, self.sentence.options.return_attention)
+        deadline = self.request.deadline
+        self.due = self.enqueued + NO_DEADLINE_SECONDS if deadline is None else deadline
+
+    @property
+    def urgency(self) -> tuple[float, int]:
+        return self.due, self.seq
+
+    @property
+    def cost(self) -> int:
+        return self.tokens * self.sentence.options.beam_size
+
+
+def by_request(batch: Sequence[Pending]) -> list[list[Pending]]:
+    """The batch's sentences grouped by request, in batch order."""
+    groups: dict[int, list[Pending]] = {}
+    for p in batch:
+        groups.setdefault(id(p.request), []).append(p)
+    return list(groups.values())
+
+
+def resolve(pending: Pending, *, result: Translation | None = None, error: BaseException | None = None) -> None:
+    if pending.future.done():
+        return
+    if error is None:
+        pending.future.set_result(result)
+    elif pending.request.is_cancelled():
+        pending.future.cancel()  # nobody waits for it any more: no "exception never retrieved"
+    else:
+        pending.future.set_exception(error)
+
+
+def form_batch(candidates: Sequence[Pending], first: Pending, policy: BatchPolicy) -> list[Pending]:
+    """The batch grown around ``first`` through ``candidates`` (same key) by length, within the policy."""
+    ordered = sorted(candidates, key=lambda p: (p.tokens, p.seq))
+    lo = hi = ordered.index(first)
+    width = first.tokens  # longest in the window (the window is sorted: ordered[hi].tokens)
+    work = first.work
+    while True:
+        count = hi - lo + 1
+        if count >= policy.max_batch_sentences:
+            break
+        options: list[tuple[int, int, str]] = []
+        if lo > 0 and (count + 1) * width <= policy.batch_tokens and work + ordered[lo - 1].work <= policy.batch_work:
+            below = ordered[lo - 1]
+            options.append((width - below.tokens, below.seq, "lo"))
+        if (hi + 1 < len(ordered) and (count + 1) * ordered[hi + 1].tokens <= policy.batch_tokens
+                and work + ordered[hi + 1].work <= policy.batch_work):
+            above = ordered[hi + 1]
+            options.append(((above.tokens - width) * count, above.seq, "hi"))
+        if not options:
+            break
+        _, _, side = min(options)  # least added padding, then the older sentence
+        if side == "lo":
+            lo -= 1
+            work += ordered[lo].work
+        else:
+            hi += 1
+            width = ordered[hi].tokens
+            work += ordered[hi].work
+    return ordered[lo : hi + 1]
+
+
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What a running decode holds, as admission reads it."""
+
+    rows: int = 0  # rows reserved (each sentence its beam size)
+    source_width: int = 0  # widest source (EOS incl.): the width its encoder outputs are padded to
+    target_length: int = 0  # longest target decoded so far
+
+
+def admit_to_decode(queue: Sequence[Pending], load: DecodeLoad, policy: BatchPolicy) -> list[Pending]:
+    """The queued sentences that join the running decode before its next step: in urgency order (earliest
+    deadline, then oldest), while their rows fit in ``max_batch_rows``, the decode's tokens (rows x (widest
+    source + longest target)) stay within ``decode_tokens`` and their encoder batch (longest x count) within
+    ``batch_tokens`` and ``max_batch_sentences``. Admission stops at the first sentence that does not fit,
+    so a long sentence is never overtaken for ever by shorter ones behind it; into an empty decode the most
+    urgent sentence always goes."""
+    admitted: list[Pending] = []
+    rows, width, longest = load.rows, load.source_width, 0
+    for p in sorted(queue, key=lambda p: p.urgency):
+        beam = p.sentence.options.beam_size
+        fits = (rows + beam <= policy.max_batch_rows
+                and (rows + beam) * (max(width, p.tokens) + load.target_length) <= policy.decode_tokens
+                and max(longest, p.tokens) * (len(admitted) + 1) <= policy.batch_tokens
+                and len(admitted) < policy.max_batch_sentences)
+        if not fits and (rows or admitted):
+            break
+        admitted.append(p)
+        rows, width, longest = rows + beam, max(width, p.tokens), max(longest, p.tokens)
+    return admitted

@@ -1,0 +1,272 @@
+"""Continuous (iteration-level) batching: one running decode per model version (``--batching continuous``).
+
+Where the static batcher (:mod:`server.scheduler`) decodes a batch to its end while later sentences
+wait behind its longest sentence, here sentences join the version's running decode
+(:class:`server.decode.RunningDecode`) between two decoding steps and leave it as soon as they finish:
+a sentence's latency is its own decoding length plus at most about one step of waiting.
+
+The loop (the scheduler's batcher task; inference on the version's single worker thread):
+
+1. Drop cancelled and expired queued sentences (their callers get CANCELLED / DEADLINE_EXCEEDED).
+2. Admission (:func:`server.admission.admit_to_decode`): queued sentences in urgency order (earliest
+   deadline first, then oldest, as the static batcher), while their rows (beam size each) fit in
+   ``max_batch_rows``, the decode's tokens, rows x (widest source + longest target so far), stay within
+   ``decode_tokens`` (bounding its memory) and the one encoder call for all of them stays within
+   ``batch_tokens`` / ``max_batch_sentences``. It stops at the first sentence that does not fit: a long
+   sentence waits for rows to free, and the shorter sentences behind it wait with it, so it is never
+   starved. Sentences of any beam size, options and attention share the decode.
+3. On the worker thread: encode the admitted sentences (one encoder call), insert them into free rows,
+   then decode steps until the decode is empty or the oldest queued sentence fits in the free rows and
+   has waited ``max_wait`` (``--max-wait-ms``, 5 ms: about a step), so that sentences arriving close
+   together join in one encoder call instead of one each. Every step polls each sentence's
+   cancellation: a cancelled or expired sentence leaves at once and frees its rows.
+4. The sentences that leave are handed to the event loop right after their step
+   (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
+   worker goes on decoding (it never waits for the event loop, which on 2 cores left it idle a third
+   of the time when it returned after every sentence).
+
+Given target tokens (:mod:`server.forced`): sentences with a target prefix run one forced pass per
+prefix length right after their encoder call (a Transformer's ``decoder_forced``: the prefix in one call,
+its K/V copied into the in-place buffers) and join the running decode from the state it leaves
+(:func:`server.forced.admit`); the search then feeds the prefix's last piece with the other rows (one
+decoder row-step more than the static path, whose first step is read off the pass, which only works
+when every row starts there together). Whole targets (Score: the forced pass is their result) and
+alternatives (the pass branches a sentence into several) do not join: right after their encoder call
+the worker runs them through :func:`server.forced.decode` on their own and delivers them, then decodes
+on; an alternatives request holds the running decode for its own (short) search.
+
+Attention: the attention graph runs while any sentence in the decode asked for it, which costs the
+others the measured cost of the attention output (0-3 %, benchmarks/README.md); the rows that did not
+ask get none.
+
+Fault isolation: when a step raises, the running decode is discarded and each request that was in it
+runs again on its own through the static path (:meth:`ModelScheduler._decode`), exactly as a failing
+static batch: the request that breaks inference gets INTERNAL, the others their translations (equal
+by construction); a :class:`server.errors.ServingError` (out of device memory) fails them all with its
+status. The rate estimate of deadline admission is updated from compute seconds per unit of cost of
+the sentences that finish.
+
+Metrics: ``nmt_running_rows`` (rows in the decode), ``nmt_admission_wait_steps`` (steps the decode ran
+while a sentence waited to join), and the batch families per admission (one encoder call): sentences,
+source positions, padding; ``nmt_inference_duration_seconds`` per encoder call and per run of steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
+from server.decode import RunningDecode
+from server.forced import admit, decode, runs_apart
+from server.search import BeamSentence
+from server.types import SentenceRequest, Translation
+
+
+@dataclass
+class Progress:
+    """What one :meth:`RunningBatch.advance` did."""
+
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    source_tokens: int = 0  # of the admitted sentences, EOS included, padding not
+    source_positions: int = 0  # of their encoder batch, padding included
+
+
+Finished = list[tuple[Any, "Translation | None", int]]  # (tag, translation or None if cancelled, generated tokens)
+
+
+class RunningBatch:
+    """An engine's running decode of :class:`SentenceRequest` s, driven from the worker thread."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+        self.steps = 0  # decoding steps run so far
+        self.left = 0  # sentences that left so far
+
+    def load(self) -> DecodeLoad:
+        """What the decode holds now (read on the event loop while the worker is idle)."""
+        widths = self.decode.source_lengths()
+        return DecodeLoad(self.decode.reserved_rows, max(widths, default=0), max(self.decode.steps(), default=0))
+
+    def advance(self, requests: Sequence[SentenceRequest], tags: Sequence[Any], until: Callable[[], bool],
+                deliver: Callable[[Finished], None]) -> Progress:
+        """Admit ``requests`` (one encoder call), then decode steps until the decode is empty or ``until()``
+        is true; the sentences that leave go to ``deliver`` with their translations after each step."""
+        progress = Progress()
+        engine = self.engine
+        try:
+            if requests:
+                start = time.perf_counter()
+                encoded, sentences, src = engine.encode(requests)
+                tagged = list(zip(tags, requests, strict=True))
+                apart = [i for i, s in enumerate(sentences) if runs_apart(s, engine.eos_id)]
+                if apart:  # whole targets and alternatives: their forced pass (and search) now, on their own
+                    encoded, sentences, tagged = self._run_apart(encoded, sentences, tagged, apart, deliver)
+                admit(self.decode, encoded, sentences, tagged, start_id=engine.start_id)
+                progress.encode_seconds = time.perf_counter() - start
+                progress.source_tokens = sum(len(r.source_ids) + 1 for r in requests)
+                progress.source_positions = int(src.size)
+            start = time.perf_counter()
+            while self.decode.rows:
+                left = self.decode.step()
+                self.steps += 1
+                progress.steps += 1
+                if left:
+                    self.left += len(left)
+                    deliver([(tag, None, 0) if result is None else (
+                        tag, engine.to_translation(request, result), sum(len(h.tokens) for h in result.hypotheses))
+                        for (tag, request), result in left])
+                if until():
+                    break
+            progress.decode_seconds = time.perf_counter() - start
+        except Exception as error:
+            exhausted = engine.memory_error(error, self.decode.sentences + len(requests))
+            if exhausted is None:
+                raise
+            raise exhausted from error
+        return progress
+
+
+    def _run_apart(self, encoded: dict[str, Any], sentences: list[BeamSentence], tagged: list[tuple[Any, Any]],
+                   apart: list[int], deliver: Callable[[Finished], None],
+                   ) -> tuple[dict[str, Any], list[BeamSentence], list[tuple[Any, Any]]]:
+        """Decode sentences ``apart`` through :func:`server.forced.decode` and deliver them; returns the
+        encoder outputs, settings and tags of the others, which join the running decode."""
+        engine, model = self.engine, self.engine.model
+        results = decode(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
+                         start_id=engine.start_id, eos_id=engine.eos_id, pad_id=engine.pad_id)
+        self.left += len(apart)
+        deliver([(tagged[i][0], None, 0) if result is None else (
+            tagged[i][0], engine.to_translation(tagged[i][1], result), sum(len(h.tokens) for h in result.hypotheses))
+            for i, result in zip(apart, results, strict=True)])
+        rest = [i for i in range(len(sentences)) if i not in set(apart)]
+        encoded = model.select_rows(encoded, np.array(rest, dtype=np.int64)) if rest else {}
+        return encoded, [sentences[i] for i in rest], [tagged[i] for i in rest]
+
+
+class ContinuousBatcher:
+    """The continuous batching loop of one :class:`server.scheduler.ModelScheduler` (see the module docstring)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.batch = RunningBatch(scheduler.engine)
+        self._cost_done = 0  # cost of the sentences finished since the rate was last updated
+        self._compute = 0.0  # compute seconds since then
+        self._cancelled = False  # a sentence was cancelled since then (the work would look cheap)
+
+    async def step(self) -> None:
+        """Wait for work, or admit what fits and run the decode until it is empty or others can join."""
+        s = self.scheduler
+        s._drop_cancelled()
+        if not s._queue and not self.batch.decode.rows:
+            s._notify_idle()
+            s._arrived.clear()
+            await s._arrived.wait()
+            return
+        admitted = admit_to_decode(s._queue, self.batch.load(), s.policy) if s._queue else []
+        now = time.monotonic()
+        if admitted:
+            joined = set(map(id, admitted))
+            s._queue = [p for p in s._queue if id(p) not in joined]
+            s._update_depth()
+            if not s._running:
+                s._running_since = now
+            s._running.extend(admitted)
+            if s.metrics is not None:
+                for p in admitted:
+                    s.metrics.queue_duration.labels(*s.labels).observe(now - p.enqueued)
+                    s.metrics.admission_wait_steps.labels(*s.labels).observe(self.batch.steps - p.steps)
+        blocked = s._queue[0] if s._queue else None  # did not fit: it waits for a sentence to leave
+        batch, rows_limit, wait, left = self.batch, s.policy.max_batch_rows, s.policy.max_wait_seconds, self.batch.left
+
+        def until() -> bool:  # the oldest queued sentence fits in the free rows and has waited max_wait
+            queue = s._queue
+            if not queue or (queue[0] is blocked and batch.left == left):
+                return False
+            head = queue[0]
+            return (batch.decode.reserved_rows + head.sentence.options.beam_size <= rows_limit
+                    and time.monotonic() - head.enqueued >= wait)
+
+        loop = asyncio.get_running_loop()
+
+        def deliver(finished: Finished) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits any more
+                loop.call_soon_threadsafe(self._deliver, finished)
+
+        try:
+            progress = await loop.run_in_executor(
+                s._executor, batch.advance, [p.sentence for p in admitted], admitted, until, deliver)
+        except Exception as error:  # noqa: BLE001 - a failing step fails its requests, not the batcher
+            await self._recover(error)
+            return
+        s.failures = 0
+        self._record(admitted, progress)
+
+    def _deliver(self, finished: Finished) -> None:
+        """Resolve the sentences that left the decode (on the event loop, as soon as they left)."""
+        s = self.scheduler
+        m, labels = s.metrics, s.labels
+        for pending, translation, generated in finished:
+            if pending not in s._running:
+                continue  # the decode failed meanwhile and its requests were answered
+            s._running.remove(pending)
+            if translation is None:
+                s.cancelled_sentences += 1
+                self._cancelled = True
+                resolve(pending, error=pending.request.error())
+                if m is not None:
+                    m.cancelled_sentences.labels(*labels).inc()
+            else:
+                self._cost_done += pending.cost
+                resolve(pending, result=translation)
+                if m is not None:
+                    m.generated_tokens.labels(*labels).inc(generated)
+        if not s._running:
+            s._free_since = time.monotonic()
+            s._notify_idle()
+
+    def _record(self, admitted: list[Pending], progress: Progress) -> None:
+        """Metrics of one advance, and the cost-rate estimate once the decode is empty."""
+        s = self.scheduler
+        self._compute += progress.encode_seconds + progress.decode_seconds
+        if not self.batch.decode.rows:
+            if self._cost_done and not self._cancelled:
+                s.observe_rate(self._compute / self._cost_done)
+            self._compute, self._cost_done, self._cancelled = 0.0, 0, False
+        m, labels = s.metrics, s.labels
+        if m is None:
+            return
+        m.running_rows.labels(*labels).set(self.batch.decode.rows)
+        if admitted:
+            s.batches += 1
+            m.inference_duration.labels(*labels, "encode").observe(progress.encode_seconds)
+            m.batch_sentences.labels(*labels).observe(len(admitted))
+            m.batch_tokens.labels(*labels).observe(progress.source_positions)
+            m.padding_ratio.labels(*labels).observe(1.0 - progress.source_tokens / progress.source_positions)
+            m.source_tokens.labels(*labels).inc(progress.source_tokens)
+        m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
+
+    async def _recover(self, error: Exception) -> None:
+        """A step failed: discard the running decode and decode each of its requests on its own (see the
+        module docstring)."""
+        s = self.scheduler
+        running, s._running = list(s._running), []
+        self.batch = RunningBatch(s.engine)
+        self._compute, self._cost_done, self._cancelled = 0.0, 0, False
+        if s.metrics is not None:
+            s.metrics.running_rows.labels(*s.labels).set(0)
+        try:
+            await s._recover(running, error)
+        finally:
+            s._free_since = time.monotonic()
+            s._notify_idle()
+

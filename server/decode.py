@@ -1,0 +1,465 @@
+"""The running decode: a batched beam search (greedy = beam 1) that sentences join and leave between steps.
+
+:func:`beam_search` (the static batch) is a running decode that admits every sentence
+before its first step; the continuous scheduler (:mod:`server.continuous`) admits sentences whenever
+rows are free. Both run the same selection code, so a sentence gets the same hypotheses and scores
+whichever companions it decodes with and whenever it joined: every rule below reads only the
+sentence's own rows and its own step.
+
+Rows. A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
+Sentences of different beam sizes, lengths, penalties, controls, target prefixes and source lengths
+share one decode; each step runs the model once on all rows, with each row's own step as its target
+position (``positions``; models that cannot take per-row positions only ever decode sentences that
+started together). The step asks for the ``2 x beam`` best tokens of the widest beam; a sentence
+reads the ``2 x beam`` best of its own rows.
+
+Search rules (those of :mod:`nmt.model_format.decoding`, as in the PyTorch reference
+``training/search.py``). Each step walks the ``2 * beam`` best continuations of a sentence in order,
+finishing those that end in EOS and keeping the others until ``beam`` are live; a sentence is done once
+it holds ``round(beam x patience)`` finished hypotheses and its best live beam, scored as if it ended
+now, is no better than the worst of them (or nothing is live). With ``beam_size == 1`` these rules
+reduce to arg-max decoding (the best token is kept; when it is EOS the sentence is done), which runs
+through a lean path of a few array operations per step instead of the general candidate bookkeeping.
+
+Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
+when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).
+
+Attention. The attention graph runs while any sentence in the decode asked for attention (the
+attention output costs 0-3 % of a step, benchmarks/README.md); only those sentences keep it. A
+hypothesis' attention is [its tokens, its own source length]: it never depends on its companions.
+
+Given tokens. A forced target prefix is decoded like any token (one row, its token whatever its
+probability) but adds nothing to the hypothesis' score, whose length counts it (CTranslate2's rule). A
+sentence may also join after its first ``T`` tokens were decided by a forced pass (:mod:`server.forced`,
+:class:`server.search.Resume`): it starts at step ``T`` from the pass's state; when the pass already ran
+step ``T`` (``Resume.first``), the decode reads that step off it instead of calling the model, which
+requires those sentences to be all the decode holds (the static batch); ``first=None`` joins anywhere.
+
+Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
+sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
+so their rows are free for the next admission.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from nmt.model_format.decoding import normalized_score
+from server.controls import Controls, process, sample, top_k
+from server.search import NEG_INF, BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
+
+
+def beam_search(
+    model: StepModel,
+    encoded: dict[str, Any],
+    sentences: Sequence[BeamSentence],
+    *,
+    start_id: int,
+    eos_id: int,
+    beam_size: int | None = None,
+    need_attention: bool | None = None,
+    lean_greedy: bool = True,
+    resume: Resume | None = None,
+) -> list[SearchResult | None]:
+    """Decode ``len(sentences)`` sentences together (the static batch: a running decode that admits them
+    all before its first step), each with ``beam_size`` and ``need_attention`` (None: each sentence's own);
+    ``encoded`` holds every static input and the initial value of every state entry, batch first
+    (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
+    sentence whose ``is_cancelled`` turned true."""
+    decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy)
+    overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
+        {} if need_attention is None else {"need_attention": need_attention})
+    decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
+    results: list[SearchResult | None] = [None] * len(sentences)
+    while decode.rows:
+        for index, result in decode.step():
+            results[index] = result
+    return results
+
+
+@dataclass(eq=False)
+class _Sentence:
+    """One sentence in the decode: its settings, its step and its finished hypotheses."""
+
+    tag: Any  # the caller's handle, returned with the result
+    spec: BeamSentence
+    beam: int
+    attention: bool
+    limit: int
+    quota: int  # finished hypotheses kept (beam x patience)
+    rng: np.random.Generator | None
+    full_until: float  # steps that need the whole distribution: all (a control reshapes it), or the forced
+    # prefix and the partial word it ends with
+    forced_length: int  # the forced prefix's steps: their tokens add nothing to the score
+    penalised: bool  # a repetition penalty: steps after the first need the logits
+    step: int = 0  # tokens decoded so far
+    joined_at: int = 0  # its step when it joined (> 0 after a forced pass): it holds 1 row until it expands
+    finished: list[ScoredSequence] = field(default_factory=list)
+
+    @property
+    def controls(self) -> Controls:
+        return self.spec.controls
+
+    def cancelled(self) -> bool:
+        return self.spec.is_cancelled is not None and self.spec.is_cancelled()
+
+
+class RunningDecode:
+    """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
+    :attr:`rows` is 0 (see the module docstring)."""
+
+    def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True) -> None:
+        self.model = model
+        self.start_id, self.eos_id = start_id, eos_id
+        self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
+        self.per_row_positions = bool(getattr(model, "per_row_positions", False))
+        self._sentences: list[_Sentence] = []  # one per row block, in row order
+        self._row_sentence = np.zeros(0, dtype=np.int64)  # index into _sentences of each row
+        self._static: dict[str, Any] | None = None
+        self._state: dict[str, Any] | None = None
+        self._tokens = np.zeros(0, dtype=np.int64)  # previous token of each row
+        self._totals = np.zeros(0)  # summed log-probability of each row's hypothesis
+        self._history = np.zeros((0, 0), dtype=np.int64)  # [R, capacity] tokens so far
+        self._history_scores = np.zeros((0, 0))
+        self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
+        self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
+
+    @property
+    def rows(self) -> int:
+        """Decoder rows in use (a sentence holds 1 before its first step, then its beam size)."""
+        return int(self._tokens.size)
+
+    @property
+    def reserved_rows(self) -> int:
+        """Rows the decoding sentences hold once expanded (each its beam size): what admission counts."""
+        return sum(s.beam for s in self._sentences)
+
+    @property
+    def sentences(self) -> int:
+        return len(self._sentences)
+
+    def tags(self) -> list[Any]:
+        """The tags of the sentences decoding, in row order."""
+        return [s.tag for s in self._sentences]
+
+    def source_lengths(self) -> list[int]:
+        """Each decoding sentence's source length (EOS included), in row order."""
+        return [s.spec.source_length for s in self._sentences]
+
+    def steps(self) -> list[int]:
+        """Each decoding sentence's step (tokens decoded), in row order."""
+        return [s.step for s in self._sentences]
+
+    def admit(self, encoded: dict[str, Any], sentences: Sequence[BeamSentence], tags: Sequence[Any],
+              resume: Resume | None = None) -> None:
+        """Add sentences before the next step: ``encoded`` holds their static inputs and initial state,
+        one row each (batch first, as the model's encoder returns them); with ``resume`` they start after
+        their given tokens, from its state (see the module docstring)."""
+        if not sentences:
+            return
+        if resume is not None and resume.first is not None and self._sentences:
+            raise ValueError("a resume whose first step was run by the forced pass joins only an empty decode")
+        for s in sentences:
+            if not 1 <= s.num_hypotheses <= s.beam_size:
+                raise ValueError("need 1 <= num_hypotheses <= beam_size")
+            if s.beam_size > 1 and s.controls.samples:
+                raise ValueError("sampling needs beam_size 1")
+        if self._sentences and not self.per_row_positions:
+            raise ValueError("this model decodes all rows at one step: sentences join only an empty decode")
+        static = {name: encoded[name] for name in self.model.static_names}
+        state = resume.state if resume is not None else {name: encoded[name] for name in self.model.state_names}
+        if not self._sentences:
+            self._static, self._state = static, state
+        else:
+            self._static = self.model.concat_rows(self._static, static)
+            self._state = self.model.concat_rows(self._state, state)
+        first = len(self._sentences)
+        for s, tag in zip(sentences, tags, strict=True):
+            self._sentences.append(_Sentence(
+                tag, s, s.beam_size, s.need_attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
+                s.controls.rng() if s.controls.samples else None, _full_until(s.controls), len(s.controls.forced),
+                s.controls.repetition_penalty != 1.0))
+        n = len(sentences)
+        capacity = max(self._history.shape[1], *(s.limit for s in self._sentences[first:]))
+        self._row_sentence = np.concatenate([self._row_sentence, np.arange(first, first + n)])
+        self._history = _grow(self._history, n, capacity)
+        self._history_scores = _grow(self._history_scores, n, capacity)
+        if self._attention is not None:
+            self._attention = _grow(self._attention, n, capacity)
+        if resume is None:
+            self._tokens = np.concatenate([self._tokens, np.full(n, self.start_id, dtype=np.int64)])
+            self._totals = np.concatenate([self._totals, np.zeros(n)])
+            return
+        t, rows = resume.tokens.shape[1], slice(self.rows, self.rows + n)  # the new rows: one per sentence
+        forced = np.array([s.forced_length for s in self._sentences[first:]])
+        scores = resume.token_scores.astype(np.float64)
+        self._tokens = np.concatenate([self._tokens, resume.tokens[:, -1].astype(np.int64)])
+        self._totals = np.concatenate([self._totals, np.where(np.arange(t) < forced[:, None], 0.0, scores).sum(1)])
+        self._history[rows, :t], self._history_scores[rows, :t] = resume.tokens, scores
+        if resume.attention is not None:
+            self._fit_attention(resume.attention.shape[2])
+            self._attention[rows, :t, : resume.attention.shape[2]] = resume.attention
+        for s in self._sentences[first:]:
+            s.step = s.joined_at = t
+        self._given = resume.first
+
+    def step(self) -> list[tuple[Any, SearchResult | None]]:
+        """One decoding step of every row; returns the sentences that left: (tag, result), result None
+        for a cancelled sentence."""
+        sentences = self._sentences
+        if not sentences:
+            return []
+        row_sentence = self._row_sentence
+        sentence_steps = np.array([s.step for s in sentences])
+        expanded = sentence_steps > np.array([s.joined_at for s in sentences])
+        steps = sentence_steps[row_sentence]  # each row's target position
+        beams = np.array([s.beam for s in sentences])
+        limits = np.array([s.limit for s in sentences])[row_sentence]
+        need_attention = any(s.attention for s in sentences)
+        if not need_attention:
+            self._attention = None
+        k = 2 * int(beams.max()) if (beams > 1).any() or not self.lean_greedy else 1
+        out, processed = self._model_step(steps, k, need_attention)
+        self._state = out.state
+        row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
+        forced = limits - 1 == steps
+        if forced.any():  # out of room: only EOS may follow
+            row_tokens[forced] = self.eos_id
+            row_scores[forced] = NEG_INF
+            row_scores[forced, 0] = out.eos_log_prob[forced]
+        attention = out.attention
+        if attention is not None:
+            self._fit_attention(attention.shape[1])
+
+        left: list[tuple[Any, SearchResult | None]] = []
+        kept: list[int] = []  # sentences that stay, in their new row order
+        parts: list[tuple[np.ndarray, ...]] = []  # (origin row, token, token score, total) of the new rows
+        n = len(sentences)
+        if row_sentence.size == n:  # one row each
+            starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
+        else:  # a sentence holds one row before its first step, then its beam
+            widths = np.where(expanded, beams, 1)
+            starts = np.cumsum(widths) - widths
+        lean = (beams == 1) if self.lean_greedy else np.zeros(n, dtype=bool)
+        if lean.any():
+            parts.append(self._greedy(np.flatnonzero(lean), starts, row_tokens, row_scores, processed, attention,
+                                      left, kept))
+        groups = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
+        for beam, width in groups:
+            group = np.arange(n) if len(groups) == 1 and not lean.any() else \
+                np.flatnonzero(~lean & (beams == beam) & (widths == width))
+            parts.append(self._beam(group, beam, width, starts, row_tokens, row_scores, attention, left, kept))
+
+        self._advance(kept, parts, attention)
+        return left
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def _model_step(self, steps: np.ndarray, k: int, need_attention: bool) -> tuple[StepOutput, np.ndarray | None]:
+        """The model's step under the rows' controls. When a control is active the top k and the EOS
+        log-probability are those of the processed distribution, which is returned too (else None)."""
+        if self._given is not None:  # a forced pass ran this step (its whole distribution)
+            out, self._given = self._given, None
+            full = True
+        else:
+            extra = {"positions": steps} if self.per_row_positions else {}
+            full = any(s.step < s.full_until for s in self._sentences)
+            logits = any(s.penalised and s.step > 0 for s in self._sentences)
+            out = self.model.step(self._tokens, self._static, self._state, need_attention, k, **extra,
+                                  **({"full": True} if full else {}), **({"logits": True} if logits else {}))
+        if not full:
+            return out, None
+        sentences = [self._sentences[j] for j in self._row_sentence]
+        processed = np.empty(out.log_probs.shape)
+        for t in np.unique(steps):  # controls read a row's history and its step: one call per step
+            rows = np.flatnonzero(steps == t)
+            processed[rows] = process(out.log_probs[rows], self._history[rows], [sentences[r].controls for r in rows],
+                                      int(t), self.eos_id, out.logits[rows] if out.logits is not None else None)
+        out.top_ids, out.top_log_probs = top_k(processed, k)
+        out.eos_log_prob = processed[:, self.eos_id]
+        return out, processed
+
+    def _greedy(self, group: np.ndarray, starts: np.ndarray, row_tokens: np.ndarray, row_scores: np.ndarray,
+                processed: np.ndarray | None, attention: np.ndarray | None,
+                left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
+        """Arg-max decoding of the beam-1 sentences ``group`` (one row each)."""
+        rows = starts[group]
+        tokens, scores = row_tokens[rows, 0], row_scores[rows, 0]
+        given = np.array([self._sentences[j].step < self._sentences[j].forced_length for j in group.tolist()])
+        totals = self._totals[rows] + np.where(given, 0.0, scores)  # a forced prefix is given, not scored
+        stop = (tokens == self.eos_id) | (scores == NEG_INF)  # EOS, or nothing left to choose
+        stay = []
+        for i, (j, r, stops) in enumerate(zip(group.tolist(), rows.tolist(), stop.tolist(), strict=True)):
+            s = self._sentences[j]
+            if s.rng is not None and scores[i] > NEG_INF and s.step < s.limit - 1:
+                tokens[i] = sample(processed[r], s.controls, s.rng)
+                scores[i] = processed[r, tokens[i]]
+                totals[i] = self._totals[r] + (0.0 if given[i] else scores[i])
+                stops = tokens[i] == self.eos_id
+            if s.spec.is_cancelled is not None and s.spec.is_cancelled():
+                left.append((s.tag, None))
+            elif stops:
+                hypotheses = [] if scores[i] == NEG_INF else [
+                    self._hypothesis(s, r, int(tokens[i]), float(scores[i]), float(totals[i]), attention)]
+                left.append((s.tag, SearchResult(hypotheses)))
+            else:
+                stay.append(i)
+                kept.append(j)
+        if len(stay) == len(rows):
+            return rows, tokens, scores, totals
+        stay_rows = np.array(stay, dtype=np.int64)
+        return rows[stay_rows], tokens[stay_rows], scores[stay_rows], totals[stay_rows]
+
+    def _beam(self, group: np.ndarray, beam: int, width: int, starts: np.ndarray, row_tokens: np.ndarray,
+              row_scores: np.ndarray, attention: np.ndarray | None, left: list[tuple[Any, SearchResult | None]],
+              kept: list[int]) -> tuple[np.ndarray, ...]:
+        """The general step of sentences ``group``, all of beam ``beam`` holding ``width`` rows each."""
+        n = group.size
+        sentence_rows = starts[group][:, None] + np.arange(width)  # [n, width]
+        per_row = min(2 * beam, row_tokens.shape[1])
+        block_tokens = row_tokens[sentence_rows][:, :, :per_row].reshape(n, -1)
+        block_scores = row_scores[sentence_rows][:, :, :per_row]
+        sentences = [self._sentences[j] for j in group.tolist()]
+        # a forced prefix is given: its tokens add nothing to the score (token_scores keep their log-probabilities)
+        given = np.array([s.step < s.forced_length for s in sentences])[:, None, None] & (block_scores > NEG_INF)
+        # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
+        candidates = (self._totals[sentence_rows][:, :, None] + np.where(given, 0.0, block_scores)).reshape(n, -1)
+        order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam]
+        top_scores = np.take_along_axis(candidates, order, 1)
+        token = np.take_along_axis(block_tokens, order, 1)
+        token_score = np.take_along_axis(block_scores.reshape(n, -1), order, 1)
+        origin = np.take_along_axis(sentence_rows, order // per_row, 1)  # the row each candidate extends
+        valid = top_scores > NEG_INF
+        is_eos = (token == self.eos_id) & valid
+        live = ~is_eos & valid
+        live_before = np.cumsum(live, axis=1) - live
+        keep = live & (live_before < beam)
+        finish = is_eos & (live_before < beam)
+
+        for j, c in zip(*np.nonzero(finish), strict=True):
+            s = sentences[j]
+            s.finished.append(self._hypothesis(s, int(origin[j, c]), self.eos_id, float(token_score[j, c]),
+                                               float(top_scores[j, c]), attention))
+
+        # the first beam live candidates of each sentence become its next rows (-1: none)
+        chosen = np.full((n, beam), -1)
+        kj, kc = np.nonzero(keep)
+        chosen[kj, (np.cumsum(keep, axis=1) - 1)[kj, kc]] = kc
+        has_live = chosen[:, 0] >= 0
+        best_live = np.where(has_live, np.take_along_axis(top_scores, np.maximum(chosen[:, :1], 0), 1)[:, 0], NEG_INF)
+
+        survivors = []
+        for j, s in enumerate(sentences):
+            if s.finished:
+                s.finished.sort(key=lambda hyp: hyp.score, reverse=True)
+                del s.finished[s.quota:]
+            done = not has_live[j] or (
+                len(s.finished) == s.quota
+                and normalized_score(best_live[j], s.step + 1, s.spec.length_penalty) <= s.finished[-1].score)
+            if s.cancelled():
+                left.append((s.tag, None))
+            elif done:
+                left.append((s.tag, SearchResult(s.finished[: s.spec.num_hypotheses])))
+            else:
+                survivors.append(j)
+                kept.append(int(group[j]))
+        keep_rows = np.array(survivors, dtype=np.int64)
+        picked = chosen[keep_rows]  # [n', beam]
+        alive = picked >= 0
+        safe = np.maximum(picked, 0)
+        new_origin = np.where(alive, np.take_along_axis(origin[keep_rows], safe, 1), origin[keep_rows, :1])
+        new_token = np.where(alive, np.take_along_axis(token[keep_rows], safe, 1), self.start_id)
+        new_totals = np.where(alive, np.take_along_axis(top_scores[keep_rows], safe, 1), NEG_INF)
+        step_scores = np.take_along_axis(token_score[keep_rows], safe, 1)
+        return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
+
+    def _hypothesis(self, s: _Sentence, row: int, token: int, score: float, total: float,
+                    attention: np.ndarray | None) -> ScoredSequence:
+        """The hypothesis of ``row`` (of sentence ``s``) ending in ``token`` this step."""
+        t = s.step
+        rows = None
+        if s.attention and attention is not None:
+            width = s.spec.source_length
+            rows = np.concatenate([self._attention[row, :t, :width], attention[row, None, :width]])
+        return ScoredSequence(tokens=self._history[row, :t].tolist() + [token],
+                              score=float(normalized_score(total, t + 1, s.spec.length_penalty)),
+                              token_scores=self._history_scores[row, :t].tolist() + [score], attention=rows)
+
+    def _advance(self, kept: list[int], parts: list[tuple[np.ndarray, ...]], attention: np.ndarray | None) -> None:
+        """Lay out the rows of the sentences that stay (``parts``, in the order of ``kept``) for the next step."""
+        old = self._sentences
+        origin, tokens, scores, totals = parts[0] if len(parts) == 1 else (
+            np.concatenate([p[i] for p in parts]) for i in range(4))
+        if kept == list(range(len(old))):
+            row_sentence = self._row_sentence[origin]
+        else:
+            position = np.full(len(old), -1)
+            position[kept] = np.arange(len(kept))
+            row_sentence = position[self._row_sentence[origin]]
+        self._sentences = [old[j] for j in kept]
+        if not self._sentences:
+            self._static = self._state = None
+            self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
+            self._history = self._history[:0]
+            self._history_scores = self._history_scores[:0]
+            self._attention = None
+            return
+        moved = not np.array_equal(origin, np.arange(self.rows))
+        steps = np.array([s.step for s in self._sentences])[row_sentence]
+        rows = np.arange(origin.size)
+        if moved:
+            self._history, self._history_scores = self._history[origin], self._history_scores[origin]
+            if self._attention is not None:
+                self._attention = self._attention[origin]
+        self._history[rows, steps] = tokens
+        self._history_scores[rows, steps] = scores
+        if self._attention is not None and attention is not None:
+            self._attention[rows, steps, : attention.shape[1]] = attention[origin]
+        if moved:
+            self._state = self.model.select_rows(self._state, origin)
+            if origin.size != self.rows or not np.array_equal(self._row_sentence[origin], self._row_sentence):
+                self._static = self._trim_sources(self.model.select_rows(self._static, origin))  # sentences moved
+        self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
+        for s in self._sentences:
+            s.step += 1
+
+    def _trim_sources(self, static: dict[str, Any]) -> dict[str, Any]:
+        """``static`` cut on its source axis (the model's ``static_src_axes``) to the widest source still
+        decoding, once that is a quarter narrower or more: every row's step then costs what its companions'
+        sources need, not what the widest sentence that ever joined needed. Only the padding is cut (zeros,
+        that no row reads), so no row's result changes; NumPy arrays only."""
+        widest = max(s.spec.source_length for s in self._sentences)
+        trimmed = dict(static)
+        for name, axis in getattr(self.model, "static_src_axes", {}).items():
+            value = static.get(name)
+            if isinstance(value, np.ndarray) and 4 * widest <= 3 * value.shape[axis]:
+                trimmed[name] = np.ascontiguousarray(value[(slice(None),) * axis + (slice(0, widest),)])
+        return trimmed
+
+    def _fit_attention(self, width: int) -> None:
+        """Make the attention history hold every row and ``width`` source positions."""
+        if self._attention is None:
+            self._attention = np.zeros((self.rows, self._history.shape[1], width), dtype=np.float32)
+        elif self._attention.shape[2] < width:
+            pad = np.zeros((*self._attention.shape[:2], width - self._attention.shape[2]), dtype=np.float32)
+            self._attention = np.concatenate([self._attention, pad], axis=2)
+
+
+def _full_until(c: Controls) -> float:
+    """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``)."""
+    if c.reshapes:
+        return math.inf
+    return max(len(c.forced), c.completion.start + c.completion.steps() if c.completion is not None else 0)
+
+
+def _grow(array: np.ndarray, rows: int, capacity: int) -> np.ndarray:
+    """``array`` [R, C, ...] with ``rows`` zero rows appended and its second axis zero-padded to ``capacity``."""
+    shape = array.shape
+    if capacity > shape[1]:
+        array = np.concatenate([array, np.zeros((shape[0], capacity - shape[1], *shape[2:]), dtype=array.dtype)], 1)
+    return np.concatenate([array, np.zeros((rows, *array.shape[1:]), dtype=array.dtype)])

@@ -1,0 +1,499 @@
+"""The :class:`server.search.StepModel` of an exported model version: ONNX Runtime sessions driven step by step.
+
+:class:`OnnxStepModel` keeps the static inputs and the recurrent state as NumPy arrays that share ONNX
+Runtime's memory (the CPU); :class:`DeviceStepModel` keeps them on the execution provider's device as
+``OrtValue`` buffers (CUDA), selecting and joining rows there with small graphs.
+
+A Transformer exported as ``nmt-model/2`` keeps its self-attention KV cache in place: the state holds
+preallocated [rows, heads, capacity, head_dim] buffers and each row's position; the decoder writes each
+row's new key/value at its position into the very buffer it reads (the output is bound to the input's
+memory), capacity doubles when a row reaches it, and a beam reorder moves only the rows whose source
+differs. Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
+decode as they always did.
+
+``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
+those positions go into the step decoder's buffers (:meth:`OnnxStepModel.state_from_forced`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from nmt.model_format.layout import FORCED_GRAPH
+from nmt.model_format.manifest import (
+    FORMAT,
+    LOGITS_OUTPUT,
+    TOP_K_INPUT,
+    TOP_K_OUTPUTS,
+    Manifest,
+    ManifestError,
+    StateTensor,
+)
+from server.forced import ForcedOutput, stepwise_force
+from server.search import StepOutput, concat_rows, take_rows
+
+INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
+
+
+class OnnxStepModel:
+    """The :class:`server.search.StepModel` of an exported model version: encoder + one-step decoder.
+
+    With an in-place KV cache (``manifest.decoder_positions``) the state also holds each row's position
+    (int64 [R], under that input's name), so rows carry their own lengths through :meth:`select_rows`
+    and :meth:`concat_rows`; :meth:`step` feeds them (or the ``positions`` it is given), binds each
+    ``present_*`` output to its ``past_*`` buffer and grows the buffers when a row reaches their capacity."""
+
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
+        self.manifest = manifest
+        self.sessions = sessions
+        self.static_names = list(manifest.decoder_static)
+        self.static_src_axes = dict(manifest.static_src_axes)  # static input -> its source-length axis
+        self.state = list(manifest.decoder_state)
+        self.positions = manifest.decoder_positions  # "": the concatenating cache of nmt-model/1 (or none)
+        self.buffers = {entry.input: entry for entry in self.state if entry.init == "buffer"}
+        for role in ("decoder", "decoder_attention"):
+            missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
+            if missing:
+                raise ManifestError(f"the {role} graph lacks the outputs {sorted(missing)} of the {FORMAT} "
+                                    "format: export the model again with this version of nmt export")
+        self._top_k_feeds: dict[int, np.ndarray] = {}  # k -> the int64 [1] feed (built once, not every step)
+        self._top_k_values: dict[int, ort.OrtValue] = {}  # k -> top_k as an OrtValue (wraps the cached feed)
+        self._bindings = threading.local()  # the in-place cache's persistent I/O bindings (see _binding)
+        self._output_dtypes = {o.name: _NUMPY_TYPES[o.type] for o in sessions["decoder_attention"].get_outputs()
+                               if o.type in _NUMPY_TYPES}
+        # versions exported before the ``logits`` output: no repetition penalty (it scales logits)
+        self.has_logits = all(LOGITS_OUTPUT in {o.name for o in sessions[role].get_outputs()}
+                              for role in ("decoder", "decoder_attention"))
+
+    def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
+        """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
+        outputs = self.sessions["encoder"].run(None, {"src_ids": src})
+        names = [o.name for o in self.sessions["encoder"].get_outputs()]
+        encoded = dict(zip(names, outputs, strict=True))
+        batch = src.shape[0]
+        for entry in self.state:
+            if entry.init in ("empty", "buffer"):
+                encoded[entry.input] = np.zeros(_initial_shape(entry, batch), dtype=entry.dtype or "float32")
+        if self.positions:
+            encoded[self.positions] = np.zeros(batch, dtype=np.int64)
+        return encoded
+
+    @property
+    def per_row_positions(self) -> bool:
+        """Can one step decode rows at different positions: the in-place cache, or a position-free state
+        (an RNN's, all from the encoder)?"""
+        return bool(self.positions) or all(entry.init == "encoder" for entry in self.state)
+
+    def step(
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
+        k: int, full: bool = False, positions: np.ndarray | None = None, logits: bool = False,
+    ) -> StepOutput:
+        """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
+        row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it.
+        ``positions`` (int64 [R]) overrides the positions the state carries; a concatenating cache takes
+        only its own."""
+        if self.positions:
+            return self._step_in_place(tokens, static, state, need_attention, k, full, positions, logits)
+        self._check_shared_position(state, positions)
+        session = self.sessions["decoder_attention" if need_attention else "decoder"]
+        feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
+        output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
+        if need_attention:
+            output_names.append("attention")
+        extra = _extra_outputs(full, logits)
+        outputs = session.run(output_names + extra, feeds)
+        heads = len(TOP_K_OUTPUTS)
+        new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
+        attention = outputs[heads + len(self.state)] if need_attention else None
+        full_outputs = dict(zip(extra, outputs[len(output_names):], strict=True))
+        return StepOutput(*outputs[:heads], attention, new_state, full_outputs.get("log_probs"),
+                          full_outputs.get(LOGITS_OUTPUT))
+
+    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
+              state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
+        """Given tokens in one ``decoder_forced`` call (see :class:`server.search.StepModel`), or step by
+        step for a version without that graph (the RNN, Transformers exported before it)."""
+        session = self.sessions.get(FORCED_GRAPH)
+        if session is None:
+            return stepwise_force(self, inputs, targets, static, state, need_attention)
+        names = ["target_log_probs", "last_log_probs", "attention", *(entry.output for entry in self.state)]
+        outputs = dict(zip(names, session.run(names, {"input_ids": inputs, "target_ids": targets, **static}),
+                           strict=True))
+        return ForcedOutput(outputs["target_log_probs"], outputs["last_log_probs"],
+                            outputs["attention"] if need_attention else None,
+                            self.state_from_forced(outputs, inputs.shape[1]))
+
+    def state_from_forced(self, outputs: dict[str, Any], length: int) -> dict[str, Any]:
+        """The step decoder's state after a ``decoder_forced`` call over ``length`` positions: each state
+        entry's ``output`` there ([batch, heads, length, head_dim] K/V of every layer) under its input
+        name; an in-place cache's buffers hold them in their first ``length`` positions (capacity
+        :data:`INITIAL_CAPACITY` doubled until they fit, zeros beyond) and every row's
+        position is ``length``. The one place that hands the forced pass's cache to the step search."""
+        state = {}
+        for entry in self.state:
+            value = outputs[entry.output]
+            if entry.init == "buffer":  # a host array takes the buffers' type (an fp16 graph's already has it)
+                value = value.astype(entry.dtype or "float32", copy=False) if isinstance(value, np.ndarray) else value
+                value = self._grow(value, entry, max(INITIAL_CAPACITY, 1 << (length - 1).bit_length()))
+            state[entry.input] = value
+        if self.positions:
+            state[self.positions] = np.full(_shape(outputs[self.state[0].output])[0], length, dtype=np.int64)
+        return state
+
+    def _step_in_place(
+        self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
+        k: int, full: bool, positions: np.ndarray | None, logits: bool = False,
+    ) -> StepOutput:
+        """:meth:`step` of the in-place cache: I/O binding, each ``present_*`` bound to its ``past_*`` buffer.
+
+        The binding persists between steps (one per graph, output set and thread): only inputs whose array
+        changed are bound again, and the host outputs are written into arrays bound once per shape (copied
+        out after the run). Binding everything anew and fetching the outputs cost ~0.1-0.2 ms a step, a
+        third of the demo Transformer's step at one row."""
+        positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
+        state = self._reserve(state, int(positions.max()) + 1)
+        role = "decoder_attention" if need_attention else "decoder"
+        extra = _extra_outputs(full, logits)
+        output_names = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
+        binding, bound = self._binding(role, output_names)
+        feeds = {"input_ids": tokens, self.positions: positions, **static, TOP_K_INPUT: self._top_k_value(k)}
+        for name, value in [*feeds.items(), *((name, state[name]) for name in self.buffers)]:
+            if bound.get(name) is value:
+                continue
+            if name in self.buffers:
+                buffer = ort.OrtValue.ortvalue_from_numpy(value)  # shares the array's memory
+                binding.bind_ortvalue_input(name, buffer)
+                binding.bind_ortvalue_output(self.buffers[name].output, buffer)
+            elif isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+            bound[name] = value  # held, so the memory bound stays valid (and an id is never reused)
+        outputs = []
+        for name in output_names:
+            shape = self._output_shape(name, len(tokens), k, static)
+            array = bound.get(name)
+            if array is None or array.shape != shape:
+                array = bound[name] = np.empty(shape, dtype=self._output_dtypes[name])
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+            outputs.append(array)
+        self.sessions[role].run_with_iobinding(binding)
+        outputs = [array.copy() for array in outputs]  # the bound arrays are written again next step
+        heads = len(TOP_K_OUTPUTS)
+        new_state = {**state, self.positions: positions + 1}
+        full_outputs = dict(zip(extra, outputs[len(output_names) - len(extra):], strict=True))
+        return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
+                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
+
+    def _binding(self, role: str, output_names: list[str]) -> tuple[ort.IOBinding, dict[str, Any]]:
+        """This thread's I/O binding of graph ``role`` with outputs ``output_names`` (and the buffers), and
+        what is bound to it (input or host output name -> the array)."""
+        bindings = self._bindings.__dict__.setdefault("by_outputs", {})
+        key = (role, tuple(output_names))
+        if key not in bindings:
+            bindings[key] = (self.sessions[role].io_binding(), {})
+        return bindings[key]
+
+    def _output_shape(self, name: str, rows: int, k: int, static: dict[str, np.ndarray]) -> tuple[int, ...]:
+        """The shape of host output ``name`` for ``rows`` rows and top ``k``."""
+        if name in TOP_K_OUTPUTS[:2]:  # top_ids, top_log_probs
+            return rows, int(self._top_k(k)[0])
+        if name in ("log_probs", LOGITS_OUTPUT):
+            return rows, self.manifest.vocab_size
+        if name == "attention":  # [rows, source length]
+            source, axis = next(iter(self.manifest.static_src_axes.items()))
+            return rows, static[source].shape[axis]
+        return (rows,)  # eos_log_prob
+
+    def _check_shared_position(self, state: dict, positions: np.ndarray | None) -> None:
+        """A concatenating cache decodes every row at its length: refuse ``positions`` that differ from it."""
+        if positions is None:
+            return
+        for entry in self.state:
+            if entry.init == "empty" and 0 in entry.shape:
+                length = _shape(state[entry.input])[1 + entry.shape.index(0)]
+                if (np.asarray(positions) != length).any():
+                    raise ValueError(f"{self.manifest.name}/{self.manifest.version} keeps a concatenating KV "
+                                     f"cache (format nmt-model/1): every row decodes at position {length}; "
+                                     "export it again with nmt export for per-row positions")
+                return
+
+    def _reserve(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
+        """``state`` whose buffers hold at least ``needed`` positions (grown to twice their capacity or more;
+        the buffers grow together, so the first one tells)."""
+        name, entry = next(iter(self.buffers.items()))
+        if needed <= _shape(state[name])[entry.capacity_axis]:
+            return state
+        grown = dict(state)
+        for name, entry in self.buffers.items():
+            capacity = _shape(state[name])[entry.capacity_axis]
+            if needed > capacity:
+                grown[name] = self._grow(state[name], entry, max(2 * capacity, needed))
+        return grown
+
+    def _grow(self, buffer: np.ndarray, entry: StateTensor, capacity: int) -> np.ndarray:
+        shape = list(buffer.shape)
+        old, shape[entry.capacity_axis] = shape[entry.capacity_axis], capacity
+        grown = np.zeros(shape, dtype=buffer.dtype)
+        grown[(slice(None),) * entry.capacity_axis + (slice(0, old),)] = buffer
+        return grown
+
+    def _top_k(self, k: int) -> np.ndarray:
+        if k not in self._top_k_feeds:
+            self._top_k_feeds[k] = np.array([min(k, self.manifest.vocab_size)], dtype=np.int64)
+        return self._top_k_feeds[k]
+
+    def _top_k_value(self, k: int) -> ort.OrtValue:
+        """``top_k`` as an OrtValue (an overridable initializer binds only as one), made once per k."""
+        if k not in self._top_k_values:
+            self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
+        return self._top_k_values[k]
+
+    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:func:`take_rows`, except for in-place cache buffers, whose memory is reused when fewer than half
+        the rows move: row ``i`` receives row ``rows[i]``'s used entries only when ``rows[i] != i`` (rows
+        in place are not touched) and fewer rows are a leading view. Otherwise (and for more rows: the
+        first beam expansion) the rows are gathered into a new buffer: moving in place reads each moved
+        row into a temporary first, two copies where a gather makes one (measured: 1.5-2x slower when
+        ~90 % of 128 rows move). The caller keeps the result, not ``tensors``."""
+        if not self.buffers:
+            return take_rows(tensors, rows)
+        lengths = tensors.get(self.positions)
+        used = int(lengths[rows].max()) if lengths is not None and rows.size else None
+        return {name: value[rows] if name not in self.buffers else _move_rows(value, rows, self.buffers[name], used)
+                for name, value in tensors.items()}
+
+    def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The rows of ``first`` then those of ``second``; source length and cache capacity zero-padded
+        (:func:`server.search.concat_rows`): a row's entries beyond its position are never read."""
+        return concat_rows(first, second)
+
+    @property
+    def state_names(self) -> list[str]:
+        return [entry.input for entry in self.state] + ([self.positions] if self.positions else [])
+
+
+def _extra_outputs(full: bool, logits: bool) -> list[str]:
+    """The [R, V] outputs a step fetches besides the top k: the distribution, and its logits."""
+    return (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
+
+
+def _initial_shape(entry: StateTensor, batch: int) -> tuple[int, ...]:
+    """The first value of an ``empty`` state entry, or of a ``buffer`` at :data:`INITIAL_CAPACITY`."""
+    shape = [batch, *entry.shape]
+    if entry.capacity_axis is not None:
+        shape[entry.capacity_axis] = INITIAL_CAPACITY
+    return tuple(shape)
+
+
+def _shape(value: np.ndarray | ort.OrtValue) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
+
+
+def _move_rows(buffer: np.ndarray, rows: np.ndarray, entry: StateTensor, used: int | None) -> np.ndarray:
+    """Rows ``rows`` of an in-place cache buffer (see :meth:`OnnxStepModel.select_rows`); ``used``: the
+    positions worth copying (None: all)."""
+    span = (slice(None),) * (entry.capacity_axis - 1) + (slice(0, used),)
+    moved = np.flatnonzero(rows != np.arange(len(rows))) if len(rows) <= buffer.shape[0] else rows
+    if 2 * moved.size >= len(rows):  # a new buffer: one contiguous copy of every row beats two of most of them
+        return buffer[rows]
+    if moved.size:
+        buffer[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
+    return buffer[: len(rows)]
+
+
+class DeviceStepModel(OnnxStepModel):
+    """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
+    Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
+    selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
+    top-k, the EOS log-prob and (when asked) the attention back to the host.
+
+    For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
+    it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
+    binding logic on machines without a GPU.
+
+    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
+    here, at load, with the decoder's options and providers (device id and memory limit included)."""
+
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
+        super().__init__(manifest, sessions)
+        self.device = device
+        types = {o.type for o in sessions["encoder"].get_outputs()}
+        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
+        self._gathers = {element_type: self._device_session("gather", element_type) for element_type in sorted(types)}
+        self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # (pad | concat, element type) -> session
+
+    def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue | np.ndarray]:
+        session = self.sessions["encoder"]
+        binding = session.io_binding()
+        binding.bind_cpu_input("src_ids", src)
+        names = [o.name for o in session.get_outputs()]
+        for name in names:
+            binding.bind_output(name, self.device)
+        session.run_with_iobinding(binding)
+        encoded: dict[str, ort.OrtValue | np.ndarray] = dict(zip(names, binding.get_outputs(), strict=True))
+        for entry in self.state:
+            if entry.init in ("empty", "buffer"):
+                zeros = np.zeros(_initial_shape(entry, src.shape[0]), dtype=entry.dtype or "float32")
+                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
+        if self.positions:  # positions stay on the host: the engine reads them to size the buffers
+            encoded[self.positions] = np.zeros(src.shape[0], dtype=np.int64)
+        return encoded
+
+    def step(
+        self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, Any],
+        need_attention: bool, k: int, full: bool = False, positions: np.ndarray | None = None,
+        logits: bool = False,
+    ) -> StepOutput:
+        if self.positions:
+            positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
+            state = self._reserve(state, int(positions.max()) + 1)
+        else:
+            self._check_shared_position(state, positions)
+        session = self.sessions["decoder_attention" if need_attention else "decoder"]
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", tokens)
+        if self.positions:
+            binding.bind_cpu_input(self.positions, positions)
+        for name, value in static.items():
+            binding.bind_ortvalue_input(name, value)
+        for entry in self.state:
+            binding.bind_ortvalue_input(entry.input, state[entry.input])
+        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
+        extra = _extra_outputs(full, logits)
+        host = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
+        for name in host:
+            binding.bind_output(name, "cpu")
+        for entry in self.state:  # an in-place buffer is its own output; the rest get new device memory
+            if entry.init == "buffer":
+                binding.bind_ortvalue_output(entry.output, state[entry.input])
+            else:
+                binding.bind_output(entry.output, self.device)
+        session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()  # in binding order
+        # a buffer stays the OrtValue it was (which keeps a host array it wraps alive), not get_outputs()'s twin
+        new_state = {entry.input: state[entry.input] if entry.init == "buffer" else outputs[len(host) + i]
+                     for i, entry in enumerate(self.state)}
+        if self.positions:
+            new_state[self.positions] = positions + 1
+        values = [value.numpy() for value in outputs[: len(host)]]
+        heads = len(TOP_K_OUTPUTS)
+        full_outputs = dict(zip(extra, values[len(host) - len(extra):], strict=True))
+        return StepOutput(*values[:heads], values[heads] if need_attention else None, new_state,
+                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
+
+    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
+              state: dict[str, Any], need_attention: bool) -> ForcedOutput:
+        """:meth:`OnnxStepModel.force` with the static inputs and the resulting cache on the device."""
+        session = self.sessions.get(FORCED_GRAPH)
+        if session is None:
+            return stepwise_force(self, inputs, targets, static, state, need_attention)
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", inputs)
+        binding.bind_cpu_input("target_ids", targets)
+        for name, value in static.items():
+            binding.bind_ortvalue_input(name, value)
+        heads = ["target_log_probs", "last_log_probs", "attention"]
+        for name in heads:
+            binding.bind_output(name, "cpu")
+        for entry in self.state:
+            binding.bind_output(entry.output, self.device)
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        outputs = dict(zip([*heads, *(entry.output for entry in self.state)], values, strict=True))
+        return ForcedOutput(outputs["target_log_probs"].numpy(), outputs["last_log_probs"].numpy(),
+                            outputs["attention"].numpy() if need_attention else None,
+                            self.state_from_forced(outputs, inputs.shape[1]))
+
+
+    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+        """Rows by a ``Gather`` on the device (the whole tensor; positions are gathered on the host)."""
+        selected = {}
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
+        for name, value in tensors.items():
+            if isinstance(value, np.ndarray):
+                selected[name] = value[rows]
+                continue
+            selected[name] = self._run("gather", value.data_type(), x=value, rows=rows_value)
+        return selected
+
+    def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`OnnxStepModel.concat_rows` on the device: ``Pad`` then ``Concat`` graphs."""
+        joined = {}
+        for name, a in first.items():
+            b = second[name]
+            if isinstance(a, np.ndarray):
+                joined[name] = concat_rows({name: a}, {name: b})[name]
+                continue
+            width = np.maximum(a.shape()[1:], b.shape()[1:])
+            a, b = (self._pad(value, [int(w) for w in width]) for value in (a, b))
+            joined[name] = self._run("concat", a.data_type(), a=a, b=b)
+        return joined
+
+    def _grow(self, buffer: ort.OrtValue, entry: StateTensor, capacity: int) -> ort.OrtValue:
+        shape = buffer.shape()[1:]
+        shape[entry.capacity_axis - 1] = capacity
+        return self._pad(buffer, shape)
+
+    def _pad(self, value: ort.OrtValue, shape: list[int]) -> ort.OrtValue:
+        """``value`` zero-padded at the end of its non-row axes to ``shape`` (rows excluded)."""
+        have = value.shape()
+        if list(have[1:]) == list(shape):
+            return value
+        pads = np.array([0] * len(have) + [0] + [want - got for got, want in zip(have[1:], shape, strict=True)])
+        return self._run("pad", value.data_type(), x=value, pads=ort.OrtValue.ortvalue_from_numpy(pads))
+
+    def _run(self, kind: str, element_type: str, **inputs: ort.OrtValue) -> ort.OrtValue:
+        """One of the small device graphs (:data:`_DEVICE_GRAPHS`) on ``inputs``; returns its output there."""
+        if kind == "gather":
+            session = self._gathers[element_type]
+        else:
+            key = (kind, element_type)
+            if key not in self._sessions:
+                self._sessions[key] = self._device_session(kind, element_type)
+            session = self._sessions[key]
+        binding = session.io_binding()
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output("y", self.device)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0]
+
+    def _device_session(self, kind: str, element_type: str) -> ort.InferenceSession:
+        """A one-node session of :data:`_DEVICE_GRAPHS` for tensors of ``element_type`` ("tensor(float)"),
+        with the decoder's options and providers (device id and memory limit included)."""
+        dtype = _ELEMENT_TYPES[element_type]
+        op, inputs, attributes = _DEVICE_GRAPHS[kind]
+        graph = helper.make_graph(
+            [helper.make_node(op, list(inputs), ["y"], **attributes)], kind,
+            [helper.make_tensor_value_info(name, dtype if typed else TensorProto.INT64, None)
+             for name, typed in inputs.items()],
+            [helper.make_tensor_value_info("y", dtype, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+        decoder = self.sessions["decoder"]
+        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
+        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
+        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
+
+    @property
+    def gather_sessions(self) -> dict[str, ort.InferenceSession]:
+        """Element type -> the ``Gather`` session that selects rows of such tensors."""
+        return self._gathers
+
+
+# kind -> (operator, its inputs (name -> of the tensors' element type, else int64), attributes)
+_DEVICE_GRAPHS = {
+    "gather": ("Gather", {"x": True, "rows": False}, {"axis": 0}),  # select_rows
+    "pad": ("Pad", {"x": True, "pads": False}, {}),  # zeros at the end of non-row axes (cache growth, joins)
+    "concat": ("Concat", {"a": True, "b": True}, {"axis": 0}),  # concat_rows
+}
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
+                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
+                  "tensor(bool)": TensorProto.BOOL}

@@ -1,0 +1,298 @@
+"""The running decode on exported tiny models: sentences that join and leave between steps get exactly
+what they get decoded alone (tokens, scores, attention), whatever their companions and arrival step."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from server.controls import Controls
+from server.decode import RunningDecode
+from server.engine import Engine
+from server.search import concat_rows
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix
+
+CONTINUOUS = ["bahdanau", "transformer"]  # both step models take per-row positions
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    return {arch: Engine.load(path, provider="cpu", intra_op_threads=1) for arch, path in tiny_models.items()}
+
+
+def request(engine: Engine, text: str, **options) -> SentenceRequest:
+    return SentenceRequest(engine.tokenize(text), DecodingOptions(**options), text=text)
+
+
+def alone(engine: Engine, r: SentenceRequest):
+    [result] = engine.search([r])
+    return result
+
+
+def run_continuous(engine: Engine, arrivals: list[tuple[int, SentenceRequest]], max_rows: int = 10**9):
+    """Decode ``arrivals`` (step, request) in one running decode, each admitted at its step (or later, once
+    its beam fits in ``max_rows``); returns each request's result, the step it finished at and the most rows
+    used."""
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
+    results, finished_at, most_rows, step = {}, {}, 0, 0
+    while pending or decode.rows:
+        ready, reserved = [], decode.reserved_rows
+        while pending and arrivals[pending[0]][0] <= step and (
+                reserved + arrivals[pending[0]][1].options.beam_size <= max_rows):
+            reserved += arrivals[pending[0]][1].options.beam_size
+            ready.append(pending.pop(0))
+        if ready:
+            encoded, sentences, _ = engine.encode([arrivals[i][1] for i in ready])
+            decode.admit(encoded, sentences, ready)
+        most_rows = max(most_rows, decode.rows)
+        if decode.rows:
+            for index, result in decode.step():
+                results[index], finished_at[index] = result, step
+        step += 1
+    return [results[i] for i in range(len(arrivals))], finished_at, most_rows
+
+
+def assert_same(ours, reference) -> None:
+    assert [h.tokens for h in ours.hypotheses] == [h.tokens for h in reference.hypotheses]
+    for a, b in zip(ours.hypotheses, reference.hypotheses, strict=True):
+        assert a.score == pytest.approx(b.score, abs=1e-5)
+        np.testing.assert_allclose(a.token_scores, b.token_scores, atol=1e-5)
+        if b.attention is None:
+            assert a.attention is None
+        else:
+            np.testing.assert_allclose(a.attention, b.attention, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+@pytest.mark.parametrize("beam", [1, 4])
+def test_short_sentence_joining_a_long_one_finishes_first_with_its_own_output(arch, beam, engines):
+    engine = engines[arch]
+    long = request(engine, " ".join(WORDS * 3), beam_size=beam, num_hypotheses=beam, return_attention=True)
+    short = request(engine, "two", beam_size=beam, num_hypotheses=beam, return_attention=True)
+    results, finished_at, _ = run_continuous(engine, [(0, long), (3, short)])
+    assert finished_at[1] < finished_at[0]
+    assert_same(results[0], alone(engine, long))
+    assert_same(results[1], alone(engine, short))
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_random_mix_of_arrivals_equals_one_by_one(arch, engines):
+    engine = engines[arch]
+    rng = random.Random(7)
+    arrivals = []
+    for i in range(24):
+        beam = rng.choice([1, 1, 2, 4])
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+        controls = Controls(min_length=2) if i % 7 == 3 else Controls()
+        r = request(engine, text, beam_size=beam, num_hypotheses=rng.randint(1, beam),
+                    max_length=rng.choice([3, 8, 64]), length_penalty=rng.choice([0.0, 0.6, 1.0, 2.0]),
+                    return_attention=rng.random() < 0.4, controls=controls, patience=rng.choice([1.0, 1.5]))
+        if i % 5 == 2:
+            r.target_prefix = TargetPrefix(tuple(engine.tokenize(rng.choice(WORDS))))
+        arrivals.append((rng.randint(0, 30), r))
+    results, _, _ = run_continuous(engine, arrivals)
+    for (_, r), result in zip(arrivals, results, strict=True):
+        assert_same(result, alone(engine, r))
+        for hypothesis in result.hypotheses:  # attention only where asked, over the sentence's own source
+            if r.options.return_attention:
+                assert hypothesis.attention.shape == (len(hypothesis.tokens), len(r.source_ids) + 1)
+            else:
+                assert hypothesis.attention is None
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_rows_are_freed_at_once_and_reused(arch, engines):
+    engine = engines[arch]
+    texts = [" ".join(WORDS[: 1 + i % 9]) for i in range(12)]
+    arrivals = [(0, request(engine, text, beam_size=2, num_hypotheses=1)) for text in texts]
+    results, finished_at, most_rows = run_continuous(engine, arrivals, max_rows=4)
+    assert most_rows == 4
+    assert len(set(finished_at.values())) > 1
+    for (_, r), result in zip(arrivals, results, strict=True):
+        assert_same(result, alone(engine, r))
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_cancelled_sentence_leaves_between_steps(arch, engines):
+    engine = engines[arch]
+    flag = {"cancel": False}
+    long = request(engine, " ".join(WORDS * 3), beam_size=4)
+    doomed = SentenceRequest(engine.tokenize(" ".join(WORDS * 2)), DecodingOptions(beam_size=4),
+                             is_cancelled=lambda: flag["cancel"])
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    encoded, sentences, _ = engine.encode([long, doomed])
+    decode.admit(encoded, sentences, ["long", "doomed"])
+    for _ in range(3):
+        assert decode.step() == []
+    assert decode.rows == 8
+    flag["cancel"] = True
+    assert decode.step() == [("doomed", None)]
+    assert decode.rows == 4 and decode.tags() == ["long"]
+    while decode.rows:
+        left = decode.step()
+    assert left[0][0] == "long"
+    assert_same(left[0][1], alone(engine, long))
+
+
+def test_bahdanau_treats_zero_padding_as_padding(engines):
+    """A row's step outputs do not depend on how far its encoder outputs were zero-padded to join others."""
+    model = engines["bahdanau"].model
+    short, long = (np.array([ids + [engines["bahdanau"].eos_id]]) for ids in ([5, 6], [5, 6, 7, 8, 9, 10, 11]))
+    one, two = model.encode(short), model.encode(long)
+    joined = concat_rows(two, one)
+    assert joined["src_mask"].shape == (2, 8) and joined["src_mask"][1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    tokens = np.full(1, engines["bahdanau"].start_id, dtype=np.int64)
+    static_names, state_names = model.static_names, model.state_names
+    ref = model.step(tokens, {n: one[n] for n in static_names}, {n: one[n] for n in state_names}, True, 4, full=True)
+    both = model.step(np.repeat(tokens, 2), {n: joined[n] for n in static_names}, {n: joined[n] for n in state_names},
+                      True, 4, full=True)
+    np.testing.assert_allclose(both.log_probs[1], ref.log_probs[0], atol=1e-6)
+    np.testing.assert_allclose(both.attention[1, :3], ref.attention[0], atol=1e-6)
+    assert both.attention[1, 3:].max() == 0.0
+    for name in state_names:
+        np.testing.assert_allclose(both.state[name][1], ref.state[name][0], atol=1e-6)
+
+
+def test_device_concat_rows_matches_numpy(tiny_models, engines):
+    bound = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1, device_state=True)
+    src_a, src_b = np.array([[5, 6, 3]]), np.array([[7, 8, 9, 10, 3], [4, 3, 0, 0, 0]])
+    on_device = bound.model.concat_rows(bound.model.encode(src_a), bound.model.encode(src_b))
+    on_host = concat_rows(engines["bahdanau"].model.encode(src_a), engines["bahdanau"].model.encode(src_b))
+    for name, value in on_host.items():
+        np.testing.assert_allclose(on_device[name].numpy(), value, atol=1e-6)
+    r = request(bound, "one two three")
+    late = request(bound, "four five", beam_size=2, return_attention=True)
+    results, _, _ = run_continuous(bound, [(0, r), (2, late)])
+    assert_same(results[0], alone(engines["bahdanau"], r))
+    assert_same(results[1], alone(engines["bahdanau"], late))
+
+
+class SharedPosition:
+    """A step model that decodes all rows at one position (as a Transformer exported before the in-place cache)."""
+
+    per_row_positions = False
+
+    def __init__(self, model) -> None:
+        self.model, self.static_names, self.state_names = model, model.static_names, model.state_names
+
+    def step(self, *args, **kwargs):
+        assert "positions" not in kwargs
+        return self.model.step(*args, **kwargs)
+
+    def select_rows(self, tensors, rows):
+        return self.model.select_rows(tensors, rows)
+
+
+def test_a_model_without_per_row_positions_admits_only_at_the_first_step(engines):
+    engine = engines["bahdanau"]
+    decode = RunningDecode(SharedPosition(engine.model), start_id=engine.start_id, eos_id=engine.eos_id)
+    encoded, sentences, _ = engine.encode([request(engine, "one two")])
+    decode.admit(encoded, sentences, [0])
+    decode.step()
+    with pytest.raises(ValueError, match="at one step"):
+        decode.admit(*engine.encode([request(engine, "four")])[:2], [1])
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_padding_is_cut_when_the_widest_sentence_leaves(arch, engines):
+    engine = engines[arch]
+    wide = request(engine, " ".join(WORDS * 2), max_length=3)
+    narrow = request(engine, "one two", controls=Controls(min_length=8))
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    encoded, sentences, _ = engine.encode([wide, narrow])
+    decode.admit(encoded, sentences, ["wide", "narrow"])
+    left = []
+    while not left:
+        left = decode.step()
+    assert left[0][0] == "wide" and decode.tags() == ["narrow"]
+    width = len(narrow.source_ids) + 1
+    assert all(value.shape[axis] == width for name, axis in engine.model.static_src_axes.items()
+               for value in [decode._static[name]])
+    while decode.rows:
+        left = decode.step()
+    assert_same(left[0][1], alone(engine, narrow))
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_given_tokens_in_a_running_decode_equal_the_static_path(arch, engines):
+    """Through the continuous batcher's worker side (RunningBatch): sentences with a target prefix (one
+    with a repetition penalty, one ending inside a word) join a decode already running after one forced
+    pass over their prefix; a whole target (Score) and alternatives run apart through the forced pass.
+    Each gets what the static path (forced pass, then the search) gives it alone."""
+    from server.continuous import RunningBatch
+
+    engine = engines[arch]
+    own = engine.search([request(engine, "three four five", beam_size=1)])[0].hypotheses[0].tokens
+    long = [request(engine, " ".join(WORDS * 2), beam_size=beam) for beam in (1, 4)]
+    joining = [
+        request(engine, "six seven eight", beam_size=4, num_hypotheses=2),
+        request(engine, "six seven eight", beam_size=1, controls=Controls(repetition_penalty=1.5)),
+        request(engine, "nine ten", beam_size=4, return_attention=True),
+        request(engine, "three four five", beam_size=1, return_attention=True),  # Score: the whole target
+        request(engine, "two three", beam_size=4, num_hypotheses=3, return_alternatives=True),
+        request(engine, "one two", beam_size=1),
+    ]
+    prefix = TargetPrefix(tuple(engine.tokenize("six seven")))
+    for r in joining[:3]:
+        r.target_prefix = prefix
+    joining[3].target_prefix = TargetPrefix(tuple(own))
+    joining[4].target_prefix = TargetPrefix(tuple(engine.tokenize("two")))
+    joining[5].target_prefix = engine.target_prefix("one tw")
+    assert joining[5].target_prefix.completion is not None
+
+    batch, delivered = RunningBatch(engine), {}
+
+    def deliver(finished):
+        delivered.update({tag: translation for tag, translation, _ in finished})
+
+    batch.advance(long, ["long-1", "long-4"], lambda: batch.steps >= 3, deliver)
+    assert batch.decode.rows > 0 and not delivered  # running when the others join
+    tags = [f"joining-{i}" for i in range(len(joining))]
+    batch.advance(joining, tags, lambda: False, deliver)
+    assert batch.decode.rows == 0
+    for tag, r in zip(["long-1", "long-4", *tags], [*long, *joining], strict=True):
+        [expected] = engine.translate_batch([r]).translations
+        got = delivered[tag]
+        assert [h.token_ids for h in got.hypotheses] == [h.token_ids for h in expected.hypotheses]
+        for a, b in zip(got.hypotheses, expected.hypotheses, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+            np.testing.assert_allclose(a.token_scores, b.token_scores, atol=1e-5)
+            assert (a.attention is None) == (b.attention is None)
+    assert len(delivered["joining-4"].hypotheses) == 3  # one per alternative
+    assert delivered["joining-3"].hypotheses[0].token_ids == own[:-1]  # the target, EOS dropped
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
+    """A sentence whose prefix ran as one forced pass (the Transformer's decoder_forced: its K/V copied
+    into the in-place buffers, every row's position set) joins a decode already running through
+    ``admit(resume=)`` (Resume without a first step: the search feeds the prefix's last piece) and gets
+    what the static path gives it alone; so does the sentence it joined."""
+    from server.search import Resume
+
+    engine = engines[arch]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    running = request(engine, " ".join(WORDS * 2), beam_size=4, num_hypotheses=2, return_attention=True)
+    encoded, sentences, _ = engine.encode([running])
+    decode.admit(encoded, sentences, ["running"])
+    results = {}
+    for _ in range(3):
+        results.update(decode.step())
+    joining = request(engine, "six seven eight", beam_size=beam, num_hypotheses=beam, return_attention=True)
+    joining.target_prefix = TargetPrefix(tuple(engine.tokenize("six seven")))
+    encoded, sentences, _ = engine.encode([joining])
+    prefix = np.array([joining.target_prefix.ids], dtype=np.int64)
+    inputs = np.concatenate([[[engine.start_id]], prefix[:, :-1]], 1)
+    model = engine.model
+    out = model.force(inputs, prefix, {name: encoded[name] for name in model.static_names},
+                      {name: encoded[name] for name in model.state_names}, True)
+    decode.admit(encoded, sentences, ["joining"], Resume(prefix, out.target_log_probs, out.attention, out.state))
+    while decode.rows:
+        results.update(decode.step())
+    for tag, r in (("running", running), ("joining", joining)):
+        assert_same(results[tag], alone(engine, r))

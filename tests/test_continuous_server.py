@@ -1,0 +1,301 @@
+"""Continuous batching in the server (``--batching continuous``): real engines, a real gRPC server on loopback.
+
+Sentences join the running decode between steps and leave when done; a short request overtakes a long
+one; cancellation and deadlines free rows between steps; a fault fails only its request; a model that
+cannot decode rows at different steps falls back to static batching."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from server.admission import BatchPolicy, DecodeLoad, Pending, RequestHandle, admit_to_decode
+from server.config import ServerConfig
+from server.controls import Controls
+from server.engine import Engine
+from server.errors import Cancelled, DeadlineExceeded, Internal
+from server.protos import pb2
+from server.scheduler import ModelScheduler
+from server.types import DecodingOptions, SentenceRequest
+from tests.harness import ServerHarness
+from tests.test_server import default_loader, test_config, wait_for
+
+LONG = " ".join(["one two three four five six seven eight nine ten"] * 3)
+SHORT = ["two", "seven three", "four four five", "nine"]
+MIN_LENGTH = 60  # the tiny models end LONG after a few tokens: keep it decoding
+
+
+def long_options(beam: int = 1) -> DecodingOptions:
+    return DecodingOptions(beam_size=beam, controls=Controls(min_length=MIN_LENGTH))
+
+
+@pytest.fixture(scope="module")
+def mixed_repository(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<repo>/rnn/1`` (Bahdanau) and ``<repo>/transformer/1``."""
+    root = tmp_path_factory.mktemp("continuous")
+    shutil.copytree(tiny_models["bahdanau"], root / "rnn" / "1")
+    shutil.copytree(tiny_models["transformer"], root / "transformer" / "1")
+    return root
+
+
+class StepModel:
+    """An engine's step model whose steps take ``delay`` seconds longer and whose encoder raises on a
+    source holding ``poison`` (as a session run that fails on one input)."""
+
+    def __init__(self, model: Any, delay: float = 0.0, poison: list[int] | None = None) -> None:
+        self.model, self.delay, self.poison = model, delay, poison
+        self.static_names, self.state_names = model.static_names, model.state_names
+        self.per_row_positions = model.per_row_positions
+        self.has_logits = model.has_logits
+        self.most_rows = 0
+
+    def encode(self, src: np.ndarray) -> Any:
+        if self.poison and any(row[: len(self.poison)].tolist() == self.poison for row in src):
+            raise RuntimeError("injected fault: session run failed")
+        return self.model.encode(src)
+
+    def step(self, tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        self.most_rows = max(self.most_rows, tokens.size)
+        time.sleep(self.delay)
+        return self.model.step(tokens, *args, **kwargs)
+
+    def force(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.force(*args, **kwargs)
+
+    def select_rows(self, tensors: Any, rows: np.ndarray) -> Any:
+        return self.model.select_rows(tensors, rows)
+
+    def concat_rows(self, first: Any, second: Any) -> Any:
+        return self.model.concat_rows(first, second)
+
+
+def engine_with(version_dir: Path, **model_options: Any) -> Engine:
+    base = Engine.load(version_dir, provider="cpu", intra_op_threads=1)
+    return Engine(base.manifest, base.tokenizer, StepModel(base.model, **model_options), base.provider)
+
+
+def continuous(engine: Engine, **policy: Any) -> ModelScheduler:
+    return ModelScheduler(engine, policy=BatchPolicy(batching="continuous", **policy))
+
+
+@pytest.mark.parametrize("model", ["rnn", "transformer"])
+def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str) -> None:
+    h = ServerHarness(test_config(mixed_repository, batching="continuous", max_batch_rows=12), default_loader())
+    try:
+        assert h.scheduler(model).batching == "continuous"
+        calls = []
+        for i, text in enumerate([LONG, *SHORT, LONG, *SHORT]):
+            options = pb2.DecodingOptions(beam_size=[1, 4, 2][i % 3], num_hypotheses=1, return_attention=i % 2 == 0,
+                                          return_scores=True, min_length=MIN_LENGTH if text == LONG else 0)
+            calls.append((text, options, h.stub.Translate.future(
+                pb2.TranslateRequest(texts=[text], model=model, options=options), timeout=60)))
+        engine = h.engine(model)
+        for text, options, future in calls:
+            [got] = future.result().translations
+            [alone] = engine.translate([text], DecodingOptions(
+                beam_size=options.beam_size, return_attention=options.return_attention,
+                controls=Controls(min_length=options.min_length)))
+            assert list(got.hypotheses[0].subword_tokens) == alone.hypotheses[0].tokens
+            assert got.hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
+            assert got.hypotheses[0].HasField("attention") == options.return_attention
+            if options.return_attention:
+                weights = np.array(got.hypotheses[0].attention.weights).reshape(len(got.hypotheses[0].tokens), -1)
+                np.testing.assert_allclose(weights, alone.hypotheses[0].attention.weights, atol=1e-5)
+        labels = {"model": model, "version": "1"}
+        assert h.metric("nmt_admission_wait_steps_count", labels) == len(calls)
+        assert h.metric("nmt_admission_wait_steps_sum", labels) > 0  # the rows were full: some waited
+        wait_for(lambda: h.metric("nmt_running_rows", labels) == 0)
+    finally:
+        h.close()
+
+
+class SharedPosition(StepModel):
+    """A step model that decodes all rows at one position (as a Transformer exported before the in-place cache)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.per_row_positions = False
+
+
+def test_a_model_without_per_row_positions_batches_statically(tiny_models: dict[str, Path],
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    base = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1)
+    engine = Engine(base.manifest, base.tokenizer, SharedPosition(base.model), base.provider)
+
+    async def scenario() -> tuple[str, Any]:
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(batching="continuous"), model="old", version="1")
+        scheduler.start()
+        result = await asyncio.gather(*(scheduler.translate([t], DecodingOptions()) for t in SHORT))
+        await scheduler.close(timeout=5)
+        return scheduler.batching, result
+
+    with caplog.at_level(logging.INFO, logger="nmt.server"):
+        batching, results = asyncio.run(scenario())
+    assert batching == "static" and len(results) == len(SHORT)
+    [line] = [r for r in caplog.records if r.getMessage().startswith("continuous batching needs")]
+    assert line.fields == {"model": "old", "version": "1"}
+
+
+def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[str, Path]) -> None:
+    engine = engine_with(tiny_models["bahdanau"], delay=0.005)
+    beam = DecodingOptions(beam_size=4)
+
+    async def scenario() -> tuple[list[str], Any, Any]:
+        scheduler = continuous(engine)
+        scheduler.start()
+        done: list[str] = []
+
+        async def call(name: str, text: str, options: DecodingOptions) -> Any:
+            [translation] = await scheduler.translate([text], options)
+            done.append(name)
+            return translation
+
+        long = asyncio.ensure_future(call("long", LONG, long_options(4)))
+        while not scheduler._continuous.batch.steps:
+            await asyncio.sleep(0.005)
+        short = await call("short", SHORT[0], beam)
+        result = await long
+        await scheduler.close(timeout=5)
+        return done, short, result
+
+    done, short, long = asyncio.run(scenario())
+    assert done == ["short", "long"]
+    [short_alone] = engine.translate([SHORT[0]], beam)
+    [long_alone] = engine.translate([LONG], long_options(4))
+    assert short.hypotheses[0].token_ids == short_alone.hypotheses[0].token_ids
+    assert long.hypotheses[0].token_ids == long_alone.hypotheses[0].token_ids
+    assert len(long.hypotheses[0].token_ids) >= MIN_LENGTH
+
+
+def test_cancelled_and_expired_requests_free_their_rows(tiny_models: dict[str, Path]) -> None:
+    engine = engine_with(tiny_models["bahdanau"], delay=0.01)
+
+    async def scenario() -> list[Any]:
+        scheduler = continuous(engine)
+        scheduler.start()
+        handle = RequestHandle()
+        cancelled = asyncio.ensure_future(scheduler.translate([LONG], long_options(4), handle))
+        expired = asyncio.ensure_future(scheduler.translate([LONG], long_options(2), RequestHandle.with_timeout(0.3)))
+        decode = scheduler._continuous.batch.decode
+        while decode.rows < 6:
+            await asyncio.sleep(0.005)
+        handle.cancel()
+        outcomes = await asyncio.gather(cancelled, expired, return_exceptions=True)
+        rows_after = decode.rows
+        await scheduler.close(timeout=5)
+        return [*outcomes, rows_after, scheduler.cancelled_sentences]
+
+    cancelled, expired, rows_after, count = asyncio.run(scenario())
+    assert isinstance(cancelled, asyncio.CancelledError | Cancelled)
+    assert isinstance(expired, DeadlineExceeded)
+    assert rows_after == 0 and count == 2
+
+
+def test_rows_are_bounded_and_reused(tiny_models: dict[str, Path]) -> None:
+    engine = engine_with(tiny_models["bahdanau"])
+
+    async def scenario() -> list[Any]:
+        scheduler = continuous(engine, max_batch_rows=6)
+        scheduler.start()
+        texts = [LONG, *SHORT] * 2
+        results = await asyncio.gather(*(scheduler.translate([t], long_options(2) if t == LONG else
+                                                             DecodingOptions(beam_size=2)) for t in texts))
+        await scheduler.close(timeout=5)
+        return [r[0] for r in results]
+
+    results = asyncio.run(scenario())
+    assert engine.model.most_rows == 6
+    alone = [engine.translate([t], long_options(2) if t == LONG else DecodingOptions(beam_size=2))[0]
+             for t in [LONG, *SHORT] * 2]
+    assert [r.hypotheses[0].token_ids for r in results] == [a.hypotheses[0].token_ids for a in alone]
+
+
+def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    base = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1)
+    poison = base.tokenize("nine nine nine nine nine")
+    engine = engine_with(tiny_models["bahdanau"], delay=0.005, poison=poison)
+
+    async def scenario() -> list[Any]:
+        scheduler = continuous(engine)
+        scheduler.start()
+        long = asyncio.ensure_future(scheduler.translate([LONG], long_options(2)))
+        while not scheduler._continuous.batch.steps:
+            await asyncio.sleep(0.005)
+        calls = [scheduler.translate(["nine nine nine nine nine"], DecodingOptions(),
+                                     RequestHandle(request_id="poisoned-1")),
+                 *(scheduler.translate([t], DecodingOptions()) for t in SHORT)]
+        outcomes = await asyncio.gather(long, *calls, return_exceptions=True)
+        await scheduler.close(timeout=5)
+        return outcomes
+
+    with caplog.at_level(logging.INFO, logger="nmt.server"):
+        long, poisoned, *good = asyncio.run(scenario())
+    assert isinstance(poisoned, Internal) and "request poisoned-1" in str(poisoned)
+    assert long[0].hypotheses and all(g[0].hypotheses for g in good)
+    assert any(r.getMessage() == "inference failed" and r.fields["request_id"] == "poisoned-1"
+               for r in caplog.records)
+
+
+def test_admission_is_oldest_first_within_rows_and_token_budgets() -> None:
+    def pending(tokens: int, seq: int, beam: int = 1) -> Pending:
+        sentence = SentenceRequest([5] * (tokens - 1), DecodingOptions(beam_size=beam))
+        return Pending(RequestHandle(), sentence, tokens, 1, None, 0.0, seq)  # type: ignore[arg-type]
+
+    queue = [pending(10, 0, beam=4), pending(50, 1, beam=2), pending(5, 2)]
+    policy = BatchPolicy(max_batch_rows=8, decode_tokens=10_000)
+    assert admit_to_decode(queue, DecodeLoad(), policy) == queue  # 4 + 2 + 1 rows
+    assert admit_to_decode(queue, DecodeLoad(rows=3), policy) == queue[:1]  # 2 more rows would be 9
+    assert admit_to_decode(queue[::-1], DecodeLoad(rows=3), policy) == queue[:1]  # urgency, not queue order
+    assert admit_to_decode(queue, DecodeLoad(rows=5), policy) == []  # the oldest does not fit: nobody overtakes
+    tight = BatchPolicy(max_batch_rows=64, decode_tokens=200)
+    assert admit_to_decode(queue, DecodeLoad(rows=4, source_width=20, target_length=10), tight) == []  # 8 x 30
+    assert admit_to_decode(queue, DecodeLoad(), tight) == queue[:1]  # 6 x 60 > 200
+    huge = [pending(100, 0, beam=8)]
+    assert admit_to_decode(huge, DecodeLoad(), tight) == huge  # into an empty decode the first always goes
+
+
+def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
+    assert ServerConfig().batching == "static"
+    assert ServerConfig.from_env({"NMT_BATCHING": "Continuous"}).batching == "continuous"
+    with pytest.raises(Exception, match="batching must be one of"):
+        ServerConfig(batching="dynamic").validate()
+    with pytest.raises(Exception, match="max_batch_rows"):
+        ServerConfig(max_batch_rows=4, max_beam=8).validate()
+    with pytest.raises(Exception, match="decode_tokens"):
+        ServerConfig(decode_tokens=100).validate()
+
+
+def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
+    def slow_loader(path: Path, **kwargs: Any) -> Engine:
+        engine = default_loader()(path, **kwargs)
+        if engine.model.per_row_positions:
+            engine.model = StepModel(engine.model, delay=0.02)
+        return engine
+
+    h = ServerHarness(test_config(mixed_repository, batching="continuous"), slow_loader)
+    try:
+        future = h.stub.Translate.future(pb2.TranslateRequest(
+            texts=[LONG], model="rnn", options=pb2.DecodingOptions(min_length=MIN_LENGTH)), timeout=30)
+        wait_for(lambda: h.scheduler("rnn").running)
+        started = threading.Event()
+        short = h.stub.Translate.future(pb2.TranslateRequest(texts=[SHORT[0]], model="rnn"), timeout=30)
+        short.add_done_callback(lambda _: started.set())
+        assert started.wait(20) and not future.done()  # the short one was done while the long one decoded
+        future.cancel()
+        labels = {"model": "rnn", "version": "1"}
+        wait_for(lambda: h.metric("nmt_cancelled_sentences_total", labels) == 1)
+        wait_for(lambda: h.scheduler("rnn").running == 0)
+        assert future.cancelled()
+        cancelled = {"model": "rnn", "method": "Translate", "code": "CANCELLED"}
+        wait_for(lambda: h.metric("nmt_requests_total", cancelled) == 1)
+    finally:
+        h.close()

@@ -1,0 +1,218 @@
+"""The Transformer's in-place KV cache (nmt-model/2): rows at their own positions, buffers that grow and
+move only the rows that moved, and versions exported before it (nmt-model/1, the concatenating cache)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from export.options import LOGIT_TOLERANCE
+from nmt.model_format.layout import MANIFEST_FILE
+from nmt.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
+from server.engine import Engine
+from server.step_models import INITIAL_CAPACITY
+from server.types import DecodingOptions
+from training.models.checkpoint import load_checkpoint
+
+TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
+
+
+@pytest.fixture(scope="module")
+def engines(model_version_dir):
+    return {state: Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, device_state=state)
+            for state in (False, True)}
+
+
+def encode(engine: Engine, text: str) -> tuple[dict, dict]:
+    src = np.array([engine.tokenize(text) + [engine.eos_id]], dtype=np.int64)
+    encoded = engine.model.encode(src)
+    return ({name: encoded[name] for name in engine.model.static_names},
+            {name: encoded[name] for name in engine.model.state_names})
+
+
+def advance(engine: Engine, static: dict, state: dict, tokens: list[int]) -> dict:
+    """``state`` after teacher-forcing one row through ``tokens``."""
+    for token in tokens:
+        state = engine.model.step(np.array([token]), static, state, False, 1).state
+    return state
+
+
+@pytest.mark.parametrize("device_state", [False, True])
+def test_rows_at_different_positions_decode_as_alone(engines, device_state):
+    """Rows decoded separately, then joined with concat_rows (different source lengths and cache capacities,
+    zero-padded), give each row the next-token distribution it has alone, within 1e-5."""
+    engine = engines[device_state]
+    model = engine.model
+    assert model.per_row_positions
+    targets = {"one two three": [engine.start_id] + list(range(5, 5 + INITIAL_CAPACITY + 3)),  # grown once
+               "seven": [engine.start_id, 7], "eight nine ten one two": [engine.start_id]}
+    rows = []
+    for text, tokens in targets.items():
+        static, state = encode(engine, text)
+        rows.append((static, advance(engine, static, state, tokens[:-1]), tokens[-1]))
+    static, state = rows[0][0], rows[0][1]
+    for other_static, other_state, _ in rows[1:]:
+        static, state = model.concat_rows(static, other_static), model.concat_rows(state, other_state)
+    positions = np.array([len(tokens) - 1 for tokens in targets.values()])
+    np.testing.assert_array_equal(state[model.positions], positions)
+    tokens = np.array([token for _, _, token in rows])
+    joined = model.step(tokens, static, state, True, 3, full=True)
+    explicit = model.step(tokens, static, state, True, 3, full=True, positions=positions)
+    for i, (row_static, row_state, token) in enumerate(rows):
+        alone = model.step(np.array([token]), row_static, row_state, True, 3, full=True)
+        np.testing.assert_allclose(joined.log_probs[i], alone.log_probs[0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(explicit.log_probs[i], alone.log_probs[0], atol=1e-5, rtol=0)
+        width = alone.attention.shape[1]
+        np.testing.assert_allclose(joined.attention[i, :width], alone.attention[0], atol=1e-5, rtol=0)
+        assert (joined.attention[i, width:] == 0).all(), "a shorter source's padding gets no attention"
+        np.testing.assert_array_equal(joined.top_ids[i], alone.top_ids[0])
+    np.testing.assert_array_equal(joined.state[model.positions], positions + 1)
+
+
+@pytest.mark.parametrize("device_state", [False, True])
+def test_cache_grows_and_matches_pytorch(engines, tiny_runs, device_state):
+    """A padded two-sentence batch teacher-forced for 40 steps (the buffers grow 16 -> 32 -> 64) keeps
+    PyTorch's log-probabilities within the export tolerance at every step."""
+    engine = engines[device_state]
+    model, _ = load_checkpoint(tiny_runs["transformer"] / "best.pt")
+    src = np.full((2, 6), engine.pad_id, dtype=np.int64)
+    for i, text in enumerate(["one two three four five", "six"]):
+        ids = engine.tokenize(text) + [engine.eos_id]
+        src[i, : len(ids)] = ids
+    encoded = engine.model.encode(src)
+    static = {name: encoded[name] for name in engine.model.static_names}
+    state = {name: encoded[name] for name in engine.model.state_names}
+    tokens = np.array([engine.start_id, engine.start_id])
+    with torch.no_grad():
+        torch_state = model.init_state(model.encode(torch.from_numpy(src)))
+        for step in range(40):
+            logits, _, torch_state = model.decode_step(torch.from_numpy(tokens), torch_state)
+            out = engine.model.step(tokens, static, state, False, 1, full=True)
+            np.testing.assert_allclose(out.log_probs, logits.log_softmax(-1).numpy(), atol=LOGIT_TOLERANCE, rtol=0)
+            state, tokens = out.state, np.array([5 + step % 7, 9 + step % 5])
+    key = state["past_key_0"]
+    assert (key.shape if isinstance(key, np.ndarray) else tuple(key.shape()))[2] == 64
+
+
+def test_select_rows_moves_only_the_rows_that_moved(engines):
+    engine = engines[False]
+    model = engine.model
+    static, state = encode(engine, "three four five")
+    four = np.zeros(4, dtype=np.int64)  # one sentence, four rows
+    static, state = model.select_rows(static, four), model.select_rows(state, four)
+    state = advance_rows(engine, static, state, 3)
+    buffer = state["past_key_0"]
+    before = buffer.copy()
+
+    kept = model.select_rows(state, np.array([0, 1, 3, 3]))  # one row of four moves: in place
+    assert np.shares_memory(kept["past_key_0"], buffer)
+    np.testing.assert_array_equal(kept["past_key_0"][[0, 1, 3]], before[[0, 1, 3]])  # untouched
+    np.testing.assert_array_equal(kept["past_key_0"][2, :, :3], before[3, :, :3])
+    np.testing.assert_array_equal(kept[model.positions], [3, 3, 3, 3])
+
+    fewer = model.select_rows(kept, np.array([0, 1, 2]))  # rows leaving from the end: a view, nothing copied
+    assert np.shares_memory(fewer["past_key_0"], buffer) and fewer["past_key_0"].shape[0] == 3
+
+    reordered = model.select_rows(fewer, np.array([2, 1, 0]))  # most rows move: gathered into a new buffer
+    assert not np.shares_memory(reordered["past_key_0"], buffer)
+    np.testing.assert_array_equal(reordered["past_key_0"][:, :, :3], before[[3, 1, 0], :, :3])
+
+
+def advance_rows(engine: Engine, static: dict, state: dict, steps: int) -> dict:
+    """Rows of ``state`` after ``steps`` steps of different tokens per row."""
+    rows = len(state[engine.model.positions])
+    for step in range(steps):
+        tokens = np.arange(rows, dtype=np.int64) + 5 + step
+        out = engine.model.step(tokens, static, state, False, 1)
+        assert all(out.state[name] is state[name] for name in engine.model.buffers), "written in place"
+        state = out.state
+    return state
+
+
+# ------------------------------------------------------------------------------ versions exported before
+
+
+def concat_layout(version_dir: Path, target: Path) -> Path:
+    """A copy of an nmt-model/2 Transformer version as versions exported before it were: self-attention
+    ``MultiHeadAttention`` returning ``concat(past, new)``, the position read from ``past_key_0``'s length,
+    no ``positions`` input, ``empty`` state entries and format nmt-model/1."""
+    shutil.copytree(version_dir, target)
+    manifest = read_manifest(target)
+    for role in ("decoder", "decoder_attention"):
+        path = target / manifest.graphs[role]
+        model = onnx.load(str(path))
+        graph = model.graph
+        for index, node in enumerate(graph.node):
+            if node.op_type == "GroupQueryAttention":
+                heads = next(a.i for a in node.attribute if a.name == "num_heads")
+                mha = helper.make_node("MultiHeadAttention", [*node.input[:3], "", "", "", *node.input[3:5]],
+                                       list(node.output), domain="com.microsoft", num_heads=heads)
+                graph.node[index].CopyFrom(mha)
+        graph.initializer.append(helper.make_tensor("legacy_length_axis", TensorProto.INT64, [], [2]))
+        graph.node.insert(0, helper.make_node("Expand", ["legacy_length", "legacy_rows"], [manifest.decoder_positions]))
+        graph.node.insert(0, helper.make_node("Shape", ["input_ids"], ["legacy_rows"]))
+        graph.node.insert(0, helper.make_node("Gather", ["legacy_shape", "legacy_length_axis"], ["legacy_length"]))
+        graph.node.insert(0, helper.make_node("Shape", ["past_key_0"], ["legacy_shape"]))
+        inputs = [value for value in graph.input if value.name != manifest.decoder_positions]
+        del graph.input[:]
+        graph.input.extend(inputs)
+        for node in [n for n in graph.node if n.output and n.output[0] in ("cache_seqlens", "cache_capacity",
+                                                                            "cache_capacity_64", "cache_shape")]:
+            graph.node.remove(node)
+        onnx.save(model, str(path))
+    data = json.loads((target / MANIFEST_FILE).read_text())
+    data["format"] = "nmt-model/1"
+    del data["decoder_positions"]
+    for entry in data["decoder_state"]:
+        entry["init"] = "empty"
+        del entry["capacity_axis"]
+    data["files"] = {name: sha256_file(target / name) for name in data["files"]}
+    (target / MANIFEST_FILE).write_text(json.dumps(data))
+    return target
+
+
+@pytest.fixture(scope="module")
+def concat_version(model_version_dir, tmp_path_factory) -> Path:
+    return concat_layout(model_version_dir, tmp_path_factory.mktemp("legacy") / "1")
+
+
+@pytest.mark.parametrize("device_state", [False, True])
+def test_versions_exported_before_decode_as_before(concat_version, engines, tiny_runs, device_state):
+    """An nmt-model/1 version (concatenating cache) still loads and decodes: the same hypotheses,
+    scores and attention as the in-place version of the same weights."""
+    legacy = Engine.load(concat_version, provider="cpu", intra_op_threads=1, device_state=device_state)
+    assert legacy.manifest.format == "nmt-model/1" and not legacy.model.per_row_positions
+    assert legacy.model.state_names == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
+    for beam in (1, 4):
+        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
+        for ours, theirs in zip(legacy.translate(TEXTS, options), engines[False].translate(TEXTS, options),
+                                strict=True):
+            assert [h.token_ids for h in ours.hypotheses] == [h.token_ids for h in theirs.hypotheses]
+            for a, b in zip(ours.hypotheses, theirs.hypotheses, strict=True):
+                assert a.score == pytest.approx(b.score, abs=1e-5)
+                np.testing.assert_allclose(a.attention.subword_weights, b.attention.subword_weights, atol=1e-5)
+    static, state = encode(legacy, "one two")
+    state = advance(legacy, static, state, [legacy.start_id, 5])
+    legacy.model.step(np.array([6]), static, state, False, 1, positions=np.array([2]))  # its own position: fine
+    with pytest.raises(ValueError, match="concatenating KV cache .* export it again"):
+        legacy.model.step(np.array([6]), static, state, False, 1, positions=np.array([1]))
+
+
+def test_manifest_buffer_entries_are_validated(model_version_dir):
+    manifest = read_manifest(model_version_dir)
+    data = manifest.to_dict()
+    assert Manifest.from_dict({**data, "format": "nmt-model/1"}).format == "nmt-model/1"
+    with pytest.raises(ManifestError, match=r"unsupported format 'nmt-model/3' .*nmt-model/1, nmt-model/2"):
+        Manifest.from_dict({**data, "format": "nmt-model/3"})
+    with pytest.raises(ManifestError, match="decoder_positions"):
+        Manifest.from_dict({**data, "decoder_positions": ""})
+    broken = [dict(entry, capacity_axis=None) for entry in data["decoder_state"]]
+    with pytest.raises(ManifestError, match="capacity_axis"):
+        Manifest.from_dict({**data, "decoder_state": [{k: v for k, v in e.items() if v is not None} for e in broken]})
