@@ -2,7 +2,7 @@
 
 ::
 
-    from clients.client import TranslatorClient, TranslationError
+    from clients import TranslatorClient, TranslationError
 
     with TranslatorClient("127.0.0.1:50051") as client:
         [result] = client.translate("one two", beam_size=4, num_hypotheses=2, scores=True, attention=True)
@@ -13,9 +13,9 @@
 
 :class:`AsyncTranslatorClient` is the ``grpc.aio`` twin (``async with`` / ``await client.translate(...)``).
 
-Protobufs stop here: results are the plain dataclasses below (:class:`Translation`, :class:`Hypothesis`,
-:class:`Attention`, :class:`ModelInfo`), and every failed call raises :class:`TranslationError` with the
-gRPC status code and the server's message.
+Protobufs stop here: results are the plain dataclasses of :mod:`clients.messages` (:class:`Translation`,
+:class:`Hypothesis`, :class:`Attention`, :class:`ModelInfo`), and every failed call raises
+:class:`TranslationError` with the gRPC status code and the server's message.
 
 **Deadlines.** Every call has one: the client's ``timeout`` (default 30 s) unless the call passes its
 own. The deadline covers the whole call, retries and back-off included.
@@ -49,12 +49,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import random
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,7 +61,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.channel import DEFAULT_KEEPALIVE, channel_options, channel_target, credentials_for, split_addresses
-from nmt.errors import NmtError
+from clients.messages import (
+    ModelInfo,
+    Translation,
+    TranslationError,
+    build_request,
+    build_score_request,
+    error_from_rpc,
+    model_info_from_pb,
+    translations_from_pb,
+)
 from server.protos import pb2, pb2_grpc
 
 log = logging.getLogger("nmt.client")
@@ -71,105 +79,6 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0  # seconds, per call, retries included
 REQUEST_ID_KEY = "x-request-id"
 AUTHORIZATION_KEY = "authorization"
-
-
-# ---- results ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Attention:
-    """Word-level cross-attention of one hypothesis.
-
-    ``weights[t][s]`` is the attention of target word ``t`` (row) on source word ``s`` (column); each
-    row sums to 1. ``alignments`` are the hard word alignments as ``(source_index, target_index)``
-    pairs, the pairs ``pharaoh`` writes as ``"s-t s-t ..."``.
-    """
-
-    source_words: list[str]
-    target_words: list[str]
-    weights: list[list[float]]
-    alignments: list[tuple[int, int]]
-    pharaoh: str
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(target words, source words)``."""
-        return len(self.target_words), len(self.source_words)
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    """One translation candidate.
-
-    ``tokens`` are the target words (the rows of ``attention``), ``subword_tokens`` the model's pieces.
-    ``score`` (length-normalised log-probability) and ``token_scores`` (per subword piece, end of sentence
-    included) are ``None`` unless the call asked for ``scores``; ``attention`` is ``None`` unless it asked
-    for ``attention``.
-    """
-
-    text: str
-    tokens: list[str]
-    subword_tokens: list[str]
-    score: float | None = None
-    token_scores: list[float] | None = None
-    attention: Attention | None = None
-
-
-@dataclass(frozen=True)
-class Translation:
-    """The translation of one text: its source words (the attention's columns) and hypotheses, best first."""
-
-    source_tokens: list[str]
-    hypotheses: list[Hypothesis]
-    model: str = ""  # the model and version that translated it
-    model_version: str = ""
-
-    @property
-    def best(self) -> Hypothesis:
-        return self.hypotheses[0]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """One loaded model version, as ``ListModels`` describes it."""
-
-    name: str
-    version: str
-    architecture: str = ""
-    source_language: str = ""
-    target_language: str = ""
-    target_languages: tuple[str, ...] = ()  # a multilingual model's choices for ``target_language``
-    is_default: bool = False  # the model used when a request names none
-    is_latest: bool = False  # the version used when a request names none
-    execution_provider: str = ""
-    precision: str = ""
-    default_beam_size: int = 0
-    max_beam_size: int = 0
-    test_bleu: float = 0.0
-    training_corpus: str = ""
-
-
-class TranslationError(NmtError):
-    """A call failed: ``code`` is its gRPC status, ``message`` the server's (or gRPC's) explanation.
-
-    ``str(error)`` is ``"<STATUS>: <message>"``; ``request_id`` is the ``x-request-id`` the call carried
-    (search the server's logs for it) and ``attempts`` how many attempts were made.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str, request_id: str | None = None, *,
-                 attempts: int = 1) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-        self.attempts = attempts
-
-    def __reduce__(self) -> Any:  # picklable despite the keyword-only argument
-        return _rebuild_error, (self.code, self.message, self.request_id, self.attempts)
-
-
-def _rebuild_error(code: grpc.StatusCode, message: str, request_id: str | None, attempts: int) -> TranslationError:
-    return TranslationError(code, message, request_id, attempts=attempts)
 
 
 # ---- retry policy ---------------------------------------------------------------------------------------------
@@ -209,121 +118,6 @@ class RetryPolicy:
 
     def should_retry(self, code: grpc.StatusCode | None, attempt: int) -> bool:
         return code in self.retryable_codes and attempt < self.max_attempts
-
-
-# ---- protobuf <-> dataclasses (the only place results meet protobufs) ---------------------------------------
-
-
-def _texts(texts: str | Iterable[str]) -> list[str]:
-    if isinstance(texts, str):
-        return [texts]
-    items = list(texts)
-    for i, text in enumerate(items):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
-    return items
-
-
-def _count(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32:
-        raise ValueError(f"{name} must be an integer >= 0 (0: the model's default), got {value!r}")
-    return value
-
-
-def build_request(texts: str | Iterable[str], *, model: str = "", version: str = "", beam_size: int = 0,
-                  num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
-                  attention: bool = False, scores: bool = False, target_language: str = "",
-                  target_prefixes: Sequence[str] = (), alternatives: bool = False) -> Any:
-    """A ``TranslateRequest`` (zeros mean the model's defaults; ``target_language`` picks a multilingual
-    model's output language; ``target_prefixes``, none or one per text, force each translation's start;
-    ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix)."""
-    if not math.isfinite(length_penalty) or length_penalty < 0:
-        raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
-                         f"got {length_penalty!r}")
-    options = pb2.DecodingOptions(
-        beam_size=_count("beam_size", beam_size), num_hypotheses=_count("num_hypotheses", num_hypotheses),
-        max_length=_count("max_length", max_length), length_penalty=float(length_penalty),
-        return_attention=bool(attention), return_scores=bool(scores), return_alternatives=bool(alternatives),
-    )
-    return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
-                                target_language=target_language, target_prefixes=list(target_prefixes))
-
-
-def build_score_request(texts: str | Iterable[str], targets: str | Iterable[str], *, model: str = "",
-                        version: str = "", attention: bool = False, length_penalty: float = 0.0,
-                        target_language: str = "") -> Any:
-    """A ``ScoreRequest``: the texts and their given translations, one per text."""
-    if not math.isfinite(length_penalty) or length_penalty < 0:
-        raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
-                         f"got {length_penalty!r}")
-    return pb2.ScoreRequest(texts=_texts(texts), targets=_texts(targets), model=model, model_version=version,
-                            return_attention=bool(attention), length_penalty=float(length_penalty),
-                            target_language=target_language)
-
-
-def attention_from_pb(message: Any, source_words: Sequence[str], target_words: Sequence[str]) -> Attention:
-    rows, columns = int(message.target_length), int(message.source_length)
-    flat = list(message.weights)
-    if len(flat) != rows * columns:
-        raise TranslationError(grpc.StatusCode.INTERNAL, f"malformed attention: {len(flat)} weights for a "
-                                                         f"{rows} x {columns} matrix")
-    weights = [flat[r * columns:(r + 1) * columns] for r in range(rows)]
-    # the server names the rows and columns by the hypothesis' tokens and the source tokens
-    sources = list(source_words) if len(source_words) == columns else [str(i) for i in range(columns)]
-    targets = list(target_words) if len(target_words) == rows else [str(i) for i in range(rows)]
-    return Attention(
-        source_words=sources,
-        target_words=targets,
-        weights=weights,
-        alignments=[(int(a.source_index), int(a.target_index)) for a in message.word_alignments],
-        pharaoh=message.pharaoh,
-    )
-
-
-def hypothesis_from_pb(message: Any, source_words: Sequence[str], *, scores: bool) -> Hypothesis:
-    tokens = list(message.tokens)
-    return Hypothesis(
-        text=message.text,
-        tokens=tokens,
-        subword_tokens=list(message.subword_tokens),
-        score=float(message.score) if scores else None,
-        token_scores=[float(s) for s in message.token_scores] if scores else None,
-        attention=attention_from_pb(message.attention, source_words, tokens)
-        if message.HasField("attention") else None,
-    )
-
-
-def translations_from_pb(response: Any, *, scores: bool) -> list[Translation]:
-    result = []
-    for item in response.translations:
-        source = list(item.source_tokens)
-        result.append(Translation(
-            source_tokens=source,
-            hypotheses=[hypothesis_from_pb(h, source, scores=scores) for h in item.hypotheses],
-            model=response.model,
-            model_version=response.model_version,
-        ))
-    return result
-
-
-def model_info_from_pb(message: Any) -> ModelInfo:
-    return ModelInfo(
-        name=message.name, version=message.version, architecture=message.architecture,
-        source_language=message.source_language, target_language=message.target_language,
-        is_default=message.is_default, is_latest=message.is_latest,
-        execution_provider=message.execution_provider, precision=message.precision,
-        default_beam_size=int(message.default_beam_size), max_beam_size=int(message.max_beam_size),
-        test_bleu=float(message.test_bleu), training_corpus=message.training_corpus,
-        target_languages=tuple(message.target_languages),
-    )
-
-
-def error_from_rpc(error: grpc.RpcError, request_id: str | None, attempts: int = 1) -> TranslationError:
-    """An ``RpcError`` (sync or aio) -> :class:`TranslationError` with its status code and message."""
-    code = error.code() if callable(getattr(error, "code", None)) else None
-    details = error.details() if callable(getattr(error, "details", None)) else None
-    code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-    return TranslationError(code, details or code.name.lower().replace("_", " "), request_id, attempts=attempts)
 
 
 class _ClientBase:

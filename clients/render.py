@@ -1,6 +1,6 @@
 """Alignment rendering: a terminal grid and heatmap files (PNG/SVG/PDF with matplotlib, HTML without).
 
-Both take an :class:`clients.client.Attention` (or anything with ``source_words``, ``target_words``,
+Both take an :class:`clients.messages.Attention` (or anything with ``source_words``, ``target_words``,
 ``weights`` [target][source] and ``alignments`` as ``(source_index, target_index)`` pairs). Target
 words are the rows, source words the columns, as in the weights matrix.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from nmt.errors import NmtError
 
 if TYPE_CHECKING:
-    from clients.client import Attention
+    from clients.messages import Attention
 
 UNICODE_SHADES = " ░▒▓█"
 ASCII_SHADES = " .:+#"

@@ -27,16 +27,8 @@ from typing import Any
 import grpc
 import pytest
 
-from clients.client import (
-    AsyncTranslatorClient,
-    Attention,
-    Hypothesis,
-    ModelInfo,
-    RetryPolicy,
-    Translation,
-    TranslationError,
-    TranslatorClient,
-)
+from clients.client import AsyncTranslatorClient, RetryPolicy, TranslatorClient
+from clients.messages import Attention, Hypothesis, ModelInfo, Translation, TranslationError
 from clients.render import alignment_grid, save_heatmap
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError

@@ -29,7 +29,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.channel import channel_target, service_config
-from clients.client import TranslationError, TranslatorClient
+from clients.client import TranslatorClient
+from clients.messages import TranslationError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
 from server.protos import SERVICE_NAME

@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import TranslationError, TranslatorClient
+from clients.client import TranslatorClient
+from clients.messages import TranslationError
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from server.auth import Authenticator
