@@ -330,10 +330,13 @@ class RunningDecode:
         # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
         candidates = (self._totals[sentence_rows][:, :, None] + np.where(given, 0.0, block_scores)).reshape(n, -1)
         order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam]
-        top_scores = np.take_along_axis(candidates, order, 1)
-        token = np.take_along_axis(block_tokens, order, 1)
-        token_score = np.take_along_axis(block_scores.reshape(n, -1), order, 1)
-        origin = np.take_along_axis(sentence_rows, order // per_row, 1)  # the row each candidate extends
+        # fancy indexing with the sentence index, not np.take_along_axis: the same values, a tenth of the
+        # Python overhead (~40 us per call on a 2-core host, nine calls a step)
+        each = np.arange(n)[:, None]
+        top_scores = candidates[each, order]
+        token = block_tokens[each, order]
+        token_score = block_scores.reshape(n, -1)[each, order]
+        origin = sentence_rows[each, order // per_row]  # the row each candidate extends
         valid = top_scores > NEG_INF
         is_eos = (token == self.eos_id) & valid
         live = ~is_eos & valid
@@ -351,7 +354,7 @@ class RunningDecode:
         kj, kc = np.nonzero(keep)
         chosen[kj, (np.cumsum(keep, axis=1) - 1)[kj, kc]] = kc
         has_live = chosen[:, 0] >= 0
-        best_live = np.where(has_live, np.take_along_axis(top_scores, np.maximum(chosen[:, :1], 0), 1)[:, 0], NEG_INF)
+        best_live = np.where(has_live, top_scores[each[:, 0], np.maximum(chosen[:, 0], 0)], NEG_INF)
 
         survivors = []
         for j, s in enumerate(sentences):
@@ -372,10 +375,11 @@ class RunningDecode:
         picked = chosen[keep_rows]  # [n', beam]
         alive = picked >= 0
         safe = np.maximum(picked, 0)
-        new_origin = np.where(alive, np.take_along_axis(origin[keep_rows], safe, 1), origin[keep_rows, :1])
-        new_token = np.where(alive, np.take_along_axis(token[keep_rows], safe, 1), self.start_id)
-        new_totals = np.where(alive, np.take_along_axis(top_scores[keep_rows], safe, 1), NEG_INF)
-        step_scores = np.take_along_axis(token_score[keep_rows], safe, 1)
+        at = (keep_rows[:, None], safe)
+        new_origin = np.where(alive, origin[at], origin[keep_rows, :1])
+        new_token = np.where(alive, token[at], self.start_id)
+        new_totals = np.where(alive, top_scores[at], NEG_INF)
+        step_scores = token_score[at]
         return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
 
     def _hypothesis(self, s: _Sentence, row: int, token: int, score: float, total: float,
