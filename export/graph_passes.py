@@ -293,3 +293,120 @@ def save_graph(model: onnx.ModelProto, path: Path) -> None:
     """Save with the IR version capped at what the supported onnxruntime reads."""
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     onnx.save(model, str(path))
+
+
+def pack_attention_inputs(model: onnx.ModelProto) -> int:
+    """Feed each ``GroupQueryAttention`` whose query, key and value are the pieces of one ``Split`` (a
+    projection packed by :func:`pack_parallel_matmuls`) the packed tensor itself, as the operator's packed
+    QKV input (in place): the Split goes, and the packed weight's and bias's column blocks are put in
+    query, key, value order. Returns the number of attention nodes changed."""
+    graph = model.graph
+    made = producers(graph)
+    initializers = {init.name: init for init in graph.initializer}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    changed = 0
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 3:
+            continue
+        split = made.get(node.input[0])
+        if (split is None or split.op_type != "Split" or sorted(split.output) != sorted(node.input[:3])
+                or any(readers.get(name, 0) != 1 for name in split.output)):
+            continue
+        blocks = onnx.numpy_helper.to_array(initializers[split.input[1]]) if len(split.input) > 1 else None
+        if blocks is None or len(set(blocks.tolist())) != 1:
+            continue
+        order = [list(split.output).index(name) for name in node.input[:3]]  # q, k, v among the pieces
+        source = made.get(split.input[0])
+        add = source if source is not None and source.op_type == "Add" else None
+        matmul = made.get(add.input[0]) if add is not None else source
+        if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in initializers:
+            continue
+        targets = [matmul.input[1]] + ([add.input[1]] if add is not None else [])
+        if any(name not in initializers or readers.get(name, 0) != 1 for name in targets):
+            continue
+        for name in targets:
+            array = onnx.numpy_helper.to_array(initializers[name])
+            pieces = np.split(array, 3, axis=-1)
+            initializers[name].CopyFrom(onnx.numpy_helper.from_array(
+                np.concatenate([pieces[i] for i in order], axis=-1), name))
+        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+        changed += 1
+    if changed:
+        prune(model)
+    return changed
+
+
+def fold_output_bias(model: onnx.ModelProto) -> int:
+    """``Add(Gemm(x, W), b)`` with constant ``b`` of one row (the output layer's ``final_logits_bias``) becomes
+    ``Gemm(x, W, b)`` (in place): one operator less per step. Returns the number folded."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    made = producers(graph)
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {output.name for output in graph.output}
+    folded = 0
+    for add in list(graph.node):
+        if add.op_type != "Add":
+            continue
+        for position in (0, 1):
+            gemm, bias = made.get(add.input[position]), add.input[1 - position]
+            if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) > 2 or bias not in initializers
+                    or readers.get(gemm.output[0]) != 1 or gemm.output[0] in outputs):
+                continue
+            attributes = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
+            values = onnx.numpy_helper.to_array(initializers[bias])
+            if attributes.get("beta", 1.0) != 1.0 or values.ndim > 2 or (values.ndim == 2 and values.shape[0] != 1):
+                continue
+            name = f"{bias}__gemm_bias"
+            graph.initializer.append(onnx.numpy_helper.from_array(values.reshape(-1), name))
+            gemm.input.append(name)
+            gemm.output[0] = add.output[0]
+            graph.node.remove(add)
+            folded += 1
+            break
+    if folded:
+        prune(model)
+    return folded
+
+
+def fold_embedding_scale(model: onnx.ModelProto) -> int:
+    """``Mul(Gather(table, ids), s)`` with constant scalar ``s`` and a table only that Gather reads becomes
+    ``Gather(table · s, ids)`` (in place): the same products, computed once at export instead of every step.
+    Returns the number folded."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    made = producers(graph)
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {output.name for output in graph.output}
+    folded = 0
+    for mul in list(graph.node):
+        if mul.op_type != "Mul":
+            continue
+        for position in (0, 1):
+            gather, scale = made.get(mul.input[position]), mul.input[1 - position]
+            if (gather is None or gather.op_type != "Gather" or gather.input[0] not in initializers
+                    or scale not in initializers or readers.get(gather.input[0]) != 1
+                    or readers.get(gather.output[0]) != 1 or gather.output[0] in outputs):
+                continue
+            factor = onnx.numpy_helper.to_array(initializers[scale])
+            table = onnx.numpy_helper.to_array(initializers[gather.input[0]])
+            if factor.size != 1 or factor.dtype != table.dtype:
+                continue
+            initializers[gather.input[0]].CopyFrom(
+                onnx.numpy_helper.from_array(table * factor.reshape(()), gather.input[0]))
+            gather.output[0] = mul.output[0]
+            graph.node.remove(mul)
+            folded += 1
+            break
+    if folded:
+        prune(model)
+    return folded

@@ -38,7 +38,16 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
-from export.graph_passes import add_logits, add_top_k, fused_op_counts, pack_parallel_matmuls, save_graph
+from export.graph_passes import (
+    add_logits,
+    add_top_k,
+    fold_embedding_scale,
+    fold_output_bias,
+    fused_op_counts,
+    pack_attention_inputs,
+    pack_parallel_matmuls,
+    save_graph,
+)
 from export.graphs import GraphSet
 from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian, write_marian
 from export.options import OPSETS, ExportOptions
@@ -292,6 +301,9 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         )
     for graph in graph_set.graphs().values():
         pack_parallel_matmuls(graph)
+        pack_attention_inputs(graph)
+        fold_output_bias(graph)
+        fold_embedding_scale(graph)
     for step_graph in (graph_set.decoder, graph_set.decoder_attention):
         add_logits(step_graph)
         add_top_k(step_graph, model.config.eos_id)

@@ -413,7 +413,7 @@ class RunningDecode:
             self._history_scores = self._history_scores[:0]
             self._attention = None
             return
-        moved = not np.array_equal(origin, np.arange(self.rows))
+        moved = origin.size != self.rows or bool((origin != np.arange(origin.size)).any())
         steps = np.array([s.step for s in self._sentences])[row_sentence]
         rows = np.arange(origin.size)
         if moved:

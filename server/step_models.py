@@ -190,10 +190,10 @@ class OnnxStepModel:
                 array = bound[name] = np.empty(shape, dtype=self._output_dtypes[name])
                 binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
             outputs.append(array)
+        new_state = {**state, self.positions: positions + 1}  # before the run, while the caches are warm
         self.sessions[role].run_with_iobinding(binding)
         outputs = [array.copy() for array in outputs]  # the bound arrays are written again next step
         heads = len(TOP_K_OUTPUTS)
-        new_state = {**state, self.positions: positions + 1}
         full_outputs = dict(zip(extra, outputs[len(output_names) - len(extra):], strict=True))
         return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))

@@ -25,7 +25,7 @@ from export.verify import check_parity, engine_step_log_probs, engine_translate_
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
-from nmt.model_format.manifest import ManifestError, read_manifest
+from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from server.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
@@ -218,10 +218,25 @@ def test_projections_of_one_input_are_packed(tiny_models):
         assert len(sources) == len(set(sources)), f"{role}: MatMuls reading the same input are not packed"
     decoder = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES["decoder"])).graph
     made = {output: node for node in decoder.node for output in node.output}
+    attention = [node for node in decoder.node if node.op_type == "GroupQueryAttention"]
+    assert len(attention) == layers
+    for node in attention:  # the packed projection (+ its bias) is the operator's packed QKV input: no Split
+        assert made[node.input[0]].op_type in {"MatMul", "Add"} and node.input[1:3] == ["", ""]
+    assert not any(node.op_type == "Split" for node in decoder.node)
+
+
+def test_output_bias_and_embedding_scale_are_folded(tiny_models):
+    """The decoder step's output layer adds its bias inside the Gemm, and the embedding table is stored
+    scaled: no Add after the Gemm, no Mul after the embedding Gather (parity is checked by the export)."""
+    decoder = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES["decoder"])).graph
+    initializers = {init.name for init in decoder.initializer}
+    made = {output: node for node in decoder.node for output in node.output}
+    [gemm] = [node for node in decoder.node if node.op_type == "Gemm"]
+    assert len(gemm.input) == 3 and made[LOGITS_OUTPUT].op_type == "Gemm"
     for node in decoder.node:
-        if node.op_type == "MultiHeadAttention" and len(node.input) > 6 and node.input[6].startswith("past_key_"):
-            assert {made[name].op_type for name in node.input[:3]} == {"Split"}
-    assert sum(node.op_type == "Split" for node in decoder.node) == layers
+        if node.op_type == "Mul":
+            assert not any(made.get(name) is not None and made[name].op_type == "Gather"
+                           and made[name].input[0] in initializers for name in node.input)
 
 
 def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:

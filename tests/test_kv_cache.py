@@ -149,12 +149,19 @@ def concat_layout(version_dir: Path, target: Path) -> Path:
         path = target / manifest.graphs[role]
         model = onnx.load(str(path))
         graph = model.graph
-        for index, node in enumerate(graph.node):
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
             if node.op_type == "GroupQueryAttention":
                 heads = next(a.i for a in node.attribute if a.name == "num_heads")
-                mha = helper.make_node("MultiHeadAttention", [*node.input[:3], "", "", "", *node.input[3:5]],
-                                       list(node.output), domain="com.microsoft", num_heads=heads)
-                graph.node[index].CopyFrom(mha)
+                qkv = list(node.input[:3])
+                if not qkv[1]:  # packed QKV (query, key, value blocks): MultiHeadAttention takes them apart
+                    qkv = [f"{node.output[0]}_{part}" for part in ("q", "k", "v")]
+                    nodes.append(helper.make_node("Split", [node.input[0]], qkv, axis=-1, num_outputs=3))
+                node = helper.make_node("MultiHeadAttention", [*qkv, "", "", "", *node.input[3:5]],
+                                        list(node.output), domain="com.microsoft", num_heads=heads)
+            nodes.append(node)
+        del graph.node[:]
+        graph.node.extend(nodes)
         graph.initializer.append(helper.make_tensor("legacy_length_axis", TensorProto.INT64, [], [2]))
         graph.node.insert(0, helper.make_node("Expand", ["legacy_length", "legacy_rows"], [manifest.decoder_positions]))
         graph.node.insert(0, helper.make_node("Shape", ["input_ids"], ["legacy_rows"]))
