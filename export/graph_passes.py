@@ -1,5 +1,7 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
-projections, the decoder's in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts."""
+projections (and feeding the packed Q/K/V to the attention operator), folding the output bias and the
+embedding scale into constants, the decoder's in-graph top-k and logits output, Gemm -> MatMul for
+quantization, and op counts."""
 
 from __future__ import annotations
 
@@ -164,6 +166,11 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
     return merged
 
 
+def reader_counts(graph: onnx.GraphProto) -> Counter[str]:
+    """How many node inputs read each tensor name."""
+    return Counter(name for node in graph.node for name in node.input)
+
+
 def perm(node: onnx.NodeProto) -> list[int] | None:
     """A Transpose node's ``perm`` attribute (None when absent)."""
     for attribute in node.attribute:
@@ -303,17 +310,14 @@ def pack_attention_inputs(model: onnx.ModelProto) -> int:
     graph = model.graph
     made = producers(graph)
     initializers = {init.name: init for init in graph.initializer}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = reader_counts(graph)
     changed = 0
     for node in graph.node:
         if node.op_type != "GroupQueryAttention" or len(node.input) < 3:
             continue
         split = made.get(node.input[0])
         if (split is None or split.op_type != "Split" or sorted(split.output) != sorted(node.input[:3])
-                or any(readers.get(name, 0) != 1 for name in split.output)):
+                or any(readers[name] != 1 for name in split.output)):
             continue
         blocks = onnx.numpy_helper.to_array(initializers[split.input[1]]) if len(split.input) > 1 else None
         if blocks is None or len(set(blocks.tolist())) != 1:
@@ -325,7 +329,7 @@ def pack_attention_inputs(model: onnx.ModelProto) -> int:
         if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in initializers:
             continue
         targets = [matmul.input[1]] + ([add.input[1]] if add is not None else [])
-        if any(name not in initializers or readers.get(name, 0) != 1 for name in targets):
+        if any(name not in initializers or readers[name] != 1 for name in targets):
             continue
         for name in targets:
             array = onnx.numpy_helper.to_array(initializers[name])
@@ -345,10 +349,7 @@ def fold_output_bias(model: onnx.ModelProto) -> int:
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     made = producers(graph)
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = reader_counts(graph)
     outputs = {output.name for output in graph.output}
     folded = 0
     for add in list(graph.node):
@@ -357,7 +358,7 @@ def fold_output_bias(model: onnx.ModelProto) -> int:
         for position in (0, 1):
             gemm, bias = made.get(add.input[position]), add.input[1 - position]
             if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) > 2 or bias not in initializers
-                    or readers.get(gemm.output[0]) != 1 or gemm.output[0] in outputs):
+                    or readers[gemm.output[0]] != 1 or gemm.output[0] in outputs):
                 continue
             attributes = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
             values = onnx.numpy_helper.to_array(initializers[bias])
@@ -382,10 +383,7 @@ def fold_embedding_scale(model: onnx.ModelProto) -> int:
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     made = producers(graph)
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = reader_counts(graph)
     outputs = {output.name for output in graph.output}
     folded = 0
     for mul in list(graph.node):
@@ -394,8 +392,8 @@ def fold_embedding_scale(model: onnx.ModelProto) -> int:
         for position in (0, 1):
             gather, scale = made.get(mul.input[position]), mul.input[1 - position]
             if (gather is None or gather.op_type != "Gather" or gather.input[0] not in initializers
-                    or scale not in initializers or readers.get(gather.input[0]) != 1
-                    or readers.get(gather.output[0]) != 1 or gather.output[0] in outputs):
+                    or scale not in initializers or readers[gather.input[0]] != 1
+                    or readers[gather.output[0]] != 1 or gather.output[0] in outputs):
                 continue
             factor = onnx.numpy_helper.to_array(initializers[scale])
             table = onnx.numpy_helper.to_array(initializers[gather.input[0]])
