@@ -6,7 +6,7 @@ quantization, and op counts."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -343,34 +343,48 @@ def pack_attention_inputs(model: onnx.ModelProto) -> int:
     return changed
 
 
-def fold_output_bias(model: onnx.ModelProto) -> int:
-    """``Add(Gemm(x, W), b)`` with constant ``b`` of one row (the output layer's ``final_logits_bias``) becomes
-    ``Gemm(x, W, b)`` (in place): one operator less per step. Returns the number folded."""
+def _fed_by_one(model: onnx.ModelProto, op_type: str, producer_type: str
+                ) -> Iterator[tuple[onnx.NodeProto, onnx.NodeProto, onnx.TensorProto]]:
+    """``(node, producer, constant)`` for each ``op_type`` node whose inputs are a ``producer_type`` node's
+    output (read by nothing else, not a graph output) and a constant: the pairs a folding pass may merge
+    by giving ``producer`` the node's output and removing the node."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     made = producers(graph)
     readers = reader_counts(graph)
     outputs = {output.name for output in graph.output}
-    folded = 0
-    for add in list(graph.node):
-        if add.op_type != "Add":
+    for node in list(graph.node):
+        if node.op_type != op_type:
             continue
         for position in (0, 1):
-            gemm, bias = made.get(add.input[position]), add.input[1 - position]
-            if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) > 2 or bias not in initializers
-                    or readers[gemm.output[0]] != 1 or gemm.output[0] in outputs):
-                continue
-            attributes = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
-            values = onnx.numpy_helper.to_array(initializers[bias])
-            if attributes.get("beta", 1.0) != 1.0 or values.ndim > 2 or (values.ndim == 2 and values.shape[0] != 1):
-                continue
-            name = f"{bias}__gemm_bias"
-            graph.initializer.append(onnx.numpy_helper.from_array(values.reshape(-1), name))
-            gemm.input.append(name)
-            gemm.output[0] = add.output[0]
-            graph.node.remove(add)
-            folded += 1
-            break
+            producer, constant = made.get(node.input[position]), node.input[1 - position]
+            if (producer is not None and producer.op_type == producer_type and constant in initializers
+                    and readers[producer.output[0]] == 1 and producer.output[0] not in outputs):
+                yield node, producer, initializers[constant]
+                break
+
+
+def _bypass(model: onnx.ModelProto, node: onnx.NodeProto, producer: onnx.NodeProto) -> None:
+    """``producer`` takes over ``node``'s output and ``node`` goes."""
+    producer.output[0] = node.output[0]
+    model.graph.node.remove(node)
+
+
+def fold_output_bias(model: onnx.ModelProto) -> int:
+    """``Add(Gemm(x, W), b)`` with constant ``b`` of one row (the output layer's ``final_logits_bias``) becomes
+    ``Gemm(x, W, b)`` (in place): one operator less per step. Returns the number folded."""
+    folded = 0
+    for add, gemm, bias in _fed_by_one(model, "Add", "Gemm"):
+        attributes = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
+        values = onnx.numpy_helper.to_array(bias)
+        if (len(gemm.input) > 2 or attributes.get("beta", 1.0) != 1.0 or values.ndim > 2
+                or (values.ndim == 2 and values.shape[0] != 1)):
+            continue
+        name = f"{bias.name}__gemm_bias"
+        model.graph.initializer.append(onnx.numpy_helper.from_array(values.reshape(-1), name))
+        gemm.input.append(name)
+        _bypass(model, add, gemm)
+        folded += 1
     if folded:
         prune(model)
     return folded
@@ -380,31 +394,19 @@ def fold_embedding_scale(model: onnx.ModelProto) -> int:
     """``Mul(Gather(table, ids), s)`` with constant scalar ``s`` and a table only that Gather reads becomes
     ``Gather(table · s, ids)`` (in place): the same products, computed once at export instead of every step.
     Returns the number folded."""
-    graph = model.graph
-    initializers = {init.name: init for init in graph.initializer}
-    made = producers(graph)
-    readers = reader_counts(graph)
-    outputs = {output.name for output in graph.output}
+    initializers = {init.name: init for init in model.graph.initializer}
+    readers = reader_counts(model.graph)
     folded = 0
-    for mul in list(graph.node):
-        if mul.op_type != "Mul":
+    for mul, gather, scale in _fed_by_one(model, "Mul", "Gather"):
+        table = initializers.get(gather.input[0])
+        if table is None or readers[table.name] != 1:
             continue
-        for position in (0, 1):
-            gather, scale = made.get(mul.input[position]), mul.input[1 - position]
-            if (gather is None or gather.op_type != "Gather" or gather.input[0] not in initializers
-                    or scale not in initializers or readers[gather.input[0]] != 1
-                    or readers[gather.output[0]] != 1 or gather.output[0] in outputs):
-                continue
-            factor = onnx.numpy_helper.to_array(initializers[scale])
-            table = onnx.numpy_helper.to_array(initializers[gather.input[0]])
-            if factor.size != 1 or factor.dtype != table.dtype:
-                continue
-            initializers[gather.input[0]].CopyFrom(
-                onnx.numpy_helper.from_array(table * factor.reshape(()), gather.input[0]))
-            gather.output[0] = mul.output[0]
-            graph.node.remove(mul)
-            folded += 1
-            break
+        factor, values = onnx.numpy_helper.to_array(scale), onnx.numpy_helper.to_array(table)
+        if factor.size != 1 or factor.dtype != values.dtype:
+            continue
+        table.CopyFrom(onnx.numpy_helper.from_array(values * factor.reshape(()), table.name))
+        _bypass(model, mul, gather)
+        folded += 1
     if folded:
         prune(model)
     return folded

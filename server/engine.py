@@ -6,7 +6,8 @@ No torch here. The engine is architecture-agnostic: the manifest names the decod
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 
-The step models live in :mod:`server.step_models` (with the in-place KV cache of ``nmt-model/2``).
+The step models live in :mod:`server.step_models` (with the in-place KV cache of ``nmt-model/2``) and
+:mod:`server.device_step_model`.
 
 The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.device`).
 """
@@ -36,10 +37,11 @@ from server.device import (
     runtime_build,
     session_provider,
 )
+from server.device_step_model import DeviceStepModel
 from server.errors import DeviceMemoryExhausted, InvalidArgument
 from server.forced import decode
 from server.search import BeamSentence, SearchResult
-from server.step_models import DeviceStepModel, OnnxStepModel
+from server.step_models import OnnxStepModel
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, TargetPrefix, Translation
 
 

@@ -1,8 +1,8 @@
 """The :class:`server.search.StepModel` of an exported model version: ONNX Runtime sessions driven step by step.
 
 :class:`OnnxStepModel` keeps the static inputs and the recurrent state as NumPy arrays that share ONNX
-Runtime's memory (the CPU); :class:`DeviceStepModel` keeps them on the execution provider's device as
-``OrtValue`` buffers (CUDA), selecting and joining rows there with small graphs.
+Runtime's memory (the CPU); :class:`server.device_step_model.DeviceStepModel` keeps them on the execution
+provider's device as ``OrtValue`` buffers (CUDA), selecting and joining rows there with small graphs.
 
 A Transformer exported as ``nmt-model/2`` keeps its self-attention KV cache in place: the state holds
 preallocated [rows, heads, capacity, head_dim] buffers and each row's position; the decoder writes each
@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import (
@@ -78,7 +77,7 @@ class OnnxStepModel:
         batch = src.shape[0]
         for entry in self.state:
             if entry.init in ("empty", "buffer"):
-                encoded[entry.input] = np.zeros(_initial_shape(entry, batch), dtype=entry.dtype or "float32")
+                encoded[entry.input] = np.zeros(initial_shape(entry, batch), dtype=entry.dtype or "float32")
         if self.positions:
             encoded[self.positions] = np.zeros(batch, dtype=np.int64)
         return encoded
@@ -105,7 +104,7 @@ class OnnxStepModel:
         output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
         if need_attention:
             output_names.append("attention")
-        extra = _extra_outputs(full, logits)
+        extra = extra_outputs(full, logits)
         outputs = session.run(output_names + extra, feeds)
         heads = len(TOP_K_OUTPUTS)
         new_state = {entry.input: outputs[heads + i] for i, entry in enumerate(self.state)}
@@ -159,7 +158,7 @@ class OnnxStepModel:
         positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
         state = self._reserve(state, int(positions.max()) + 1)
         role = "decoder_attention" if need_attention else "decoder"
-        extra = _extra_outputs(full, logits)
+        extra = extra_outputs(full, logits)
         output_names = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
         binding, bound = self._binding(role, output_names)
         for name, value in (("input_ids", tokens), (self.positions, positions)):
@@ -289,12 +288,12 @@ class OnnxStepModel:
         return [entry.input for entry in self.state] + ([self.positions] if self.positions else [])
 
 
-def _extra_outputs(full: bool, logits: bool) -> list[str]:
+def extra_outputs(full: bool, logits: bool) -> list[str]:
     """The [R, V] outputs a step fetches besides the top k: the distribution, and its logits."""
     return (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
 
 
-def _initial_shape(entry: StateTensor, batch: int) -> tuple[int, ...]:
+def initial_shape(entry: StateTensor, batch: int) -> tuple[int, ...]:
     """The first value of an ``empty`` state entry, or of a ``buffer`` at :data:`INITIAL_CAPACITY`."""
     shape = [batch, *entry.shape]
     if entry.capacity_axis is not None:
@@ -319,193 +318,4 @@ def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: S
     return buffer[: len(rows)]
 
 
-class DeviceStepModel(OnnxStepModel):
-    """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
-    Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
-    selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
-    top-k, the EOS log-prob and (when asked) the attention back to the host.
-
-    For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
-    it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
-    binding logic on machines without a GPU.
-
-    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
-    here, at load, with the decoder's options and providers (device id and memory limit included)."""
-
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
-        super().__init__(manifest, sessions)
-        self.device = device
-        types = {o.type for o in sessions["encoder"].get_outputs()}
-        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
-        self._gathers = {element_type: self._device_session("gather", element_type) for element_type in sorted(types)}
-        self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # (pad | concat, element type) -> session
-
-    def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue | np.ndarray]:
-        session = self.sessions["encoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("src_ids", src)
-        names = [o.name for o in session.get_outputs()]
-        for name in names:
-            binding.bind_output(name, self.device)
-        session.run_with_iobinding(binding)
-        encoded: dict[str, ort.OrtValue | np.ndarray] = dict(zip(names, binding.get_outputs(), strict=True))
-        for entry in self.state:
-            if entry.init in ("empty", "buffer"):
-                zeros = np.zeros(_initial_shape(entry, src.shape[0]), dtype=entry.dtype or "float32")
-                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
-        if self.positions:  # positions stay on the host: the engine reads them to size the buffers
-            encoded[self.positions] = np.zeros(src.shape[0], dtype=np.int64)
-        return encoded
-
-    def step(
-        self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, Any],
-        need_attention: bool, k: int, full: bool = False, positions: np.ndarray | None = None,
-        logits: bool = False,
-    ) -> StepOutput:
-        if self.positions:
-            positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
-            state = self._reserve(state, int(positions.max()) + 1)
-        else:
-            self._check_shared_position(state, positions)
-        session = self.sessions["decoder_attention" if need_attention else "decoder"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", tokens)
-        if self.positions:
-            binding.bind_cpu_input(self.positions, positions)
-        for name, value in static.items():
-            binding.bind_ortvalue_input(name, value)
-        for entry in self.state:
-            binding.bind_ortvalue_input(entry.input, state[entry.input])
-        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
-        extra = _extra_outputs(full, logits)
-        host = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
-        for name in host:
-            binding.bind_output(name, "cpu")
-        for entry in self.state:  # an in-place buffer is its own output; the rest get new device memory
-            if entry.init == "buffer":
-                binding.bind_ortvalue_output(entry.output, state[entry.input])
-            else:
-                binding.bind_output(entry.output, self.device)
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # in binding order
-        # a buffer stays the OrtValue it was (which keeps a host array it wraps alive), not get_outputs()'s twin
-        new_state = {entry.input: state[entry.input] if entry.init == "buffer" else outputs[len(host) + i]
-                     for i, entry in enumerate(self.state)}
-        if self.positions:
-            new_state[self.positions] = positions + 1
-        values = [value.numpy() for value in outputs[: len(host)]]
-        heads = len(TOP_K_OUTPUTS)
-        full_outputs = dict(zip(extra, values[len(host) - len(extra):], strict=True))
-        return StepOutput(*values[:heads], values[heads] if need_attention else None, new_state,
-                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
-
-    def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
-              state: dict[str, Any], need_attention: bool) -> ForcedOutput:
-        """:meth:`OnnxStepModel.force` with the static inputs and the resulting cache on the device."""
-        session = self.sessions.get(FORCED_GRAPH)
-        if session is None:
-            return stepwise_force(self, inputs, targets, static, state, need_attention)
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", inputs)
-        binding.bind_cpu_input("target_ids", targets)
-        for name, value in static.items():
-            binding.bind_ortvalue_input(name, value)
-        heads = ["target_log_probs", "last_log_probs", "attention"]
-        for name in heads:
-            binding.bind_output(name, "cpu")
-        for entry in self.state:
-            binding.bind_output(entry.output, self.device)
-        session.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        outputs = dict(zip([*heads, *(entry.output for entry in self.state)], values, strict=True))
-        return ForcedOutput(outputs["target_log_probs"].numpy(), outputs["last_log_probs"].numpy(),
-                            outputs["attention"].numpy() if need_attention else None,
-                            self.state_from_forced(outputs, inputs.shape[1]))
-
-
-    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-        """Rows by a ``Gather`` on the device (the whole tensor; positions are gathered on the host)."""
-        selected = {}
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
-        for name, value in tensors.items():
-            if isinstance(value, np.ndarray):
-                selected[name] = value[rows]
-                continue
-            selected[name] = self._run("gather", value.data_type(), x=value, rows=rows_value)
-        return selected
-
-    def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`OnnxStepModel.concat_rows` on the device: ``Pad`` then ``Concat`` graphs."""
-        joined = {}
-        for name, a in first.items():
-            b = second[name]
-            if isinstance(a, np.ndarray):
-                joined[name] = concat_rows({name: a}, {name: b})[name]
-                continue
-            width = np.maximum(a.shape()[1:], b.shape()[1:])
-            a, b = (self._pad(value, [int(w) for w in width]) for value in (a, b))
-            joined[name] = self._run("concat", a.data_type(), a=a, b=b)
-        return joined
-
-    def _grow(self, buffer: ort.OrtValue, entry: StateTensor, capacity: int) -> ort.OrtValue:
-        shape = buffer.shape()[1:]
-        shape[entry.capacity_axis - 1] = capacity
-        return self._pad(buffer, shape)
-
-    def _pad(self, value: ort.OrtValue, shape: list[int]) -> ort.OrtValue:
-        """``value`` zero-padded at the end of its non-row axes to ``shape`` (rows excluded)."""
-        have = value.shape()
-        if list(have[1:]) == list(shape):
-            return value
-        pads = np.array([0] * len(have) + [0] + [want - got for got, want in zip(have[1:], shape, strict=True)])
-        return self._run("pad", value.data_type(), x=value, pads=ort.OrtValue.ortvalue_from_numpy(pads))
-
-    def _run(self, kind: str, element_type: str, **inputs: ort.OrtValue) -> ort.OrtValue:
-        """One of the small device graphs (:data:`_DEVICE_GRAPHS`) on ``inputs``; returns its output there."""
-        if kind == "gather":
-            session = self._gathers[element_type]
-        else:
-            key = (kind, element_type)
-            if key not in self._sessions:
-                self._sessions[key] = self._device_session(kind, element_type)
-            session = self._sessions[key]
-        binding = session.io_binding()
-        for name, value in inputs.items():
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_output("y", self.device)
-        session.run_with_iobinding(binding)
-        return binding.get_outputs()[0]
-
-    def _device_session(self, kind: str, element_type: str) -> ort.InferenceSession:
-        """A one-node session of :data:`_DEVICE_GRAPHS` for tensors of ``element_type`` ("tensor(float)"),
-        with the decoder's options and providers (device id and memory limit included)."""
-        dtype = _ELEMENT_TYPES[element_type]
-        op, inputs, attributes = _DEVICE_GRAPHS[kind]
-        graph = helper.make_graph(
-            [helper.make_node(op, list(inputs), ["y"], **attributes)], kind,
-            [helper.make_tensor_value_info(name, dtype if typed else TensorProto.INT64, None)
-             for name, typed in inputs.items()],
-            [helper.make_tensor_value_info("y", dtype, None)],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-        decoder = self.sessions["decoder"]
-        options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
-        providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
-        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
-
-    @property
-    def gather_sessions(self) -> dict[str, ort.InferenceSession]:
-        """Element type -> the ``Gather`` session that selects rows of such tensors."""
-        return self._gathers
-
-
-# kind -> (operator, its inputs (name -> of the tensors' element type, else int64), attributes)
-_DEVICE_GRAPHS = {
-    "gather": ("Gather", {"x": True, "rows": False}, {"axis": 0}),  # select_rows
-    "pad": ("Pad", {"x": True, "pads": False}, {}),  # zeros at the end of non-row axes (cache growth, joins)
-    "concat": ("Concat", {"a": True, "b": True}, {"axis": 0}),  # concat_rows
-}
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
-_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
-                  "tensor(bool)": TensorProto.BOOL}
