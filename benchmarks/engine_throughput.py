@@ -242,7 +242,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
                "ort_spinning": args.ort_spinning,
                "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
                "check": sources(8, vocab, seed=7),
-               "attention_cell": max(args.batches) if precision == "fp32" else None}
+               "attention_cell": max(args.batches) if precision == "fp32" and 1 in args.beams else None}
         jobs[runtime] = work / f"job-{runtime}.json"
         jobs[runtime].write_text(json.dumps(job))
     order, reports, gemm = list(models), {runtime: [] for runtime in models}, []
@@ -268,7 +268,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     if agree:
         print(f"{size} {precision}: greedy outputs agree with the project's on "
               + ", ".join(f"{runtime} {n}/{len(check['project'])}" for runtime, n in agree.items()), flush=True)
-    if "project" in reports and precision == "fp32":
+    if "project" in reports and precision == "fp32" and 1 in args.beams:
         key = f"{max(args.batches)}x1"
         plain = statistics.median(run["tok_s"][key] for run in reports["project"])
         attention = statistics.median(run["tok_s"][key + "+attention"] for run in reports["project"])
