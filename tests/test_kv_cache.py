@@ -120,9 +120,25 @@ def test_select_rows_moves_only_the_rows_that_moved(engines):
     fewer = model.select_rows(kept, np.array([0, 1, 2]))  # rows leaving from the end: a view, nothing copied
     assert np.shares_memory(fewer["past_key_0"], buffer) and fewer["past_key_0"].shape[0] == 3
 
-    reordered = model.select_rows(fewer, np.array([2, 1, 0]))  # most rows move: gathered into a new buffer
-    assert not np.shares_memory(reordered["past_key_0"], buffer)
+    reordered = model.select_rows(fewer, np.array([2, 1, 0]))  # most rows move: still in place, used positions only
+    assert np.shares_memory(reordered["past_key_0"], buffer)
     np.testing.assert_array_equal(reordered["past_key_0"][:, :, :3], before[[3, 1, 0], :, :3])
+
+    more = model.select_rows(reordered, np.array([0, 0, 1, 2, 2]))  # more rows than the buffer holds: a new one
+    assert not np.shares_memory(more["past_key_0"], buffer)
+    np.testing.assert_array_equal(more["past_key_0"][:, :, :3], before[[3, 3, 1, 0, 0], :, :3])
+
+
+def test_selections_from_a_fresh_state_do_not_share_memory(engines):
+    """Two groups picked from one encoder output (forced.decode, the continuous batcher's apart path) decode
+    separately: nothing is in use yet, so each gets a buffer of its own."""
+    engine = engines[False]
+    model = engine.model
+    _, state = encode(engine, "three four five")
+    state = model.select_rows(state, np.zeros(3, dtype=np.int64))
+    first, second = model.select_rows(state, np.array([0, 1])), model.select_rows(state, np.array([2]))
+    assert not np.shares_memory(first["past_key_0"], second["past_key_0"])
+    assert not np.shares_memory(first["past_key_0"], state["past_key_0"])
 
 
 def advance_rows(engine: Engine, static: dict, state: dict, steps: int) -> dict:
