@@ -320,7 +320,8 @@ def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray | None, e
         return selected
     if moved.size:
         buffer[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
-    return buffer[: len(rows)]
+    # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
+    return buffer if len(rows) == len(buffer) else buffer[: len(rows)]
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
