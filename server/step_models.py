@@ -34,7 +34,7 @@ from nmt.model_format.manifest import (
     StateTensor,
 )
 from server.forced import ForcedOutput, stepwise_force
-from server.search import StepOutput, concat_rows, take_rows
+from server.search import StepOutput, pad_to, take_rows
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
@@ -281,9 +281,12 @@ class OnnxStepModel:
                 for name, value in tensors.items()}
 
     def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The rows of ``first`` then those of ``second``; source length and cache capacity zero-padded
-        (:func:`server.search.concat_rows`): a row's entries beyond its position are never read."""
-        return concat_rows(first, second)
+        """The rows of ``first`` (a running decode's own arrays) then those of ``second`` (sentences joining
+        it); source length and cache capacity zero-padded (a row's entries beyond its position are never
+        read). The joined arrays keep as many spare rows again behind their rows, and a later admission
+        writes its rows into that room when it is wide enough: it copies the joining rows, not the whole
+        decode (see :func:`_append_rows`)."""
+        return {name: _append_rows(a, second[name]) for name, a in first.items()}
 
     @property
     def state_names(self) -> list[str]:
@@ -322,6 +325,26 @@ def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray | None, e
         buffer[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
     # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
     return buffer if len(rows) == len(buffer) else buffer[: len(rows)]
+
+
+def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` is a leading view of an
+    array with room for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go into that
+    room, zero-padded (the room holds rows that left the decode; nothing else reads them); otherwise
+    both are copied into a new zeroed array of twice the rows, ``b`` zero-padded as in
+    :func:`server.search.concat_rows`, and its leading view is returned."""
+    rows = len(a) + len(b)
+    base = a.base
+    if (isinstance(base, np.ndarray) and base.dtype == a.dtype and base.shape[1:] == a.shape[1:]
+            and len(base) >= rows and base.flags.c_contiguous and a.ctypes.data == base.ctypes.data
+            and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True))):
+        base[len(a):rows] = pad_to(b, np.array(a.shape[1:]))
+        return base[:rows]
+    width = np.maximum(a.shape[1:], b.shape[1:])
+    joined = np.zeros((2 * rows, *width), dtype=a.dtype)  # the spare half is not touched until it is used
+    joined[(slice(0, len(a)), *(slice(0, n) for n in a.shape[1:]))] = a
+    joined[(slice(len(a), rows), *(slice(0, n) for n in b.shape[1:]))] = b
+    return joined[:rows]
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}

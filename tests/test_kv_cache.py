@@ -239,3 +239,26 @@ def test_manifest_buffer_entries_are_validated(model_version_dir):
     broken = [dict(entry, capacity_axis=None) for entry in data["decoder_state"]]
     with pytest.raises(ManifestError, match="capacity_axis"):
         Manifest.from_dict({**data, "decoder_state": [{k: v for k, v in e.items() if v is not None} for e in broken]})
+
+
+def test_joining_rows_go_into_the_room_behind_the_decode(engines):
+    """concat_rows keeps spare rows: a later admission writes its rows there (zero-padded over whatever
+    rows that left held), and a wider one gets a new array; the values are those of a plain concatenation."""
+    def append(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return engines[False].model.concat_rows({"x": a}, {"x": b})["x"]
+
+    decode = np.arange(2 * 3, dtype=np.float32).reshape(2, 3) + 1
+    joined = append(decode, np.full((1, 3), 7, dtype=np.float32))  # no room yet: a new array
+    assert joined.shape == (3, 3) and len(joined.base) == 6
+    np.testing.assert_array_equal(joined, [[1, 2, 3], [4, 5, 6], [7, 7, 7]])
+
+    joined[2:] = 9  # rows that leave stay behind in the room
+    fewer = joined[:2]
+    narrow = np.full((2, 2), 5, dtype=np.float32)  # a shorter source: zero-padded into the room
+    again = append(fewer, narrow)
+    assert np.shares_memory(again, joined) and again.shape == (4, 3)
+    np.testing.assert_array_equal(again[2:], [[5, 5, 0], [5, 5, 0]])
+
+    wide = append(again, np.ones((1, 4), dtype=np.float32))  # wider than the decode: a new array
+    assert not np.shares_memory(wide, joined) and wide.shape == (5, 4)
+    np.testing.assert_array_equal(wide[:, 3], [0, 0, 0, 0, 1])
