@@ -15,6 +15,11 @@ format change against one exported after), both load into one process and altern
 ``--window`` seconds, ``--rounds`` times per cell: on a shared host the load drifts less within a
 window pair than between processes. Otherwise each worker is its own process (its checkout first on
 ``sys.path``), alternating ``--repeats`` times.
+
+With ``--arrivals GAP`` a cell is a continuous decode instead of one static batch: its ``batch``
+sentences arrive over the decoding steps (Poisson gaps of mean GAP steps) and join one running decode
+(:class:`server.decode.RunningDecode`, as ``--batching continuous`` drives it, up to ``--max-rows``
+rows), each with its own maximum length drawn from 4..``--max-length``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,14 +46,22 @@ def worker(checkout: str, versions: list[str], job_path: str) -> None:
 
     job = json.loads(Path(job_path).read_text())
     engines = [Engine.load(v, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1) for v in versions]
+    rng = np.random.default_rng(0)
+    count = max(job["batches"])
+    arrivals = np.cumsum(rng.poisson(job["arrivals"] or 0.0, count))
+    lengths = ([job["max_length"]] * count if job["arrivals"] is None
+               else rng.integers(4, job["max_length"] + 1, count))
 
     def decode(engine: Engine, batch: int, beam: int) -> list[list[int]]:
-        options = DecodingOptions(beam_size=beam, max_length=job["max_length"])
+        options = [DecodingOptions(beam_size=beam, max_length=int(n)) for n in lengths[:batch]]
         if job["ids"] is not None:
-            requests = [SentenceRequest(ids, options) for ids in job["ids"][:batch]]
+            requests = [SentenceRequest(ids, o) for ids, o in zip(job["ids"][:batch], options, strict=True)]
         else:
-            requests = [SentenceRequest(engine.tokenize(text), options, text=text) for text in job["texts"][:batch]]
-        return [t.hypotheses[0].token_ids for t in engine.translate_batch(requests).translations]
+            requests = [SentenceRequest(engine.tokenize(text), o, text=text)
+                        for text, o in zip(job["texts"][:batch], options, strict=True)]
+        if job["arrivals"] is None:
+            return [t.hypotheses[0].token_ids for t in engine.translate_batch(requests).translations]
+        return continuous(engine, requests, arrivals[:batch], job["max_rows"])
 
     report: dict = {"rates": [{} for _ in engines], "outputs": [{} for _ in engines], "engine": server.engine.__file__}
     for beam in job["beams"]:
@@ -65,6 +80,29 @@ def worker(checkout: str, versions: list[str], job_path: str) -> None:
     print(json.dumps(report))
 
 
+def continuous(engine, requests: list, arrivals: np.ndarray, max_rows: int) -> list[list[int]]:
+    """Each request joins one running decode at its arrival step (or once its beam fits in ``max_rows``)."""
+    from server.decode import RunningDecode
+
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    waiting, outputs, step = list(range(len(requests))), {}, 0
+    while waiting or decode.rows:
+        ready, reserved = [], decode.reserved_rows
+        while waiting and arrivals[waiting[0]] <= step:
+            beam = requests[waiting[0]].options.beam_size
+            if reserved + beam > max_rows:
+                break
+            reserved += beam
+            ready.append(waiting.pop(0))
+        if ready:
+            encoded, sentences, _ = engine.encode([requests[i] for i in ready])
+            decode.admit(encoded, sentences, ready)
+        if decode.rows:
+            outputs |= {i: result.hypotheses[0].tokens for i, result in decode.step()}
+        step += 1
+    return [[int(t) for t in outputs[i]] for i in range(len(requests))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", nargs=2, metavar=("CHECKOUT", "VERSION_DIR"), required=True)
@@ -79,6 +117,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="windows per side and cell (one checkout)")
     parser.add_argument("--window", type=float, default=0.4, help="seconds per window (one checkout)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--arrivals", type=float, metavar="GAP",
+                        help="a continuous decode per cell: sentences arrive with mean GAP steps between them")
+    parser.add_argument("--max-rows", type=int, default=128, help="rows of the continuous decode (--arrivals)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -91,7 +132,8 @@ def main() -> None:
     texts = ([line.split("\t")[0] for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
              if args.texts else [])
     job = {"texts": texts[:count], "ids": random_sources(count, args.ids) if args.ids else None,
-           "batches": args.batches, "beams": args.beams, "max_length": args.max_length, "threads": args.threads}
+           "batches": args.batches, "beams": args.beams, "max_length": args.max_length, "threads": args.threads,
+           "arrivals": args.arrivals, "max_rows": args.max_rows}
     same = Path(args.a[0]).resolve() == Path(args.b[0]).resolve()
     job |= {"rounds": args.rounds, "window": args.window} if same else {"rounds": 1, "window": 1.5}
     job_path = Path(f"/tmp/engine_ab_job_{time.time_ns()}.json")
