@@ -263,20 +263,20 @@ class OnnxStepModel:
 
     def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
         """:func:`take_rows`, except for in-place cache buffers, which copy only the positions in use (up
-        to the longest selected row's position). When no more rows are selected than the buffer holds, the
-        buffer's memory is reused: row ``i`` receives row ``rows[i]``'s used entries only when
-        ``rows[i] != i`` (rows in place are not touched) and fewer rows are a leading view; a beam reorder
-        then copies a fraction of what a gather of whole rows did (measured on 128 rows, 6 buffers of 32
-        positions: 1-3.5 ms against 10-13 ms). More rows (a beam's first expansion) or none in use yet (an
-        encoder's fresh state) give a new buffer, so selections from one fresh state never share memory.
-        The caller keeps the result, not ``tensors``."""
+        to the longest selected row's position) and reuse their memory where it has room for the rows:
+        row ``i`` receives row ``rows[i]``'s used entries only when ``rows[i] != i`` (rows in place are not
+        touched). A beam reorder then copies a fraction of what a gather of whole rows did (measured on
+        128 rows, 6 buffers of 32 positions: 1-3.5 ms against 10-13 ms), and a beam's first expansion
+        writes the new rows behind the others when the buffer has spare rows there (see
+        :func:`_spare_rows`). Otherwise, and for a fresh state (no position in use: selections from it
+        never share memory), the rows go into a new buffer with as many spare rows again. The caller keeps
+        the result, not ``tensors``."""
         first = next((name for name in self.buffers if name in tensors), None)  # static inputs hold no buffer
         if first is None:
             return take_rows(tensors, rows)
         lengths = tensors.get(self.positions)
         used = int(lengths[rows].max()) if lengths is not None and rows.size else None
-        rows_in = _shape(tensors[first])[0]
-        moved = np.flatnonzero(rows != np.arange(len(rows))) if len(rows) <= rows_in else None  # once for all
+        moved = np.flatnonzero(rows != np.arange(len(rows)))  # once for all buffers; rows past the old ones move
         return {name: _move_rows(value, rows, moved, self.buffers[name], used) if name in self.buffers else value[rows]
                 for name, value in tensors.items()}
 
@@ -310,41 +310,52 @@ def _shape(value: np.ndarray | ort.OrtValue) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
 
 
-def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray | None, entry: StateTensor,
+def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: StateTensor,
                used: int | None) -> np.ndarray:
     """Rows ``rows`` of an in-place cache buffer (see :meth:`OnnxStepModel.select_rows`); ``moved``: the
-    indices ``i`` whose ``rows[i] != i`` (None: more rows than the buffer holds); ``used``: the positions
-    worth copying (None: all)."""
+    indices ``i`` whose ``rows[i] != i``; ``used``: the positions worth copying (None: all)."""
     span = (slice(None),) * (entry.capacity_axis - 1) + (slice(0, used),)
-    if moved is None or used == 0:  # a new buffer
-        selected = np.zeros((len(rows), *buffer.shape[1:]), dtype=buffer.dtype)
+    if used != 0 and len(rows) <= len(buffer):
+        # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
+        target = buffer if len(rows) == len(buffer) else buffer[: len(rows)]
+    elif used != 0 and len(owner := _spare_rows(buffer)) >= len(rows):  # more rows: into the spare rows behind
+        target = owner[: len(rows)]
+    else:  # a new buffer, with room for as many rows again
+        selected = np.zeros((2 * len(rows), *buffer.shape[1:]), dtype=buffer.dtype)[: len(rows)]
         if used != 0:
             selected[(slice(None), *span)] = buffer[(rows, *span)]
         return selected
     if moved.size:
-        buffer[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
-    # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
-    return buffer if len(rows) == len(buffer) else buffer[: len(rows)]
+        target[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
+    return target
 
 
 def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` is a leading view of an
-    array with room for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go into that
-    room, zero-padded (the room holds rows that left the decode; nothing else reads them); otherwise
-    both are copied into a new zeroed array of twice the rows, ``b`` zero-padded as in
-    :func:`server.search.concat_rows`, and its leading view is returned."""
+    """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` has spare rows behind it
+    (:func:`_spare_rows`) for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go there,
+    zero-padded; otherwise both are copied into a new zeroed array with as many spare rows again, ``b``
+    zero-padded as in :func:`server.search.concat_rows`, and its leading view is returned."""
     rows = len(a) + len(b)
-    base = a.base
-    if (isinstance(base, np.ndarray) and base.dtype == a.dtype and base.shape[1:] == a.shape[1:]
-            and len(base) >= rows and base.flags.c_contiguous and a.ctypes.data == base.ctypes.data
-            and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True))):
-        base[len(a):rows] = pad_to(b, np.array(a.shape[1:]))
-        return base[:rows]
+    owner = _spare_rows(a)
+    if len(owner) >= rows and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True)):
+        owner[len(a):rows] = pad_to(b, np.array(a.shape[1:]))
+        return owner[:rows]
     width = np.maximum(a.shape[1:], b.shape[1:])
     joined = np.zeros((2 * rows, *width), dtype=a.dtype)  # the spare half is not touched until it is used
     joined[(slice(0, len(a)), *(slice(0, n) for n in a.shape[1:]))] = a
     joined[(slice(len(a), rows), *(slice(0, n) for n in b.shape[1:]))] = b
     return joined[:rows]
+
+
+def _spare_rows(a: np.ndarray) -> np.ndarray:
+    """The array whose leading rows ``a`` is, or ``a`` itself. The rows behind ``a`` there are spare: this
+    module makes such views only of buffers it allocated with room to spare, or of rows that left a decode,
+    so nothing else reads those rows and a selection or an admission may write into them."""
+    base = a.base
+    if (isinstance(base, np.ndarray) and base.dtype == a.dtype and base.shape[1:] == a.shape[1:]
+            and base.flags.c_contiguous and a.ctypes.data == base.ctypes.data):
+        return base
+    return a
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}

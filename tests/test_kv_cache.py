@@ -124,9 +124,14 @@ def test_select_rows_moves_only_the_rows_that_moved(engines):
     assert np.shares_memory(reordered["past_key_0"], buffer)
     np.testing.assert_array_equal(reordered["past_key_0"][:, :, :3], before[[3, 1, 0], :, :3])
 
-    more = model.select_rows(reordered, np.array([0, 0, 1, 2, 2]))  # more rows than the buffer holds: a new one
-    assert not np.shares_memory(more["past_key_0"], buffer)
+    # more rows: written behind the others, in the spare rows the buffer was allocated with (twice four)
+    more = model.select_rows(reordered, np.array([0, 0, 1, 2, 2]))
+    assert np.shares_memory(more["past_key_0"], buffer) and more["past_key_0"].shape[0] == 5
     np.testing.assert_array_equal(more["past_key_0"][:, :, :3], before[[3, 3, 1, 0, 0], :, :3])
+
+    most = model.select_rows(more, np.arange(9) % 5)  # more rows than there is room for: a new buffer
+    assert not np.shares_memory(most["past_key_0"], buffer)
+    np.testing.assert_array_equal(most["past_key_0"][:, :, :3], before[[3, 3, 1, 0, 0, 3, 3, 1, 0], :, :3])
 
 
 def test_selections_from_a_fresh_state_do_not_share_memory(engines):
