@@ -88,11 +88,11 @@ def concat_rows(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> 
     for name, a in first.items():
         b = second[name]
         width = np.maximum(a.shape[1:], b.shape[1:])
-        joined[name] = np.concatenate([pad_to(a, width), pad_to(b, width)])
+        joined[name] = np.concatenate([_pad_to(a, width), _pad_to(b, width)])
     return joined
 
 
-def pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
+def _pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
     """``array`` zero-padded at the end of every non-row axis to ``shape`` (rows excluded)."""
     if tuple(array.shape[1:]) == tuple(shape):
         return array

@@ -34,7 +34,7 @@ from nmt.model_format.manifest import (
     StateTensor,
 )
 from server.forced import ForcedOutput, stepwise_force
-from server.search import StepOutput, pad_to, take_rows
+from server.search import StepOutput
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
@@ -262,23 +262,21 @@ class OnnxStepModel:
         return self._top_k_values[k]
 
     def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
-        """:func:`take_rows`, except for in-place cache buffers, which copy only the positions in use (up
-        to the longest selected row's position) and reuse their memory where it has room for the rows:
-        row ``i`` receives row ``rows[i]``'s used entries only when ``rows[i] != i`` (rows in place are not
-        touched). A beam reorder then copies a fraction of what a gather of whole rows did (measured on
-        128 rows, 6 buffers of 32 positions: 1-3.5 ms against 10-13 ms), and a beam's first expansion
-        writes the new rows behind the others when the buffer has spare rows there (see
-        :func:`_spare_rows`). Otherwise, and for a fresh state (no position in use: selections from it
-        never share memory), the rows go into a new buffer with as many spare rows again. The caller keeps
-        the result, not ``tensors``."""
-        first = next((name for name in self.buffers if name in tensors), None)  # static inputs hold no buffer
-        if first is None:
-            return take_rows(tensors, rows)
-        lengths = tensors.get(self.positions)
+        """Rows ``rows`` of ``tensors``, gathered into new arrays with as many spare rows again behind them
+        (room for sentences that join later: :meth:`concat_rows`), except in-place cache buffers, which copy
+        only the positions in use (up to the longest selected row's position) and reuse their memory where
+        it has room for the rows: row ``i`` receives row ``rows[i]``'s used entries only when ``rows[i] !=
+        i`` (rows in place are not touched). A beam reorder then copies a fraction of what a gather of
+        whole rows did (measured on 128 rows, 6 buffers of 32 positions: 1-3.5 ms against 10-13 ms), and a
+        beam's first expansion writes the new rows behind the others when the buffer has spare rows there
+        (see :func:`_spare_rows`). Otherwise, and for a fresh state (no position in use: selections from
+        it never share memory), the rows go into a new buffer with room to spare. The caller keeps the
+        result, not ``tensors``."""
+        lengths = tensors.get(self.positions) if self.positions else None
         used = int(lengths[rows].max()) if lengths is not None and rows.size else None
         moved = np.flatnonzero(rows != np.arange(len(rows)))  # once for all buffers; rows past the old ones move
-        return {name: _move_rows(value, rows, moved, self.buffers[name], used) if name in self.buffers else value[rows]
-                for name, value in tensors.items()}
+        return {name: _move_rows(value, rows, moved, self.buffers[name], used) if name in self.buffers
+                else _gather_rows(value, rows) for name, value in tensors.items()}
 
     def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The rows of ``first`` (a running decode's own arrays) then those of ``second`` (sentences joining
@@ -330,6 +328,14 @@ def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: S
     return target
 
 
+def _gather_rows(value: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``value[rows]``, in a new array with as many spare rows again behind them: a running decode's static
+    inputs and recurrent state are gathered whenever sentences leave it, and a later admission then
+    writes its rows into that room (:func:`_append_rows`) instead of copying the whole decode again."""
+    gathered = np.empty((2 * len(rows), *value.shape[1:]), dtype=value.dtype)[: len(rows)]
+    return np.take(value, rows, axis=0, out=gathered, mode="clip")  # "raise" would gather into a temporary first
+
+
 def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` has spare rows behind it
     (:func:`_spare_rows`) for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go there,
@@ -338,7 +344,10 @@ def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     rows = len(a) + len(b)
     owner = _spare_rows(a)
     if len(owner) >= rows and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True)):
-        owner[len(a):rows] = pad_to(b, np.array(a.shape[1:]))
+        room = owner[len(a):rows]
+        if b.shape[1:] != a.shape[1:]:
+            room[...] = 0  # the padding (the rows that left held other values there)
+        room[(slice(None), *(slice(0, n) for n in b.shape[1:]))] = b
         return owner[:rows]
     width = np.maximum(a.shape[1:], b.shape[1:])
     joined = np.zeros((2 * rows, *width), dtype=a.dtype)  # the spare half is not touched until it is used
