@@ -8,7 +8,9 @@ A Transformer exported as ``nmt-model/2`` keeps its self-attention KV cache in p
 preallocated [rows, heads, capacity, head_dim] buffers and each row's position; the decoder writes each
 row's new key/value at its position into the very buffer it reads (the output is bound to the input's
 memory), capacity doubles when a row reaches it, and a beam reorder moves only the rows whose source
-differs. Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
+differs. Arrays this module allocates keep as many spare rows again behind their rows: a beam's first
+expansion and the sentences joining a running decode are written there, not into a copy of the decode.
+Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
 ``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
