@@ -1,7 +1,7 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
 projections (and feeding the packed Q/K/V to the attention operator), folding the output bias and the
-embedding scale into constants, the decoder's in-graph top-k and logits output, Gemm -> MatMul for
-quantization, and op counts."""
+embedding scale into constants, a one-position step's biased projections into ``Gemm``, the decoder's
+in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts."""
 
 from __future__ import annotations
 
@@ -410,3 +410,27 @@ def fold_embedding_scale(model: onnx.ModelProto) -> int:
     if folded:
         prune(model)
     return folded
+
+
+def one_position_gemms(model: onnx.ModelProto) -> int:
+    """``Add(MatMul(x, W), b)`` with constant 2-D ``W`` and 1-D ``b`` becomes
+    ``Unsqueeze(Gemm(Squeeze(x, 1), W, b), 1)`` (in place), for step graphs whose projections all read
+    [rows, 1, K] (a Transformer's step decoder: one target position). ONNX Runtime folds a bias into a
+    ``Gemm`` only for 2-D inputs, and the ``Squeeze``/``Unsqueeze`` pair costs less than the ``Add``
+    (they only relabel the buffer): SMALL decoder step, 1.03-1.15x at batch 1. Returns the number
+    rewritten."""
+    axis = "one_position_axis"
+    rewritten = 0
+    for add, matmul, bias in list(_fed_by_one(model, "Add", "MatMul")):
+        weight = next((init for init in model.graph.initializer if init.name == matmul.input[1]), None)
+        if weight is None or len(weight.dims) != 2 or len(bias.dims) != 1:
+            continue
+        if not rewritten:
+            model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), axis))
+        rows, product = f"{matmul.name}_rows", f"{matmul.name}_gemm"
+        at = list(model.graph.node).index(matmul)
+        model.graph.node.insert(at, helper.make_node("Squeeze", [matmul.input[0], axis], [rows], name=rows))
+        matmul.CopyFrom(helper.make_node("Gemm", [rows, matmul.input[1], bias.name], [product], name=product))
+        add.CopyFrom(helper.make_node("Unsqueeze", [product, axis], [add.output[0]], name=f"{matmul.name}_unsqueeze"))
+        rewritten += 1
+    return rewritten

@@ -44,6 +44,7 @@ from export.graph_passes import (
     fold_embedding_scale,
     fold_output_bias,
     fused_op_counts,
+    one_position_gemms,
     pack_attention_inputs,
     pack_parallel_matmuls,
     save_graph,
@@ -305,6 +306,8 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         fold_output_bias(graph)
         fold_embedding_scale(graph)
     for step_graph in (graph_set.decoder, graph_set.decoder_attention):
+        if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's are 2-D)
+            one_position_gemms(step_graph)
         add_logits(step_graph)
         add_top_k(step_graph, model.config.eos_id)
 

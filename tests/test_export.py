@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.graph_passes import pack_parallel_matmuls
+from export.graph_passes import one_position_gemms, pack_parallel_matmuls
 from export.graphs import GraphSet
 from export.options import LOGIT_TOLERANCE, ExportOptions
 from export.pipeline import export_model
@@ -221,7 +221,7 @@ def test_projections_of_one_input_are_packed(tiny_models):
     attention = [node for node in decoder.node if node.op_type == "GroupQueryAttention"]
     assert len(attention) == layers
     for node in attention:  # the packed projection (+ its bias) is the operator's packed QKV input: no Split
-        assert made[node.input[0]].op_type in {"MatMul", "Add"} and node.input[1:3] == ["", ""]
+        assert made[node.input[0]].op_type in {"MatMul", "Add", "Unsqueeze"} and node.input[1:3] == ["", ""]
     assert not any(node.op_type == "Split" for node in decoder.node)
 
 
@@ -231,12 +231,47 @@ def test_output_bias_and_embedding_scale_are_folded(tiny_models):
     decoder = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES["decoder"])).graph
     initializers = {init.name for init in decoder.initializer}
     made = {output: node for node in decoder.node for output in node.output}
-    [gemm] = [node for node in decoder.node if node.op_type == "Gemm"]
-    assert len(gemm.input) == 3 and made[LOGITS_OUTPUT].op_type == "Gemm"
+    gemm = made[LOGITS_OUTPUT]
+    assert gemm.op_type == "Gemm" and len(gemm.input) == 3
     for node in decoder.node:
         if node.op_type == "Mul":
             assert not any(made.get(name) is not None and made[name].op_type == "Gather"
                            and made[name].input[0] in initializers for name in node.input)
+
+
+def test_step_projections_add_their_bias_inside_a_gemm(tiny_models):
+    """In the Transformer's step decoders no bias Add follows a MatMul of constant weights: each biased
+    projection is a Gemm over the squeezed [rows, K] input (parity is checked by the export)."""
+    for role in ("decoder", "decoder_attention"):
+        graph = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES[role])).graph
+        initializers = {init.name for init in graph.initializer}
+        made = {output: node for node in graph.node for output in node.output}
+        for node in graph.node:
+            if node.op_type == "Add":
+                assert not any(made.get(name) is not None and made[name].op_type == "MatMul"
+                               and made[name].input[1] in initializers for name in node.input), node.name
+        assert sum(node.op_type == "Gemm" for node in graph.node) > 1
+
+
+def test_one_position_gemms_keep_the_values():
+    """x [rows, 1, 3]: a biased projection (rewritten) and an unbiased one (left alone) give what they gave."""
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), name) for name in "wv"]
+    inits.append(onnx.numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"))
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["p"]), onnx.helper.make_node("Add", ["b", "p"], ["y"]),
+             onnx.helper.make_node("MatMul", ["x", "v"], ["z"])]
+    outputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in "yz"]
+    graph = onnx.helper.make_graph(nodes, "step", [onnx.helper.make_tensor_value_info(
+        "x", onnx.TensorProto.FLOAT, ["rows", 1, 3])], outputs, inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
+    x = rng.standard_normal((5, 1, 3)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert one_position_gemms(model) == 1
+    assert [node.op_type for node in model.graph.node] == ["Squeeze", "Gemm", "Unsqueeze", "MatMul"]
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for old, new in zip(before, after, strict=True):
+        assert new.shape == old.shape
+        np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-6)
 
 
 def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:
