@@ -17,6 +17,7 @@ from export.tracing import MAX_IR_VERSION
 from nmt.errors import NmtError
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
 
+ONE_POSITION_AXIS = "one_position_axis"  # the axis initializer of one_position_gemms' Squeeze/Unsqueeze
 FUSED_STANDARD_OPS = {"LayerNormalization", "GRU", "LSTM", "RNN", "Attention", "RMSNormalization"}
 
 
@@ -418,8 +419,8 @@ def one_position_gemms(model: onnx.ModelProto) -> int:
     [rows, 1, K] (a Transformer's step decoder: one target position). ONNX Runtime folds a bias into a
     ``Gemm`` only for 2-D inputs, and the ``Squeeze``/``Unsqueeze`` pair costs less than the ``Add``
     (they only relabel the buffer): SMALL decoder step, 1.03-1.15x at batch 1. Returns the number
-    rewritten."""
-    axis = "one_position_axis"
+    rewritten. :func:`undo_one_position_gemms` reverses it (int8 quantization fuses the bias itself)."""
+    axis = ONE_POSITION_AXIS
     rewritten = 0
     for add, matmul, bias in list(_fed_by_one(model, "Add", "MatMul")):
         weight = next((init for init in model.graph.initializer if init.name == matmul.input[1]), None)
@@ -434,3 +435,29 @@ def one_position_gemms(model: onnx.ModelProto) -> int:
         add.CopyFrom(helper.make_node("Unsqueeze", [product, axis], [add.output[0]], name=f"{matmul.name}_unsqueeze"))
         rewritten += 1
     return rewritten
+
+
+def undo_one_position_gemms(model: onnx.ModelProto) -> int:
+    """``Unsqueeze(Gemm(Squeeze(x, 1), W, b), 1)`` made by :func:`one_position_gemms` back to
+    ``Add(MatMul(x, W), b)`` (in place): dynamic int8 quantization fuses the bias into its
+    ``DynamicQuantizeMatMul`` on 3-D inputs, so there the Squeeze/Unsqueeze pairs would only add operators.
+    Returns the number restored."""
+    graph = model.graph
+    made = producers(graph)
+    readers = reader_counts(graph)
+    restored = 0
+    for unsqueeze in list(graph.node):
+        gemm = made.get(unsqueeze.input[0]) if unsqueeze.op_type == "Unsqueeze" else None
+        squeeze = made.get(gemm.input[0]) if gemm is not None and gemm.op_type == "Gemm" else None
+        if (squeeze is None or squeeze.op_type != "Squeeze" or unsqueeze.input[1:] != [ONE_POSITION_AXIS]
+                or squeeze.input[1:] != [ONE_POSITION_AXIS] or readers[gemm.output[0]] != 1
+                or readers[squeeze.output[0]] != 1 or len(gemm.input) != 3):
+            continue
+        product = f"{gemm.name}_product"
+        x, weight, bias = squeeze.input[0], gemm.input[1], gemm.input[2]
+        gemm.CopyFrom(helper.make_node("MatMul", [x, weight], [product], name=product))
+        unsqueeze.CopyFrom(helper.make_node("Add", [product, bias], [unsqueeze.output[0]], name=f"{product}_bias"))
+        restored += 1
+    if restored:
+        prune(model)
+    return restored

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from export.graph_passes import gemm_to_matmul
+from export.graph_passes import gemm_to_matmul, undo_one_position_gemms
 from export.tracing import MAX_IR_VERSION, quiet
 from nmt.errors import NmtError
 
@@ -18,6 +18,7 @@ def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(source))
+    undo_one_position_gemms(model)
     gemm_to_matmul(model)
     prepared = target.with_suffix(".fp32.onnx")
     onnx.save(model, str(prepared))

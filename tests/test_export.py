@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.graph_passes import one_position_gemms, pack_parallel_matmuls
+from export.graph_passes import one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
 from export.graphs import GraphSet
 from export.options import LOGIT_TOLERANCE, ExportOptions
 from export.pipeline import export_model
@@ -269,9 +269,13 @@ def test_one_position_gemms_keep_the_values():
     assert one_position_gemms(model) == 1
     assert [node.op_type for node in model.graph.node] == ["Squeeze", "Gemm", "Unsqueeze", "MatMul"]
     after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    for old, new in zip(before, after, strict=True):
+    assert undo_one_position_gemms(model) == 1  # as int8 quantization wants it
+    assert [node.op_type for node in model.graph.node] == ["MatMul", "Add", "MatMul"]
+    undone = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for old, new, back in zip(before, after, undone, strict=True):
         assert new.shape == old.shape
         np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(back, old)
 
 
 def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:
