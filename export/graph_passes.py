@@ -418,7 +418,7 @@ def one_position_gemms(model: onnx.ModelProto) -> int:
     ``Unsqueeze(Gemm(Squeeze(x, 1), W, b), 1)`` (in place), for step graphs whose projections all read
     [rows, 1, K] (a Transformer's step decoder: one target position). ONNX Runtime folds a bias into a
     ``Gemm`` only for 2-D inputs, and the ``Squeeze``/``Unsqueeze`` pair costs less than the ``Add``
-    (they only relabel the buffer): SMALL decoder step, 1.03-1.15x at batch 1. Returns the number
+    (they only relabel the buffer): SMALL decoder, 1.06-1.15x at batch 1, 1.0-1.1x at 8 and 32. Returns the number
     rewritten. :func:`undo_one_position_gemms` reverses it (int8 quantization fuses the bias itself)."""
     axis = ONE_POSITION_AXIS
     rewritten = 0
