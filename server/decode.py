@@ -7,6 +7,9 @@ whichever companions it decodes with and whenever it joined: every rule below re
 sentence's own rows and its own step.
 
 Rows. A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
+The sentences that stay keep their rows from step to step; when one leaves, the last sentence moves
+into its rows if it needs as many (:func:`_fill_holes`), so the state's in-place buffers move one
+sentence's rows instead of every row behind the one that left.
 Sentences of different beam sizes, lengths, penalties, controls, target prefixes and source lengths
 share one decode; each step runs the model once on all rows, with each row's own step as its target
 position (``positions``; models that cannot take per-row positions only ever decode sentences that
@@ -255,7 +258,7 @@ class RunningDecode:
                 np.flatnonzero(~lean & (beams == beam) & (widths == width))
             parts.append(self._beam(group, beam, width, starts, row_tokens, row_scores, attention, left, kept))
 
-        self._advance(kept, parts, attention)
+        self._advance(kept, parts, widths, attention)
         return left
 
     # ---- one step --------------------------------------------------------------------------------
@@ -394,11 +397,20 @@ class RunningDecode:
                               score=float(normalized_score(total, t + 1, s.spec.length_penalty)),
                               token_scores=self._history_scores[row, :t].tolist() + [score], attention=rows)
 
-    def _advance(self, kept: list[int], parts: list[tuple[np.ndarray, ...]], attention: np.ndarray | None) -> None:
-        """Lay out the rows of the sentences that stay (``parts``, in the order of ``kept``) for the next step."""
+    def _advance(self, kept: list[int], parts: list[tuple[np.ndarray, ...]], widths: np.ndarray,
+                 attention: np.ndarray | None) -> None:
+        """Lay out the rows of the sentences that stay (``parts``, in the order of ``kept``; ``widths``: the
+        rows each sentence held this step) for the next step."""
         old = self._sentences
         origin, tokens, scores, totals = parts[0] if len(parts) == 1 else (
             np.concatenate([p[i] for p in parts]) for i in range(4))
+        beams = [old[j].beam for j in kept]  # the rows each holds next step
+        order = _fill_holes(kept, widths, beams, len(old))
+        if order != kept:
+            offset = dict(zip(kept, np.cumsum([0, *beams]).tolist(), strict=False))
+            perm = np.concatenate([np.arange(offset[j], offset[j] + old[j].beam) for j in order])
+            origin, tokens, scores, totals = origin[perm], tokens[perm], scores[perm], totals[perm]
+            kept = order
         if kept == list(range(len(old))):
             row_sentence = self._row_sentence[origin]
         else:
@@ -452,6 +464,28 @@ class RunningDecode:
         elif self._attention.shape[2] < width:
             pad = np.zeros((*self._attention.shape[:2], width - self._attention.shape[2]), dtype=np.float32)
             self._attention = np.concatenate([self._attention, pad], axis=2)
+
+
+def _fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
+    """The row order of the sentences that stay for the next step: ``kept`` (indices into this step's
+    ``n`` sentences; ``beams``: the rows each holds next step) in this step's order, except that when a
+    sentence leaves and the last sentence still to place holds next step as many rows as the one that left
+    held (``widths``), the last one takes its place. The sentences in between keep their rows, so a
+    leaving sentence moves one sentence's rows, not every row behind it."""
+    rows = dict(zip(kept, beams, strict=True))
+    staying = sorted(kept)
+    order: list[int] = []
+    first, last = 0, len(staying) - 1
+    for j in range(n):
+        if first > last:
+            break
+        if staying[first] == j:
+            order.append(j)
+            first += 1
+        elif j not in rows and staying[last] > j and rows[staying[last]] == widths[j]:
+            order.append(staying[last])
+            last -= 1
+    return order
 
 
 def _full_until(c: Controls) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from server.controls import Controls
-from server.decode import RunningDecode
+from server.decode import RunningDecode, _fill_holes
 from server.engine import Engine
 from server.search import concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
@@ -171,6 +171,36 @@ def test_device_concat_rows_matches_numpy(tiny_models, engines):
     results, _, _ = run_continuous(bound, [(0, r), (2, late)])
     assert_same(results[0], alone(engines["bahdanau"], r))
     assert_same(results[1], alone(engines["bahdanau"], late))
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_the_last_sentence_takes_the_rows_of_one_that_left(arch, engines):
+    engine = engines[arch]
+    texts = ["one two three", "four", "five six", "seven eight nine"]
+    reqs = [request(engine, text, beam_size=2, num_hypotheses=2, max_length=3 if i == 1 else 64,
+                    controls=Controls() if i == 1 else Controls(min_length=6)) for i, text in enumerate(texts)]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    encoded, sentences, _ = engine.encode(reqs)
+    decode.admit(encoded, sentences, [0, 1, 2, 3])
+    left = []
+    while not left:
+        left = decode.step()
+    assert [tag for tag, _ in left] == [1]
+    assert decode.tags() == [0, 3, 2]  # sentence 3 moved into sentence 1's rows; 0 and 2 kept theirs
+    results = dict(left)
+    while decode.rows:
+        results.update(decode.step())
+    for i, r in enumerate(reqs):
+        assert_same(results[i], alone(engine, r))
+
+
+def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
+    # sentences 0..4 held 4, 4, 1, 4, 1 rows (2 and 4 joined this step); 1 and 3 leave
+    widths = np.array([4, 4, 1, 4, 1])
+    assert _fill_holes([0, 2, 4], widths, [4, 4, 4], 5) == [0, 4, 2]  # 4 (now 4 rows) fills 1's 4 rows
+    assert _fill_holes([0, 2, 4], widths, [4, 4, 2], 5) == [0, 2, 4]  # 4 needs 2 rows: nothing moves
+    assert _fill_holes([0, 1, 2, 3], np.array([1, 1, 1, 1, 1]), [1, 1, 1, 1], 5) == [0, 1, 2, 3]  # the last left
+    assert _fill_holes([2, 3, 4], np.ones(5), [1, 1, 1], 5) == [4, 3, 2]
 
 
 class SharedPosition:
