@@ -124,6 +124,7 @@ class RunningDecode:
         self._sentences: list[_Sentence] = []  # one per row block, in row order
         self._row_sentence = np.zeros(0, dtype=np.int64)  # index into _sentences of each row
         self._static: dict[str, Any] | None = None
+        self._own_static = False  # False while _static holds the caller's arrays (the first admission's)
         self._state: dict[str, Any] | None = None
         self._tokens = np.zeros(0, dtype=np.int64)  # previous token of each row
         self._totals = np.zeros(0)  # summed log-probability of each row's hypothesis
@@ -177,10 +178,11 @@ class RunningDecode:
         static = {name: encoded[name] for name in self.model.static_names}
         state = resume.state if resume is not None else {name: encoded[name] for name in self.model.state_names}
         if not self._sentences:
-            self._static, self._state = static, state
+            self._static, self._state, self._own_static = static, state, False
         else:
             self._static = self.model.concat_rows(self._static, static)
             self._state = self.model.concat_rows(self._state, state)
+            self._own_static = True
         first = len(self._sentences)
         for s, tag in zip(sentences, tags, strict=True):
             self._sentences.append(_Sentence(
@@ -438,11 +440,24 @@ class RunningDecode:
             self._attention[rows, steps, : attention.shape[1]] = attention[origin]
         if moved:
             self._state = self.model.select_rows(self._state, origin)
-            if origin.size != self.rows or not np.array_equal(self._row_sentence[origin], self._row_sentence):
-                self._static = self._trim_sources(self.model.select_rows(self._static, origin))  # sentences moved
+            self._select_static(origin)
         self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
         for s in self._sentences:
             s.step += 1
+
+    def _select_static(self, origin: np.ndarray) -> None:
+        """The static inputs of the rows ``origin`` when sentences moved. A sentence's rows hold the same
+        static values, so a row that stays with its sentence keeps its values (it selects itself); once the
+        arrays are the decode's own, the rows that change move within them."""
+        held = self._row_sentence  # the sentence of each row this step
+        n = min(origin.size, held.size)
+        stays = held[origin[:n]] == held[:n]
+        if origin.size == held.size and stays.all():
+            return
+        rows = origin.copy()
+        rows[:n][stays] = np.flatnonzero(stays)
+        self._static = self._trim_sources(self.model.select_rows(self._static, rows, in_place=self._own_static))
+        self._own_static = True
 
     def _trim_sources(self, static: dict[str, Any]) -> dict[str, Any]:
         """``static`` cut on its source axis (the model's ``static_src_axes``) to the widest source still

@@ -119,8 +119,9 @@ class DeviceStepModel(OnnxStepModel):
                             self.state_from_forced(outputs, inputs.shape[1]))
 
 
-    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-        """Rows by a ``Gather`` on the device (the whole tensor; positions are gathered on the host)."""
+    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
+        """Rows by a ``Gather`` on the device (the whole tensor, ``in_place`` or not; positions are gathered
+        on the host)."""
         selected = {}
         rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
         for name, value in tensors.items():

@@ -59,9 +59,11 @@ class StepModel(Protocol):
         [R]: each row's own target position (tokens it has decoded), passed only to a model whose
         ``per_row_positions`` is true; None: all rows are at the same step."""
 
-    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
-        leave the batch and beams follow the rows they extend. :func:`take_rows` for NumPy arrays."""
+        leave the batch and beams follow the rows they extend. ``in_place``: the tensors are the
+        caller's alone (this model's own results, held by nobody else), so their rows may move within
+        their memory; the caller keeps the result, not ``tensors``. :func:`take_rows` for NumPy arrays."""
 
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         """The rows of ``first`` followed by those of ``second`` (sentences joining a running decode); a
@@ -78,7 +80,8 @@ class StepModel(Protocol):
 
 
 def take_rows(tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
-    """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays."""
+    """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays (a copy, in place
+    or not)."""
     return {name: value[rows] for name, value in tensors.items()}
 
 

@@ -263,22 +263,26 @@ class OnnxStepModel:
             self._top_k_values[k] = ort.OrtValue.ortvalue_from_numpy(self._top_k(k))
         return self._top_k_values[k]
 
-    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    def select_rows(self, tensors: dict[str, np.ndarray], rows: np.ndarray,
+                    in_place: bool = False) -> dict[str, np.ndarray]:
         """Rows ``rows`` of ``tensors``, gathered into new arrays with as many spare rows again behind them
-        (room for sentences that join later: :meth:`concat_rows`), except in-place cache buffers, which copy
-        only the positions in use (up to the longest selected row's position) and reuse their memory where
-        it has room for the rows: row ``i`` receives row ``rows[i]``'s used entries only when ``rows[i] !=
-        i`` (rows in place are not touched). A beam reorder then copies a fraction of what a gather of
-        whole rows did (measured on 128 rows, 6 buffers of 32 positions: 1-3.5 ms against 10-13 ms), and a
-        beam's first expansion writes the new rows behind the others when the buffer has spare rows there
-        (see :func:`_spare_rows`). Otherwise, and for a fresh state (no position in use: selections from
-        it never share memory), the rows go into a new buffer with room to spare. The caller keeps the
+        (room for sentences that join later: :meth:`concat_rows`), except in-place cache buffers, and every
+        tensor when ``in_place`` says they are the caller's alone (e.g. a running decode's static inputs
+        once it has joined or selected them). Those reuse their memory where it has room for the rows:
+        row ``i`` receives row ``rows[i]``'s entries only when ``rows[i] != i`` (rows in place are not
+        touched), and cache buffers copy only the positions in use (up to the longest selected row's
+        position). A beam reorder then copies a fraction of what a gather of whole rows did (measured on
+        128 rows, 6 buffers of 32 positions: 1-3.5 ms against 10-13 ms), and a beam's first expansion
+        writes the new rows behind the others when the buffer has spare rows there (see
+        :func:`_spare_rows`). Otherwise, and for a fresh state (no position in use: selections from it
+        never share memory), the rows go into a new buffer with room to spare. The caller keeps the
         result, not ``tensors``."""
         lengths = tensors.get(self.positions) if self.positions else None
         used = int(lengths[rows].max()) if lengths is not None and rows.size else None
         moved = np.flatnonzero(rows != np.arange(len(rows)))  # once for all buffers; rows past the old ones move
         return {name: _move_rows(value, rows, moved, self.buffers[name], used) if name in self.buffers
-                else _gather_rows(value, rows) for name, value in tensors.items()}
+                else _move_rows(value, rows, moved) if in_place else _gather_rows(value, rows)
+                for name, value in tensors.items()}
 
     def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The rows of ``first`` (a running decode's own arrays) then those of ``second`` (sentences joining
@@ -310,11 +314,12 @@ def _shape(value: np.ndarray | ort.OrtValue) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
 
 
-def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: StateTensor,
-               used: int | None) -> np.ndarray:
-    """Rows ``rows`` of an in-place cache buffer (see :meth:`OnnxStepModel.select_rows`); ``moved``: the
-    indices ``i`` whose ``rows[i] != i``; ``used``: the positions worth copying (None: all)."""
-    span = (slice(None),) * (entry.capacity_axis - 1) + (slice(0, used),)
+def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: StateTensor | None = None,
+               used: int | None = None) -> np.ndarray:
+    """Rows ``rows`` of ``buffer``, moved within its memory where it has room (see
+    :meth:`OnnxStepModel.select_rows`); ``moved``: the indices ``i`` whose ``rows[i] != i``; ``used``: the
+    positions worth copying on the in-place cache ``entry``'s capacity axis (None: all)."""
+    span = () if entry is None else (slice(None),) * (entry.capacity_axis - 1) + (slice(0, used),)
     if used != 0 and len(rows) <= len(buffer):
         # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
         target = buffer if len(rows) == len(buffer) else buffer[: len(rows)]

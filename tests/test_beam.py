@@ -44,7 +44,7 @@ class TableModel:
         return step_output(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix},
                            log_probs + self.logit_offset if logits else None)
 
-    def select_rows(self, tensors, rows):
+    def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)
 
 
@@ -115,7 +115,7 @@ class TorchStepModel:
         return step_output(log_probs, k, EOS, None if attention is None else attention.numpy(),
                                          {name: value.numpy() for name, value in new.items()})
 
-    def select_rows(self, tensors, rows):
+    def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)
 
 

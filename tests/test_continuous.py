@@ -181,17 +181,23 @@ def test_the_last_sentence_takes_the_rows_of_one_that_left(arch, engines):
                     controls=Controls() if i == 1 else Controls(min_length=6)) for i, text in enumerate(texts)]
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
     encoded, sentences, _ = engine.encode(reqs)
+    given = {name: encoded[name].copy() for name in engine.model.static_names}
     decode.admit(encoded, sentences, [0, 1, 2, 3])
     left = []
     while not left:
+        static = dict(decode._static)
         left = decode.step()
     assert [tag for tag, _ in left] == [1]
     assert decode.tags() == [0, 3, 2]  # sentence 3 moved into sentence 1's rows; 0 and 2 kept theirs
+    # the decode's own static inputs (selected at the beams' first expansion) moved rows in their memory
+    assert all(np.shares_memory(decode._static[name], static[name]) for name in engine.model.static_names)
     results = dict(left)
     while decode.rows:
         results.update(decode.step())
     for i, r in enumerate(reqs):
         assert_same(results[i], alone(engine, r))
+    for name, value in given.items():  # the caller's static arrays were never written
+        np.testing.assert_array_equal(encoded[name], value)
 
 
 def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
@@ -215,8 +221,8 @@ class SharedPosition:
         assert "positions" not in kwargs
         return self.model.step(*args, **kwargs)
 
-    def select_rows(self, tensors, rows):
-        return self.model.select_rows(tensors, rows)
+    def select_rows(self, tensors, rows, in_place=False):
+        return self.model.select_rows(tensors, rows, in_place)
 
 
 def test_a_model_without_per_row_positions_admits_only_at_the_first_step(engines):
