@@ -70,8 +70,8 @@ class StepModel:
     def force(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.force(*args, **kwargs)
 
-    def select_rows(self, tensors: Any, rows: np.ndarray) -> Any:
-        return self.model.select_rows(tensors, rows)
+    def select_rows(self, tensors: Any, rows: np.ndarray, in_place: bool = False) -> Any:
+        return self.model.select_rows(tensors, rows, in_place)
 
     def concat_rows(self, first: Any, second: Any) -> Any:
         return self.model.concat_rows(first, second)
