@@ -487,8 +487,10 @@ def _fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -
     sentence leaves and the last sentence still to place holds next step as many rows as the one that left
     held (``widths``), the last one takes its place. The sentences in between keep their rows, so a
     leaving sentence moves one sentence's rows, not every row behind it."""
-    rows = dict(zip(kept, beams, strict=True))
     staying = sorted(kept)
+    if len(staying) == n:  # nobody left
+        return staying
+    rows = dict(zip(kept, beams, strict=True))
     order: list[int] = []
     first, last = 0, len(staying) - 1
     for j in range(n):
