@@ -63,11 +63,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     ServerConfig.add_arguments(parser)
     parser.add_argument(
         "--demo", action="store_true",
-        help="if the model repository holds no model, build the demo models first (needs the train extra)",
+        help="build the demo models the model repository lacks first, unless it holds models of other names "
+             "(needs the train extra)",
     )
     parser.add_argument("--demo-runs", default="runs", help="where --demo keeps its training runs")
     parser.add_argument("--demo-only", action="store_true",
-                        help="with --demo: build the demo models if the repository is empty, then exit without "
+                        help="with --demo: build the demo models the repository lacks, then exit without "
                              "serving (a one-shot trainer container)")
     parser.set_defaults(func=run)
     return parser
@@ -114,11 +115,13 @@ def _security_hint(config: ServerConfig) -> str:
 
 
 def build_demo(repository: str, runs: str) -> None:
-    """Train, export and verify the demo models unless the repository already holds models."""
-    if has_models(repository):
+    """Train, export and verify the demo models the repository lacks (none when it holds other models)."""
+    from nmt.demo import build_demo_models, missing_demo_models
+
+    if not missing_demo_models(repository):
         return
     try:
-        from nmt.demo import build_demo_models
+        import torch  # noqa: F401 - the train extra
     except ImportError as error:
         raise NmtError(f"--demo trains models and needs the train extra ({error}); run: pip install -e '.[train]'") \
             from error

@@ -135,6 +135,17 @@ def test_the_trainer_command_exits_once_models_exist(repository: Path) -> None:
     assert "demo models ready" in out.getvalue()
 
 
+def test_the_demo_builds_only_what_a_cut_short_build_left_out(model_version_dir: Path, repository: Path,
+                                                               tmp_path: Path) -> None:
+    from nmt.demo import DEMO_MODELS, missing_demo_models
+
+    assert missing_demo_models(tmp_path / "empty") == list(DEMO_MODELS)
+    partial = tmp_path / "partial"
+    shutil.copytree(model_version_dir, partial / "demo-transformer" / "1")
+    assert missing_demo_models(partial) == ["demo-bahdanau"]
+    assert missing_demo_models(repository) == []  # models of one's own: served as they are
+
+
 # ---- scaling out: the gRPC proxy of the compose file and the Kubernetes manifests -------------------------
 
 K8S = ROOT / "deploy" / "k8s"
