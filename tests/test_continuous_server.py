@@ -82,6 +82,14 @@ def engine_with(version_dir: Path, **model_options: Any) -> Engine:
     return Engine(base.manifest, base.tokenizer, StepModel(base.model, **model_options), base.provider)
 
 
+async def until(condition: Any, timeout: float = 10) -> None:
+    """Wait on the event loop until ``condition()`` holds; fail (not hang) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the running decode never got there"
+        await asyncio.sleep(0.005)
+
+
 def continuous(engine: Engine, **policy: Any) -> ModelScheduler:
     return ModelScheduler(engine, policy=BatchPolicy(batching="continuous", **policy))
 
@@ -159,8 +167,7 @@ def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[
             return translation
 
         long = asyncio.ensure_future(call("long", LONG, long_options(4)))
-        while not scheduler._continuous.batch.steps:
-            await asyncio.sleep(0.005)
+        await until(lambda: scheduler._continuous.batch.steps)
         short = await call("short", SHORT[0], beam)
         result = await long
         await scheduler.close(timeout=5)
@@ -185,8 +192,7 @@ def test_cancelled_and_expired_requests_free_their_rows(tiny_models: dict[str, P
         cancelled = asyncio.ensure_future(scheduler.translate([LONG], long_options(4), handle))
         expired = asyncio.ensure_future(scheduler.translate([LONG], long_options(2), RequestHandle.with_timeout(0.3)))
         decode = scheduler._continuous.batch.decode
-        while decode.rows < 6:
-            await asyncio.sleep(0.005)
+        await until(lambda: decode.rows >= 6)
         handle.cancel()
         outcomes = await asyncio.gather(cancelled, expired, return_exceptions=True)
         rows_after = decode.rows
@@ -228,8 +234,7 @@ def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path]
         scheduler = continuous(engine)
         scheduler.start()
         long = asyncio.ensure_future(scheduler.translate([LONG], long_options(2)))
-        while not scheduler._continuous.batch.steps:
-            await asyncio.sleep(0.005)
+        await until(lambda: scheduler._continuous.batch.steps)
         calls = [scheduler.translate(["nine nine nine nine nine"], DecodingOptions(),
                                      RequestHandle(request_id="poisoned-1")),
                  *(scheduler.translate([t], DecodingOptions()) for t in SHORT)]
