@@ -200,6 +200,33 @@ def test_the_last_sentence_takes_the_rows_of_one_that_left(arch, engines):
         np.testing.assert_array_equal(encoded[name], value)
 
 
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_static_inputs_moved_within_the_same_arrays_reach_the_model(arch, engines):
+    """A sentence leaves as two join-ups expand, the row count stays: the static inputs move within the
+    very arrays the step's I/O binding holds (not bound again), and every output still equals its lone decode."""
+    engine = engines[arch]
+    first = [request(engine, "one two three", beam_size=2, num_hypotheses=2, max_length=3,
+                     controls=Controls(min_length=2)),  # leaves at its third step, not before
+             request(engine, "four five", beam_size=2, num_hypotheses=2, controls=Controls(min_length=8))]
+    later = [request(engine, text, beam_size=2, num_hypotheses=2, controls=Controls(min_length=4))
+             for text in ("six seven eight nine", "ten")]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    decode.admit(*engine.encode(first)[:2], [0, 1])
+    results = {}
+    for _ in range(2):
+        results.update(decode.step())
+    decode.admit(*engine.encode(later)[:2], [2, 3])
+    assert decode.rows == 6 and not results
+    static = dict(decode._static)
+    results.update(decode.step())
+    assert list(results) == [0] and decode.rows == 6 and decode.tags() == [3, 1, 2]
+    assert any(decode._static[name] is static[name] for name in engine.model.static_names)
+    while decode.rows:
+        results.update(decode.step())
+    for i, r in enumerate(first + later):
+        assert_same(results[i], alone(engine, r))
+
+
 def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
     # sentences 0..4 held 4, 4, 1, 4, 1 rows (2 and 4 joined this step); 1 and 3 leave
     widths = np.array([4, 4, 1, 4, 1])
