@@ -10,6 +10,9 @@ row's new key/value at its position into the very buffer it reads (the output is
 memory), capacity doubles when a row reaches it, and a beam reorder moves only the rows whose source
 differs. Arrays this module allocates keep as many spare rows again behind their rows: a beam's first
 expansion and the sentences joining a running decode are written there, not into a copy of the decode.
+A running decode's static inputs move their rows in place too once they are its own
+(``select_rows(..., in_place=True)``); the step's I/O binding shares the arrays' memory, so a move
+within the same arrays reaches the next step without binding them again.
 Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
