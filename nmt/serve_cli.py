@@ -9,10 +9,14 @@ onnxruntime and the models load when the command runs.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from nmt.errors import NmtError
-from nmt.model_format.layout import discover_versions, has_models
+from nmt.model_format.layout import discover_versions
 from server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from server.app import TranslationServer
 
 DESCRIPTION = """\
 Serve every model version of a model repository (<repo>/<name>/<version>/manifest.json) over gRPC:
@@ -36,9 +40,9 @@ Hot reload: every --reload-interval seconds and on SIGHUP the repository is scan
 latest; broken ones are refused with a "model version refused" log line while the others serve; removed
 ones stop taking requests and close once their in-flight requests finish (within --grace-seconds).
 
-With --demo, an empty repository is first filled with the demo models (demo-transformer and
-demo-bahdanau, trained on the generated English->German dates corpus, exported and verified: a few
-minutes on 2 CPU cores; needs the train extra). A second run reuses them.
+With --demo, the demo models the repository lacks are built first (demo-transformer and demo-bahdanau,
+trained on the generated English->German dates corpus, exported and verified: a few minutes each on 2
+CPU cores; needs the train extra), unless it holds models of other names. A second run reuses them.
 
 examples:
   nmt serve --demo
@@ -46,7 +50,7 @@ examples:
   nmt serve --tls-cert server.pem --tls-key server.key --tls-client-ca clients-ca.pem --auth-tokens-file tokens
 """
 
-HOW_TO_CALL = """serving {models} on {listen} (metrics: http://{metrics}/metrics); try:
+HOW_TO_CALL = """serving {models} on {listen} (metrics: {metrics}); try:
   nmt translate "Tuesday, April 25, 2045" --server {listen} --model {model} --beam-size 4 --num-hypotheses 3 --attention
   nmt translate --server {listen} --list-models{security}{http}
 """
@@ -89,21 +93,37 @@ def run(args: argparse.Namespace) -> int:
                   f"{', '.join(discover_versions(config.model_repository))}", flush=True)
             return 0
     configure_logging(config.log_level)
-    models = list(discover_versions(config.model_repository)) if has_models(config.model_repository) else []
-    if models:
-        print(HOW_TO_CALL.format(models=", ".join(models), listen=config.listen,
-                                 metrics=config.metrics_listen or "(off)", model=models[0],
-                                 security=_security_hint(config), http=_http_hint(config)), flush=True)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, on_started=print_how_to_call))
     return 0
 
 
-def _http_hint(config: ServerConfig) -> str:
-    """The HTTP face's page and a curl call, when it is on."""
-    if not config.http_listen:
+def print_how_to_call(server: TranslationServer) -> None:
+    """Print the models served and commands to try, with the ports the server bound (``--listen
+    127.0.0.1:0`` binds a free port)."""
+    config = server.config
+    models = server.repository.names
+    if not models:
+        return
+    listen = _with_port(config.listen, server.port)
+    metrics = f"http://{_with_port(config.metrics_listen, server.metrics_port)}/metrics" if config.metrics_listen \
+        else "off"
+    http = _with_port(config.http_listen, server.http_port) if config.http_listen else ""
+    print(HOW_TO_CALL.format(models=", ".join(models), listen=listen, metrics=metrics,
+                             model=server.repository.default_model, security=_security_hint(config),
+                             http=_http_hint(http)), flush=True)
+
+
+def _with_port(address: str, port: int | None) -> str:
+    """``address`` ("host:port") with the port the server bound instead of the one asked for."""
+    return address if port is None else f"{address.rpartition(':')[0]}:{port}"
+
+
+def _http_hint(address: str) -> str:
+    """The HTTP face's page and a curl call, when it is on (``address``: where it listens)."""
+    if not address:
         return ""
-    return (f"\n  alignment explorer: http://{config.http_listen}/\n"
-            f"  curl -s {config.http_listen}/v1/translate -d '{{\"texts\": [\"Tuesday, April 25, 2045\"]}}'")
+    return (f"\n  alignment explorer: http://{address}/\n"
+            f"  curl -s {address}/v1/translate -d '{{\"texts\": [\"Tuesday, April 25, 2045\"]}}'")
 
 
 def _security_hint(config: ServerConfig) -> str:

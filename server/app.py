@@ -37,6 +37,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -353,9 +354,12 @@ class TranslationServer:
         await self.shutdown(grace=0 if exc[0] else None)
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM / SIGINT, then drain and stop."""
+async def serve(config: ServerConfig, on_started: Callable[[TranslationServer], None] | None = None) -> None:
+    """Run until SIGTERM / SIGINT, then drain and stop; ``on_started`` is called once the ports are bound
+    (``server.port`` etc. then hold the real ports, e.g. for ``--listen 127.0.0.1:0``)."""
     server = TranslationServer(config)
     server.install_signal_handlers()
     await server.start()
+    if on_started is not None:
+        on_started(server)
     await server.wait_for_termination()

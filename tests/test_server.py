@@ -632,7 +632,7 @@ def test_nmt_serve_command_serves_and_stops_on_sigterm(repository: Path) -> None
                "127.0.0.1:0", "--provider", "cpu", "--intra-op-threads", "1", "--grace-seconds", "5"]
     # environment variables configure too
     env = {**os.environ, "NMT_METRICS_LISTEN": "", "NMT_HTTP_LISTEN": "", "NMT_MAX_BEAM": "3"}
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=Path(__file__).resolve().parent.parent)
     try:
         lines = []
@@ -655,8 +655,13 @@ def test_nmt_serve_command_serves_and_stops_on_sigterm(repository: Path) -> None
         [request_log] = [entry for entry in logs if entry.get("request_id") == "cli-test"]
         assert request_log["code"] == "OK" and request_log["method"] == "Translate" and request_log["model"] == MODEL
         assert [entry["message"] for entry in logs][-2:] == ["shutting down", "stopped"]
+        # the commands it suggests name the port it bound, not the 0 it was given
+        hint = process.stdout.read()
+        assert f"serving {MODEL} on 127.0.0.1:{port} (metrics: off); try:" in hint
+        assert f'--server 127.0.0.1:{port} --model {MODEL}' in hint and "127.0.0.1:0" not in hint
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         process.stderr.close()
+        process.stdout.close()
