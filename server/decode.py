@@ -16,13 +16,11 @@ position (``positions``; models that cannot take per-row positions only ever dec
 started together). The step asks for the ``2 x beam`` best tokens of the widest beam; a sentence
 reads the ``2 x beam`` best of its own rows.
 
-Search rules (those of :mod:`nmt.model_format.decoding`, as in the PyTorch reference
-``training/search.py``). Each step walks the ``2 * beam`` best continuations of a sentence in order,
-finishing those that end in EOS and keeping the others until ``beam`` are live; a sentence is done once
-it holds ``round(beam x patience)`` finished hypotheses and its best live beam, scored as if it ended
-now, is no better than the worst of them (or nothing is live). With ``beam_size == 1`` these rules
-reduce to arg-max decoding (the best token is kept; when it is EOS the sentence is done), which runs
-through a lean path of a few array operations per step instead of the general candidate bookkeeping.
+Search rules. The selection is :mod:`server.beam_select` (which continuations finish, which live on,
+when a sentence is done; a sentence's quota of finished hypotheses is ``round(beam x patience)``); this
+module keeps the books around it. With ``beam_size == 1`` the rules reduce to arg-max decoding (the best
+token is kept; when it is EOS the sentence is done), which runs through a lean path of a few array
+operations per step instead of the general candidate bookkeeping.
 
 Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
 when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).
@@ -53,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
+from server.beam_select import select_beam, sentence_done
 from server.controls import Controls, process, sample, top_k
 from server.search import NEG_INF, BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
 
@@ -323,68 +322,37 @@ class RunningDecode:
     def _beam(self, group: np.ndarray, beam: int, width: int, starts: np.ndarray, row_tokens: np.ndarray,
               row_scores: np.ndarray, attention: np.ndarray | None, left: list[tuple[Any, SearchResult | None]],
               kept: list[int]) -> tuple[np.ndarray, ...]:
-        """The general step of sentences ``group``, all of beam ``beam`` holding ``width`` rows each."""
-        n = group.size
-        sentence_rows = starts[group][:, None] + np.arange(width)  # [n, width]
-        per_row = min(2 * beam, row_tokens.shape[1])
-        block_tokens = row_tokens[sentence_rows][:, :, :per_row].reshape(n, -1)
-        block_scores = row_scores[sentence_rows][:, :, :per_row]
+        """The general step of sentences ``group``, all of beam ``beam`` holding ``width`` rows each: the
+        selection (:func:`server.beam_select.select_beam`), then its books."""
         sentences = [self._sentences[j] for j in group.tolist()]
-        # a forced prefix is given: its tokens add nothing to the score (token_scores keep their log-probabilities)
-        given = np.array([s.step < s.forced_length for s in sentences])[:, None, None] & (block_scores > NEG_INF)
-        # a sentence's 2*beam best continuations are among its rows' 2*beam best tokens
-        candidates = (self._totals[sentence_rows][:, :, None] + np.where(given, 0.0, block_scores)).reshape(n, -1)
-        order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam]
-        # fancy indexing with the sentence index, not np.take_along_axis: the same values, a tenth of the
-        # Python overhead (~40 us per call on a 2-core host, nine calls a step)
-        each = np.arange(n)[:, None]
-        top_scores = candidates[each, order]
-        token = block_tokens[each, order]
-        token_score = block_scores.reshape(n, -1)[each, order]
-        origin = sentence_rows[each, order // per_row]  # the row each candidate extends
-        valid = top_scores > NEG_INF
-        is_eos = (token == self.eos_id) & valid
-        live = ~is_eos & valid
-        live_before = np.cumsum(live, axis=1) - live
-        keep = live & (live_before < beam)
-        finish = is_eos & (live_before < beam)
-
-        for j, c in zip(*np.nonzero(finish), strict=True):
+        given = np.array([s.step < s.forced_length for s in sentences])
+        choice = select_beam(self._totals, row_tokens, row_scores, starts[group][:, None] + np.arange(width), given,
+                             beam, self.eos_id)
+        for j, c in zip(*np.nonzero(choice.finish), strict=True):
             s = sentences[j]
-            s.finished.append(self._hypothesis(s, int(origin[j, c]), self.eos_id, float(token_score[j, c]),
-                                               float(top_scores[j, c]), attention))
-
-        # the first beam live candidates of each sentence become its next rows (-1: none)
-        chosen = np.full((n, beam), -1)
-        kj, kc = np.nonzero(keep)
-        chosen[kj, (np.cumsum(keep, axis=1) - 1)[kj, kc]] = kc
-        has_live = chosen[:, 0] >= 0
-        best_live = np.where(has_live, top_scores[each[:, 0], np.maximum(chosen[:, 0], 0)], NEG_INF)
-
+            s.finished.append(self._hypothesis(s, int(choice.origins[j, c]), self.eos_id,
+                                               float(choice.token_scores[j, c]), float(choice.scores[j, c]), attention))
         survivors = []
         for j, s in enumerate(sentences):
             if s.finished:
                 s.finished.sort(key=lambda hyp: hyp.score, reverse=True)
                 del s.finished[s.quota:]
-            done = not has_live[j] or (
-                len(s.finished) == s.quota
-                and normalized_score(best_live[j], s.step + 1, s.spec.length_penalty) <= s.finished[-1].score)
             if s.cancelled():
                 left.append((s.tag, None))
-            elif done:
+            elif sentence_done(choice.best_live[j], s.finished, s.quota, s.step + 1,
+                               s.spec.length_penalty):
                 left.append((s.tag, SearchResult(s.finished[: s.spec.num_hypotheses])))
             else:
                 survivors.append(j)
                 kept.append(int(group[j]))
         keep_rows = np.array(survivors, dtype=np.int64)
-        picked = chosen[keep_rows]  # [n', beam]
+        picked = choice.chosen[keep_rows]  # [n', beam]
         alive = picked >= 0
-        safe = np.maximum(picked, 0)
-        at = (keep_rows[:, None], safe)
-        new_origin = np.where(alive, origin[at], origin[keep_rows, :1])
-        new_token = np.where(alive, token[at], self.start_id)
-        new_totals = np.where(alive, top_scores[at], NEG_INF)
-        step_scores = token_score[at]
+        at = (keep_rows[:, None], np.maximum(picked, 0))
+        new_origin = np.where(alive, choice.origins[at], choice.origins[keep_rows, :1])
+        new_token = np.where(alive, choice.tokens[at], self.start_id)
+        new_totals = np.where(alive, choice.scores[at], NEG_INF)
+        step_scores = choice.token_scores[at]
         return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
 
     def _hypothesis(self, s: _Sentence, row: int, token: int, score: float, total: float,

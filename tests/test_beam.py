@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from server.beam_select import select_beam, sentence_done
 from server.controls import Controls
 from server.decode import beam_search
-from server.search import BeamSentence, StepOutput, take_rows
+from server.search import BeamSentence, ScoredSequence, StepOutput, take_rows
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model
 from training.search import translate_ids
@@ -225,3 +226,29 @@ def test_table_sampling_with_a_seed_is_reproducible():
     assert runs[0] == runs[1]
     [top1] = table_search(beam=1, n=1, length_penalty=0.0, controls=Controls(sampling_topk=0, sampling_topp=0.5))
     assert top1.hypotheses[0].tokens == [A, A, EOS]
+
+
+def test_select_beam_walks_candidates_in_order_and_keeps_beam_live() -> None:
+    """The selection rule on hand-made numbers: one sentence of beam 2 holding two rows. Its four best
+    continuations, best first: row 1 + EOS (finishes), row 0 + token 5, row 1 + token 6 (both live), row 0 +
+    EOS (behind the second live one: neither finishes nor lives)."""
+    totals = np.array([-1.0, -0.5])
+    tokens = np.array([[5, EOS, 7, 8], [EOS, 6, 9, 4]])
+    scores = np.log(np.array([[0.5, 0.3, 0.1, 0.05], [0.6, 0.2, 0.1, 0.05]]))
+    choice = select_beam(totals, tokens, scores, np.array([[0, 1]]), np.array([False]), beam=2, eos_id=EOS)
+    np.testing.assert_allclose(choice.scores[0], [-0.5 + np.log(0.6), -1.0 + np.log(0.5), -0.5 + np.log(0.2),
+                                                  -1.0 + np.log(0.3)])
+    assert choice.tokens[0].tolist() == [EOS, 5, 6, EOS] and choice.origins[0].tolist() == [1, 0, 1, 0]
+    assert choice.finish[0].tolist() == [True, False, False, False]
+    assert choice.chosen[0].tolist() == [1, 2] and choice.best_live[0] == choice.scores[0, 1]
+    # a forced prefix's token adds nothing to the summed score: row 1's four tokens all rank first
+    given = select_beam(totals, tokens, scores, np.array([[0, 1]]), np.array([True]), beam=2, eos_id=EOS)
+    assert given.scores[0].tolist() == [-0.5] * 4 and given.origins[0].tolist() == [1] * 4
+
+
+def test_sentence_done_needs_its_quota_and_no_better_live_hypothesis() -> None:
+    finished = [ScoredSequence([EOS], -1.0, [-1.0]), ScoredSequence([A, EOS], -2.0, [-1.0, -3.0])]
+    assert sentence_done(-np.inf, [], quota=2, length=3, length_penalty=1.0)  # nothing live
+    assert not sentence_done(-9.0, finished[:1], quota=2, length=3, length_penalty=1.0)  # quota not reached
+    assert sentence_done(-6.0, finished, quota=2, length=3, length_penalty=1.0)  # -6/3 = -2: no better
+    assert not sentence_done(-5.9, finished, quota=2, length=3, length_penalty=1.0)
