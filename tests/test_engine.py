@@ -7,7 +7,7 @@ import pytest
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, word_groups
 from server.controls import Controls
-from server.engine import Engine, OnnxStepModel
+from server.engine import Engine, OnnxStepModel, length_runs
 from server.types import DecodingOptions, SentenceRequest
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
@@ -103,6 +103,49 @@ def test_mixed_length_batch_equals_one_by_one(arch, engines):
         for a, b in zip(together.hypotheses, alone.hypotheses, strict=True):
             assert a.score == pytest.approx(b.score, abs=1e-5)
             np.testing.assert_allclose(a.attention.weights, b.attention.weights, atol=1e-5)
+
+
+def test_length_runs_group_similar_lengths_and_count_each_call() -> None:
+    lengths = np.array([13, 57, 12, 14, 56, 13, 11, 55])
+    runs = length_runs(lengths, call_tokens=64)
+    assert [sorted(lengths[r].tolist()) for r in runs] == [[11, 12, 13, 13, 14], [55, 56, 57]]
+    assert sorted(np.concatenate(runs).tolist()) == list(range(8))  # every row once
+    assert len(length_runs(lengths, call_tokens=10**6)) == 1  # calls too dear: one padded batch
+    assert [r.tolist() for r in length_runs(np.array([10, 30]), call_tokens=64)] == [[0, 1]]  # 60 + 64 > 2 x 30
+    assert [r.tolist() for r in length_runs(np.array([60, 10]), call_tokens=32)] == [[1], [0]]  # 70 + 64 < 120 + 32
+    assert [r.tolist() for r in length_runs(np.array([7]), call_tokens=64)] == [[0]]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_a_batch_encoded_in_length_runs_decodes_as_one_padded_batch(arch, engines, monkeypatch):
+    """Each run of similar lengths is encoded on its own and the outputs are zero-padded back into the
+    batch's row order: every sentence's outputs (on its own source positions) and translations equal those
+    of the one padded batch."""
+    engine = engines[arch]
+    texts = ["one", " ".join(["three four five six seven"] * 4), "two three", " ".join(["eight nine ten"] * 5)]
+    requests = [SentenceRequest(engine.tokenize(t), DecodingOptions(beam_size=3, return_attention=True), text=t)
+                for t in texts]
+    monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 10**6)
+    one, _, src = engine.encode(requests)
+    expected = engine.translate_batch(requests).translations
+    calls = []
+    encode = engine.model.encode
+    monkeypatch.setattr(engine.model, "encode", lambda batch: calls.append(batch.shape) or encode(batch))
+    monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 8)
+    runs, _, _ = engine.encode(requests)
+    lengths = [len(r.source_ids) + 1 for r in requests]
+    assert sorted(calls) == [(2, max(lengths[0], lengths[2])), (2, max(lengths[1], lengths[3]))]  # short, long
+    for name, value in one.items():
+        assert runs[name].shape == value.shape and runs[name].dtype == value.dtype
+        axis = engine.model.static_src_axes.get(name)
+        for row, length in enumerate(lengths):
+            mine = (row,) + (slice(None),) * (axis - 1) + (slice(0, length),) if axis else (row,)
+            np.testing.assert_allclose(runs[name][mine], value[mine], atol=1e-5)
+    got = engine.translate_batch(requests).translations
+    for a, b in zip(got, expected, strict=True):
+        assert [h.token_ids for h in a.hypotheses] == [h.token_ids for h in b.hypotheses]
+        assert a.hypotheses[0].score == pytest.approx(b.hypotheses[0].score, abs=1e-5)
+        np.testing.assert_allclose(a.hypotheses[0].attention.weights, b.hypotheses[0].attention.weights, atol=1e-5)
 
 
 def test_per_sentence_options_and_batch_report(engines):
