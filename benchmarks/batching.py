@@ -19,6 +19,12 @@ flight nearly all the time), and the server's mean decoder rows: for continuous 
 (sentences x beam) from ``nmt_batch_size_sentences``. Then the ratios continuous / static the targets
 are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
 sentences (one at a time, alternating).
+
+Last, the ceiling: the bare engine in this process under the most callers, each sending its next sentence
+the moment the last returns (:func:`bare_closed_loop`): static batches of that many sentences against one
+running decode of that many, with the decoding steps, the decoder's time per step and per row-step and
+the encoder's calls. Where a step's cost grows with its rows (a CPU with no parallel slack), fewer steps
+with more rows each gain nothing, and neither can the server.
 """
 
 from __future__ import annotations
@@ -192,6 +198,82 @@ def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads
     return {name: float(np.median(values)) * 1000 for name, values in times.items()}
 
 
+def bare_closed_loop(repository: str, model: str, texts: list, beam: int, callers: int, max_rows: int,
+                     threads: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The bare engine in this process under ``callers`` callers that never wait: static batching decodes
+    the sentences ``callers`` at a time, each batch to its end (the ideal static batch); continuous
+    batching keeps ``callers`` sentences in one running decode of at most ``max_rows`` rows, admitting the
+    next sentence as soon as one leaves. No gRPC and no queue, so this is the most either server can do on
+    this engine. Per mode (medians over ``repeats``, alternating): sentences/s, decoding steps, decoder ms
+    per step, mean rows per step and encoder calls and ms, all detokenized as the servers do."""
+    from collections import deque
+
+    from server.decode import RunningDecode
+    from server.engine import Engine
+    from server.types import DecodingOptions, SentenceRequest
+
+    version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent
+    engine = Engine.load(version, provider="cpu", intra_op_threads=threads)
+    requests = [SentenceRequest(engine.tokenize(text), DecodingOptions(beam_size=beam), text=text)
+                for text, _ in texts]
+    counts: dict[str, float] = dict(steps=0, step_s=0.0, rows=0, encodes=0, encode_s=0.0)
+    step, encode = engine.model.step, engine.model.encode
+
+    def timed_step(tokens, *args, **kwargs):
+        start = time.perf_counter()
+        out = step(tokens, *args, **kwargs)
+        counts["steps"] += 1
+        counts["step_s"] += time.perf_counter() - start
+        counts["rows"] += len(tokens)
+        return out
+
+    def timed_encode(src):
+        start = time.perf_counter()
+        out = encode(src)
+        counts["encodes"] += 1
+        counts["encode_s"] += time.perf_counter() - start
+        return out
+
+    def static() -> None:
+        for i in range(0, len(requests), callers):
+            engine.translate_batch(requests[i: i + callers])
+
+    def continuous() -> None:
+        decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+        waiting, in_flight = deque(range(len(requests))), 0
+        while waiting or decode.rows:
+            ready, rows = [], decode.reserved_rows
+            while waiting and in_flight + len(ready) < callers and rows + beam <= max_rows:
+                ready.append(waiting.popleft())
+                rows += beam
+            if ready:
+                encoded, sentences, _ = engine.encode([requests[i] for i in ready])
+                decode.admit(encoded, sentences, ready)
+                in_flight += len(ready)
+            for i, result in decode.step():
+                engine.to_translation(requests[i], result)
+                in_flight -= 1
+
+    runs: dict[str, list[dict[str, float]]] = {"static": [], "continuous": []}
+    engine.model.step, engine.model.encode = timed_step, timed_encode
+    try:
+        static(), continuous()  # warm up
+        for repeat in range(repeats):
+            for mode, run in (("static", static), ("continuous", continuous))[:: 1 if repeat % 2 == 0 else -1]:
+                counts.update(dict.fromkeys(counts, 0))
+                start = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - start
+                runs[mode].append({"sentences_s": len(requests) / seconds, "steps": counts["steps"],
+                                   "step_ms": 1000 * counts["step_s"] / counts["steps"],
+                                   "rows": counts["rows"] / counts["steps"], "encodes": counts["encodes"],
+                                   "encode_ms": 1000 * counts["encode_s"], "total_ms": 1000 * seconds})
+    finally:
+        del engine.model.step, engine.model.encode  # the class's methods again
+    return {mode: {key: float(np.median([r[key] for r in values])) for key in values[0]}
+            for mode, values in runs.items()}
+
+
 def row(label: str, cells: dict[str, dict]) -> str:
     s, c = cells["static"], cells["continuous"]
     return (f"| {label} | {s['sentences_s']:.1f} / {c['sentences_s']:.1f} ({c['sentences_s'] / s['sentences_s']:.2f}x) "
@@ -257,6 +339,10 @@ def main() -> None:
         for process, _, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
+    callers = max(args.callers)
+    bare = bare_closed_loop(args.model_repository, args.model,
+                            workload(args.requests, 2000, args.long_share, args.long_dates), args.beam_size,
+                            callers, args.max_batch_rows or 128, args.threads, args.repeats)
 
     print(f"\nhost: {host()}")
     print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads per server, {args.requests} requests "
@@ -273,6 +359,17 @@ def main() -> None:
     print(f"single caller p50 ({args.single} sentences, alternating): engine {single['engine']:.1f} ms, static "
           f"{single['static']:.1f} ms ({single['static'] / single['engine']:.2f}x), continuous "
           f"{single['continuous']:.1f} ms ({single['continuous'] / single['engine']:.2f}x)")
+    print(f"\nbare engine, {callers} callers that never wait ({args.requests} sentences, "
+          f"continuous up to {args.max_batch_rows or 128} rows; medians of {args.repeats}):")
+    print("| mode | sentences/s | decoding steps | decoder ms per step | mean rows | ms per row-step | "
+          "encoder calls / ms | total ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, b in bare.items():
+        print(f"| {mode} | {b['sentences_s']:.0f} | {b['steps']:.0f} | {b['step_ms']:.2f} | {b['rows']:.1f} | "
+              f"{b['step_ms'] / b['rows']:.3f} | {b['encodes']:.0f} / {b['encode_ms']:.0f} | {b['total_ms']:.0f} |")
+    print(f"continuous / static on the bare engine: "
+          f"{bare['continuous']['sentences_s'] / bare['static']['sentences_s']:.2f}x (the most the servers' ratio "
+          f"can be with {callers} callers)")
 
 
 if __name__ == "__main__":
