@@ -250,8 +250,8 @@ class Engine:
         return results, src, encode_seconds, time.perf_counter() - start
 
     def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], np.ndarray]:
-        """Run the encoder on the sentences (padded into one batch): their encoder outputs, search settings
-        and the padded source batch [N, S]."""
+        """Run the encoder on the sentences (in runs of similar length, :meth:`_encode_by_length`): their
+        encoder outputs (padded to the longest sentence), search settings and the padded source batch [N, S]."""
         sources = [list(r.source_ids) + [self.eos_id] for r in requests]
         lengths = np.array([len(s) for s in sources])
         src = np.full((len(sources), lengths.max()), self.pad_id, dtype=np.int64)
