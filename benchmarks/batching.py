@@ -289,7 +289,7 @@ def main() -> None:
     parser.add_argument("--model", default="demo-bahdanau")
     parser.add_argument("--callers", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--rates", nargs="*", type=float, help="open-loop requests/s (default: from static's "
-                        "closed-loop throughput at the most callers, x 0.5, 0.9, 1.2)")
+                        "closed-loop throughput at the most callers, x 0.5, 0.9, 1.2; --rates alone: none)")
     parser.add_argument("--requests", type=int, default=120, help="requests per cell and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each cell on each server (medians)")
     parser.add_argument("--long-share", type=float, default=0.25)
@@ -329,7 +329,8 @@ def main() -> None:
 
         for callers in args.callers:
             closed = run_cell(f"{callers} callers", callers, None)
-        rates = args.rates or [round(closed["static"]["sentences_s"] * f, 1) for f in (0.5, 0.9, 1.2)]
+        rates = args.rates if args.rates is not None else [
+            round(closed["static"]["sentences_s"] * f, 1) for f in (0.5, 0.9, 1.2)]
         for rate in rates:
             run_cell(f"Poisson {rate:g}/s", None, rate)
         single = bare_engine_p50(args.model_repository, args.model,
