@@ -1,10 +1,9 @@
 """Continuous (iteration-level) batching: one running decode per model version (``--batching continuous``).
 
 Where the static batcher (:mod:`server.scheduler`) decodes a batch to its end while later sentences
-wait behind its longest sentence (its own sentences are answered as each leaves it), here sentences
-join the version's running decode (:class:`server.decode.RunningDecode`) between two decoding steps and
-leave it as soon as they finish: a sentence's latency is its own decoding length plus at most about one
-step of waiting.
+wait behind its longest sentence, here sentences join the version's running decode
+(:class:`server.decode.RunningDecode`) between two decoding steps and leave it as soon as they finish:
+a sentence's latency is its own decoding length plus at most about one step of waiting.
 
 The loop (the scheduler's batcher task; inference on the version's single worker thread):
 

@@ -44,7 +44,7 @@ so their rows are free for the next admission.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,14 +67,12 @@ def beam_search(
     need_attention: bool | None = None,
     lean_greedy: bool = True,
     resume: Resume | None = None,
-    on_result: Callable[[int, SearchResult | None], None] | None = None,
 ) -> list[SearchResult | None]:
     """Decode ``len(sentences)`` sentences together (the static batch: a running decode that admits them
     all before its first step), each with ``beam_size`` and ``need_attention`` (None: each sentence's own);
     ``encoded`` holds every static input and the initial value of every state entry, batch first
     (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
-    sentence whose ``is_cancelled`` turned true; ``on_result(index, result)`` is called as each sentence
-    leaves the decode, before the others finish."""
+    sentence whose ``is_cancelled`` turned true."""
     decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy)
     overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
         {} if need_attention is None else {"need_attention": need_attention})
@@ -83,8 +81,6 @@ def beam_search(
     while decode.rows:
         for index, result in decode.step():
             results[index] = result
-            if on_result is not None:
-                on_result(index, result)
     return results
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,7 +54,7 @@ class BatchResult:
 
     translations: list[Translation | None]  # None for sentences cancelled mid-way
     encode_seconds: float
-    decode_seconds: float  # the search, with the detokenization of each sentence as it leaves it
+    decode_seconds: float
     generated_tokens: int
     source_tokens: int
     padding_ratio: float  # padded positions / all positions of the source batch
@@ -197,28 +197,22 @@ class Engine:
         requests = [SentenceRequest(self.tokenize(text), options, text=text) for text in texts]
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
-    def translate_batch(self, requests: Sequence[SentenceRequest],
-                        on_translation: Callable[[int, Translation | None], None] | None = None) -> BatchResult:
+    def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
         """Decode sentences together (a running decode that admits them all at its first step); their
-        options may differ. Cancelled sentences leave the batch between steps. ``on_translation(index,
-        translation)`` is called (on this thread) as each sentence's translation is ready, ``None`` for a
-        cancelled one: a short sentence need not wait for the batch's longest."""
+        options may differ. Cancelled sentences leave the batch between steps."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
-        translations: list[Translation | None] = [None] * len(requests)
-
-        def finished(index: int, result: SearchResult | None) -> None:
-            translations[index] = None if result is None else self.to_translation(requests[index], result)
-            if on_translation is not None:
-                on_translation(index, translations[index])
-
         try:
-            results, src, encode_seconds, decode_seconds = self._search(requests, finished)
+            results, src, encode_seconds, decode_seconds = self._search(requests)
         except Exception as error:
             exhausted = self.memory_error(error, len(requests))
             if exhausted is None:
                 raise
             raise exhausted from error
+        translations = [
+            None if result is None else self.to_translation(request, result)
+            for request, result in zip(requests, results, strict=True)
+        ]
         source_tokens = sum(len(r.source_ids) + 1 for r in requests)  # EOS included, padding not
         return BatchResult(
             translations=translations,
@@ -244,17 +238,15 @@ class Engine:
         return self._search(requests)[0] if requests else []
 
     def _search(
-        self, requests: Sequence[SentenceRequest],
-        on_result: Callable[[int, SearchResult | None], None] | None = None,
+        self, requests: Sequence[SentenceRequest]
     ) -> tuple[list[SearchResult | None], np.ndarray, float, float]:
-        """Encode and search (``on_result``: see :func:`server.forced.decode`); returns the results, the padded
-        source batch and the seconds of both stages."""
+        """Encode and search; returns the results, the padded source batch and the seconds of both stages."""
         start = time.perf_counter()
         encoded, sentences, src = self.encode(requests)
         encode_seconds = time.perf_counter() - start
         start = time.perf_counter()
         results = decode(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
-                         pad_id=self.pad_id, on_result=on_result)
+                         pad_id=self.pad_id)
         return results, src, encode_seconds, time.perf_counter() - start
 
     def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], np.ndarray]:

@@ -20,8 +20,7 @@ loop without beam bookkeeping.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,14 +67,11 @@ def runs_apart(s: BeamSentence, eos_id: int) -> bool:
 
 
 def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
-           eos_id: int, pad_id: int,
-           on_result: Callable[[int, SearchResult | None], None] | None = None) -> list[SearchResult | None]:
+           eos_id: int, pad_id: int) -> list[SearchResult | None]:
     """:func:`server.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
     (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
     each sentence keeps its own beam size and attention. Sentences needing the same pass length go through
-    it, and then the search, together. ``on_result(index, result)`` is called once per sentence as soon as
-    its result is known: as it leaves the search for sentences without given tokens, after its group
-    otherwise."""
+    it, and then the search, together."""
     results: list[SearchResult | None] = [None] * len(sentences)
     groups: dict[tuple[str, int], list[int]] = {}
     for i, s in enumerate(sentences):
@@ -95,22 +91,12 @@ def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSe
         chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, rows)
         group = [sentences[i] for i in members]
         if kind == "plain":
-            report = None if on_result is None else functools.partial(_report, on_result, members)
-            found = beam_search(model, chosen, group, **settings, on_result=report)
+            found = beam_search(model, chosen, group, **settings)
         else:
             found = _forced_group(model, chosen, group, kind, pad_id, settings)
-            if on_result is not None:
-                for i, result in zip(members, found, strict=True):
-                    on_result(i, result)
         for i, result in zip(members, found, strict=True):
             results[i] = result
     return results
-
-
-def _report(on_result: Callable[[int, SearchResult | None], None], members: list[int], index: int,
-            result: SearchResult | None) -> None:
-    """``on_result`` of a group's sentence ``index``, under its index in the whole batch."""
-    on_result(members[index], result)
 
 
 def admit(decode: RunningDecode, encoded: dict[str, Any], sentences: Sequence[BeamSentence], tags: Sequence[Any],

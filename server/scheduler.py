@@ -5,10 +5,8 @@ The one way into a model version: the servicer hands a request's texts, resolved
 thread when the request is large), refuses a text over the token limit and queues them as sentences
 in this model version's queue. One batcher task forms batches and runs :meth:`Engine.translate_batch`
 on the version's own single worker thread, so the event loop never blocks on inference and one
-version's batches never overlap. Each sentence's result goes back to its request's future as soon as
-the sentence leaves its batch (``translate_batch``'s ``on_translation``), not when the batch ends, so
-a short sentence does not wait for the longest one it was batched with; a request's results are
-reassembled in request order once all of its sentences are back.
+version's batches never overlap. Results go back to each request's futures and are reassembled in
+request order.
 
 Continuous batching
     With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
@@ -87,7 +85,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import math
@@ -389,8 +386,6 @@ class ModelScheduler:
                 "model": labels[0], "version": labels[1], "sentences": len(batch), "requests": len(groups),
                 "error": f"{type(error).__name__}: {error}"}})
             for group in groups:
-                if all(p.future.done() for p in group):  # answered before the batch failed
-                    continue
                 if group[0].request.is_cancelled():
                     for p in group:
                         resolve(p, error=p.request.error())
@@ -400,18 +395,10 @@ class ModelScheduler:
             await self._fail(batch, error)
 
     async def _decode(self, batch: list[Pending]) -> Exception | None:
-        """Decode ``batch`` on the worker thread and resolve its futures, each as soon as its sentence leaves
-        the batch (a short sentence's caller does not wait for the batch's longest); return the error when
-        it failed."""
-        loop = asyncio.get_running_loop()
-
-        def finished(index: int, translation: Translation | None) -> None:  # on the worker thread
-            loop.call_soon_threadsafe(_settle, batch[index], translation)
-
+        """Decode ``batch`` on the worker thread and resolve its futures; return the error when it failed."""
         try:
-            result = await loop.run_in_executor(
-                self._executor, functools.partial(self.engine.translate_batch, [p.sentence for p in batch],
-                                                  on_translation=finished))
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.translate_batch, [p.sentence for p in batch])
             if len(result.translations) != len(batch):
                 raise RuntimeError(f"the engine returned {len(result.translations)} results for {len(batch)} "
                                    "sentences")
@@ -419,8 +406,11 @@ class ModelScheduler:
             return error
         self.failures = 0
         self._record(batch, result)
-        for p, translation in zip(batch, result.translations, strict=True):  # any not settled early
-            _settle(p, translation)
+        for p, translation in zip(batch, result.translations, strict=True):
+            if translation is None:
+                resolve(p, error=p.request.error())
+            else:
+                resolve(p, result=translation)
         return None
 
     async def _fail(self, group: list[Pending], error: Exception) -> None:
@@ -468,12 +458,3 @@ class ModelScheduler:
         m.source_tokens.labels(*labels).inc(result.source_tokens)
         if result.cancelled:
             m.cancelled_sentences.labels(*labels).inc(result.cancelled)
-
-
-def _settle(pending: Pending, translation: Translation | None) -> None:
-    """Resolve ``pending`` with its translation, or with its request's error when it left the batch
-    untranslated (cancelled or expired)."""
-    if translation is None:
-        resolve(pending, error=pending.request.error())
-    else:
-        resolve(pending, result=translation)

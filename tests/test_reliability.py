@@ -293,14 +293,14 @@ class PoisonEngine(SlowEngine):
         self.tried: list[list[str]] = []
         self.release = threading.Event()
 
-    def translate_batch(self, requests: Any, on_translation: Any = None) -> Any:
+    def translate_batch(self, requests: Any) -> Any:
         texts = [r.text for r in requests]
         self.tried.append(texts)
         if "hold" in texts:
             self.release.wait(30)
         if "poison" in texts:
             raise RuntimeError("injected fault: session run failed")
-        return self.engine.translate_batch(requests, on_translation)
+        return self.engine.translate_batch(requests)
 
 
 def test_fault_in_one_sentence_fails_only_its_request(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -337,10 +337,10 @@ class BreakableEngine(SlowEngine):
         super().__init__(engine, poll_seconds=0.0)
         self.broken = False
 
-    def translate_batch(self, requests: Any, on_translation: Any = None) -> Any:
+    def translate_batch(self, requests: Any) -> Any:
         if self.broken:
             raise RuntimeError("injected fault: the session is broken")
-        return self.engine.translate_batch(requests, on_translation)
+        return self.engine.translate_batch(requests)
 
 
 def test_a_broken_engine_is_marked_not_serving_and_reloaded(repository: Path,

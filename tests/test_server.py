@@ -86,9 +86,9 @@ class SlowEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
-    def translate_batch(self, requests: Any, on_translation: Any = None) -> Any:
+    def translate_batch(self, requests: Any) -> Any:
         if all(r.is_cancelled is None for r in requests):
-            return self.engine.translate_batch(requests, on_translation)
+            return self.engine.translate_batch(requests)
 
         def slow(check: Callable[[], bool] | None) -> Callable[[], bool]:
             def polled() -> bool:
@@ -98,7 +98,7 @@ class SlowEngine:
             return polled
 
         wrapped = [replace(r, is_cancelled=slow(r.is_cancelled)) for r in requests]
-        result = self.engine.translate_batch(wrapped, on_translation)
+        result = self.engine.translate_batch(wrapped)
         self.results.append(result)
         return result
 
@@ -106,10 +106,10 @@ class SlowEngine:
 class FailingEngine(SlowEngine):
     """The real engine, failing every batch that holds a sentence with ``max_length == 13``."""
 
-    def translate_batch(self, requests: Any, on_translation: Any = None) -> Any:
+    def translate_batch(self, requests: Any) -> Any:
         if any(r.options.max_length == 13 for r in requests):
             raise RuntimeError("injected failure")
-        return self.engine.translate_batch(requests, on_translation)
+        return self.engine.translate_batch(requests)
 
 
 def wrapping_loader(wrapper: Callable[[Any], Any]) -> Callable[..., Any]:
@@ -349,28 +349,6 @@ def test_deadline_shorter_than_the_work_leaves_the_batch(repository: Path) -> No
         h.close()
 
 
-def test_a_short_sentence_returns_before_its_batch_ends(repository: Path) -> None:
-    """Static batching answers each sentence as it leaves the batch: a short request batched with a long one
-    gets its translation while the long one is still decoding."""
-    h = ServerHarness(test_config(repository), wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.02)))
-    try:
-        def call(text: str, min_length: int) -> Any:
-            request = pb2.TranslateRequest(texts=[text], options=pb2.DecodingOptions(min_length=min_length))
-            return h.stub.Translate.future(request, timeout=60)
-
-        blocker = call(TEXTS[1], 10)
-        wait_for(lambda: h.scheduler().running)  # the worker is busy: the next two queue up together
-        long, short = call(" ".join(TEXTS), 30), call(TEXTS[2], 0)
-        wait_for(lambda: h.scheduler().queue_depth == 2)
-        assert len(blocker.result().translations) == 1
-        assert len(short.result().translations) == 1
-        assert not long.done()  # ~30 more steps of 2 x 20 ms polls: the batch is still running
-        assert len(long.result().translations[0].hypotheses[0].tokens) >= 30
-        assert len(h.engine().results[-1].translations) == 2  # the two did share one batch
-    finally:
-        h.close()
-
-
 def test_deadline_that_cannot_be_met_is_refused_before_compute(repository: Path) -> None:
     h = ServerHarness(test_config(repository), wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.02)))
     try:
@@ -577,7 +555,7 @@ class RecordingEngine:
     def tokenize(self, text: str) -> list[int]:
         return [5, 6]
 
-    def translate_batch(self, requests: Any, on_translation: Any = None) -> BatchResult:
+    def translate_batch(self, requests: Any) -> BatchResult:
         self.batches.append(len(requests))
         time.sleep(self.seconds)
         return BatchResult([Translation([], [], []) for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
