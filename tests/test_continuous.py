@@ -361,3 +361,25 @@ def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
         results.update(decode.step())
     for tag, r in (("running", running), ("joining", joining)):
         assert_same(results[tag], alone(engine, r))
+
+
+def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models) -> None:
+    """``benchmarks/batching.py``'s ceiling (the bare engine under callers that never wait) on the tiny
+    Transformer: both modes decode every sentence, the running decode within its rows, and the decoder
+    and encoder calls are counted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "batching.py"
+    spec = importlib.util.spec_from_file_location("batching_benchmark", path)
+    batching = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(batching)
+    version = tiny_models["transformer"]
+    texts = batching.workload(12, 0, 0.25, 2)
+    result = batching.bare_closed_loop(str(version.parent.parent), version.parent.name, texts, beam=2, callers=4,
+                                       max_rows=8, threads=1, repeats=1)
+    for mode in ("static", "continuous"):
+        assert result[mode]["sentences_s"] > 0 and result[mode]["steps"] > 0
+    assert result["static"]["encodes"] >= 3  # 12 sentences, 4 at a time
+    assert result["continuous"]["encodes"] >= 3  # admitted as others left
+    assert 0 < result["continuous"]["rows"] <= 8
