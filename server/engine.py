@@ -282,10 +282,8 @@ class Engine:
         every short one to the longest. The runs' outputs are zero-padded to the widest run's shape and put
         back in the batch's row order (the padding is hidden by the source mask, as when a sentence joins
         a running decode). On a device the batch is encoded in one call (its outputs stay there)."""
-        if len(src) == 1 or isinstance(self.model, DeviceStepModel):
-            return self.model.encode(src)
-        runs = length_runs(lengths, ENCODER_CALL_TOKENS)
-        if len(runs) == 1:
+        runs = [] if isinstance(self.model, DeviceStepModel) else length_runs(lengths, ENCODER_CALL_TOKENS)
+        if len(runs) <= 1:
             return self.model.encode(src)
         parts = [(rows, self.model.encode(src[rows, : lengths[rows].max()])) for rows in runs]
         merged = {}
