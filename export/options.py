@@ -59,3 +59,8 @@ class ExportOptions:
                                     "model's max_length, else 256)", group=SERVING_DEFAULTS)
     threads: int = option(1, "torch and ONNX Runtime threads while verifying")
     progress: bool = option(True, "show a progress bar")
+
+    @property
+    def reduced_precision(self) -> str | None:
+        """The reduced precision asked for (int8 or fp16), or None for fp32 alone."""
+        return self.quantize or (self.precision if self.precision != "fp32" else None)

@@ -3,8 +3,8 @@
 :func:`export_model` reads as its stages (each a step of the progress bar):
 
 1. **validate** the inputs before writing anything: the source, loaded by its loader
-   (:data:`SOURCE_LOADERS`): a training run's checkpoint (``weights_only=True``) and the tokenizer beside
-   it, or a Hugging Face Marian directory (:mod:`export.huggingface`, checked against
+   (:data:`export.sources.SOURCE_LOADERS`): a training run's checkpoint (``weights_only=True``) and the
+   tokenizer beside it, or a Hugging Face Marian directory (:mod:`export.huggingface`, checked against
    ``transformers.MarianMTModel`` itself); the target directory (refused if it exists, unless ``force``);
 2. **export graphs**: the architecture's exporter (:mod:`export.registry`) traces ``encoder.onnx``,
    ``decoder.onnx`` (one step), ``decoder_attention.onnx`` (the same step plus ``attention``) and, for the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 import tempfile
@@ -35,7 +34,6 @@ from typing import Any
 
 import onnx
 import onnxruntime as ort
-import torch
 from tqdm import tqdm
 
 from export.graph_passes import (
@@ -50,28 +48,23 @@ from export.graph_passes import (
     save_graph,
 )
 from export.graphs import GraphSet
-from export.huggingface import compare_with_transformers, is_huggingface_dir, load_marian, write_marian
+from export.huggingface import compare_with_transformers, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
+from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
 from export.tracing import torch_threads
 from export.verify import ParityReport, check_parity, greedy_texts
 from nmt.errors import NmtError
 from nmt.model_format.layout import (
-    BEST_CHECKPOINT,
     GRAPH_FILES,
     OPTIONAL_GRAPH_FILES,
-    SUMMARY_FILE,
-    TEST_SPLIT_FILE,
     TOKENIZER_FILE,
     next_version,
 )
 from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
-from nmt.model_format.tokenizer import AnyTokenizer, Tokenizer
+from nmt.model_format.tokenizer import Tokenizer
 from server.engine import Engine
-from training.data import load_tsv
-from training.models.checkpoint import load_checkpoint
-from training.models.interface import Seq2SeqModel
 from training.train import bleu
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -83,89 +76,6 @@ class ExportResult:
     manifest: Manifest
     parity: ParityReport
     parity_reduced: ParityReport | None = None
-
-
-@dataclass
-class _Inputs:
-    checkpoint: Path
-    run_dir: Path
-    model: Seq2SeqModel
-    payload: dict[str, Any]
-    tokenizer: AnyTokenizer
-    summary: dict[str, Any]
-    pairs: list[tuple[str, str]]  # held-out (source, target) texts; empty if the run has no test.tsv
-    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # the source's serving defaults
-    origin: dict[str, Any] = dataclasses.field(default_factory=dict)  # an imported model's provenance
-
-
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """A run directory or a checkpoint file -> (checkpoint file, directory holding spm.model)."""
-    path = Path(path)
-    if path.is_dir():
-        checkpoint = path / BEST_CHECKPOINT
-        if not checkpoint.is_file():
-            raise NmtError(f"{path} holds no {BEST_CHECKPOINT}; pass a training run directory or a checkpoint file")
-        return checkpoint, path
-    if not path.exists():
-        raise NmtError(f"checkpoint not found: {path}")
-    return path, path.parent
-
-
-def source_format(options: ExportOptions) -> str:
-    """``--from``, else huggingface for a directory holding ``config.json``, else checkpoint."""
-    if options.from_format:
-        return options.from_format
-    return "huggingface" if is_huggingface_dir(options.checkpoint) else "checkpoint"
-
-
-def _load_inputs(options: ExportOptions) -> _Inputs:
-    """The source, read by the loader of its format."""
-    return SOURCE_LOADERS[source_format(options)](options)
-
-
-def _load_marian(options: ExportOptions) -> _Inputs:
-    directory = Path(options.checkpoint)
-    if not directory.is_dir():
-        raise NmtError(f"Hugging Face model directory not found: {directory}")
-    marian = load_marian(directory)
-    if _reduced_precision(options):
-        raise NmtError(f"{_reduced_precision(options)} export scores held-out BLEU, which a Marian directory "
-                       "does not carry; export it in fp32")
-    return _Inputs(directory / "config.json", directory, marian.model, {}, marian.tokenizer, {}, [],
-                   defaults=marian.defaults, origin=marian.origin)
-
-
-def _load_checkpoint(options: ExportOptions) -> _Inputs:
-    checkpoint, run_dir = resolve_checkpoint(options.checkpoint)
-    spm_path = run_dir / TOKENIZER_FILE
-    if not spm_path.is_file():
-        raise NmtError(f"tokenizer not found: {spm_path} (the run directory's {TOKENIZER_FILE} must sit beside "
-                       f"the checkpoint)")
-    model, payload = load_checkpoint(checkpoint)
-    try:
-        tokenizer = Tokenizer.load(run_dir)
-    except Exception as error:
-        raise NmtError(f"cannot load tokenizer {spm_path}: {error}") from error
-    cfg = model.config
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise NmtError(f"tokenizer {spm_path} has {tokenizer.vocab_size} pieces but the model expects "
-                       f"{cfg.vocab_size}: they come from different runs")
-    summary: dict[str, Any] = {}
-    if (run_dir / SUMMARY_FILE).is_file():
-        try:
-            summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        except json.JSONDecodeError as error:
-            raise NmtError(f"cannot read {run_dir / SUMMARY_FILE}: {error}") from error
-    pairs: list[tuple[str, str]] = []
-    if (run_dir / TEST_SPLIT_FILE).is_file():
-        pairs = [(p.source, p.target) for p in load_tsv(run_dir / TEST_SPLIT_FILE)]
-    if _reduced_precision(options) and not pairs:
-        raise NmtError(f"{_reduced_precision(options)} export scores held-out BLEU and needs "
-                       f"{run_dir / TEST_SPLIT_FILE}")
-    return _Inputs(checkpoint, run_dir, model, payload, tokenizer, summary, pairs)
-
-
-SOURCE_LOADERS = {"checkpoint": _load_checkpoint, "huggingface": _load_marian}  # keys: ExportOptions --from
 
 
 def _validate_options(options: ExportOptions) -> None:
@@ -187,38 +97,6 @@ def _validate_options(options: ExportOptions) -> None:
         raise NmtError("--parity-sentences must be at least 1")
     if any(value is not None and value < 1 for value in (options.beam_size, options.max_length)):
         raise NmtError("--beam-size and --max-length must be positive")
-
-
-def _parity_pairs(inputs: _Inputs, count: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Held-out sentences as ids (sources end with EOS); random id strings if the run has no test.tsv."""
-    cfg = inputs.model.config
-    if inputs.pairs:
-        chosen = inputs.pairs[:count]
-        sources = [ids + [cfg.eos_id] for ids in inputs.tokenizer.encode_batch([s for s, _ in chosen])]
-        targets = inputs.tokenizer.encode_batch([t for _, t in chosen])
-        return sources, targets
-    generator = torch.Generator().manual_seed(0)
-    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, inputs.tokenizer.unk_id, *inputs.origin.get("suppressed_ids", [])}
-    ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
-    sources, targets = [], []
-    for _ in range(count):
-        length = int(torch.randint(3, 12, (1,), generator=generator))
-        picks = ordinary[torch.randint(len(ordinary), (2, length), generator=generator)]
-        sources.append(picks[0].tolist() + [cfg.eos_id])
-        targets.append(picks[1].tolist())
-    return sources, targets
-
-
-def _training_info(inputs: _Inputs) -> dict[str, Any]:
-    summary, payload = inputs.summary, inputs.payload
-    train_config = summary.get("train_config") or payload.get("train_config") or {}
-    return {
-        "corpus": summary.get("corpus", train_config.get("corpus")),
-        "valid_bleu": summary.get("best_valid_bleu", payload.get("valid_bleu")),
-        "test_bleu": summary.get("test_bleu"),
-        "steps": summary.get("steps", payload.get("step")),
-        "checkpoint_step": payload.get("step"),
-    }
 
 
 class _Stages:
@@ -243,14 +121,14 @@ class _Stages:
 def export_model(options: ExportOptions) -> ExportResult:
     """Run the whole export (see the module docstring); returns the new version and its manifest."""
     _validate_options(options)
-    reduced = _reduced_precision(options)
+    reduced = options.reduced_precision
     names = ["validate", "export graphs", "verify parity"] + ([f"convert {reduced}"] if reduced else []) + ["write"]
     stage = _Stages(names, options.progress)
     created: list[Path] = []
     try:
         with torch_threads(options.threads):
             stage("validate")
-            inputs = _load_inputs(options)
+            inputs = load_inputs(options)
             model_dir = Path(options.model_repository) / options.name
             version = options.version or next_version(model_dir)
             version_dir = model_dir / version
@@ -279,7 +157,7 @@ def export_huggingface(options: ExportOptions) -> tuple[Path, float]:
     if not options.out:
         raise NmtError("--to huggingface needs --out DIR")
     with torch_threads(options.threads):
-        inputs = _load_inputs(options)
+        inputs = load_inputs(options)
         if inputs.model.arch != "transformer" or not isinstance(inputs.tokenizer, Tokenizer):
             raise NmtError(f"only a Transformer with a joint SentencePiece tokenizer exports to Hugging Face Marian, "
                            f"not {inputs.model.arch!r} with {inputs.tokenizer.kind!r}")
@@ -290,7 +168,7 @@ def export_huggingface(options: ExportOptions) -> tuple[Path, float]:
     return Path(options.out), diff
 
 
-def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, stage: _Stages) -> ExportResult:
+def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Path, stage: _Stages) -> ExportResult:
     """Export, verify (and quantize) into ``work``; returns the result with ``version_dir`` under ``work``."""
     model = inputs.model
     stage("export graphs")
@@ -312,7 +190,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
         add_top_k(step_graph, model.config.eos_id)
 
     stage("verify parity")
-    sources, targets = _parity_pairs(inputs, options.parity_sentences)
+    sources, targets = parity_pairs(inputs, options.parity_sentences)
     if inputs.origin:
         _check_against_source(inputs, options, sources, targets)
     fp32_dir = work / "fp32"
@@ -335,7 +213,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
     manifest.parity = {"precision": "fp32", "enforced": True, **parity.to_dict(), "tolerance": options.parity_tolerance}
     version_dir, parity_reduced = fp32_dir, None
 
-    reduced = _reduced_precision(options)
+    reduced = options.reduced_precision
     if reduced:
         stage(f"convert {reduced}")
         reduced_dir = work / reduced
@@ -358,7 +236,7 @@ def _export(options: ExportOptions, inputs: _Inputs, version: str, work: Path, s
     return ExportResult(version_dir=version_dir, manifest=manifest, parity=parity, parity_reduced=parity_reduced)
 
 
-def _check_against_source(inputs: _Inputs, options: ExportOptions, sources: list[list[int]],
+def _check_against_source(inputs: ExportInputs, options: ExportOptions, sources: list[list[int]],
                           targets: list[list[int]]) -> None:
     """An imported model's logits against the library it came from (``MarianMTModel``), recorded in
     ``inputs.origin``; raises beyond the parity tolerance."""
@@ -370,7 +248,7 @@ def _check_against_source(inputs: _Inputs, options: ExportOptions, sources: list
                        f"(tolerance {options.parity_tolerance:g}): config.json holds something the import misreads")
 
 
-def _serving_defaults(options: ExportOptions, inputs: _Inputs) -> dict[str, Any]:
+def _serving_defaults(options: ExportOptions, inputs: ExportInputs) -> dict[str, Any]:
     """Flags over the source's own defaults (a Marian model's num_beams...) over beam 4, penalty 1, 256 tokens."""
     fallback = {"beam_size": 4, "length_penalty": 1.0, "max_length": 256}
     return {key: next(v for v in (getattr(options, key), inputs.defaults.get(key), value) if v is not None)
@@ -383,7 +261,7 @@ def _graph_files(graph_set: GraphSet) -> dict[str, str]:
     return {role: names[role] for role in graph_set.graphs()}
 
 
-def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, graph_set: GraphSet, version: str,
+def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs, graph_set: GraphSet, version: str,
                    *, precision: str) -> Manifest:
     """Complete the model version in ``directory`` (whose graphs are written): tokenizer and a manifest
     without parity figures yet. Returns the manifest."""
@@ -417,7 +295,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: _Inputs, gra
         origin=inputs.origin,
         fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in graph_files.items()},
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
-        training=_training_info(inputs),
+        training=training_info(inputs),
         defaults=_serving_defaults(options, inputs),
         files={name: sha256_file(directory / name) for name in [*graph_files.values(), *inputs.tokenizer.files]},
         created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
@@ -436,18 +314,13 @@ def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
     return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1)
 
 
-def _reduced_precision(options: ExportOptions) -> str | None:
-    """The reduced precision asked for (int8 or fp16), or None for fp32 alone."""
-    return options.quantize or (options.precision if options.precision != "fp32" else None)
-
-
 REDUCTION_METHODS = {
     "fp16": "onnxruntime.transformers.float16: fp16 weights and activations, graph I/O, Softmax, LogSoftmax, "
             "ReduceMean and TopK in fp32 (export.quantize.FP32_OPS)",
 }
 
 
-def _bleu_comparison(inputs: _Inputs, options: ExportOptions, fp32: Engine, reduced: Engine,
+def _bleu_comparison(inputs: ExportInputs, options: ExportOptions, fp32: Engine, reduced: Engine,
                      precision: str) -> dict[str, Any]:
     """Greedy held-out BLEU of the fp32 and reduced-precision versions (serving engine, sacrebleu), CPU provider."""
     pairs = inputs.pairs[: options.bleu_sentences]
