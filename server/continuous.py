@@ -64,6 +64,7 @@ import numpy as np
 
 from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
 from server.decode import RunningDecode
+from server.engine import SourceBatch
 from server.forced import admit, decode, runs_apart
 from server.search import BeamSentence
 from server.types import SentenceRequest, Translation
@@ -76,8 +77,7 @@ class Progress:
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
-    source_tokens: int = 0  # of the admitted sentences, EOS included, padding not
-    source_positions: int = 0  # of their encoder batch, padding included
+    source: SourceBatch | None = None  # the admitted sentences' (None: none admitted)
 
 
 Finished = list[tuple[Any, "Translation | None", int]]  # (tag, translation or None if cancelled, generated tokens)
@@ -106,15 +106,13 @@ class RunningBatch:
         try:
             if requests:
                 start = time.perf_counter()
-                encoded, sentences, src = engine.encode(requests)
+                encoded, sentences, progress.source = engine.encode(requests)
                 tagged = list(zip(tags, requests, strict=True))
                 apart = [i for i, s in enumerate(sentences) if runs_apart(s, engine.eos_id)]
                 if apart:  # whole targets and alternatives: their forced pass (and search) now, on their own
                     encoded, sentences, tagged = self._run_apart(encoded, sentences, tagged, apart, deliver)
                 admit(self.decode, encoded, sentences, tagged, start_id=engine.start_id)
                 progress.encode_seconds = time.perf_counter() - start
-                progress.source_tokens = sum(len(r.source_ids) + 1 for r in requests)
-                progress.source_positions = int(src.size)
             start = time.perf_counter()
             while self.decode.rows:
                 left = self.decode.step()
@@ -246,13 +244,13 @@ class ContinuousBatcher:
         if m is None:
             return
         m.running_rows.labels(*labels).set(self.batch.decode.rows)
-        if admitted:
+        if admitted and progress.source is not None:
             s.batches += 1
             m.inference_duration.labels(*labels, "encode").observe(progress.encode_seconds)
             m.batch_sentences.labels(*labels).observe(len(admitted))
-            m.batch_tokens.labels(*labels).observe(progress.source_positions)
-            m.padding_ratio.labels(*labels).observe(1.0 - progress.source_tokens / progress.source_positions)
-            m.source_tokens.labels(*labels).inc(progress.source_tokens)
+            m.batch_tokens.labels(*labels).observe(progress.source.positions)
+            m.padding_ratio.labels(*labels).observe(progress.source.padding_ratio)
+            m.source_tokens.labels(*labels).inc(progress.source.tokens)
         m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
 
     async def _recover(self, error: Exception) -> None:

@@ -48,6 +48,20 @@ ENCODER_CALL_TOKENS = 64  # the cost of one more encoder call, in padded source 
 # demo models measured 8-128 alike from 8 sentences up, and 64 no slower than one call for 2 sentences)
 
 
+@dataclass(frozen=True)
+class SourceBatch:
+    """The source side of a batch, as the metrics count it."""
+
+    tokens: int  # source tokens, EOS included, padding not
+    positions: int  # sentences x the longest source: what the scheduler's token budget counts
+    encoded_positions: int  # positions the encoder ran over: each length run padded to its own longest
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded positions / all positions the encoder ran over."""
+        return 1.0 - self.tokens / self.encoded_positions
+
+
 @dataclass
 class BatchResult:
     """What one :meth:`Engine.translate_batch` call produced and cost."""
@@ -57,7 +71,7 @@ class BatchResult:
     decode_seconds: float
     generated_tokens: int
     source_tokens: int
-    padding_ratio: float  # padded positions / all positions of the source batch
+    padding_ratio: float  # padded positions / all positions the encoder ran over (see SourceBatch)
     cancelled: int  # sentences that left the batch because their request was cancelled or expired
 
 
@@ -203,7 +217,7 @@ class Engine:
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
         try:
-            results, src, encode_seconds, decode_seconds = self._search(requests)
+            results, source, encode_seconds, decode_seconds = self._search(requests)
         except Exception as error:
             exhausted = self.memory_error(error, len(requests))
             if exhausted is None:
@@ -213,14 +227,13 @@ class Engine:
             None if result is None else self.to_translation(request, result)
             for request, result in zip(requests, results, strict=True)
         ]
-        source_tokens = sum(len(r.source_ids) + 1 for r in requests)  # EOS included, padding not
         return BatchResult(
             translations=translations,
             encode_seconds=encode_seconds,
             decode_seconds=decode_seconds,
             generated_tokens=sum(len(h.tokens) for r in results if r is not None for h in r.hypotheses),
-            source_tokens=source_tokens,
-            padding_ratio=1.0 - source_tokens / src.size,
+            source_tokens=source.tokens,
+            padding_ratio=source.padding_ratio,
             cancelled=sum(r is None for r in results),
         )
 
@@ -239,25 +252,25 @@ class Engine:
 
     def _search(
         self, requests: Sequence[SentenceRequest]
-    ) -> tuple[list[SearchResult | None], np.ndarray, float, float]:
-        """Encode and search; returns the results, the padded source batch and the seconds of both stages."""
+    ) -> tuple[list[SearchResult | None], SourceBatch, float, float]:
+        """Encode and search; returns the results, the source batch's counts and the seconds of both stages."""
         start = time.perf_counter()
-        encoded, sentences, src = self.encode(requests)
+        encoded, sentences, source = self.encode(requests)
         encode_seconds = time.perf_counter() - start
         start = time.perf_counter()
         results = decode(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
                          pad_id=self.pad_id)
-        return results, src, encode_seconds, time.perf_counter() - start
+        return results, source, encode_seconds, time.perf_counter() - start
 
-    def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], np.ndarray]:
+    def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], SourceBatch]:
         """Run the encoder on the sentences (in runs of similar length, :meth:`_encode_by_length`): their
-        encoder outputs (padded to the longest sentence), search settings and the padded source batch [N, S]."""
+        encoder outputs (padded to the longest sentence), search settings and the source batch's counts."""
         sources = [list(r.source_ids) + [self.eos_id] for r in requests]
         lengths = np.array([len(s) for s in sources])
         src = np.full((len(sources), lengths.max()), self.pad_id, dtype=np.int64)
         for i, ids in enumerate(sources):
             src[i, : len(ids)] = ids
-        encoded = self._encode_by_length(src, lengths)
+        encoded, encoded_positions = self._encode_by_length(src, lengths)
         sentences = [
             BeamSentence(
                 source_length=len(sources[i]),
@@ -274,17 +287,18 @@ class Engine:
             )
             for i, r in enumerate(requests)
         ]
-        return encoded, sentences, src
+        return encoded, sentences, SourceBatch(int(lengths.sum()), int(src.size), encoded_positions)
 
-    def _encode_by_length(self, src: np.ndarray, lengths: np.ndarray) -> dict:
+    def _encode_by_length(self, src: np.ndarray, lengths: np.ndarray) -> tuple[dict, int]:
         """The encoder's outputs for the padded batch ``src`` (rows of ``lengths`` tokens), encoded in runs of
         similar length (:func:`length_runs`): a batch that mixes short and long sentences no longer pads
         every short one to the longest. The runs' outputs are zero-padded to the widest run's shape and put
         back in the batch's row order (the padding is hidden by the source mask, as when a sentence joins
-        a running decode). On a device the batch is encoded in one call (its outputs stay there)."""
+        a running decode). On a device the batch is encoded in one call (its outputs stay there). Returns
+        the outputs and the source positions the encoder ran over, padding included."""
         runs = [] if isinstance(self.model, DeviceStepModel) else length_runs(lengths, ENCODER_CALL_TOKENS)
         if len(runs) <= 1:
-            return self.model.encode(src)
+            return self.model.encode(src), int(src.size)
         parts = [(rows, self.model.encode(src[rows, : lengths[rows].max()])) for rows in runs]
         merged = {}
         for name, first in parts[0][1].items():
@@ -293,7 +307,7 @@ class Engine:
             for rows, part in parts:
                 value = part[name]
                 merged[name][(rows, *(slice(0, n) for n in value.shape[1:]))] = value
-        return merged
+        return merged, sum(len(rows) * int(lengths[rows].max()) for rows in runs)
 
     def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
         """Detokenize one sentence's result: pieces, text and words (computed once here, see

@@ -79,7 +79,9 @@ class ServerMetrics:
         self.batch_tokens = Histogram("nmt_batch_size_tokens",
                                       "Source positions per batch including padding (what the token budget limits)",
                                       ["model", "version"], buckets=TOKEN_BUCKETS, registry=r)
-        self.padding_ratio = Histogram("nmt_batch_padding_ratio", "Padded positions / all positions of a batch",
+        self.padding_ratio = Histogram("nmt_batch_padding_ratio",
+                                       "Padded positions / all positions the encoder ran over in a batch (each "
+                                       "run of similar source lengths padded to its own longest)",
                                        ["model", "version"], buckets=RATIO_BUCKETS, registry=r)
         self.generated_tokens = Counter("nmt_generated_tokens", "Target tokens generated (all returned hypotheses)",
                                         ["model", "version"], registry=r)

@@ -120,21 +120,25 @@ def test_length_runs_group_similar_lengths_and_count_each_call() -> None:
 def test_a_batch_encoded_in_length_runs_decodes_as_one_padded_batch(arch, engines, monkeypatch):
     """Each run of similar lengths is encoded on its own and the outputs are zero-padded back into the
     batch's row order: every sentence's outputs (on its own source positions) and translations equal those
-    of the one padded batch."""
+    of the one padded batch; the padding the batch reports is the runs' own."""
     engine = engines[arch]
     texts = ["one", " ".join(["three four five six seven"] * 4), "two three", " ".join(["eight nine ten"] * 5)]
     requests = [SentenceRequest(engine.tokenize(t), DecodingOptions(beam_size=3, return_attention=True), text=t)
                 for t in texts]
     monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 10**6)
-    one, _, src = engine.encode(requests)
+    one, _, padded = engine.encode(requests)
     expected = engine.translate_batch(requests).translations
     calls = []
     encode = engine.model.encode
     monkeypatch.setattr(engine.model, "encode", lambda batch: calls.append(batch.shape) or encode(batch))
     monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 8)
-    runs, _, _ = engine.encode(requests)
+    runs, _, source = engine.encode(requests)
     lengths = [len(r.source_ids) + 1 for r in requests]
     assert sorted(calls) == [(2, max(lengths[0], lengths[2])), (2, max(lengths[1], lengths[3]))]  # short, long
+    assert padded.tokens == source.tokens == sum(lengths)
+    assert padded.positions == padded.encoded_positions == source.positions == 4 * max(lengths)
+    assert source.encoded_positions == sum(2 * max(pair) for pair in (lengths[0::2], lengths[1::2]))
+    assert 0 < source.padding_ratio < padded.padding_ratio
     for name, value in one.items():
         assert runs[name].shape == value.shape and runs[name].dtype == value.dtype
         axis = engine.model.static_src_axes.get(name)
