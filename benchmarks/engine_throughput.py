@@ -25,6 +25,10 @@ it, so a change to the export or the engine is measured against the code before 
 Printed beside the tables: the CPU model and instruction set, each runtime's backend (CTranslate2 with
 ``CT2_VERBOSE=1``: its CPU ISA and GEMM backend), and the machine's fp32 GEMM rate (the compute
 ceiling) with the share of it each batch-32 cell uses.
+
+``--anatomy`` also times every cell at 2 output tokens and splits each runtime's time per call into a
+fixed part (the encoder, the call's own set-up and results) and a part per decoding step, from the two
+lengths (time = fixed + steps x per step): it shows whether a gap lies in the steps or around them.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ SIZES = {
     "BASE": dict(d_model=512, layers=6, heads=8, ffn=2048, vocab=32000),
 }
 OUTPUT_TOKENS = 24
+ANATOMY_TOKENS = 2  # the short output length of --anatomy
 SOURCE_TOKENS = 20
 THREADS = 2
 EOS, UNK = 0, 1  # Marian's layout; pad is the last id
@@ -211,6 +216,16 @@ class Cell:
     batch: int
     beam: int
     runs: dict[str, list[float]] = field(default_factory=dict)  # runtime -> tokens/s per repeat
+    calls: dict[str, list[list[float]]] = field(default_factory=dict)  # runtime -> per repeat, seconds per
+    # call at ANATOMY_TOKENS and at OUTPUT_TOKENS (--anatomy)
+
+    def anatomy(self, runtime: str) -> tuple[float, float] | None:
+        """``runtime``'s fixed seconds per call and seconds per decoding step (medians over the repeats)."""
+        if runtime not in self.calls:
+            return None
+        steps = [(full - short) / (OUTPUT_TOKENS - ANATOMY_TOKENS) for short, full in self.calls[runtime]]
+        fixed = [short - ANATOMY_TOKENS * step for (short, _), step in zip(self.calls[runtime], steps, strict=True)]
+        return statistics.median(fixed), statistics.median(steps)
 
 
 def run_worker(runtime: str, model: Path, job: Path, *, load_torch: bool = False,
@@ -239,7 +254,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     for runtime in models:
         wanted = [(c.batch, c.beam) for c in cells if runtime != "pytorch" or c.beam == 1]
         job = {"threads": THREADS, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS, "precision": precision,
-               "ort_spinning": args.ort_spinning,
+               "ort_spinning": args.ort_spinning, "anatomy_tokens": ANATOMY_TOKENS if args.anatomy else None,
                "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
                "check": sources(8, vocab, seed=7),
                "attention_cell": max(args.batches) if precision == "fp32" and 1 in args.beams else None}
@@ -261,6 +276,8 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
             key = f"{cell.batch}x{cell.beam}"
             if key in runs[0]["tok_s"]:
                 cell.runs[runtime] = [run["tok_s"][key] for run in runs]
+            if key in runs[0].get("call_s", {}):  # a baseline checkout's worker may not report them
+                cell.calls[runtime] = [run["call_s"][key] for run in runs]
     check = {runtime: runs[0]["check"] for runtime, runs in reports.items()}
     agree = {runtime: sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1]
                           for a, b in zip(check["project"], outputs, strict=True))
@@ -291,6 +308,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
                         help="also measure another checkout of this project (e.g. main's) on the same weights, "
                              "exported by its own code")
+    parser.add_argument("--anatomy", action="store_true",
+                        help=f"also time every cell at {ANATOMY_TOKENS} output tokens and split each runtime's time "
+                             "into a fixed cost per call and a cost per decoding step")
     parser.add_argument("--ort-spinning", action=argparse.BooleanOptionalAction, default=True,
                         help="the project's ONNX Runtime threads busy-wait within a run (the engine's default)")
     args = parser.parse_args()
@@ -328,6 +348,10 @@ def main() -> None:
               f"{len(gemm)} measurements spread over the run (range {min(gemm):.1f}-{max(gemm):.1f})")
     print(f"\nhost: {host()}")
     print(table(cells, max(gemm, default=0.0)))
+    if args.anatomy:
+        print(f"\nfixed cost per call and cost per decoding step (from {ANATOMY_TOKENS} and {OUTPUT_TOKENS} "
+              "output tokens; medians):")
+        print(anatomy_table(cells))
 
 
 def flops_per_token(size: str, beam: int) -> float:
@@ -378,6 +402,24 @@ def table(cells: list[Cell], gflops: float) -> str:
         extra = f" {_stat(c.runs['baseline'])} | {_ratio(c, 'baseline')} |" if "baseline" in c.runs else ""
         lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | {_stat(c.runs['project'])} | {ct2} | "
                      f"{_ratio(c)} | {torch_cell} | {_share(c, gflops)} |{extra}")
+    return "\n".join(lines)
+
+
+def anatomy_table(cells: list[Cell]) -> str:
+    """The --anatomy table: each runtime's fixed ms per call and us per step, and the project's speed
+    relative to CTranslate2 on each part (above 1: the project's part is faster)."""
+    runtimes = [r for r in ("project", "ctranslate2", "baseline") if any(r in c.calls for c in cells)]
+    names = {"project": "project", "ctranslate2": "CT2", "baseline": "baseline"}
+    head = "| size | precision | batch | beam | " + " | ".join(
+        f"{names[r]} fixed ms | {names[r]} us/step" for r in runtimes) + " | project/CT2 per step | project/CT2 fixed |"
+    lines = [head, "|---|---|---|---|" + "---|---|" * len(runtimes) + "---|---|"]
+    for c in cells:
+        parts = {r: c.anatomy(r) for r in runtimes}
+        own, ct2 = parts.get("project"), parts.get("ctranslate2")
+        speed = (f"{ct2[1] / own[1]:.2f}x | {ct2[0] / own[0]:.2f}x" if own and ct2 and own[0] > 0 and own[1] > 0
+                 else "- | -")
+        lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | " + " | ".join(
+            f"{p[0] * 1e3:.2f} | {p[1] * 1e6:,.0f}" if p else "- | -" for p in parts.values()) + f" | {speed} |")
     return "\n".join(lines)
 
 

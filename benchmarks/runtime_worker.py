@@ -6,7 +6,9 @@ RUNTIME is ``project`` (this project's ONNX Runtime engine; MODEL is a model ver
 ``ctranslate2`` (MODEL is a converted CTranslate2 directory) or ``pytorch`` (MODEL is a checkpoint;
 greedy only). The worker imports only what its runtime needs, so no other runtime's thread pool or
 OpenMP library shares the process. For each (batch, beam) cell of the job it warms up, then decodes
-the same batch back to back for the job's fixed wall time and reports target tokens/s.
+the same batch back to back for the job's fixed wall time and reports target tokens/s. With the job's
+``anatomy_tokens`` it also times each cell at that shorter output length and reports the seconds per
+call at both lengths (the benchmark splits them into a fixed cost per call and a cost per step).
 
 It prints one JSON object on its last stdout line: tokens/s per cell, the greedy outputs of the
 job's agreement batch, whether ``torch`` was loaded in the process, and a line describing the
@@ -25,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the source checkout's packages
 
-Decode = Callable[[list[list[int]], int], list[list[int]]]  # (sources, beam) -> output ids per sentence
+Decode = Callable[..., list[list[int]]]  # (sources, beam, output length or None: the job's) -> output ids
 
 
 def project(model: str, job: dict) -> tuple[Decode, str]:
@@ -38,8 +40,10 @@ def project(model: str, job: dict) -> tuple[Decode, str]:
     engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1,
                          spinning=job.get("ort_spinning", True))
 
-    def decode(sources: list[list[int]], beam: int, attention: bool = False) -> list[list[int]]:
-        options = DecodingOptions(beam_size=beam, max_length=job["output_tokens"], return_attention=attention)
+    def decode(sources: list[list[int]], beam: int, length: int | None = None,
+               attention: bool = False) -> list[list[int]]:
+        options = DecodingOptions(beam_size=beam, max_length=length or job["output_tokens"],
+                                  return_attention=attention)
         result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
         return [t.hypotheses[0].token_ids for t in result.translations]
 
@@ -54,10 +58,10 @@ def ctranslate2(model: str, job: dict) -> tuple[Decode, str]:
     compute_type = {"fp32": "float32", "int8": "int8"}[job["precision"]]
     translator = ct2.Translator(model, device="cpu", compute_type=compute_type, inter_threads=1,
                                 intra_threads=job["threads"])
-    length = job["output_tokens"]
 
-    def decode(sources: list[list[int]], beam: int) -> list[list[int]]:
+    def decode(sources: list[list[int]], beam: int, length: int | None = None) -> list[list[int]]:
         tokens = [[f"t{i}" for i in ids] + ["</s>"] for ids in sources]
+        length = length or job["output_tokens"]
         results = translator.translate_batch(tokens, beam_size=beam, max_decoding_length=length,
                                              min_decoding_length=length, max_batch_size=0)
         return [[int(piece[1:]) for piece in r.hypotheses[0]] for r in results]
@@ -75,11 +79,11 @@ def pytorch(model: str, job: dict) -> tuple[Decode, str]:
     torch.set_num_threads(job["threads"])
     net, _ = load_checkpoint(model)
 
-    def decode(sources: list[list[int]], beam: int) -> list[list[int]]:
+    def decode(sources: list[list[int]], beam: int, length: int | None = None) -> list[list[int]]:
         if beam != 1:
             raise ValueError("the PyTorch runtime decodes greedily only")
         src = torch.tensor([ids + [net.config.eos_id] for ids in sources])
-        return greedy_batch(net, src, job["output_tokens"])
+        return greedy_batch(net, src, length or job["output_tokens"])
 
     return decode, f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
@@ -145,16 +149,21 @@ def main() -> None:
     if args.load_torch:
         load_torch()
     decode, backend = RUNTIMES[args.runtime](args.model, job)
-    report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}}
+    report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}, "call_s": {}}
     report["check"] = decode(job["check"], 1)
     for batch, beam in job["cells"]:
         sources = job["sources"][str(batch)]
         calls, elapsed = sustained(lambda sources=sources, beam=beam: decode(sources, beam), job["seconds"])
         report["tok_s"][f"{batch}x{beam}"] = calls * batch * job["output_tokens"] / elapsed
+        if job.get("anatomy_tokens"):
+            short = job["anatomy_tokens"]
+            short_calls, short_elapsed = sustained(
+                lambda sources=sources, beam=beam, short=short: decode(sources, beam, short), job["seconds"])
+            report["call_s"][f"{batch}x{beam}"] = [short_elapsed / short_calls, elapsed / calls]
     if args.runtime == "project" and job.get("attention_cell"):
         batch = job["attention_cell"]
         sources = job["sources"][str(batch)]
-        calls, elapsed = sustained(lambda: decode(sources, 1, True), job["seconds"])
+        calls, elapsed = sustained(lambda: decode(sources, 1, attention=True), job["seconds"])
         report["tok_s"][f"{batch}x1+attention"] = calls * batch * job["output_tokens"] / elapsed
         report["gemm_gflops"] = gemm_gflops(job["threads"])
     report["torch_loaded"] = "torch" in sys.modules
