@@ -111,6 +111,21 @@ class _Sentence:
         return self.spec.is_cancelled is not None and self.spec.is_cancelled()
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What a step reads of its sentences' settings, worked out again only when sentences join, leave or
+    first expand (each step would otherwise rebuild a dozen small arrays from the sentences)."""
+
+    widths: np.ndarray  # [n] the rows each sentence holds this step
+    starts: np.ndarray  # [n] its first row
+    limits: np.ndarray  # [R] the step limit of each row's sentence
+    k: int  # the best tokens the model returns for each row
+    attention: bool  # some sentence asks for attention: the attention graph runs
+    lean: np.ndarray  # the beam-1 sentences that take the lean arg-max path
+    groups: list[tuple[int, int, np.ndarray]]  # (beam, width, sentences) of the others
+    settled: bool  # every sentence has expanded: the layout holds while nobody joins or leaves
+
+
 class RunningDecode:
     """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
     :attr:`rows` is 0 (see the module docstring)."""
@@ -131,6 +146,7 @@ class RunningDecode:
         self._history_scores = np.zeros((0, 0))
         self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
+        self._layout: _Layout | None = None  # None: work it out at the next step
 
     @property
     def rows(self) -> int:
@@ -183,6 +199,7 @@ class RunningDecode:
             self._state = self.model.concat_rows(self._state, state)
             self._own_static = True
         first = len(self._sentences)
+        self._layout = None
         for s, tag in zip(sentences, tags, strict=True):
             self._sentences.append(_Sentence(
                 tag, s, s.beam_size, s.need_attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
@@ -218,20 +235,14 @@ class RunningDecode:
         sentences = self._sentences
         if not sentences:
             return []
-        row_sentence = self._row_sentence
-        sentence_steps = np.array([s.step for s in sentences])
-        expanded = sentence_steps > np.array([s.joined_at for s in sentences])
-        steps = sentence_steps[row_sentence]  # each row's target position
-        beams = np.array([s.beam for s in sentences])
-        limits = np.array([s.limit for s in sentences])[row_sentence]
-        need_attention = any(s.attention for s in sentences)
-        if not need_attention:
+        layout = self._layout or self._lay_out()
+        steps = np.array([s.step for s in sentences])[self._row_sentence]  # each row's target position
+        if not layout.attention:
             self._attention = None
-        k = 2 * int(beams.max()) if (beams > 1).any() or not self.lean_greedy else 1
-        out, processed = self._model_step(steps, k, need_attention)
+        out, processed = self._model_step(steps, layout.k, layout.attention)
         self._state = out.state
         row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
-        forced = limits - 1 == steps
+        forced = layout.limits - 1 == steps
         if forced.any():  # out of room: only EOS may follow
             row_tokens[forced] = self.eos_id
             row_scores[forced] = NEG_INF
@@ -243,24 +254,36 @@ class RunningDecode:
         left: list[tuple[Any, SearchResult | None]] = []
         kept: list[int] = []  # sentences that stay, in their new row order
         parts: list[tuple[np.ndarray, ...]] = []  # (origin row, token, token score, total) of the new rows
+        if layout.lean.size:
+            parts.append(self._greedy(layout.lean, layout.starts, row_tokens, row_scores, processed, attention,
+                                      left, kept))
+        for beam, width, group in layout.groups:
+            parts.append(self._beam(group, beam, width, layout.starts, row_tokens, row_scores, attention, left,
+                                    kept))
+        self._advance(kept, parts, layout.widths, attention)
+        return left
+
+    def _lay_out(self) -> _Layout:
+        """The layout of the sentences decoding now (see :class:`_Layout`), kept for the next steps."""
+        sentences = self._sentences
         n = len(sentences)
-        if row_sentence.size == n:  # one row each
+        expanded = np.array([s.step > s.joined_at for s in sentences])
+        beams = np.array([s.beam for s in sentences])
+        if self._row_sentence.size == n:  # one row each
             starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
         else:  # a sentence holds one row before its first step, then its beam
             widths = np.where(expanded, beams, 1)
             starts = np.cumsum(widths) - widths
         lean = (beams == 1) if self.lean_greedy else np.zeros(n, dtype=bool)
-        if lean.any():
-            parts.append(self._greedy(np.flatnonzero(lean), starts, row_tokens, row_scores, processed, attention,
-                                      left, kept))
-        groups = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
-        for beam, width in groups:
-            group = np.arange(n) if len(groups) == 1 and not lean.any() else \
-                np.flatnonzero(~lean & (beams == beam) & (widths == width))
-            parts.append(self._beam(group, beam, width, starts, row_tokens, row_scores, attention, left, kept))
-
-        self._advance(kept, parts, widths, attention)
-        return left
+        pairs = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
+        groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
+                   np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
+        self._layout = _Layout(
+            widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[self._row_sentence],
+            k=2 * int(beams.max()) if (beams > 1).any() or not self.lean_greedy else 1,
+            attention=any(s.attention for s in sentences), lean=np.flatnonzero(lean), groups=groups,
+            settled=bool(expanded.all()))
+        return self._layout
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -383,10 +406,13 @@ class RunningDecode:
             kept = order
         if kept == list(range(len(old))):
             row_sentence = self._row_sentence[origin]
+            if self._layout is not None and not self._layout.settled:  # a sentence expanded this step
+                self._layout = None
         else:
             position = np.full(len(old), -1)
             position[kept] = np.arange(len(kept))
             row_sentence = position[self._row_sentence[origin]]
+            self._layout = None
         self._sentences = [old[j] for j in kept]
         if not self._sentences:
             self._static = self._state = None
