@@ -65,7 +65,7 @@ def select_beam(totals: np.ndarray, tokens: np.ndarray, token_scores: np.ndarray
     keep = live & (live_before < beam)
     chosen = np.full((n, beam), -1)
     kj, kc = np.nonzero(keep)
-    chosen[kj, (np.cumsum(keep, axis=1) - 1)[kj, kc]] = kc
+    chosen[kj, live_before[kj, kc]] = kc  # a kept candidate's rank among the live ones is its slot
     has_live = chosen[:, 0] >= 0
     best_live = np.where(has_live, scores[each[:, 0], np.maximum(chosen[:, 0], 0)], NEG_INF)
     return BeamChoice(scores, token, block_scores.reshape(n, -1)[each, order], rows[each, order // per_row],
