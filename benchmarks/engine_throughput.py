@@ -29,6 +29,8 @@ ceiling) with the share of it each batch-32 cell uses.
 ``--anatomy`` also times every cell at 2 output tokens and splits each runtime's time per call into a
 fixed part (the encoder, the call's own set-up and results) and a part per decoding step, from the two
 lengths (time = fixed + steps x per step): it shows whether a gap lies in the steps or around them.
+For the project it also splits each part into the time inside ONNX Runtime (the encoder's session; the
+step decoders' sessions per step) and the rest (Python: the search, tokens, I/O binding).
 """
 
 from __future__ import annotations
@@ -218,6 +220,8 @@ class Cell:
     runs: dict[str, list[float]] = field(default_factory=dict)  # runtime -> tokens/s per repeat
     calls: dict[str, list[list[float]]] = field(default_factory=dict)  # runtime -> per repeat, seconds per
     # call at ANATOMY_TOKENS and at OUTPUT_TOKENS (--anatomy)
+    ort: list[list[float]] = field(default_factory=list)  # the project's per repeat: seconds per call inside
+    # the encoder's and the step decoders' ONNX Runtime sessions, at OUTPUT_TOKENS (--anatomy)
 
     def anatomy(self, runtime: str) -> tuple[float, float] | None:
         """``runtime``'s fixed seconds per call and seconds per decoding step (medians over the repeats)."""
@@ -278,6 +282,8 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
                 cell.runs[runtime] = [run["tok_s"][key] for run in runs]
             if key in runs[0].get("call_s", {}):  # a baseline checkout's worker may not report them
                 cell.calls[runtime] = [run["call_s"][key] for run in runs]
+            if runtime == "project" and key in runs[0].get("ort_s", {}):
+                cell.ort = [run["ort_s"][key] for run in runs]
     check = {runtime: runs[0]["check"] for runtime, runs in reports.items()}
     agree = {runtime: sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1]
                           for a, b in zip(check["project"], outputs, strict=True))
@@ -406,22 +412,30 @@ def table(cells: list[Cell], gflops: float) -> str:
 
 
 def anatomy_table(cells: list[Cell]) -> str:
-    """The --anatomy table: each runtime's fixed ms per call and us per step, and the project's speed
-    relative to CTranslate2 on each part (above 1: the project's part is faster)."""
+    """The --anatomy table: each runtime's fixed ms per call and us per step, the project's speed relative
+    to CTranslate2 on each part (above 1: the project's part is faster), and the project's parts split
+    into ONNX Runtime time and the rest."""
     runtimes = [r for r in ("project", "ctranslate2", "baseline") if any(r in c.calls for c in cells)]
     names = {"project": "project", "ctranslate2": "CT2", "baseline": "baseline"}
-    head = "| size | precision | batch | beam | " + " | ".join(
-        f"{names[r]} fixed ms | {names[r]} us/step" for r in runtimes) + " | project/CT2 per step | project/CT2 fixed |"
-    lines = [head, "|---|---|---|---|" + "---|---|" * len(runtimes) + "---|---|"]
+    columns = [f"{names[r]} fixed ms | {names[r]} us/step" for r in runtimes] + [
+        "project/CT2 per step | project/CT2 fixed",
+        "project step: ONNX Runtime + rest us | project fixed: encoder + rest ms"]
+    lines = ["| size | precision | batch | beam | " + " | ".join(columns) + " |",
+             "|---|---|---|---|" + "---|---|" * (len(runtimes) + 2)]
     for c in cells:
         parts = {r: c.anatomy(r) for r in runtimes}
         own, ct2 = parts.get("project"), parts.get("ctranslate2")
-        speed = (f"{ct2[1] / own[1]:.2f}x | {ct2[0] / own[0]:.2f}x" if own and ct2 and own[0] > 0 and own[1] > 0
-                 else "- | -")
-        lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | " + " | ".join(
-            f"{p[0] * 1e3:.2f} | {p[1] * 1e6:,.0f}" if p else "- | -" for p in parts.values()) + f" | {speed} |")
+        row = [f"{p[0] * 1e3:.2f} | {p[1] * 1e6:,.0f}" if p else "- | -" for p in parts.values()]
+        row.append(f"{ct2[1] / own[1]:.2f}x | {ct2[0] / own[0]:.2f}x" if own and ct2 and min(own) > 0 else "- | -")
+        if own and c.ort:
+            encoder = statistics.median(e for e, _ in c.ort)
+            step = statistics.median(d for _, d in c.ort) / OUTPUT_TOKENS
+            row.append(f"{step * 1e6:,.0f} + {(own[1] - step) * 1e6:,.0f} | "
+                       f"{encoder * 1e3:.2f} + {(own[0] - encoder) * 1e3:.2f}")
+        else:
+            row.append("- | -")
+        lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | " + " | ".join(row) + " |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

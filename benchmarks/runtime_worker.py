@@ -8,7 +8,9 @@ greedy only). The worker imports only what its runtime needs, so no other runtim
 OpenMP library shares the process. For each (batch, beam) cell of the job it warms up, then decodes
 the same batch back to back for the job's fixed wall time and reports target tokens/s. With the job's
 ``anatomy_tokens`` it also times each cell at that shorter output length and reports the seconds per
-call at both lengths (the benchmark splits them into a fixed cost per call and a cost per step).
+call at both lengths (the benchmark splits them into a fixed cost per call and a cost per step); the
+project's worker then also reports the seconds per call spent inside its ONNX Runtime sessions (the
+encoder's and the step decoders'), timed by wrappers around their ``run`` methods (~0.5 us a call).
 
 It prints one JSON object on its last stdout line: tokens/s per cell, the greedy outputs of the
 job's agreement batch, whether ``torch`` was loaded in the process, and a line describing the
@@ -39,6 +41,7 @@ def project(model: str, job: dict) -> tuple[Decode, str]:
 
     engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1,
                          spinning=job.get("ort_spinning", True))
+    clock = SessionClock(engine.model.sessions) if job.get("anatomy_tokens") else None
 
     def decode(sources: list[list[int]], beam: int, length: int | None = None,
                attention: bool = False) -> list[list[int]]:
@@ -47,6 +50,7 @@ def project(model: str, job: dict) -> tuple[Decode, str]:
         result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
         return [t.hypotheses[0].token_ids for t in result.translations]
 
+    decode.clock = clock  # type: ignore[attr-defined]
     spinning = "on" if job.get("ort_spinning", True) else "off"
     return decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}"
 
@@ -89,6 +93,30 @@ def pytorch(model: str, job: dict) -> tuple[Decode, str]:
 
 
 RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch}
+
+
+class SessionClock:
+    """Seconds spent inside ONNX Runtime sessions ("encoder", and "decoder" for the step graphs), timed by
+    wrappers installed on the sessions' ``run`` and ``run_with_iobinding``."""
+
+    def __init__(self, sessions: dict) -> None:
+        self.seconds = {"encoder": 0.0, "decoder": 0.0}
+        for role, session in sessions.items():
+            for method in ("run", "run_with_iobinding"):
+                setattr(session, method, self._timed(getattr(session, method), "encoder" if role == "encoder"
+                                                     else "decoder"))
+
+    def _timed(self, call: Callable, graph: str) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[graph] += time.perf_counter() - start
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
 
 
 def load_torch() -> None:
@@ -149,12 +177,18 @@ def main() -> None:
     if args.load_torch:
         load_torch()
     decode, backend = RUNTIMES[args.runtime](args.model, job)
-    report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}, "call_s": {}}
+    report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}, "call_s": {}, "ort_s": {}}
     report["check"] = decode(job["check"], 1)
+    clock = getattr(decode, "clock", None)
     for batch, beam in job["cells"]:
         sources = job["sources"][str(batch)]
+        if clock:
+            clock.reset()
         calls, elapsed = sustained(lambda sources=sources, beam=beam: decode(sources, beam), job["seconds"])
         report["tok_s"][f"{batch}x{beam}"] = calls * batch * job["output_tokens"] / elapsed
+        if clock:  # per call, over the warm-up call too
+            report["ort_s"][f"{batch}x{beam}"] = [clock.seconds["encoder"] / (calls + 1),
+                                                  clock.seconds["decoder"] / (calls + 1)]
         if job.get("anatomy_tokens"):
             short = job["anatomy_tokens"]
             short_calls, short_elapsed = sustained(

@@ -40,7 +40,9 @@ def test_each_runtime_alone_in_its_process() -> None:
     assert "| project fixed ms | project us/step | CT2 fixed ms | CT2 us/step | baseline fixed ms" in anatomy[1]
     split = [line.split(" | ") for line in anatomy if line.startswith("| TINY | fp32 | 2 |")]
     assert len(split) == 2 and all(float(cells[5].replace(",", "")) > 0 for cells in split)  # project us/step
-    assert split[0][10].endswith("x") and split[0][11].rstrip(" |").endswith("x")  # project/CT2 per step, fixed
+    assert split[0][10].endswith("x") and split[0][11].endswith("x")  # project/CT2 per step, fixed
+    inside, around = split[0][12].split(" + "), split[0][13].rstrip(" |").split(" + ")  # ONNX Runtime + rest
+    assert float(inside[0].replace(",", "")) > 0 and float(around[0]) > 0  # the step decoders', the encoder's
 
 
 def test_a_worker_that_loaded_torch_says_so(tmp_path: Path) -> None:
