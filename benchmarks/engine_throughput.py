@@ -29,8 +29,10 @@ ceiling) with the share of it each batch-32 cell uses.
 ``--anatomy`` also times every cell at 2 output tokens and splits each runtime's time per call into a
 fixed part (the encoder, the call's own set-up and results) and a part per decoding step, from the two
 lengths (time = fixed + steps x per step): it shows whether a gap lies in the steps or around them.
-For the project it also splits each part into the time inside ONNX Runtime (the encoder's session; the
-step decoders' sessions per step) and the rest (Python: the search, tokens, I/O binding).
+The fit is a straight line: a step's cost that grows with its position (attention over more entries,
+the KV cache's one growth past 16 positions) lands partly in the fixed part. For the project the table
+also splits the measured call at the full length into the time inside ONNX Runtime (the encoder's
+session, the step decoders' sessions) and the rest (Python: the search, tokens, I/O binding).
 """
 
 from __future__ import annotations
@@ -412,28 +414,29 @@ def table(cells: list[Cell], gflops: float) -> str:
 
 
 def anatomy_table(cells: list[Cell]) -> str:
-    """The --anatomy table: each runtime's fixed ms per call and us per step, the project's speed relative
-    to CTranslate2 on each part (above 1: the project's part is faster), and the project's parts split
-    into ONNX Runtime time and the rest."""
+    """The --anatomy table: each runtime's fixed ms per call and us per step (a straight-line fit through
+    the two lengths), the project's speed relative to CTranslate2 on each part (above 1: the project's
+    part is faster), and the project's measured call at the full length split into the encoder's and the
+    step graphs' ONNX Runtime time and the rest (Python: the search, tokens, I/O binding), per step."""
     runtimes = [r for r in ("project", "ctranslate2", "baseline") if any(r in c.calls for c in cells)]
     names = {"project": "project", "ctranslate2": "CT2", "baseline": "baseline"}
     columns = [f"{names[r]} fixed ms | {names[r]} us/step" for r in runtimes] + [
         "project/CT2 per step | project/CT2 fixed",
-        "project step: ONNX Runtime + rest us | project fixed: encoder + rest ms"]
+        f"project at {OUTPUT_TOKENS} tokens: encoder ms | step graphs us/step | rest us/step"]
     lines = ["| size | precision | batch | beam | " + " | ".join(columns) + " |",
-             "|---|---|---|---|" + "---|---|" * (len(runtimes) + 2)]
+             "|---|---|---|---|" + "---|---|" * (len(runtimes) + 1) + "---|---|---|"]
     for c in cells:
         parts = {r: c.anatomy(r) for r in runtimes}
         own, ct2 = parts.get("project"), parts.get("ctranslate2")
         row = [f"{p[0] * 1e3:.2f} | {p[1] * 1e6:,.0f}" if p else "- | -" for p in parts.values()]
         row.append(f"{ct2[1] / own[1]:.2f}x | {ct2[0] / own[0]:.2f}x" if own and ct2 and min(own) > 0 else "- | -")
-        if own and c.ort:
-            encoder = statistics.median(e for e, _ in c.ort)
-            step = statistics.median(d for _, d in c.ort) / OUTPUT_TOKENS
-            row.append(f"{step * 1e6:,.0f} + {(own[1] - step) * 1e6:,.0f} | "
-                       f"{encoder * 1e3:.2f} + {(own[0] - encoder) * 1e3:.2f}")
+        if c.ort and "project" in c.calls:  # the measured call, not the fit: encoder + step graphs + the rest
+            call = statistics.median(full for _, full in c.calls["project"])
+            encoder, graphs = (statistics.median(part[i] for part in c.ort) for i in (0, 1))
+            row.append(f"{encoder * 1e3:.2f} | {graphs / OUTPUT_TOKENS * 1e6:,.0f} | "
+                       f"{(call - encoder - graphs) / OUTPUT_TOKENS * 1e6:,.0f}")
         else:
-            row.append("- | -")
+            row.append("- | - | -")
         lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
