@@ -26,13 +26,23 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the source checkout's packages
 
 Decode = Callable[..., list[list[int]]]  # (sources, beam, output length or None: the job's) -> output ids
 
 
-def project(model: str, job: dict) -> tuple[Decode, str]:
+class Runtime(NamedTuple):
+    """A loaded runtime: its decode function, a line describing its backend, and (the project's, with
+    ``anatomy_tokens``) the clock of its ONNX Runtime sessions."""
+
+    decode: Decode
+    backend: str
+    clock: SessionClock | None = None
+
+
+def project(model: str, job: dict) -> Runtime:
     """This project's engine: the model version, CPU, ``threads`` intra-op threads."""
     import onnxruntime as ort
 
@@ -50,12 +60,12 @@ def project(model: str, job: dict) -> tuple[Decode, str]:
         result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
         return [t.hypotheses[0].token_ids for t in result.translations]
 
-    decode.clock = clock  # type: ignore[attr-defined]
     spinning = "on" if job.get("ort_spinning", True) else "off"
-    return decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}"
+    return Runtime(decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}",
+                   clock)
 
 
-def ctranslate2(model: str, job: dict) -> tuple[Decode, str]:
+def ctranslate2(model: str, job: dict) -> Runtime:
     """CTranslate2's Translator on the converted model; tokens are its ``t<id>`` pieces."""
     import ctranslate2 as ct2
 
@@ -70,10 +80,10 @@ def ctranslate2(model: str, job: dict) -> tuple[Decode, str]:
                                              min_decoding_length=length, max_batch_size=0)
         return [[int(piece[1:]) for piece in r.hypotheses[0]] for r in results]
 
-    return decode, f"ctranslate2 {ct2.__version__}, compute type {compute_type}"
+    return Runtime(decode, f"ctranslate2 {ct2.__version__}, compute type {compute_type}")
 
 
-def pytorch(model: str, job: dict) -> tuple[Decode, str]:
+def pytorch(model: str, job: dict) -> Runtime:
     """This project's PyTorch Transformer with its batched greedy decoder (KV cache)."""
     import torch
 
@@ -89,7 +99,7 @@ def pytorch(model: str, job: dict) -> tuple[Decode, str]:
         src = torch.tensor([ids + [net.config.eos_id] for ids in sources])
         return greedy_batch(net, src, length or job["output_tokens"])
 
-    return decode, f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    return Runtime(decode, f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch}
@@ -176,10 +186,9 @@ def main() -> None:
     job = json.loads(args.job.read_text())
     if args.load_torch:
         load_torch()
-    decode, backend = RUNTIMES[args.runtime](args.model, job)
+    decode, backend, clock = RUNTIMES[args.runtime](args.model, job)
     report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}, "call_s": {}, "ort_s": {}}
     report["check"] = decode(job["check"], 1)
-    clock = getattr(decode, "clock", None)
     for batch, beam in job["cells"]:
         sources = job["sources"][str(batch)]
         if clock:
