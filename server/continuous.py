@@ -244,7 +244,7 @@ class ContinuousBatcher:
         if m is None:
             return
         m.running_rows.labels(*labels).set(self.batch.decode.rows)
-        if admitted and progress.source is not None:
+        if progress.source is not None:  # sentences were admitted (one encoder call)
             s.batches += 1
             m.inference_duration.labels(*labels, "encode").observe(progress.encode_seconds)
             m.batch_sentences.labels(*labels).observe(len(admitted))

@@ -8,7 +8,7 @@ sentence's own rows and its own step.
 
 Rows. A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
 The sentences that stay keep their rows from step to step; when one leaves, the last sentence moves
-into its rows if it needs as many (:func:`_fill_holes`), so the state's in-place buffers move one
+into its rows if it needs as many (:func:`server.row_layout.fill_holes`), so the state's in-place buffers move one
 sentence's rows instead of every row behind the one that left.
 Sentences of different beam sizes, lengths, penalties, controls, target prefixes and source lengths
 share one decode; each step runs the model once on all rows, with each row's own step as its target
@@ -53,6 +53,7 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.beam_select import select_beam, sentence_done
 from server.controls import Controls, process, sample, top_k
+from server.row_layout import Layout, fill_holes, lay_out
 from server.search import NEG_INF, BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
 
 
@@ -111,21 +112,6 @@ class _Sentence:
         return self.spec.is_cancelled is not None and self.spec.is_cancelled()
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """What a step reads of its sentences' settings, worked out again only when sentences join, leave or
-    first expand (each step would otherwise rebuild a dozen small arrays from the sentences)."""
-
-    widths: np.ndarray  # [n] the rows each sentence holds this step
-    starts: np.ndarray  # [n] its first row
-    limits: np.ndarray  # [R] the step limit of each row's sentence
-    k: int  # the best tokens the model returns for each row
-    attention: bool  # some sentence asks for attention: the attention graph runs
-    lean: np.ndarray  # the beam-1 sentences that take the lean arg-max path
-    groups: list[tuple[int, int, np.ndarray]]  # (beam, width, sentences) of the others
-    settled: bool  # every sentence has expanded: the layout holds while nobody joins or leaves
-
-
 class RunningDecode:
     """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
     :attr:`rows` is 0 (see the module docstring)."""
@@ -146,7 +132,7 @@ class RunningDecode:
         self._history_scores = np.zeros((0, 0))
         self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
-        self._layout: _Layout | None = None  # None: work it out at the next step
+        self._layout: Layout | None = None  # None: work it out at the next step (server.row_layout)
 
     @property
     def rows(self) -> int:
@@ -235,7 +221,9 @@ class RunningDecode:
         sentences = self._sentences
         if not sentences:
             return []
-        layout = self._layout or self._lay_out()
+        if self._layout is None:
+            self._layout = lay_out(sentences, self._row_sentence, self.lean_greedy)
+        layout = self._layout
         steps = np.array([s.step for s in sentences])[self._row_sentence]  # each row's target position
         if not layout.attention:
             self._attention = None
@@ -262,28 +250,6 @@ class RunningDecode:
                                     kept))
         self._advance(kept, parts, layout.widths, attention)
         return left
-
-    def _lay_out(self) -> _Layout:
-        """The layout of the sentences decoding now (see :class:`_Layout`), kept for the next steps."""
-        sentences = self._sentences
-        n = len(sentences)
-        expanded = np.array([s.step > s.joined_at for s in sentences])
-        beams = np.array([s.beam for s in sentences])
-        if self._row_sentence.size == n:  # one row each
-            starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
-        else:  # a sentence holds one row before its first step, then its beam
-            widths = np.where(expanded, beams, 1)
-            starts = np.cumsum(widths) - widths
-        lean = (beams == 1) if self.lean_greedy else np.zeros(n, dtype=bool)
-        pairs = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
-        groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
-                   np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
-        self._layout = _Layout(
-            widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[self._row_sentence],
-            k=2 * int(beams.max()) if (beams > 1).any() or not self.lean_greedy else 1,
-            attention=any(s.attention for s in sentences), lean=np.flatnonzero(lean), groups=groups,
-            settled=bool(expanded.all()))
-        return self._layout
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -398,7 +364,7 @@ class RunningDecode:
         origin, tokens, scores, totals = parts[0] if len(parts) == 1 else (
             np.concatenate([p[i] for p in parts]) for i in range(4))
         beams = [old[j].beam for j in kept]  # the rows each holds next step
-        order = _fill_holes(kept, widths, beams, len(old))
+        order = fill_holes(kept, widths, beams, len(old))
         if order != kept:
             offset = dict(zip(kept, np.cumsum([0, *beams]).tolist(), strict=False))
             perm = np.concatenate([np.arange(offset[j], offset[j] + old[j].beam) for j in order])
@@ -473,30 +439,6 @@ class RunningDecode:
         elif self._attention.shape[2] < width:
             pad = np.zeros((*self._attention.shape[:2], width - self._attention.shape[2]), dtype=np.float32)
             self._attention = np.concatenate([self._attention, pad], axis=2)
-
-
-def _fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
-    """The row order of the sentences that stay for the next step: ``kept`` (indices into this step's
-    ``n`` sentences; ``beams``: the rows each holds next step) in this step's order, except that when a
-    sentence leaves and the last sentence still to place holds next step as many rows as the one that left
-    held (``widths``), the last one takes its place. The sentences in between keep their rows, so a
-    leaving sentence moves one sentence's rows, not every row behind it."""
-    staying = sorted(kept)
-    if len(staying) == n:  # nobody left
-        return staying
-    rows = dict(zip(kept, beams, strict=True))
-    order: list[int] = []
-    first, last = 0, len(staying) - 1
-    for j in range(n):
-        if first > last:
-            break
-        if staying[first] == j:
-            order.append(j)
-            first += 1
-        elif j not in rows and staying[last] > j and rows[staying[last]] == widths[j]:
-            order.append(staying[last])
-            last -= 1
-    return order
 
 
 def _full_until(c: Controls) -> float:

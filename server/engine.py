@@ -299,7 +299,8 @@ class Engine:
         runs = [] if isinstance(self.model, DeviceStepModel) else length_runs(lengths, ENCODER_CALL_TOKENS)
         if len(runs) <= 1:
             return self.model.encode(src), int(src.size)
-        parts = [(rows, self.model.encode(src[rows, : lengths[rows].max()])) for rows in runs]
+        widths = [int(lengths[rows].max()) for rows in runs]
+        parts = [(rows, self.model.encode(src[rows, :width])) for rows, width in zip(runs, widths, strict=True)]
         merged = {}
         for name, first in parts[0][1].items():
             shape = np.max([part[name].shape for _, part in parts], axis=0)
@@ -307,7 +308,7 @@ class Engine:
             for rows, part in parts:
                 value = part[name]
                 merged[name][(rows, *(slice(0, n) for n in value.shape[1:]))] = value
-        return merged, sum(len(rows) * int(lengths[rows].max()) for rows in runs)
+        return merged, sum(len(rows) * width for rows, width in zip(runs, widths, strict=True))
 
     def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
         """Detokenize one sentence's result: pieces, text and words (computed once here, see

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from server.controls import Controls
-from server.decode import RunningDecode, _fill_holes
+from server.decode import RunningDecode
 from server.engine import Engine
+from server.row_layout import fill_holes
 from server.search import concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
@@ -230,10 +231,10 @@ def test_static_inputs_moved_within_the_same_arrays_reach_the_model(arch, engine
 def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
     # sentences 0..4 held 4, 4, 1, 4, 1 rows (2 and 4 joined this step); 1 and 3 leave
     widths = np.array([4, 4, 1, 4, 1])
-    assert _fill_holes([0, 2, 4], widths, [4, 4, 4], 5) == [0, 4, 2]  # 4 (now 4 rows) fills 1's 4 rows
-    assert _fill_holes([0, 2, 4], widths, [4, 4, 2], 5) == [0, 2, 4]  # 4 needs 2 rows: nothing moves
-    assert _fill_holes([0, 1, 2, 3], np.array([1, 1, 1, 1, 1]), [1, 1, 1, 1], 5) == [0, 1, 2, 3]  # the last left
-    assert _fill_holes([2, 3, 4], np.ones(5), [1, 1, 1], 5) == [4, 3, 2]
+    assert fill_holes([0, 2, 4], widths, [4, 4, 4], 5) == [0, 4, 2]  # 4 (now 4 rows) fills 1's 4 rows
+    assert fill_holes([0, 2, 4], widths, [4, 4, 2], 5) == [0, 2, 4]  # 4 needs 2 rows: nothing moves
+    assert fill_holes([0, 1, 2, 3], np.array([1, 1, 1, 1, 1]), [1, 1, 1, 1], 5) == [0, 1, 2, 3]  # the last left
+    assert fill_holes([2, 3, 4], np.ones(5), [1, 1, 1], 5) == [4, 3, 2]
 
 
 class SharedPosition:

@@ -1,0 +1,76 @@
+"""How a running decode's sentences lie on its rows (:class:`server.decode.RunningDecode`).
+
+A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
+:func:`lay_out` works out what a step reads of its sentences' settings (their rows, limits, the top-k
+width, which selection each takes); the decode keeps that :class:`Layout` while the same sentences
+decode and all have expanded, instead of rebuilding a dozen small arrays every step.
+:func:`fill_holes` decides where the sentences that stay go when others leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a step reads of its sentences' settings, worked out again only when sentences join, leave or
+    first expand."""
+
+    widths: np.ndarray  # [n] the rows each sentence holds this step
+    starts: np.ndarray  # [n] its first row
+    limits: np.ndarray  # [R] the step limit of each row's sentence
+    k: int  # the best tokens the model returns for each row
+    attention: bool  # some sentence asks for attention: the attention graph runs
+    lean: np.ndarray  # the beam-1 sentences that take the lean arg-max path
+    groups: list[tuple[int, int, np.ndarray]]  # (beam, width, sentences) of the others
+    settled: bool  # every sentence has expanded: the layout holds while nobody joins or leaves
+
+
+def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
+    """The layout of ``sentences`` (each with ``step``, ``joined_at``, ``beam``, ``limit`` and ``attention``)
+    on rows whose sentences are ``row_sentence``; ``lean_greedy``: beam-1 sentences take the lean path."""
+    n = len(sentences)
+    expanded = np.array([s.step > s.joined_at for s in sentences])
+    beams = np.array([s.beam for s in sentences])
+    if row_sentence.size == n:  # one row each
+        starts, widths = np.arange(n), np.ones(n, dtype=np.int64)
+    else:  # a sentence holds one row before its first step, then its beam
+        widths = np.where(expanded, beams, 1)
+        starts = np.cumsum(widths) - widths
+    lean = (beams == 1) if lean_greedy else np.zeros(n, dtype=bool)
+    pairs = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
+    groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
+               np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
+    return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
+                  k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
+                  attention=any(s.attention for s in sentences), lean=np.flatnonzero(lean), groups=groups,
+                  settled=bool(expanded.all()))
+
+
+def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
+    """The row order of the sentences that stay for the next step: ``kept`` (indices into this step's
+    ``n`` sentences; ``beams``: the rows each holds next step) in this step's order, except that when a
+    sentence leaves and the last sentence still to place holds next step as many rows as the one that left
+    held (``widths``), the last one takes its place. The sentences in between keep their rows, so a
+    leaving sentence moves one sentence's rows, not every row behind it."""
+    staying = sorted(kept)
+    if len(staying) == n:  # nobody left
+        return staying
+    rows = dict(zip(kept, beams, strict=True))
+    order: list[int] = []
+    first, last = 0, len(staying) - 1
+    for j in range(n):
+        if first > last:
+            break
+        if staying[first] == j:
+            order.append(j)
+            first += 1
+        elif j not in rows and staying[last] > j and rows[staying[last]] == widths[j]:
+            order.append(staying[last])
+            last -= 1
+    return order
