@@ -8,8 +8,10 @@ sentence's own rows and its own step.
 
 Rows. A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
 The sentences that stay keep their rows from step to step; when one leaves, the last sentence moves
-into its rows if it needs as many (:func:`server.row_layout.fill_holes`), so the state's in-place buffers move one
-sentence's rows instead of every row behind the one that left.
+into its rows if it needs as many (:func:`server.row_layout.fill_holes`), so the state's in-place
+buffers move one sentence's rows instead of every row behind the one that left. What a step reads of
+its sentences' settings (:class:`server.row_layout.Layout`) is worked out again only when sentences
+join, leave or first expand.
 Sentences of different beam sizes, lengths, penalties, controls, target prefixes and source lengths
 share one decode; each step runs the model once on all rows, with each row's own step as its target
 position (``positions``; models that cannot take per-row positions only ever decode sentences that
