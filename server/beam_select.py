@@ -39,18 +39,19 @@ class BeamChoice:
 
 
 def select_beam(totals: np.ndarray, tokens: np.ndarray, token_scores: np.ndarray, rows: np.ndarray,
-                given: np.ndarray, beam: int, eos_id: int) -> BeamChoice:
+                given: np.ndarray | None, beam: int, eos_id: int) -> BeamChoice:
     """Select the next hypotheses of ``n`` sentences of beam ``beam``.
 
     ``totals`` [R]: each row's summed log-probability; ``tokens``/``token_scores`` [R, K]: each row's best
     tokens and their log-probabilities, best first (NEG_INF: not allowed); ``rows`` [n, width]: each
     sentence's rows; ``given`` [n]: the sentence's step is part of a forced prefix (its token adds nothing
-    to the summed score)."""
+    to the summed score; None: no sentence's is)."""
     n = rows.shape[0]
     per_row = min(2 * beam, tokens.shape[1])
     block_tokens = tokens[rows][:, :, :per_row].reshape(n, -1)
     block_scores = token_scores[rows][:, :, :per_row]
-    added = np.where(given[:, None, None] & (block_scores > NEG_INF), 0.0, block_scores)
+    added = block_scores if given is None else np.where(given[:, None, None] & (block_scores > NEG_INF), 0.0,
+                                                         block_scores)
     candidates = (totals[rows][:, :, None] + added).reshape(n, -1)
     order = np.argsort(-candidates, axis=1, kind="stable")[:, : 2 * beam]
     # fancy indexing with the sentence index, not np.take_along_axis: the same values, a tenth of the

@@ -129,12 +129,14 @@ class RunningDecode:
         self._own_static = False  # False while _static holds the caller's arrays (the first admission's)
         self._state: dict[str, Any] | None = None
         self._tokens = np.zeros(0, dtype=np.int64)  # previous token of each row
+        self._steps = np.zeros(0, dtype=np.int64)  # each row's step: its sentence's tokens so far
         self._totals = np.zeros(0)  # summed log-probability of each row's hypothesis
         self._history = np.zeros((0, 0), dtype=np.int64)  # [R, capacity] tokens so far
         self._history_scores = np.zeros((0, 0))
         self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
         self._layout: Layout | None = None  # None: work it out at the next step (server.row_layout)
+        self._age = 0  # steps run since the layout was worked out
 
     @property
     def rows(self) -> int:
@@ -200,11 +202,13 @@ class RunningDecode:
         self._history_scores = _grow(self._history_scores, n, capacity)
         if self._attention is not None:
             self._attention = _grow(self._attention, n, capacity)
+        t = 0 if resume is None else resume.tokens.shape[1]
+        self._steps = np.concatenate([self._steps, np.full(n, t, dtype=np.int64)])
         if resume is None:
             self._tokens = np.concatenate([self._tokens, np.full(n, self.start_id, dtype=np.int64)])
             self._totals = np.concatenate([self._totals, np.zeros(n)])
             return
-        t, rows = resume.tokens.shape[1], slice(self.rows, self.rows + n)  # the new rows: one per sentence
+        rows = slice(self.rows, self.rows + n)  # the new rows: one per sentence
         forced = np.array([s.forced_length for s in self._sentences[first:]])
         scores = resume.token_scores.astype(np.float64)
         self._tokens = np.concatenate([self._tokens, resume.tokens[:, -1].astype(np.int64)])
@@ -224,16 +228,15 @@ class RunningDecode:
         if not sentences:
             return []
         if self._layout is None:
-            self._layout = lay_out(sentences, self._row_sentence, self.lean_greedy)
-        layout = self._layout
-        steps = np.array([s.step for s in sentences])[self._row_sentence]  # each row's target position
+            self._layout, self._age = lay_out(sentences, self._row_sentence, self.lean_greedy), 0
+        layout, age, steps = self._layout, self._age, self._steps
         if not layout.attention:
             self._attention = None
-        out, processed = self._model_step(steps, layout.k, layout.attention)
+        out, processed = self._model_step(steps, layout, age)
         self._state = out.state
-        row_tokens, row_scores = out.top_ids.astype(np.int64), out.top_log_probs.astype(np.float64)
-        forced = layout.limits - 1 == steps
-        if forced.any():  # out of room: only EOS may follow
+        row_tokens, row_scores = np.asarray(out.top_ids, dtype=np.int64), out.top_log_probs.astype(np.float64)
+        if age >= layout.room and (forced := layout.limits - 1 == steps).any():  # out of room: only EOS may follow
+            row_tokens = row_tokens.copy()
             row_tokens[forced] = self.eos_id
             row_scores[forced] = NEG_INF
             row_scores[forced, 0] = out.eos_log_prob[forced]
@@ -244,28 +247,32 @@ class RunningDecode:
         left: list[tuple[Any, SearchResult | None]] = []
         kept: list[int] = []  # sentences that stay, in their new row order
         parts: list[tuple[np.ndarray, ...]] = []  # (origin row, token, token score, total) of the new rows
+        prefix = age < layout.given_for  # some sentence decodes its forced prefix
         if layout.lean.size:
             parts.append(self._greedy(layout.lean, layout.starts, row_tokens, row_scores, processed, attention,
-                                      left, kept))
+                                      prefix, left, kept))
         for beam, width, group in layout.groups:
-            parts.append(self._beam(group, beam, width, layout.starts, row_tokens, row_scores, attention, left,
-                                    kept))
-        self._advance(kept, parts, layout.widths, attention)
+            parts.append(self._beam(group, beam, width, layout.starts, row_tokens, row_scores, attention, prefix,
+                                    left, kept))
+        self._advance(kept, parts, layout, attention)
+        self._age += 1
         return left
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def _model_step(self, steps: np.ndarray, k: int, need_attention: bool) -> tuple[StepOutput, np.ndarray | None]:
-        """The model's step under the rows' controls. When a control is active the top k and the EOS
-        log-probability are those of the processed distribution, which is returned too (else None)."""
+    def _model_step(self, steps: np.ndarray, layout: Layout, age: int) -> tuple[StepOutput, np.ndarray | None]:
+        """The model's step under the rows' controls (``age``: steps since ``layout`` was worked out). When a
+        control is active the top k and the EOS log-probability are those of the processed distribution,
+        which is returned too (else None)."""
+        k = layout.k
         if self._given is not None:  # a forced pass ran this step (its whole distribution)
             out, self._given = self._given, None
             full = True
         else:
             extra = {"positions": steps} if self.per_row_positions else {}
-            full = any(s.step < s.full_until for s in self._sentences)
-            logits = any(s.penalised and s.step > 0 for s in self._sentences)
-            out = self.model.step(self._tokens, self._static, self._state, need_attention, k, **extra,
+            full = age < layout.full_for
+            logits = layout.penalised and any(s.penalised and s.step > 0 for s in self._sentences)
+            out = self.model.step(self._tokens, self._static, self._state, layout.attention, k, **extra,
                                   **({"full": True} if full else {}), **({"logits": True} if logits else {}))
         if not full:
             return out, None
@@ -280,13 +287,16 @@ class RunningDecode:
         return out, processed
 
     def _greedy(self, group: np.ndarray, starts: np.ndarray, row_tokens: np.ndarray, row_scores: np.ndarray,
-                processed: np.ndarray | None, attention: np.ndarray | None,
+                processed: np.ndarray | None, attention: np.ndarray | None, prefix: bool,
                 left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
-        """Arg-max decoding of the beam-1 sentences ``group`` (one row each)."""
+        """Arg-max decoding of the beam-1 sentences ``group`` (one row each; ``prefix``: some sentence of
+        the decode may be in its forced prefix)."""
         rows = starts[group]
         tokens, scores = row_tokens[rows, 0], row_scores[rows, 0]
-        given = np.array([self._sentences[j].step < self._sentences[j].forced_length for j in group.tolist()])
-        totals = self._totals[rows] + np.where(given, 0.0, scores)  # a forced prefix is given, not scored
+        given = np.array([self._sentences[j].step < self._sentences[j].forced_length for j in group.tolist()]
+                         ) if prefix else np.zeros(len(rows), dtype=bool)
+        totals = self._totals[rows] + (np.where(given, 0.0, scores) if prefix else scores)  # a forced prefix's
+        # tokens are given, not scored
         stop = (tokens == self.eos_id) | (scores == NEG_INF)  # EOS, or nothing left to choose
         stay = []
         for i, (j, r, stops) in enumerate(zip(group.tolist(), rows.tolist(), stop.tolist(), strict=True)):
@@ -311,12 +321,13 @@ class RunningDecode:
         return rows[stay_rows], tokens[stay_rows], scores[stay_rows], totals[stay_rows]
 
     def _beam(self, group: np.ndarray, beam: int, width: int, starts: np.ndarray, row_tokens: np.ndarray,
-              row_scores: np.ndarray, attention: np.ndarray | None, left: list[tuple[Any, SearchResult | None]],
-              kept: list[int]) -> tuple[np.ndarray, ...]:
+              row_scores: np.ndarray, attention: np.ndarray | None, prefix: bool,
+              left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
         """The general step of sentences ``group``, all of beam ``beam`` holding ``width`` rows each: the
-        selection (:func:`server.beam_select.select_beam`), then its books."""
+        selection (:func:`server.beam_select.select_beam`), then its books (``prefix``: some sentence of
+        the decode may be in its forced prefix)."""
         sentences = [self._sentences[j] for j in group.tolist()]
-        given = np.array([s.step < s.forced_length for s in sentences])
+        given = np.array([s.step < s.forced_length for s in sentences]) if prefix else None
         choice = select_beam(self._totals, row_tokens, row_scores, starts[group][:, None] + np.arange(width), given,
                              beam, self.eos_id)
         for j, c in zip(*np.nonzero(choice.finish), strict=True):
@@ -358,21 +369,22 @@ class RunningDecode:
                               score=float(normalized_score(total, t + 1, s.spec.length_penalty)),
                               token_scores=self._history_scores[row, :t].tolist() + [score], attention=rows)
 
-    def _advance(self, kept: list[int], parts: list[tuple[np.ndarray, ...]], widths: np.ndarray,
+    def _advance(self, kept: list[int], parts: list[tuple[np.ndarray, ...]], layout: Layout,
                  attention: np.ndarray | None) -> None:
-        """Lay out the rows of the sentences that stay (``parts``, in the order of ``kept``; ``widths``: the
-        rows each sentence held this step) for the next step."""
+        """Lay out the rows of the sentences that stay (``parts``, in the order of ``kept``) for the next step
+        (``layout``: this step's)."""
         old = self._sentences
         origin, tokens, scores, totals = parts[0] if len(parts) == 1 else (
             np.concatenate([p[i] for p in parts]) for i in range(4))
+        stay = len(kept) == len(old)  # nobody left
         beams = [old[j].beam for j in kept]  # the rows each holds next step
-        order = fill_holes(kept, widths, beams, len(old))
+        order = sorted(kept) if stay else fill_holes(kept, layout.widths, beams, len(old))
         if order != kept:
             offset = dict(zip(kept, np.cumsum([0, *beams]).tolist(), strict=False))
             perm = np.concatenate([np.arange(offset[j], offset[j] + old[j].beam) for j in order])
             origin, tokens, scores, totals = origin[perm], tokens[perm], scores[perm], totals[perm]
             kept = order
-        if kept == list(range(len(old))):
+        if stay:
             row_sentence = self._row_sentence[origin]
             if self._layout is not None and not self._layout.settled:  # a sentence expanded this step
                 self._layout = None
@@ -385,12 +397,15 @@ class RunningDecode:
         if not self._sentences:
             self._static = self._state = None
             self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
+            self._steps = self._steps[:0]
             self._history = self._history[:0]
             self._history_scores = self._history_scores[:0]
             self._attention = None
             return
-        moved = origin.size != self.rows or bool((origin != np.arange(origin.size)).any())
-        steps = np.array([s.step for s in self._sentences])[row_sentence]
+        # only beam-1 sentences, all staying: each keeps its one row
+        moved = not (stay and not layout.groups) and (
+            origin.size != self.rows or bool((origin != np.arange(origin.size)).any()))
+        steps = self._steps[origin] if moved else self._steps  # the step each row decoded
         rows = np.arange(origin.size)
         if moved:
             self._history, self._history_scores = self._history[origin], self._history_scores[origin]
@@ -403,7 +418,8 @@ class RunningDecode:
         if moved:
             self._state = self.model.select_rows(self._state, origin)
             self._select_static(origin)
-        self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
+        self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64, copy=False), totals
+        self._steps = steps + 1
         for s in self._sentences:
             s.step += 1
 

@@ -29,11 +29,17 @@ class Layout:
     lean: np.ndarray  # the beam-1 sentences that take the lean arg-max path
     groups: list[tuple[int, int, np.ndarray]]  # (beam, width, sentences) of the others
     settled: bool  # every sentence has expanded: the layout holds while nobody joins or leaves
+    # counted in steps from the one the layout was worked out for (every sentence advances one a step):
+    room: int  # steps before some row reaches its sentence's last step (there only EOS may follow)
+    full_for: float  # steps during which some sentence needs the whole distribution (its ``full_until``)
+    given_for: int  # steps during which some sentence decodes its forced prefix
+    penalised: bool  # some sentence has a repetition penalty
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
-    """The layout of ``sentences`` (each with ``step``, ``joined_at``, ``beam``, ``limit`` and ``attention``)
-    on rows whose sentences are ``row_sentence``; ``lean_greedy``: beam-1 sentences take the lean path."""
+    """The layout of ``sentences`` (each with ``step``, ``joined_at``, ``beam``, ``limit``, ``attention``,
+    ``full_until``, ``forced_length`` and ``penalised``) on rows whose sentences are ``row_sentence``;
+    ``lean_greedy``: beam-1 sentences take the lean path."""
     n = len(sentences)
     expanded = np.array([s.step > s.joined_at for s in sentences])
     beams = np.array([s.beam for s in sentences])
@@ -49,7 +55,10 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
     return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
                   k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
                   attention=any(s.attention for s in sentences), lean=np.flatnonzero(lean), groups=groups,
-                  settled=bool(expanded.all()))
+                  settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
+                  full_for=max(s.full_until - s.step for s in sentences),
+                  given_for=max(s.forced_length - s.step for s in sentences),
+                  penalised=any(s.penalised for s in sentences))
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:

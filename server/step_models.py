@@ -162,10 +162,7 @@ class OnnxStepModel:
         third of the demo Transformer's step at one row; binding the ids and positions, ~40 us."""
         positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
         state = self._reserve(state, int(positions.max()) + 1)
-        role = "decoder_attention" if need_attention else "decoder"
-        extra = extra_outputs(full, logits)
-        output_names = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
-        binding, bound = self._binding(role, output_names)
+        binding, bound, output_names, extra = self._binding(need_attention, full, logits)
         for name, value in (("input_ids", tokens), (self.positions, positions)):
             held = bound.get(name)
             if held is not None and held.shape == value.shape:
@@ -173,43 +170,50 @@ class OnnxStepModel:
             else:
                 held = bound[name] = value.astype(np.int64)  # a copy of its own
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(held))
-        feeds = {**static, TOP_K_INPUT: self._top_k_value(k)}
-        for name, value in [*feeds.items(), *((name, state[name]) for name in self.buffers)]:
-            if bound.get(name) is value:
-                continue
-            if name in self.buffers:
+        for name, value in static.items():
+            if bound.get(name) is not value:
+                _bind_input(binding, bound, name, value)
+        if bound.get(TOP_K_INPUT) is not (top_k := self._top_k_value(k)):
+            _bind_input(binding, bound, TOP_K_INPUT, top_k)
+        for name, entry in self.buffers.items():
+            value = state[name]
+            if bound.get(name) is not value:
                 buffer = ort.OrtValue.ortvalue_from_numpy(value)  # shares the array's memory
                 binding.bind_ortvalue_input(name, buffer)
-                binding.bind_ortvalue_output(self.buffers[name].output, buffer)
-            elif isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, value)
-            bound[name] = value  # held, so the memory bound stays valid (and an id is never reused)
-        outputs = []
-        for name in output_names:
-            shape = self._output_shape(name, len(tokens), k, static)
-            array = bound.get(name)
-            if array is None or array.shape != shape:
-                array = bound[name] = np.empty(shape, dtype=self._output_dtypes[name])
-                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-            outputs.append(array)
+                binding.bind_ortvalue_output(entry.output, buffer)
+                bound[name] = value
+        shapes = (len(tokens), k, self._source_width(static) if need_attention else 0)
+        if bound.get(_SHAPES) != shapes:  # the host outputs' arrays, bound again when a shape changes
+            for name in output_names:
+                shape = self._output_shape(name, len(tokens), k, static)
+                if name not in bound or bound[name].shape != shape:
+                    bound[name] = np.empty(shape, dtype=self._output_dtypes[name])
+                    binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(bound[name]))
+            bound[_SHAPES] = shapes
         new_state = {**state, self.positions: positions + 1}  # before the run, while the caches are warm
-        self.sessions[role].run_with_iobinding(binding)
-        outputs = [array.copy() for array in outputs]  # the bound arrays are written again next step
+        self.sessions["decoder_attention" if need_attention else "decoder"].run_with_iobinding(binding)
+        outputs = [bound[name].copy() for name in output_names]  # the bound arrays are written again next step
         heads = len(TOP_K_OUTPUTS)
-        full_outputs = dict(zip(extra, outputs[len(output_names) - len(extra):], strict=True))
+        full_outputs = dict(zip(extra, outputs[len(output_names) - len(extra):], strict=True)) if extra else {}
         return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
-    def _binding(self, role: str, output_names: list[str]) -> tuple[ort.IOBinding, dict[str, Any]]:
-        """This thread's I/O binding of graph ``role`` with outputs ``output_names`` (and the buffers), and
-        what is bound to it (input or host output name -> the array)."""
+    def _binding(self, need_attention: bool, full: bool, logits: bool
+                 ) -> tuple[ort.IOBinding, dict[str, Any], list[str], list[str]]:
+        """This thread's I/O binding of the step graph with the outputs these flags ask for, what is bound to
+        it (input or host output name -> the array), its host output names and the [R, V] ones among them."""
         bindings = self._bindings.__dict__.setdefault("by_outputs", {})
-        key = (role, tuple(output_names))
+        key = (need_attention, full, logits)
         if key not in bindings:
-            bindings[key] = (self.sessions[role].io_binding(), {})
+            extra = extra_outputs(full, logits)
+            output_names = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
+            role = "decoder_attention" if need_attention else "decoder"
+            bindings[key] = (self.sessions[role].io_binding(), {}, output_names, extra)
         return bindings[key]
+
+    def _source_width(self, static: dict[str, np.ndarray]) -> int:
+        source, axis = next(iter(self.manifest.static_src_axes.items()))
+        return static[source].shape[axis]
 
     def _output_shape(self, name: str, rows: int, k: int, static: dict[str, np.ndarray]) -> tuple[int, ...]:
         """The shape of host output ``name`` for ``rows`` rows and top ``k``."""
@@ -218,8 +222,7 @@ class OnnxStepModel:
         if name in ("log_probs", LOGITS_OUTPUT):
             return rows, self.manifest.vocab_size
         if name == "attention":  # [rows, source length]
-            source, axis = next(iter(self.manifest.static_src_axes.items()))
-            return rows, static[source].shape[axis]
+            return rows, self._source_width(static)
         return (rows,)  # eos_log_prob
 
     def _check_shared_position(self, state: dict, positions: np.ndarray | None) -> None:
@@ -300,6 +303,16 @@ class OnnxStepModel:
         return [entry.input for entry in self.state] + ([self.positions] if self.positions else [])
 
 
+def _bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:
+    """Bind input ``name`` to ``value`` (an OrtValue, or a host array whose memory is bound) and hold it in
+    ``bound``, so the memory bound stays valid (and an id is never reused)."""
+    if isinstance(value, ort.OrtValue):
+        binding.bind_ortvalue_input(name, value)
+    else:
+        binding.bind_cpu_input(name, value)
+    bound[name] = value
+
+
 def extra_outputs(full: bool, logits: bool) -> list[str]:
     """The [R, V] outputs a step fetches besides the top k: the distribution, and its logits."""
     return (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
@@ -378,3 +391,4 @@ def _spare_rows(a: np.ndarray) -> np.ndarray:
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+_SHAPES = "(shapes)"  # a binding's key for the (rows, k, source width) its host outputs were bound for
