@@ -291,12 +291,14 @@ class RunningDecode:
                 left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
         """Arg-max decoding of the beam-1 sentences ``group`` (one row each; ``prefix``: some sentence of
         the decode may be in its forced prefix)."""
-        rows = starts[group]
-        tokens, scores = row_tokens[rows, 0], row_scores[rows, 0]
+        every = len(group) == len(row_tokens)  # every row is a beam-1 sentence's: its rows are all, in order
+        rows = np.arange(len(group)) if every else starts[group]
+        at = slice(None) if every else rows
+        tokens, scores = row_tokens[at, 0], row_scores[at, 0]
         given = np.array([self._sentences[j].step < self._sentences[j].forced_length for j in group.tolist()]
-                         ) if prefix else np.zeros(len(rows), dtype=bool)
-        totals = self._totals[rows] + (np.where(given, 0.0, scores) if prefix else scores)  # a forced prefix's
-        # tokens are given, not scored
+                         ) if prefix else None
+        # a forced prefix's tokens are given, not scored
+        totals = self._totals[at] + (scores if given is None else np.where(given, 0.0, scores))
         stop = (tokens == self.eos_id) | (scores == NEG_INF)  # EOS, or nothing left to choose
         stay = []
         for i, (j, r, stops) in enumerate(zip(group.tolist(), rows.tolist(), stop.tolist(), strict=True)):
@@ -304,7 +306,7 @@ class RunningDecode:
             if s.rng is not None and scores[i] > NEG_INF and s.step < s.limit - 1:
                 tokens[i] = sample(processed[r], s.controls, s.rng)
                 scores[i] = processed[r, tokens[i]]
-                totals[i] = self._totals[r] + (0.0 if given[i] else scores[i])
+                totals[i] = self._totals[r] + (0.0 if given is not None and given[i] else scores[i])
                 stops = tokens[i] == self.eos_id
             if s.spec.is_cancelled is not None and s.spec.is_cancelled():
                 left.append((s.tag, None))

@@ -286,8 +286,9 @@ class OnnxStepModel:
         lengths = tensors.get(self.positions) if self.positions else None
         used = int(lengths[rows].max()) if lengths is not None and rows.size else None
         moved = np.flatnonzero(rows != np.arange(len(rows)))  # once for all buffers; rows past the old ones move
-        return {name: _move_rows(value, rows, moved, self.buffers[name], used) if name in self.buffers
-                else _move_rows(value, rows, moved) if in_place else _gather_rows(value, rows)
+        moves = (moved, rows[moved])
+        return {name: _move_rows(value, rows, moves, self.buffers[name], used) if name in self.buffers
+                else _move_rows(value, rows, moves) if in_place else _gather_rows(value, rows)
                 for name, value in tensors.items()}
 
     def concat_rows(self, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -330,11 +331,12 @@ def _shape(value: np.ndarray | ort.OrtValue) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
 
 
-def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: StateTensor | None = None,
-               used: int | None = None) -> np.ndarray:
+def _move_rows(buffer: np.ndarray, rows: np.ndarray, moves: tuple[np.ndarray, np.ndarray],
+               entry: StateTensor | None = None, used: int | None = None) -> np.ndarray:
     """Rows ``rows`` of ``buffer``, moved within its memory where it has room (see
-    :meth:`OnnxStepModel.select_rows`); ``moved``: the indices ``i`` whose ``rows[i] != i``; ``used``: the
-    positions worth copying on the in-place cache ``entry``'s capacity axis (None: all)."""
+    :meth:`OnnxStepModel.select_rows`); ``moves``: the indices ``i`` whose ``rows[i] != i``, and their
+    ``rows[i]``; ``used``: the positions worth copying on the in-place cache ``entry``'s capacity axis
+    (None: all)."""
     span = () if entry is None else (slice(None),) * (entry.capacity_axis - 1) + (slice(0, used),)
     if used != 0 and len(rows) <= len(buffer):
         # the same array when the row count stays: the step's I/O binding holds it and need not bind it again
@@ -346,8 +348,9 @@ def _move_rows(buffer: np.ndarray, rows: np.ndarray, moved: np.ndarray, entry: S
         if used != 0:
             selected[(slice(None), *span)] = buffer[(rows, *span)]
         return selected
+    moved, sources = moves
     if moved.size:
-        target[(moved, *span)] = buffer[(rows[moved], *span)]  # the right side is read (copied) first
+        target[(moved, *span)] = buffer[(sources, *span)]  # the right side is read (copied) first
     return target
 
 
