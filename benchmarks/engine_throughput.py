@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
+
 SIZES = {
     "TINY": dict(d_model=32, layers=1, heads=2, ffn=64, vocab=64),  # for the benchmark's own test
     "SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
