@@ -11,7 +11,7 @@ import pytest
 from server.controls import Controls
 from server.decode import RunningDecode
 from server.engine import Engine
-from server.row_layout import fill_holes
+from server.row_layout import fill_holes, lay_out
 from server.search import concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
@@ -226,6 +226,21 @@ def test_static_inputs_moved_within_the_same_arrays_reach_the_model(arch, engine
         results.update(decode.step())
     for i, r in enumerate(first + later):
         assert_same(results[i], alone(engine, r))
+
+
+def test_layout_margins_count_steps_from_the_step_it_was_worked_out_for():
+    """The margins a step compares its age with: out of room at the first row's ``limit - 1``, the whole
+    distribution while any sentence's ``full_until`` is ahead, a forced prefix while any is decoding one."""
+    from types import SimpleNamespace
+
+    def sentence(step, limit, full_until=0, forced_length=0, penalised=False):
+        return SimpleNamespace(step=step, joined_at=0, beam=1, limit=limit, attention=False,
+                               full_until=full_until, forced_length=forced_length, penalised=penalised)
+
+    layout = lay_out([sentence(5, 8, forced_length=7), sentence(1, 30, full_until=4)], np.arange(2), True)
+    assert (layout.room, layout.full_for, layout.given_for, layout.penalised) == (2, 3, 2, False)
+    layout = lay_out([sentence(3, 10, full_until=float("inf"), penalised=True), sentence(0, 4)], np.arange(2), True)
+    assert (layout.room, layout.full_for, layout.given_for, layout.penalised) == (3, float("inf"), 0, True)
 
 
 def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
