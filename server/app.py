@@ -152,9 +152,12 @@ class TranslationServer:
         """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port."""
         config = self.config
         if self.repository is None and self.engine_loader is None:
+            from server.allocator import retain_freed_memory
             from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
 
             log_runtime()
+            if retain_freed_memory(config.malloc_retain_mb << 20):
+                log.info("malloc keeps up to %d MiB of freed memory for the next batch", config.malloc_retain_mb)
             probe_provider(DeviceSettings(config.provider, config.device_id, config.gpu_mem_limit, config.cuda_tf32))
         if self.repository is None:
             settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
