@@ -51,7 +51,8 @@ def project(model: str, job: dict) -> Runtime:
     from server.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 
-    retained = retain_freed_memory(ServerConfig().malloc_retain_mb << 20)  # as nmt serve sets malloc
+    retain_mb = ServerConfig().malloc_retain_mb
+    retained = retain_freed_memory(retain_mb << 20)  # as nmt serve sets malloc
     engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1,
                          spinning=job.get("ort_spinning", True))
     clock = SessionClock(engine.model.sessions) if job.get("anatomy_tokens") else None
@@ -64,7 +65,7 @@ def project(model: str, job: dict) -> Runtime:
         return [t.hypotheses[0].token_ids for t in result.translations]
 
     spinning = "on" if job.get("ort_spinning", True) else "off"
-    malloc = f"malloc keeps {ServerConfig().malloc_retain_mb} MiB freed" if retained else "malloc as it is"
+    malloc = f"malloc keeps {retain_mb} MiB freed" if retained else "malloc as it is"
     return Runtime(decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}, "
                    f"{malloc}", clock)
 

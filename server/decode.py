@@ -380,7 +380,7 @@ class RunningDecode:
             np.concatenate([p[i] for p in parts]) for i in range(4))
         stay = len(kept) == len(old)  # nobody left
         beams = [old[j].beam for j in kept]  # the rows each holds next step
-        order = sorted(kept) if stay else fill_holes(kept, layout.widths, beams, len(old))
+        order = fill_holes(kept, layout.widths, beams, len(old))
         if order != kept:
             offset = dict(zip(kept, np.cumsum([0, *beams]).tolist(), strict=False))
             perm = np.concatenate([np.arange(offset[j], offset[j] + old[j].beam) for j in order])
