@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,30 @@ def make_run(directory, arch: str, steps: int = 150):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def default_ports_taken() -> Iterator[list[str]]:
+    """The server's default addresses (gRPC 50051, metrics 9400, HTTP 8080) held for the whole session, as a
+    developer's ``nmt serve --demo`` beside the suite holds them: any test server or process that binds one
+    fails instead of passing here and failing there. An address already taken (by such a server) stays so.
+    Yields the addresses this session holds (``tests/test_ports.py`` checks that every one is held)."""
+    defaults = ServerConfig()
+    held: list[socket.socket] = []
+    addresses = [defaults.listen, defaults.metrics_listen, defaults.http_listen]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        sock = socket.socket()
+        try:
+            sock.bind((host, int(port)))
+            sock.listen(1)  # listening, so that a bind with SO_REUSEADDR (aiohttp's default) fails too
+        except OSError:
+            sock.close()
+            continue
+        held.append(sock)
+    yield addresses
+    for sock in held:
+        sock.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny steps are much slower with more threads on a shared host
@@ -143,7 +168,8 @@ def marian_repository(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def marian_server(marian_repository: Path) -> Iterator[ServerHarness]:
     """The imported Marian model served over gRPC (one server per test module)."""
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(marian_repository),
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="",
+                          model_repository=str(marian_repository),
                           provider="cpu", intra_op_threads=1, grace_seconds=1).validate()
     harness = ServerHarness(config)
     yield harness

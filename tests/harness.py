@@ -22,10 +22,20 @@ from server.repository import ModelVersion
 from server.scheduler import ModelScheduler
 
 
+def refuse_fixed_ports(config: ServerConfig) -> None:
+    """A test server takes free ports (port 0) or none: a fixed one (a default such as 8080 included)
+    collides with a server a developer runs beside the suite, and with parallel test runs."""
+    for name in ("listen", "metrics_listen", "http_listen"):
+        address = getattr(config, name)
+        if address and not address.endswith(":0"):
+            raise ValueError(f"a test server's {name} is {address!r}: give it port 0 (a free port) or '' (off)")
+
+
 class ServerHarness:
     """A :class:`TranslationServer` on a background event loop, with blocking client stubs."""
 
     def __init__(self, config: ServerConfig, engine_loader: Callable[..., Any] | None = None) -> None:
+        refuse_fixed_ports(config)
         self.registry = CollectorRegistry()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)

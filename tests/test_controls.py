@@ -173,7 +173,8 @@ def test_a_version_without_logits_refuses_only_the_repetition_penalty(harness: S
         onnx.save(remove_output(onnx.load(str(old / f"{role}.onnx")), LOGITS_OUTPUT), str(old / f"{role}.onnx"))
         manifest["files"][f"{role}.onnx"] = sha256_file(old / f"{role}.onnx")
     (old / "manifest.json").write_text(json.dumps(manifest))
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", model_repository=str(old.parent.parent),
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="",
+                          model_repository=str(old.parent.parent),
                           provider="cpu", intra_op_threads=1, grace_seconds=1, reload_interval=0)
     h = ServerHarness(config)
     try:
