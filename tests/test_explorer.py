@@ -75,7 +75,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 def run_translation(browser: webdriver.Chrome, text: str, *, model: str, beam: int, hypotheses: int) -> None:
     """Fill the form as a user does and wait for the results."""
-    wait = WebDriverWait(browser, 30)
+    wait = WebDriverWait(browser, 60)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#model option[value='{model}']"))
     browser.find_element(By.CSS_SELECTOR, f"#model option[value='{model}']").click()
     texts = browser.find_element(By.ID, "texts")
@@ -88,6 +88,44 @@ def run_translation(browser: webdriver.Chrome, text: str, *, model: str, beam: i
     browser.execute_script("document.getElementById('results').replaceChildren()")
     browser.find_element(By.ID, "translate").click()
     wait.until(expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "#results .hypothesis")))
+
+
+HINT = "hover a cell, or Tab here and use the arrow keys"
+
+# Per heatmap box: its scroll geometry, the readout's, and the rectangles of the readout's text (one per line
+# fragment) against the box's visible area, all in CSS pixels.
+FIGURE_GEOMETRY = """
+return [...document.querySelectorAll('#results table.heatmap')].map((table) => {
+  const box = table.parentElement, readout = box.querySelector('.weight');
+  const visible = box.getBoundingClientRect();
+  const range = document.createRange();
+  range.selectNodeContents(readout);
+  return {
+    text: readout.textContent,
+    box: [box.scrollWidth, box.clientWidth],
+    readout: [readout.scrollWidth, readout.clientWidth, readout.scrollHeight, readout.clientHeight],
+    area: [visible.left + box.clientLeft, visible.left + box.clientLeft + box.clientWidth,
+           visible.top, visible.bottom],
+    lines: [...range.getClientRects()].map((r) => [r.left, r.right, r.top, r.bottom]),
+  };
+});
+"""
+
+
+def assert_heatmaps_fit(browser: webdriver.Chrome) -> list[dict]:
+    """No heatmap box scrolls sideways, and every readout's text lies whole inside its box's visible area."""
+    figures = browser.execute_script(FIGURE_GEOMETRY)
+    assert figures
+    for figure in figures:
+        assert figure["box"][0] <= figure["box"][1], figure
+        width, client_width, height, client_height = figure["readout"]
+        assert width <= client_width and height <= client_height, figure
+        left, right, top, bottom = figure["area"]
+        assert figure["lines"], figure
+        for line in figure["lines"]:
+            assert left - 0.5 <= line[0] and line[1] <= right + 0.5, figure
+            assert top - 0.5 <= line[2] and line[3] <= bottom + 0.5, figure
+    return figures
 
 
 def test_explorer_translates_a_date_and_shows_its_alignment(server: ServerHarness, browser: webdriver.Chrome,
@@ -146,6 +184,7 @@ def test_explorer_with_bahdanau_errors_and_a_narrow_screen(server: ServerHarness
     assert hypothesis.find_elements(By.CSS_SELECTOR, "svg.links line")
     # readable at 375 px: the page does not scroll sideways (wide figures scroll inside their own box)
     assert browser.execute_script("return document.documentElement.scrollWidth") <= 375
+    assert [figure["text"] for figure in assert_heatmaps_fit(browser)] == [HINT]
     browser.save_screenshot(str(tmp_path / "explorer-375.png"))
     ARTIFACTS.mkdir(exist_ok=True)
     shutil.copy(tmp_path / "explorer-375.png", ARTIFACTS / "explorer-375.png")
@@ -160,3 +199,47 @@ def test_explorer_with_bahdanau_errors_and_a_narrow_screen(server: ServerHarness
     message = browser.find_element(By.ID, "error").text
     assert message.startswith("400 INVALID_ARGUMENT: ") and "beam_size" in message
     assert browser.find_element(By.ID, "error").get_attribute("role") == "alert"
+
+
+@pytest.mark.parametrize("width", [1400, 375])
+def test_explorer_hint_fits_and_an_error_clears_the_results(server: ServerHarness, browser: webdriver.Chrome,
+                                                           tmp_path: Path, width: int) -> None:
+    browser.set_window_size(width, 900)
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    assert browser.execute_script("return window.innerWidth") <= width
+    run_translation(browser, "Tuesday, April 25, 2045", model=DATES_MODEL, beam=4, hypotheses=2)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis")) == 2
+
+    # under each heatmap the hint is shown whole: wrapped inside the box, which does not scroll sideways
+    assert [figure["text"] for figure in assert_heatmaps_fit(browser)] == [HINT, HINT]
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    browser.execute_script("document.querySelector('#results .views').scrollIntoView({block: 'center'})")
+    shot = tmp_path / f"explorer-hint-{width}.png"
+    assert browser.save_screenshot(str(shot))
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / shot.name)
+    # the keyboard still walks the cells, and a cell's weight fits as the hint does
+    best = browser.find_element(By.CSS_SELECTOR, "#results .hypothesis")
+    browser.execute_script("arguments[0].focus()", best.find_element(By.CSS_SELECTOR, "table.heatmap"))
+    browser.switch_to.active_element.send_keys(Keys.ARROW_DOWN, Keys.ARROW_RIGHT)
+    assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("25. ← April: 0.")
+    assert assert_heatmaps_fit(browser)[0]["text"].startswith("25. ← April: 0.")
+
+    # a text over the server's limit (2000 characters): the service refuses it, and the page shows the error
+    # alone, without the previous request's results under it
+    browser.execute_script("document.getElementById('texts').value = 'x'.repeat(2001)")
+    browser.find_element(By.ID, "translate").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "error").is_displayed())
+    message = browser.find_element(By.ID, "error").text
+    assert message.startswith("400 INVALID_ARGUMENT: texts[0] has 2001 characters"), message
+    results = browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis, #results table, #results svg")
+    assert not [node for node in results if node.is_displayed()]
+    assert browser.find_element(By.ID, "status").text == ""
+    shot = tmp_path / f"explorer-error-{width}.png"
+    assert browser.save_screenshot(str(shot))
+    shutil.copy(shot, ARTIFACTS / shot.name)
+
+    # the next good request clears the error and shows its results
+    run_translation(browser, "Monday, May 1, 2000", model=DATES_MODEL, beam=2, hypotheses=1)
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis")) == 1

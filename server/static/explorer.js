@@ -75,11 +75,18 @@ function fillVersions() {
   if (info && info.maxBeamSize) { $("beam").max = info.maxBeamSize; $("nbest").max = info.maxBeamSize; }
 }
 
+// A failed request replaces what is on screen: results left under the error would read as its answer.
+function fail(message) {
+  $("status").textContent = "";
+  $("results").replaceChildren();
+  showError(message);
+}
+
 async function translate(event) {
   event.preventDefault();
   const texts = $("texts").value.split("\n").map((t) => t.trim()).filter((t) => t);
   showError("");
-  if (!texts.length) { showError("Type a sentence first."); return; }
+  if (!texts.length) { fail("Type a sentence first."); return; }
   const request = {
     texts, model: $("model").value, modelVersion: $("version").value,
     options: { beamSize: Number($("beam").value) || 0, numHypotheses: Number($("nbest").value) || 0,
@@ -94,8 +101,7 @@ async function translate(event) {
       `${Math.round(performance.now() - started)} ms`;
     render(response, texts);
   } catch (error) {
-    $("status").textContent = "";
-    showError(error.message);
+    fail(error.message);
   } finally {
     $("translate").disabled = false;
   }
