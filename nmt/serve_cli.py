@@ -9,6 +9,10 @@ onnxruntime and the models load when the command runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nmt.errors import NmtError
@@ -40,9 +44,11 @@ Hot reload: every --reload-interval seconds and on SIGHUP the repository is scan
 latest; broken ones are refused with a "model version refused" log line while the others serve; removed
 ones stop taking requests and close once their in-flight requests finish (within --grace-seconds).
 
-With --demo, the demo models the repository lacks are built first (demo-transformer and demo-bahdanau,
-trained on the generated English->German dates corpus, exported and verified: a few minutes each on 2
-CPU cores; needs the train extra), unless it holds models of other names. A second run reuses them.
+With --demo, the demo models the repository lacks are built (demo-transformer and demo-bahdanau, trained
+on the generated English->German dates corpus, exported and verified; needs the train extra), unless it
+holds models of other names: the first before serving starts (about two minutes on 2 CPU cores), the
+other by a background process while the first serves (its output in DEMO_RUNS/demo-build.log), served
+as soon as it is ready. demo-transformer is then the default model. A second run reuses them.
 
 examples:
   nmt serve --demo
@@ -79,21 +85,53 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from server.app import configure_logging, serve
 
+    started = time.monotonic()
     config = ServerConfig.from_args(args)
     if args.demo_only and not args.demo:
         raise NmtError("--demo-only goes with --demo")
-    if args.demo:
-        build_demo(config.model_repository, args.demo_runs)
-        if args.demo_only:
-            print(f"demo models ready in {config.model_repository}: "
-                  f"{', '.join(discover_versions(config.model_repository))}", flush=True)
-            return 0
+    if not args.demo:
+        configure_logging(config.log_level)
+        asyncio.run(serve(config, on_started=print_how_to_call))
+        return 0
+    from nmt.demo import (
+        BUILD_LOG,
+        DEMO_MODELS,
+        BackgroundBuild,
+        demo_build_command,
+        demo_default_model,
+        missing_demo_models,
+    )
+
+    missing = missing_demo_models(config.model_repository)
+    if args.demo_only:
+        now, later = missing, []
+    else:  # the first model before serving (unless one is there), the others while it serves
+        first = len(missing) == len(DEMO_MODELS)
+        now, later = missing[: int(first)], missing[int(first):]
+    build_demo(config.model_repository, args.demo_runs, now)
+    if args.demo_only:
+        print(f"demo models ready in {config.model_repository}: "
+              f"{', '.join(discover_versions(config.model_repository))}", flush=True)
+        return 0
+    if not config.default_model:  # the same whichever demo model was built first
+        config = dataclasses.replace(config, default_model=demo_default_model(config.model_repository))
+    background = BackgroundBuild(demo_build_command(config.model_repository, args.demo_runs),
+                                 Path(args.demo_runs) / BUILD_LOG, later) if later else None
+    tasks: set[asyncio.Task] = set()
+
+    def on_started(server: TranslationServer) -> None:
+        print_how_to_call(server)
+        print(f"ready to translate {time.monotonic() - started:.0f} s after start", flush=True)
+        if background is not None:
+            print(f"building {', '.join(later)} in the background (log: {background.log_path}); "
+                  "served as soon as it is ready", flush=True)
+            task = asyncio.get_running_loop().create_task(background.run(server), name="demo-build")
+            tasks.add(task)  # a reference keeps it alive; asyncio.run cancels it (and its child) at exit
+
     configure_logging(config.log_level)
-    asyncio.run(serve(config, on_started=print_how_to_call))
+    asyncio.run(serve(config, on_started=on_started))
     return 0
 
 
@@ -134,15 +172,15 @@ def _security_hint(config: ServerConfig) -> str:
     return f"\n  (add {', '.join(needs)})" if needs else ""
 
 
-def build_demo(repository: str, runs: str) -> None:
-    """Train, export and verify the demo models the repository lacks (none when it holds other models)."""
-    from nmt.demo import build_demo_models, missing_demo_models
+def build_demo(repository: str, runs: str, names: list[str]) -> None:
+    """Train, export and verify the demo models ``names`` (those the repository lacks)."""
+    from nmt.demo import build_demo_models
 
-    if not missing_demo_models(repository):
+    if not names:
         return
     try:
         import torch  # noqa: F401 - the train extra
     except ImportError as error:
         raise NmtError(f"--demo trains models and needs the train extra ({error}); run: pip install -e '.[train]'") \
             from error
-    build_demo_models(repository, runs)
+    build_demo_models(repository, runs, names)
