@@ -1,12 +1,14 @@
 """Python stubs for ``proto/translation/v1/translation.proto``, generated at import time.
 
 The proto is the single source of truth and no generated file is committed. At import the proto is
-compiled in memory by the protoc bundled with ``grpcio-tools`` (``grpc.protos_and_services``):
-nothing is written to disk, so a read-only install, a fresh clone and concurrent processes all work,
-and the stubs can never be stale. The proto root (``<repo>/proto``, or ``$NMT_PROTO_PATH``) is
-appended to ``sys.path`` because that is the include path the runtime compiler searches; the
-generated modules are registered as ``translation.v1.translation_pb2`` / ``_pb2_grpc``, the names
-the generated code itself imports.
+compiled by the protoc bundled with ``grpcio-tools`` into a temporary directory and run from there, so a
+read-only install, a fresh clone and concurrent processes all work, and the stubs can never be stale.
+protoc's include path is the proto root (``<repo>/proto``, or ``$NMT_PROTO_PATH``) and the
+``google/protobuf`` well-known types alone: the server compiles the contract from ``proto/`` as a client
+in another language does, the imported ``google/api`` and ``google/rpc`` files included. The generated
+modules are registered as ``translation.v1.translation_pb2`` / ``_pb2_grpc``, the names the generated
+code itself imports; the messages they import (``google.api.annotations_pb2``, ``google.rpc.status_pb2``)
+are googleapis-common-protos' modules, which describe the same files.
 
 Only the gRPC edge (``server/convert.py``, ``server/app.py``, clients) imports this module; the
 scheduler and the engine work on :mod:`server.types`.
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from importlib.resources import files
 from pathlib import Path
 from types import ModuleType
 
-import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from grpc_tools import protoc
 
 PROTO_FILE = "translation/v1/translation.proto"
 SERVICE_NAME = "translation.v1.Translator"
@@ -40,11 +44,46 @@ def proto_root() -> Path:
     )
 
 
+def _protoc(proto_file: str, out: Path, *outputs: str) -> None:
+    """Compile ``<proto root>/<proto_file>`` into ``out`` with protoc's ``--<output>_out`` for each output.
+
+    The include path is the proto root and the well-known types bundled with grpcio-tools, nothing else.
+    """
+    args = ["protoc", f"-I{proto_root()}", f"-I{files('grpc_tools') / '_proto'}",
+            *(f"--{output}_out={out}" for output in outputs), proto_file]
+    if protoc.main(args) != 0:
+        raise ImportError(f"protoc failed: {' '.join(args)}")
+
+
+def _run(source_file: Path, module_name: str) -> ModuleType:
+    """A module named ``module_name`` running protoc's generated ``source_file``."""
+    module = ModuleType(module_name)
+    source = source_file.read_text(encoding="utf-8")
+    exec(compile(source, f"<{module_name}>", "exec"), module.__dict__)  # noqa: S102 - protoc's own output
+    return module
+
+
 def _load() -> tuple[ModuleType, ModuleType]:
-    root = str(proto_root())
-    if root not in sys.path:
-        sys.path.append(root)  # appended, never prepended: it must not shadow installed packages
-    return grpc.protos_and_services(PROTO_FILE)
+    """The message and service modules of :data:`PROTO_FILE`, as ``translation.v1.translation_pb2`` / ``_pb2_grpc``.
+
+    The service module imports the messages by that name (``from translation.v1 import translation_pb2``), so
+    they and their parent packages are in ``sys.modules`` before it runs.
+    """
+    folder, _, stem = PROTO_FILE.removesuffix(".proto").rpartition("/")
+    package = folder.replace("/", ".")
+    parts = package.split(".")
+    for name in (".".join(parts[:depth]) for depth in range(1, len(parts) + 1)):
+        if name not in sys.modules:
+            sys.modules[name] = ModuleType(name)
+            sys.modules[name].__path__ = []  # a package with nothing to find on disk
+    with tempfile.TemporaryDirectory(prefix="nmt-protos-") as out:
+        _protoc(PROTO_FILE, Path(out), "python", "grpc_python")
+        modules = []
+        for suffix in ("_pb2", "_pb2_grpc"):
+            name = f"{package}.{stem}{suffix}"
+            sys.modules[name] = _run(Path(out, folder, f"{stem}{suffix}.py"), name)
+            modules.append(sys.modules[name])
+    return modules[0], modules[1]
 
 
 pb2, pb2_grpc = _load()
@@ -66,52 +105,21 @@ def method_types(service: str = SERVICE_NAME) -> dict[str, str]:
 def compile_messages(proto_file: str, module_name: str) -> ModuleType:
     """The message classes (no service stubs) of ``<proto root>/<proto_file>``, as module ``module_name``.
 
-    For protos whose package cannot be imported under its own name, such as
-    ``grpc/reflection/v1/reflection.proto`` (``grpc`` is grpcio's package, so ``grpc.protos()`` cannot
-    import ``grpc.reflection.v1.reflection_pb2``): protoc writes the ``_pb2`` module into a temporary
-    directory and it is run under ``module_name``; its descriptors join the default pool, as any
-    generated module's do.
+    For protos whose package cannot be registered under its own name, such as
+    ``grpc/reflection/v1/reflection.proto`` (``grpc`` is grpcio's package): the ``_pb2`` module protoc
+    writes is run under ``module_name``; its descriptors join the default pool, as any generated
+    module's do.
     """
-    import tempfile
-    from importlib.resources import files
-
-    from grpc_tools import protoc
-
     with tempfile.TemporaryDirectory(prefix="nmt-protos-") as out:
-        args = ["protoc", f"-I{proto_root()}", f"-I{files('grpc_tools') / '_proto'}", f"--python_out={out}",
-                proto_file]
-        if protoc.main(args) != 0:
-            raise ImportError(f"protoc failed: {' '.join(args)}")
-        source = (Path(out) / proto_file).with_name(Path(proto_file).stem + "_pb2.py").read_text(encoding="utf-8")
-    module = ModuleType(module_name)
-    exec(compile(source, f"<{proto_file}>", "exec"), module.__dict__)  # noqa: S102 - protoc's own output
-    return module
+        _protoc(proto_file, Path(out), "python")
+        return _run(Path(out, proto_file.removesuffix(".proto") + "_pb2.py"), module_name)
 
 
 def write_stubs(out_dir: str | Path) -> list[Path]:
     """Generate ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` into ``out_dir`` (for IDEs); return the files."""
-    from importlib.resources import files
-
-    from grpc_tools import protoc
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from google.rpc import status_pb2
-
-    include = str(files("grpc_tools") / "_proto")
-    common = str(Path(status_pb2.__file__).parents[2])  # googleapis-common-protos: google/rpc/status.proto
-    args = [
-        "protoc",
-        f"-I{proto_root()}",
-        f"-I{include}",
-        f"-I{common}",
-        f"--python_out={out}",
-        f"--pyi_out={out}",
-        f"--grpc_python_out={out}",
-        PROTO_FILE,
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    _protoc(PROTO_FILE, out, "python", "pyi", "grpc_python")
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 
