@@ -3,8 +3,9 @@
 Handlers, request validation, the model repository and the scheduler raise the exceptions below
 (they never touch a gRPC context); :func:`grpc_errors` decorates every servicer method and turns them
 into a status with the exception's message (the interceptor's authentication step uses :func:`abort`,
-the same mapping). Anything else becomes INTERNAL, logged with its traceback, so an
-unexpected failure never leaks a stack trace to the client nor kills the server.
+the same mapping, and the HTTP face :func:`report` for an exception no handler caught). Anything else
+becomes INTERNAL, logged with its traceback, so an unexpected failure never leaks a stack trace to the
+client nor kills the server.
 """
 
 from __future__ import annotations
@@ -96,11 +97,16 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
 
 
-async def abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    """End the call with ``error``'s status (:func:`status_of`); raises ``grpc.aio.AbortError``."""
-    code, message = status_of(error)
+def report(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """``error``'s status (:func:`status_of`), its traceback logged when it is no :class:`ServingError` (a bug)."""
     if not isinstance(error, ServingError):
         log.error("unexpected error in handler", exc_info=error)
+    return status_of(error)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    """End the call with ``error``'s status (:func:`report`); raises ``grpc.aio.AbortError``."""
+    code, message = report(error)
     await context.abort(code, message, trailing_metadata=tuple(context.trailing_metadata() or ()))
 
 

@@ -15,6 +15,12 @@ disconnects cancels the call (aiohttp's handler cancellation), which stops its s
 ``x-request-id`` is read and echoed; CORS answers only the ``--cors-origins``. Besides: ``/healthz``
 (liveness), ``/readyz`` (every model's newest version serving and not draining) and the alignment explorer
 (``/``, static files of ``server/static`` shipped as package data).
+
+The errors aiohttp answers itself are Status JSON too, counted and logged by the interceptor
+(:meth:`RequestInterceptor.http_refused`, ``method="http:unknown"``): its router's (an unknown path 404, a
+wrong verb 405 with its ``Allow``) through a middleware, those of requests that are not valid HTTP (a
+header over the limit, TLS sent to this port) and of exceptions no handler caught through :class:`_Runner`.
+A body over :data:`MAX_BODY_BYTES` is the RPC's INVALID_ARGUMENT, like any request that does not parse.
 """
 
 from __future__ import annotations
@@ -25,24 +31,27 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from google.api import annotations_pb2
 from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.rpc import status_pb2
 
 from server.config import split_host_port
-from server.errors import InvalidArgument
+from server.errors import InvalidArgument, report
 from server.interceptor import REQUEST_ID_KEY, RequestInterceptor, Undecodable
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 TIMEOUT_HEADER = "grpc-timeout"
 CORS_HEADERS = "authorization, content-type, grpc-timeout, x-request-id"
 STOP_SECONDS = 1.0  # how long open HTTP connections get once the server stops
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body over this is refused (INVALID_ARGUMENT)
 
 # gRPC status -> HTTP status, as grpc-gateway's runtime.HTTPStatusFromCode (and Envoy's transcoder) map them
 HTTP_STATUS: Mapping[grpc.StatusCode, int] = {
@@ -63,6 +72,16 @@ HTTP_STATUS: Mapping[grpc.StatusCode, int] = {
     grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DATA_LOSS: 500,
+}
+# HTTP status -> gRPC code, for the errors aiohttp answers itself (its router, its HTTP parser, a handler's uncaught
+# exception or timeout): HTTP_STATUS the other way round, and a wrong verb UNIMPLEMENTED with its 405, as
+# grpc-gateway answers it; another 4xx is INVALID_ARGUMENT, another 5xx INTERNAL
+GRPC_CODE: Mapping[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    500: grpc.StatusCode.INTERNAL,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _TIMEOUT = re.compile(r"(\d{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -100,6 +119,19 @@ def parse_timeout(value: str) -> float:
         raise InvalidArgument(f"{TIMEOUT_HEADER} header {value!r} is not a gRPC timeout: 1 to 8 digits and a unit "
                               "H, M, S, m (ms), u (µs) or n (ns), e.g. 500m or 2S")
     return int(match.group(1)) * _TIMEOUT_UNITS[match.group(2)]
+
+
+def code_of_http(status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP error status aiohttp answered (:data:`GRPC_CODE`)."""
+    return GRPC_CODE.get(status, grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL)
+
+
+def not_http(error: HttpProcessingError) -> str:
+    """What was wrong with a request aiohttp's parser refused (a line over the limit is not repeated: it may
+    hold a token)."""
+    if isinstance(error, LineTooLong):  # LineTooLong(line, limit, actual_size)
+        return f"a request line or header is over the limit of {error.args[1]} bytes"
+    return f"the request is not valid HTTP/1.1: {' '.join(error.message.split())[:200]}"
 
 
 class BadHttpRequest(Undecodable):
@@ -155,15 +187,75 @@ def json_response(message: Any, *, status: int = 200, headers: Mapping[str, str]
     return web.Response(text=body, status=status, content_type="application/json", headers=headers)
 
 
-def error_response(code: grpc.StatusCode, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
-    """A failed call: its HTTP status and the ``google.rpc.Status`` JSON ``{code, message, details}``."""
-    status = status_pb2.Status(code=code.value[0], message=message)
-    return json_response(status, status=HTTP_STATUS.get(code, 500), headers=headers)
+def error_response(code: grpc.StatusCode, message: str, headers: Mapping[str, str] | None = None, *,
+                   status: int | None = None) -> web.Response:
+    """A failed call: the ``google.rpc.Status`` JSON ``{code, message, details}`` with ``status``, by default the
+    HTTP status of ``code`` (:data:`HTTP_STATUS`)."""
+    body = status_pb2.Status(code=code.value[0], message=message)
+    return json_response(body, status=status or HTTP_STATUS.get(code, 500), headers=headers)
 
 
 def cors_origins(setting: str) -> frozenset[str]:
     """``--cors-origins``: comma-separated origins, or ``*``."""
     return frozenset(origin.strip().rstrip("/") for origin in setting.split(",") if origin.strip())
+
+
+Refuse = Callable[[web.BaseRequest, int, str], web.Response]  # (request, HTTP status, message) -> the answer
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's HTTP/1.1 connection, whose own error answers are ``refuse``'s (see :class:`_Runner`)."""
+
+    def __init__(self, manager: web.Server, *, refuse: Refuse, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.refuse = refuse
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """The answer to a request that is not valid HTTP (400), or whose handler raised (500) or timed out (504)."""
+        if request.writer.output_size > 0:  # as aiohttp: part of a response is out, the connection is broken
+            raise ConnectionError("a response is already under way, cannot send the error")
+        if isinstance(exc, HttpProcessingError):
+            text = not_http(exc)
+        elif isinstance(exc, Exception):
+            text = report(exc)[1]  # INTERNAL, its traceback logged
+        else:
+            text = HTTPStatus(status).phrase
+        response = self.refuse(request, status, text)
+        response.force_close()  # as aiohttp: the connection may be out of step
+        return response
+
+
+class _Server(web.Server):
+    """A copy of aiohttp's ``server`` whose connections are :class:`_Protocol`."""
+
+    def __init__(self, server: web.Server, refuse: Refuse) -> None:
+        super().__init__(server.request_handler, request_factory=server.request_factory,
+                         handler_cancellation=server.handler_cancellation, **server._kwargs)
+        self.refuse = refuse
+
+    def __call__(self) -> web.RequestHandler:
+        return _Protocol(self, loop=self._loop, refuse=self.refuse, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """An ``AppRunner`` whose connections answer the errors aiohttp answers itself with ``refuse``.
+
+    A request that is not valid HTTP (a header over the limit, TLS sent to this port) fails in aiohttp's parser
+    before any handler or middleware, and aiohttp answers it, and an exception no handler caught, in
+    ``RequestHandler.handle_error``: text/plain, with a traceback on the ``aiohttp.server`` logger. aiohttp has no
+    public hook for that answer (aio-libs/aiohttp#3287), so this runner overrides ``_make_server`` to serve with
+    a ``RequestHandler`` that overrides ``handle_error`` (aiohttp 3.14; the server's ``_kwargs`` and ``_loop``
+    are what ``web.Server`` builds its handler from). tests/test_http.py sends such requests: an aiohttp that
+    changes these fails there.
+    """
+
+    def __init__(self, app: web.Application, *, refuse: Refuse, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.refuse = refuse
+
+    async def _make_server(self) -> web.Server:
+        return _Server(await super()._make_server(), self.refuse)
 
 
 class HttpFace:
@@ -172,8 +264,9 @@ class HttpFace:
     def __init__(self, *, service: ServiceDescriptor, servicer: Any, interceptor: RequestInterceptor,
                  ready: Callable[[], tuple[bool, str]], cors: str = "") -> None:
         self.ready = ready  # (ready, why not)
+        self.interceptor = interceptor
         self.allowed_origins = cors_origins(cors)
-        self.app = web.Application(middlewares=[self._cors], client_max_size=8 * 1024 * 1024)
+        self.app = web.Application(middlewares=[self._cors, self._errors], client_max_size=MAX_BODY_BYTES)
         self.routes = http_routes(service)
         for route in self.routes:
             behavior = interceptor.http_behavior(f"/{service.full_name}/{route.method.name}",
@@ -182,7 +275,7 @@ class HttpFace:
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
         self.app.router.add_get("/", self._page)
-        self.app.router.add_static("/static/", STATIC_DIR)
+        self.app.router.add_get("/static/{name}", self._asset)
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -190,8 +283,8 @@ class HttpFace:
         """Listen on ``address`` (host:port, port 0 picks one); returns the port."""
         host, port = split_host_port(address)
         # handler_cancellation: a client that disconnects cancels its handler, and with it the call's work
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=STOP_SECONDS)
+        self.runner = _Runner(self.app, refuse=self._refuse, handler_cancellation=True, access_log=None,
+                              shutdown_timeout=STOP_SECONDS)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
@@ -230,7 +323,8 @@ class HttpFace:
 
     @staticmethod
     async def _parse(request: web.Request, request_class: type, body: str) -> Any:
-        """The request message: the JSON body (``body: "*"``) or the query string; InvalidArgument if neither parses."""
+        """The request message: the JSON body (``body: "*"``; an unknown field is refused) or the query string
+        (parameters that are no field, e.g. a cache buster, are ignored); InvalidArgument if neither parses."""
         message = request_class()
         try:
             if body == "*":
@@ -238,11 +332,35 @@ class HttpFace:
                 if text.strip():
                     json_format.Parse(text, message)
             elif request.query:
-                json_format.ParseDict(dict(request.query), message)
+                json_format.ParseDict(dict(request.query), message, ignore_unknown_fields=True)
+        except web.HTTPRequestEntityTooLarge as error:
+            raise InvalidArgument(f"the request body is over the limit of {MAX_BODY_BYTES} bytes") from error
         except (json_format.ParseError, UnicodeDecodeError) as error:
             raise InvalidArgument(f"the request body is not a {request_class.DESCRIPTOR.full_name} in the proto3 "
                                   f"JSON mapping: {error}") from error
         return message
+
+    # ---- the errors aiohttp answers itself ---------------------------------------------------------------
+
+    def _refuse(self, request: web.BaseRequest, status: int, message: str) -> web.Response:
+        """An error aiohttp answered with ``status``: the Status JSON of its gRPC code (:func:`code_of_http`),
+        with that status, counted and logged by the interceptor."""
+        code = code_of_http(status)
+        context = HttpContext(request.headers, None)
+        self.interceptor.http_refused(context, code, message)
+        return error_response(code, message, context.headers(), status=status)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """The errors aiohttp's router raises (an unknown path, a wrong verb) and a missing file of the page, as
+        Status JSON."""
+        try:
+            return await handler(request)
+        except web.HTTPError as error:
+            response = self._refuse(request, error.status, f"{request.method} {request.path}: {error.reason}")
+            if "Allow" in error.headers:  # a wrong verb: the ones the path takes
+                response.headers["Allow"] = error.headers["Allow"]
+            return response
 
     # ---- health, the page, CORS ------------------------------------------------------------------------
 
@@ -256,6 +374,14 @@ class HttpFace:
 
     async def _page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
+
+    async def _asset(self, request: web.Request) -> web.FileResponse:
+        """A file of the page; a missing one is raised for :meth:`_errors` (aiohttp's static route answers it with
+        an empty body)."""
+        path = STATIC_DIR / request.match_info["name"]
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        return web.FileResponse(path)
 
     def _allowed(self, origin: str | None) -> bool:
         return bool(origin) and ("*" in self.allowed_origins or origin.rstrip("/") in self.allowed_origins)
@@ -272,10 +398,6 @@ class HttpFace:
             return web.Response(status=204, headers={**allow, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                                                      "Access-Control-Allow-Headers": CORS_HEADERS,
                                                      "Access-Control-Max-Age": "600"})
-        try:
-            response = await handler(request)
-        except web.HTTPException as error:
-            error.headers.update(allow)
-            raise
+        response = await handler(request)  # errors too: _errors answers them
         response.headers.update(allow)
         return response

@@ -20,7 +20,8 @@ For the methods of the accounted service (the Translator), besides:
     * a request id, the ``x-request-id`` metadata when given, else a fresh one, echoed in trailing metadata;
     * ``nmt_requests_total{model,method,code}`` (``method="http:Translate"`` for the HTTP face's calls,
       :meth:`RequestInterceptor.http_behavior`) and one JSON log line ("request") per call: request id,
-      method, model, version, texts, code, seconds and, for a failure, its message;
+      method, model, version, texts, code, seconds and, for a failure, its message; the HTTP face's requests
+      that reach no method are counted and logged the same way (:meth:`RequestInterceptor.http_refused`);
     * for the calls that translate (all but ``ListModels``): ``nmt_request_duration_seconds`` and the
       in-flight count (``nmt_inflight_requests``), whose return to zero :meth:`RequestInterceptor.wait_idle`
       awaits for the graceful drain.
@@ -50,7 +51,7 @@ import grpc
 
 from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
 from server.errors import InvalidArgument, ServingError, abort, status_of
-from server.metrics import HTTP_LABEL_PREFIX, LOOKUP_METHODS, ServerMetrics
+from server.metrics import HTTP_LABEL_PREFIX, HTTP_UNROUTED, LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")
 
@@ -205,6 +206,24 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         call, under the method label ``http:<Method>``; the ``grpc_server_*`` family counts gRPC calls only."""
         return self._wrap(full_method, grpc.unary_unary_rpc_method_handler(behavior), http=True).unary_unary
 
+    def http_refused(self, context: Any, code: grpc.StatusCode, message: str) -> None:
+        """Count and log an HTTP request that reached no method (an unknown path, a wrong verb, a request that is
+        not valid HTTP) as a call of ``method=`` :data:`~server.metrics.HTTP_UNROUTED`, ``model=""``, ended with
+        ``code``; its request id (``x-request-id`` or a fresh one) goes on ``context``'s trailing metadata."""
+        record = CallRecord(HTTP_UNROUTED, request_id_of(context))
+        context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
+        self._account(record, code.name, 0.0, message)
+
+    def _account(self, record: CallRecord, code: str, seconds: float, message: str | None) -> None:
+        """A finished call's ``nmt_requests_total`` count and its "request" log line."""
+        self.metrics.requests.labels(record.model, record.method, code).inc()
+        fields: dict[str, Any] = {"request_id": record.request_id, "method": record.method, "model": record.model,
+                                  "version": record.version, "texts": record.texts, "code": code,
+                                  "seconds": round(seconds, 6)}
+        if message is not None:
+            fields["error"] = message
+        log.info("request", extra={"fields": fields})
+
     def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler, *, http: bool = False) -> grpc.RpcMethodHandler:
         service, _, method = full_method.lstrip("/").rpartition("/")
         label = f"{HTTP_LABEL_PREFIX}{method}" if http else method  # the method label of the nmt_* families
@@ -282,16 +301,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 metrics.grpc_handled.labels(*labels, code).inc()
                 handling.observe(seconds)
             if record is not None:
-                metrics.requests.labels(record.model, label, code).inc()
                 if translating:
                     metrics.request_duration.labels(record.model, label).observe(seconds)
-                fields: dict[str, Any] = {"request_id": record.request_id, "method": label, "model": record.model,
-                                          "version": record.version, "texts": record.texts, "code": code,
-                                          "seconds": round(seconds, 6)}
-                message = _error_message(context, error)
-                if message is not None:
-                    fields["error"] = message
-                log.info("request", extra={"fields": fields})
+                self._account(record, code, seconds, _error_message(context, error))
             if translating:
                 self._inflight -= 1
                 metrics.inflight.dec()

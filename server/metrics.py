@@ -48,6 +48,8 @@ STAGES = ("encode", "decode")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.http_face)
+# ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
+HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
 
 
 class ServerMetrics:
@@ -130,9 +132,12 @@ class ServerMetrics:
 
     def init_http(self, methods: Iterable[str]) -> None:
         """Create the request series of the methods the HTTP face serves (``method="http:<Method>"``) at zero,
-        like :meth:`init_service` does for gRPC (call it before the models load)."""
+        like :meth:`init_service` does for gRPC (call it before the models load), and those of the requests
+        that reach no method (:data:`HTTP_UNROUTED`, ``model=""`` only: they never resolve a model)."""
         self._http_methods = list(methods)
         self._init_requests("")
+        for code in STATUS_CODES:
+            self.requests.labels("", HTTP_UNROUTED, code)
 
     def init_model(self, model: str, version: str) -> None:
         """Create every series of one model version at zero (after :meth:`init_service`)."""

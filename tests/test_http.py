@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
+from server.app import JsonFormatter
 from server.config import ServerConfig
 from server.http_face import HTTP_STATUS, http_routes, parse_timeout
 from server.protos import SERVICE_NAME, pb2, translator_descriptor
@@ -169,6 +171,8 @@ def test_cors_absent_unless_configured(both: ServerHarness, repository: Path) ->
         assert headers["access-control-expose-headers"] == "x-request-id"
         status, headers, _ = call(h, "POST", "/v1/translate", {"texts": []}, headers=origin)  # errors too
         assert status == 400 and headers["access-control-allow-origin"] == "http://ui.example"
+        status, headers, _ = call(h, "GET", "/nope", headers=origin)  # and those aiohttp's router raises
+        assert status == 404 and headers["access-control-allow-origin"] == "http://ui.example"
         _, headers, _ = call(h, "GET", "/v1/models", headers={"origin": "http://evil.example"})
         assert "access-control-allow-origin" not in headers
     finally:
@@ -274,3 +278,125 @@ def test_bearer_tokens_over_http(tiny_models: dict[str, Path], tiny_repository: 
         assert call(h, "GET", "/readyz")[0] == 200  # probes stay open
     finally:
         h.close()
+
+
+@pytest.fixture
+def logs() -> Iterator[list[tuple[str, str]]]:
+    """(logger, line) of every record of the project's loggers and of aiohttp's, each formatted as ``nmt serve``
+    writes the project's (:class:`JsonFormatter`); aiohttp's own records would reach stderr unformatted."""
+    lines: list[tuple[str, str]] = []
+    formatter = JsonFormatter()
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.name, formatter.format(record)))
+
+    # aiohttp's records from WARNING up: those Python writes to stderr as they are when nothing handles them
+    handlers = {logging.getLogger("nmt"): Collect(), logging.getLogger("aiohttp"): Collect(logging.WARNING)}
+    project, level = logging.getLogger("nmt"), logging.getLogger("nmt").level
+    project.setLevel(logging.INFO)
+    for logger, handler in handlers.items():
+        logger.addHandler(handler)
+    yield lines
+    for logger, handler in handlers.items():
+        logger.removeHandler(handler)
+    project.setLevel(level)
+
+
+def request_lines(logs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The "request" log lines; every project line is one line of JSON and aiohttp logged nothing."""
+    assert [line for name, line in logs if not name.startswith("nmt")] == []
+    assert all("\n" not in line for _, line in logs)
+    return [entry for entry in (json.loads(line) for _, line in logs) if entry["message"] == "request"]
+
+
+@pytest.mark.parametrize(("verb", "path", "body", "status", "code", "label"), [
+    ("GET", "/nope", None, 404, grpc.StatusCode.NOT_FOUND, "http:unknown"),
+    ("GET", "/static/nope.js", None, 404, grpc.StatusCode.NOT_FOUND, "http:unknown"),
+    ("GET", "/v1/translate", None, 405, grpc.StatusCode.UNIMPLEMENTED, "http:unknown"),
+    ("POST", "/healthz", "{}", 405, grpc.StatusCode.UNIMPLEMENTED, "http:unknown"),
+    ("POST", "/v1/translate", " " * (9 << 20), 400, grpc.StatusCode.INVALID_ARGUMENT, "http:Translate"),
+], ids=["unknown-path", "missing-file", "wrong-verb", "wrong-verb-probe", "body-over-the-limit"])
+def test_errors_aiohttp_raises_are_status_json_counted_and_logged(
+        both: ServerHarness, logs: list[tuple[str, str]], verb: str, path: str, body: str | None, status: int,
+        code: grpc.StatusCode, label: str) -> None:
+    labels = {"model": "", "method": label, "code": code.name}
+    before = both.registry.get_sample_value("nmt_requests_total", labels)
+    assert before is not None  # the series exists from start-up
+    got, headers, payload = call(both, verb, path, body, headers={"x-request-id": "bad-1"})
+    assert got == status and headers["content-type"].startswith("application/json")
+    assert set(payload) == {"code", "message", "details"} and payload["code"] == code.value[0]
+    assert headers["x-request-id"] == "bad-1"
+    if status == 405:
+        assert path in payload["message"] and headers["allow"]
+    assert both.metric("nmt_requests_total", labels) == before + 1
+    [line] = request_lines(logs)
+    assert (line["method"], line["model"], line["code"], line["request_id"]) == (label, "", code.name, "bad-1")
+    assert line["error"] == payload["message"]
+
+
+def raw_request(h: ServerHarness, data: bytes) -> tuple[int, dict[str, str], Any]:
+    """Send ``data`` as it is; the answer (the server closes the connection after it)."""
+    with socket.create_connection(("127.0.0.1", h.server.http_port), timeout=30) as raw:
+        raw.sendall(data)
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *fields = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (field.partition(":") for field in fields)}
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-request-id: " + b"x" * 20_000 + b"\r\n\r\n",
+     "over the limit of 8190 bytes"),
+    (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(64) + b"\r\n\r\n", "HTTPS"),  # a TLS client hello
+], ids=["header-over-the-limit", "tls"])
+def test_requests_that_are_not_http_are_status_json_counted_and_logged(
+        both: ServerHarness, logs: list[tuple[str, str]], data: bytes, words: str) -> None:
+    """They fail in aiohttp's parser, before any handler or middleware."""
+    labels = {"model": "", "method": "http:unknown", "code": "INVALID_ARGUMENT"}
+    before = both.metric("nmt_requests_total", labels)
+    status, headers, payload = raw_request(both, data)
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    assert payload["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in payload["message"]
+    assert "xxxx" not in payload["message"]  # the header is not repeated (it may be a token)
+    assert both.metric("nmt_requests_total", labels) == before + 1
+    [line] = request_lines(logs)
+    assert (line["method"], line["code"], line["error"]) == ("http:unknown", "INVALID_ARGUMENT", payload["message"])
+    assert line["request_id"] == headers["x-request-id"]
+
+
+@pytest.mark.parametrize(("error", "status", "code"), [
+    (RuntimeError("probe bug"), 500, grpc.StatusCode.INTERNAL),
+    (TimeoutError(), 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+], ids=["bug", "timeout"])
+def test_a_handler_that_raises_answers_a_status(both: ServerHarness, logs: list[tuple[str, str]],
+                                                 error: Exception, status: int, code: grpc.StatusCode) -> None:
+    face = both.server.http
+
+    def broken() -> tuple[bool, str]:
+        raise error
+
+    ready, face.ready = face.ready, broken
+    try:
+        got, headers, payload = call(both, "GET", "/readyz", headers={"x-request-id": "probe-1"})
+    finally:
+        face.ready = ready
+    assert got == status and headers["content-type"].startswith("application/json")
+    assert payload["code"] == code.value[0] and "probe bug" not in payload["message"]
+    [line] = request_lines(logs)
+    assert (line["code"], line["request_id"]) == (code.name, "probe-1")
+    failures = [json.loads(text) for _, text in logs if json.loads(text)["level"] == "error"]
+    if isinstance(error, RuntimeError):  # a bug: its traceback, inside one JSON line
+        assert len(failures) == 1 and "probe bug" in failures[0]["exception"]
+    else:
+        assert failures == []
+
+
+def test_query_parameters_that_are_no_fields_are_ignored_on_get(both: ServerHarness) -> None:
+    status, _, body = call(both, "GET", "/v1/models?_=123&utm_source=mail")
+    assert status == 200 and body == call(both, "GET", "/v1/models")[2]
+    status, _, body = call(both, "POST", "/v1/translate", {"texts": ["one"], "_": 123})  # a body: still refused
+    assert status == 400 and "no field named" in body["message"]
