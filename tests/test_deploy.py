@@ -26,6 +26,8 @@ from tests.test_server import default_loader, test_config
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile*"))
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+IMAGE_CONF_D = "/etc/nginx/conf.d/"  # the nginx image's nginx.conf includes its *.conf inside http {}
 
 
 def services() -> dict[str, dict[str, Any]]:
@@ -160,7 +162,7 @@ def of_kind(kind: str) -> list[dict[str, Any]]:
     return [doc for doc in manifests() if doc["kind"] == kind]
 
 
-def test_compose_runs_replicas_behind_the_nginx_grpc_proxy(tmp_path: Path) -> None:
+def test_compose_runs_replicas_behind_the_nginx_grpc_proxy() -> None:
     proxy, translator = services()["grpc-proxy"], services()["translator"]
     assert "./deploy/nginx/translator.conf:/etc/nginx/conf.d/default.conf:ro" in proxy["volumes"]
     assert "./deploy/nginx/translator-http.conf:/etc/nginx/conf.d/http.conf:ro" in proxy["volumes"]
@@ -169,19 +171,37 @@ def test_compose_runs_replicas_behind_the_nginx_grpc_proxy(tmp_path: Path) -> No
     assert proxy["depends_on"]["translator"]["condition"] == "service_healthy"
     master = services()["locust-master"]["command"]
     assert master[master.index("--address") + 1] == "grpc-proxy:50051"
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if nginx is None:
-        pytest.skip("nginx is not installed (.ci/run installs it when run as root)")
-    from deploy.nginx import standalone_config
 
-    config = tmp_path / "nginx.conf"
-    http_face = (ROOT / "deploy/nginx/translator-http.conf").read_text(encoding="utf-8")
-    http_face = http_face.replace("translator:8080", "127.0.0.1:4").replace("listen 8080;", "listen 127.0.0.1:5;")
-    grpc = standalone_config(["127.0.0.1:1", "127.0.0.1:2"], 3, tmp_path).rstrip()
-    config.write_text(grpc.removesuffix("}") + http_face + "}\n")  # both files inside one http {} block
-    result = subprocess.run([nginx, "-t", "-c", str(config), "-e", str(tmp_path / "error.log")],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 0, result.stderr
+
+def test_nginx_accepts_the_proxy_files_as_the_compose_stack_mounts_them(tmp_path: Path) -> None:
+    """Debian's ``nginx -T`` on ``deploy/nginx/*.conf`` unchanged: each linked under the name the compose file
+    mounts it as in the image's ``/etc/nginx/conf.d``, included inside ``http {}`` as the image's ``nginx.conf``
+    does (:func:`deploy.nginx.main_config`), and ``translator`` resolving to two replicas as Docker's DNS
+    answers for the service: a hosts file bind-mounted on ``/etc/hosts`` in a private mount namespace."""
+    from deploy.nginx import CONFIG, HTTP_CONFIG, main_config
+
+    if NGINX is None:
+        pytest.skip("nginx is not installed (.ci/run installs it when run as root)")
+    unshare = [shutil.which("unshare") or "unshare", "--mount", "--map-root-user"]
+    if subprocess.run([*unshare, "true"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("no private mount namespace here (`unshare --mount --map-root-user` is refused)")
+    conf_d = tmp_path / "conf.d"
+    conf_d.mkdir()
+    for volume in services()["grpc-proxy"]["volumes"]:
+        source, target = volume.split(":")[:2]
+        if target.startswith(IMAGE_CONF_D):
+            (conf_d / target.removeprefix(IMAGE_CONF_D)).symlink_to(ROOT / source)
+    assert {p.name: p.resolve() for p in conf_d.iterdir()} == {"default.conf": CONFIG, "http.conf": HTTP_CONFIG}
+    config, hosts = tmp_path / "nginx.conf", tmp_path / "hosts"
+    config.write_text(main_config(conf_d, tmp_path), encoding="utf-8")
+    hosts.write_text("127.0.0.2 translator\n127.0.0.3 translator\n", encoding="utf-8")
+    # The namespace maps only root: workers as root, since nginx's default (nobody) cannot own its temp paths there.
+    script = 'mount --bind "$1" /etc/hosts && exec "$2" -T -c "$3" -e "$4" -g "user root;"'
+    result = subprocess.run([*unshare, "sh", "-c", script, "sh", str(hosts), NGINX, str(config),
+                             str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and "[warn]" not in result.stderr, result.stderr
+    for name, shipped in (("default.conf", CONFIG), ("http.conf", HTTP_CONFIG)):  # -T prints what it read
+        assert f"# configuration file {conf_d / name}:\n{shipped.read_text(encoding='utf-8')}" in result.stdout
 
 
 def test_kubernetes_manifests_are_valid_for_a_current_kubernetes() -> None:

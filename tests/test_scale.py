@@ -1,5 +1,7 @@
 """Scaling out, with real processes on loopback: three ``nmt serve`` replicas behind a real nginx configured
-by ``deploy/nginx/translator.conf``, and the same replicas balanced by the client (gRPC ``round_robin``).
+by ``deploy/nginx/translator.conf`` and ``translator-http.conf`` (the compose stack's gRPC and HTTP/JSON
+balancers, with the replicas' loopback addresses in place of ``translator``), and the same replicas balanced
+by the client (gRPC ``round_robin``). Through nginx, gRPC and HTTP calls must reach every replica.
 
 Each test sends a bounded run of concurrent translations; halfway it reads every replica's ``/metrics``
 (each must have served a share, none above half) and sends SIGTERM to one replica. Not one call may fail:
@@ -12,6 +14,7 @@ nginx is the Debian package (``.ci/run`` installs it when missing); without it t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,12 +30,14 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from clients.channel import channel_target, service_config
 from clients.client import TranslatorClient
 from clients.messages import TranslationError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
+from server.metrics import HTTP_LABEL_PREFIX
 from server.protos import SERVICE_NAME
 from tests.conftest import SERVED_MODEL
 from tests.test_server import TEXTS
@@ -41,6 +46,8 @@ NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.acc
 REPLICAS = 3
 CALLERS = 16
 CALLS = 200  # before replica 0 gets SIGTERM, and again after it has exited
+needs_nginx = pytest.mark.skipif(NGINX is None, reason="nginx is not installed: apt-get install -y nginx-light "
+                                                       "(.ci/run does it when run as root)")
 
 
 @dataclass
@@ -48,16 +55,25 @@ class Replica:
     process: subprocess.Popen
     address: str
     metrics_port: int
+    http_address: str
 
-    def served(self) -> float:
-        """Translate calls this replica has completed, from its own ``/metrics``."""
+    def samples(self) -> list[Sample]:
+        """This replica's own ``/metrics``."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if sample.name == "grpc_server_handled_total"
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    def served(self) -> float:
+        """Translate calls this replica has completed over gRPC."""
+        return sum(sample.value for sample in self.samples() if sample.name == "grpc_server_handled_total"
                    and sample.labels.get("grpc_service") == SERVICE_NAME
                    and sample.labels.get("grpc_method") == "Translate")
+
+    def served_http(self) -> float:
+        """Translate calls this replica has answered over HTTP (``POST /v1/translate``)."""
+        return sum(sample.value for sample in self.samples() if sample.name == "nmt_requests_total"
+                   and sample.labels.get("method") == HTTP_LABEL_PREFIX + "Translate")
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +87,14 @@ def scale_repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathF
 def replicas(scale_repository: Path) -> Iterator[list[Replica]]:
     started = []
     for _ in range(REPLICAS):
-        address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+        address, metrics_port, http_address = f"127.0.0.1:{free_port()}", free_port(), f"127.0.0.1:{free_port()}"
         process = subprocess.Popen(
             [sys.executable, "-m", "nmt", "serve", "--model-repository", str(scale_repository), "--listen", address,
-             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", "", "--reload-interval", "0",
+             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", http_address, "--reload-interval", "0",
              "--provider", "cpu",
              "--intra-op-threads", "1", "--grace-seconds", "10"],
             env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
-        started.append(Replica(process, address, metrics_port))
+        started.append(Replica(process, address, metrics_port, http_address))
     try:
         for replica in started:
             wait_serving(replica.address, replica.process)
@@ -95,12 +111,19 @@ class Nginx:
     address: str
     config: Path
     port: int
+    http_port: int
     workdir: Path
+
+    def write_config(self, replicas: list[Replica]) -> None:
+        """Both balancers over ``replicas``: gRPC on :attr:`port`, HTTP on :attr:`http_port`."""
+        self.config.write_text(standalone_config([r.address for r in replicas], self.port, self.workdir,
+                                                 http_upstreams=[r.http_address for r in replicas],
+                                                 http_port=self.http_port), encoding="utf-8")
 
     def route_around(self, replicas: list[Replica], leaving: Replica) -> None:
         """Route to ``replicas`` only: rewrite the upstream, reload gracefully (old workers finish the calls
         they hold) and wait until ``leaving`` gets no more calls."""
-        self.config.write_text(standalone_config([r.address for r in replicas], self.port, self.workdir))
+        self.write_config(replicas)
         subprocess.run([NGINX, "-c", str(self.config), "-e", str(self.workdir / "error.log"), "-s", "reload"],
                        check=True, timeout=30)
         served, deadline = leaving.served(), time.monotonic() + 20
@@ -116,23 +139,25 @@ def nginx(replicas: list[Replica], tmp_path: Path) -> Iterator[Nginx]:
     if NGINX is None:
         pytest.skip("nginx is not installed: apt-get install -y nginx-light (.ci/run does it when run as root)")
     tmp_path.chmod(0o777)  # nginx's workers run as nobody when the test runs as root
-    port = free_port()
-    config = tmp_path / "nginx.conf"
-    config.write_text(standalone_config([r.address for r in replicas], port, tmp_path), encoding="utf-8")
-    check = subprocess.run([NGINX, "-t", "-q", "-c", str(config), "-e", str(tmp_path / "error.log")],
+    port, http_port = free_port(), free_port()
+    proxy = Nginx(f"127.0.0.1:{port}", tmp_path / "nginx.conf", port, http_port, tmp_path)
+    proxy.write_config(replicas)
+    check = subprocess.run([NGINX, "-t", "-q", "-c", str(proxy.config), "-e", str(tmp_path / "error.log")],
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stderr
-    process = subprocess.Popen([NGINX, "-c", str(config), "-e", str(tmp_path / "error.log")])
+    process = subprocess.Popen([NGINX, "-c", str(proxy.config), "-e", str(tmp_path / "error.log")])
     try:
         deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "error.log").read_text()
-                time.sleep(0.1)
-        yield Nginx(f"127.0.0.1:{port}", config, port, tmp_path)
+        for listening in (port, http_port):
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", listening), timeout=1).close()
+                    break
+                except OSError:
+                    assert process.poll() is None and time.monotonic() < deadline, \
+                        (tmp_path / "error.log").read_text()
+                    time.sleep(0.1)
+        yield proxy
     finally:
         process.terminate()
         process.wait(30)
@@ -185,8 +210,28 @@ def check_balance(shares: list[float]) -> None:
     assert all(0 < share <= total / 2 for share in shares), f"served per replica: {shares}"
 
 
-@pytest.mark.skipif(NGINX is None, reason="nginx is not installed: apt-get install -y nginx-light "
-                                          "(.ci/run does it when run as root)")
+def translate_over_http(port: int, text: str) -> str:
+    """``POST /v1/translate`` on 127.0.0.1:``port``: the best translation."""
+    body = json.dumps({"texts": [text], "model": SERVED_MODEL}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/translate", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["translations"][0]["hypotheses"][0]["text"]
+
+
+@needs_nginx
+def test_nginx_sends_grpc_and_http_calls_to_every_replica(replicas: list[Replica], nginx: Nginx) -> None:
+    calls = 2 * REPLICAS
+    with TranslatorClient(nginx.address, timeout=30) as client:
+        assert all(client.translate(TEXTS[i % len(TEXTS)], model=SERVED_MODEL)[0].best.text for i in range(calls))
+    assert all(translate_over_http(nginx.http_port, TEXTS[i % len(TEXTS)]) for i in range(calls))
+    served = [(replica.served(), replica.served_http()) for replica in replicas]
+    assert sum(map(sum, served)) == 2 * calls and all(grpc_calls > 0 and http_calls > 0
+                                                      for grpc_calls, http_calls in served), \
+        f"(gRPC, HTTP) Translate calls per replica: {served}"
+
+
+@needs_nginx
 def test_nginx_balances_every_call_and_a_stopped_replica_loses_none(replicas: list[Replica], nginx: Nginx) -> None:
     with TranslatorClient(nginx.address, timeout=30) as client:
         shares, failures = run_with_one_replica_stopped(client, replicas,
