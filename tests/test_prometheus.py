@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.grafana.dashboard import dashboard_expressions
 from loadtests.cli import free_port
@@ -234,5 +235,37 @@ def test_live_prometheus_scrapes_the_server_and_evaluates_every_alert_and_dashbo
             answer = prometheus.query(concrete)
             assert answer["status"] == "success", (expr, answer)
             assert answer["data"]["result"], f"no data for the dashboard expression {expr}"
+    finally:
+        prometheus.stop()
+
+
+@needs_prometheus
+def test_the_request_panels_show_list_models_whatever_models_are_selected(
+    harness: ServerHarness, tmp_path: Path
+) -> None:
+    """ListModels names no model (``model=""``): each dashboard expression over ``nmt_requests_total``, with
+    ``$model`` written as Grafana writes a selection of all models, one model or two, returns its series."""
+    prometheus = Prometheus(f"127.0.0.1:{harness.server.metrics_port}", tmp_path)
+    try:
+        prometheus.wait_for(lambda: values(prometheus.query('up{job="translator"}')) == [1.0], 20, "a scrape")
+        translate(harness, [TEXTS[0]])
+        for _ in range(3):
+            harness.stub.ListModels(pb2.ListModelsRequest(), timeout=10)
+        listed = 'nmt_requests_total{model="", method="ListModels", code="OK"}'
+        [served] = [sample.value for family in text_string_to_metric_families(metrics_text(harness))
+                    for sample in family.samples if sample.name == "nmt_requests_total"
+                    and sample.labels == {"model": "", "method": "ListModels", "code": "OK"}]
+        prometheus.wait_for(lambda: values(prometheus.query(listed)) == [served], 20, "a scrape after the calls")
+        time.sleep(2.5)  # rate() has two samples after the calls
+
+        expressions = [expr for expr in dashboard_expressions() if "nmt_requests_total" in expr]
+        assert len(expressions) >= 3
+        for selection in (".*", MODEL, f"({MODEL}|another)"):
+            for expr in expressions:
+                concrete = expr.replace("$model", selection).replace("$__rate_interval", "1m")
+                answer = prometheus.query(concrete)
+                assert answer["status"] == "success", (concrete, answer)
+                methods = {series["metric"].get("method") for series in answer["data"]["result"]}
+                assert {"ListModels", "Translate"} <= methods, f"{concrete}: series of the methods {methods}"
     finally:
         prometheus.stop()

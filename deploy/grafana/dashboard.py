@@ -5,7 +5,8 @@
 Grafana provisions the JSON file (``deploy/grafana/provisioning``); ``tests/test_dashboard.py`` fails
 when the file and this code drift apart, and evaluates every expression against a real Prometheus.
 Every query filters on the ``model`` and ``version`` template variables and uses the ``datasource``
-variable, so the dashboard works with any Prometheus data source.
+variable, so the dashboard works with any Prometheus data source. The request panels also show, whatever
+models are selected, the calls that belong to no model (:data:`REQUESTS`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model=~"$model"'
 VERSION = 'version=~"$version"'
 SELECTED = f"{MODEL}, {VERSION}"
+# nmt_requests_total counts with model="" the calls that name no model: ListModels, and calls refused before a
+# model was resolved (unknown model, a message that does not parse, an unrouted HTTP request). `model=~"$model"`
+# would hide them as soon as one model is selected, so the request panels match "" too (Grafana writes a
+# selection as `a`, `(a|b)` or, for All, `.*`). Recording a model label for ListModels instead would invent a
+# model name for a call about every model, and would still hide the refusals.
+REQUESTS = 'model=~"$model|"'
 RATE = "$__rate_interval"
 SERVER_ERRORS = "INTERNAL|UNKNOWN|DATA_LOSS|UNAVAILABLE|DEADLINE_EXCEEDED"  # as in deploy/prometheus/alerts.yml
 
@@ -63,16 +70,17 @@ def build() -> dashboard.Dashboard:
         .with_variable(variable("model", "Model", "label_values(nmt_model_info, model)"))
         .with_variable(variable("version", "Version", 'label_values(nmt_model_info{model=~"$model"}, version)'))
         .with_row(dashboard.Row("Traffic and errors"))
-        .with_panel(graph("Requests by model and code", "reqps",
-                          query(f"sum by (model, code) (rate(nmt_requests_total{{{MODEL}}}[{RATE}]))",
-                                "{{model}} {{code}}")))
-        .with_panel(graph("Server error ratio", "percentunit",
-                          query(f'sum by (model) (rate(nmt_requests_total{{{MODEL}, code=~"{SERVER_ERRORS}"}}'
-                                f"[{RATE}])) / sum by (model) (rate(nmt_requests_total{{{MODEL}}}[{RATE}]))",
-                                "{{model}}"),
-                          query(f'sum by (model) (rate(nmt_requests_total{{{MODEL}, code!="OK"}}[{RATE}])) / '
-                                f"sum by (model) (rate(nmt_requests_total{{{MODEL}}}[{RATE}]))",
-                                "{{model}} all non-OK")))
+        .with_panel(graph("Requests by method, model and code", "reqps",
+                          query(f"sum by (method, model, code) (rate(nmt_requests_total{{{REQUESTS}}}[{RATE}]))",
+                                "{{method}} {{model}} {{code}}")))
+        .with_panel(graph("Server error ratio by method and model", "percentunit",
+                          query(f'sum by (method, model) (rate(nmt_requests_total{{{REQUESTS}, '
+                                f'code=~"{SERVER_ERRORS}"}}[{RATE}])) / '
+                                f"sum by (method, model) (rate(nmt_requests_total{{{REQUESTS}}}[{RATE}]))",
+                                "{{method}} {{model}}"),
+                          query(f'sum by (method, model) (rate(nmt_requests_total{{{REQUESTS}, code!="OK"}}'
+                                f"[{RATE}])) / sum by (method, model) (rate(nmt_requests_total{{{REQUESTS}}}"
+                                f"[{RATE}]))", "{{method}} {{model}} all non-OK")))
         .with_panel(graph("Undecodable messages", "reqps",
                           query(f"sum by (grpc_method) (rate(nmt_undecodable_messages_total[{RATE}]))",
                                 "{{grpc_method}}")))
