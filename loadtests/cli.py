@@ -6,6 +6,9 @@ With no ``--address`` it starts ``nmt serve`` itself on a loopback port over ``-
 per-second ``locust_stats_history.csv``, failures) and ``report.html``, plus ``summary.md``.
 Distributed runs use the same command: ``--master --expect-workers N`` on one machine (it evaluates
 the SLOs) and ``--worker --master-host HOST`` on the others.
+
+The model is ``--model``, ``demo-transformer`` by default, and the texts default to that model's demo run's
+held-out split (``<demo-runs>/<model>/test.tsv``): the model and the texts of the README's reference run.
 """
 
 from __future__ import annotations
@@ -31,36 +34,48 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "loadtest", help="load-test a translator with Locust (headless), with SLO gates",
         description=__doc__.split("\n\n")[0] + " Defaults of the gates: no failures, p95 <= 1000 ms and "
-        "p99 <= 2000 ms in every scenario.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "p99 <= 2000 ms in every scenario.")
+    # Each help states its default once, itself (no ArgumentDefaultsHelpFormatter: it would append
+    # "(default: )" to the options whose empty default means something said in words).
     parser.add_argument("--address", default="", help="translator host:port, several (comma-separated: "
                         "client-side round_robin per call) or dns:///name:port (default: start one on loopback)")
-    parser.add_argument("--model-repository", default="models", help="served when no --address is given")
-    parser.add_argument("--model", default="", help=f"model to translate with (default: the server's; "
-                        f"texts default to the {DEFAULT_MODEL} demo run's held-out split)")
+    parser.add_argument("--model-repository", default="models",
+                        help="served when no --address is given (default: %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model to translate with (default: %(default)s; "
+                        "'' for the server's default model, with --texts)")
     parser.add_argument("--texts", default="", help="source texts: a held-out split (TSV, first column) or "
-                        "one text per line (default: <demo-runs>/<model>/test.tsv)")
-    parser.add_argument("--demo-runs", default="runs", help="where `nmt serve --demo` keeps its training runs")
-    parser.add_argument("--users", type=int, default=8, help="simulated callers (ramp: the last step)")
-    parser.add_argument("--spawn-rate", type=float, default=4.0, help="users started per second")
-    parser.add_argument("--run-time", default="30s", help="duration, e.g. 20s, 5m")
+                        "one text per line (default: <demo-runs>/<model>/test.tsv, the model's demo run's "
+                        "held-out split)")
+    parser.add_argument("--demo-runs", default="runs",
+                        help="where `nmt serve --demo` keeps its training runs (default: %(default)s)")
+    parser.add_argument("--users", type=int, default=8,
+                        help="simulated callers (ramp: the last step) (default: %(default)s)")
+    parser.add_argument("--spawn-rate", type=float, default=4.0, help="users started per second (default: %(default)s)")
+    parser.add_argument("--run-time", default="30s", help="duration, e.g. 20s, 5m (default: %(default)s)")
     parser.add_argument("--load-shape", choices=["steady", "ramp"], default="steady",
                         help="steady: --users throughout; ramp: --step-users more every --step-seconds "
-                        "(finds the saturation point)")
-    parser.add_argument("--step-users", type=int, default=4)
-    parser.add_argument("--step-seconds", type=float, default=10.0)
+                        "(finds the saturation point) (default: %(default)s)")
+    parser.add_argument("--step-users", type=int, default=4, help="ramp: users added per step (default: %(default)s)")
+    parser.add_argument("--step-seconds", type=float, default=10.0,
+                        help="ramp: seconds per step (default: %(default)s)")
     parser.add_argument("--results", default="", help="report directory (default: loadtest-results/<time>)")
-    parser.add_argument("--max-failure-ratio", type=float, default=0.0, help="SLO: failed / all requests")
-    parser.add_argument("--slo-p95-ms", type=float, default=1000.0, help="SLO: p95 latency of every scenario")
-    parser.add_argument("--slo-p99-ms", type=float, default=2000.0, help="SLO: p99 latency of every scenario")
+    parser.add_argument("--max-failure-ratio", type=float, default=0.0,
+                        help="SLO: failed / all requests (default: %(default)s)")
+    parser.add_argument("--slo-p95-ms", type=float, default=1000.0,
+                        help="SLO: p95 latency of every scenario (default: %(default)s)")
+    parser.add_argument("--slo-p99-ms", type=float, default=2000.0,
+                        help="SLO: p99 latency of every scenario (default: %(default)s)")
     parser.add_argument("--slo-scenario", action="append", default=[], metavar="NAME:p95=MS,p99=MS,failures=R",
                         help="objectives of one scenario instead of the above (repeatable), e.g. "
                              "'many texts:p95=2000,p99=4000'")
     parser.add_argument("--master", action="store_true", help="distributed: run as the Locust master")
-    parser.add_argument("--expect-workers", type=int, default=1, help="distributed: workers the master waits for")
+    parser.add_argument("--expect-workers", type=int, default=1,
+                        help="distributed: workers the master waits for (default: %(default)s)")
     parser.add_argument("--worker", action="store_true", help="distributed: run as a Locust worker")
-    parser.add_argument("--master-host", default="127.0.0.1", help="distributed: the master's address")
-    parser.add_argument("--master-port", type=int, default=5557, help="distributed: the master's port")
+    parser.add_argument("--master-host", default="127.0.0.1",
+                        help="distributed: the master's address (default: %(default)s)")
+    parser.add_argument("--master-port", type=int, default=5557,
+                        help="distributed: the master's port (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -78,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise NmtError(str(error)) from None
     with translator(args) as address:
         command = locust_command(args, address, texts, results)
-        print(f"nmt loadtest: {args.load_shape} load, {args.users} users for {args.run_time} against {address}; "
-              f"reports in {results}", flush=True)
+        print(f"nmt loadtest: {args.load_shape} load, {args.users} users for {args.run_time} against {address}, "
+              f"model {args.model or '(the server default)'}; reports in {results}", flush=True)
         status = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode
     if args.worker:
         return status
@@ -104,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
 def resolve_texts(args: argparse.Namespace) -> str:
     if args.texts:
         return str(Path(args.texts).resolve())
-    default = Path(args.demo_runs) / (args.model or DEFAULT_MODEL) / "test.tsv"
+    if not args.model:
+        raise NmtError("no texts: with --model '' (the server's default model) pass --texts FILE")
+    default = Path(args.demo_runs) / args.model / "test.tsv"
     if default.is_file():
         return str(default.resolve())
     raise NmtError(f"no texts: pass --texts FILE (a held-out split, e.g. a training run's test.tsv or "

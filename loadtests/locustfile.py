@@ -133,6 +133,8 @@ class LoadShape(LoadTestShape):
     """Steady: ``--users`` for the run time. Ramp: ``--step-users`` more every ``--step-seconds`` up to
     ``--users``, each step held for ``--step-seconds``; both stop at ``--run-time``."""
 
+    use_common_options = True  # tick() reads --users, --spawn-rate and --run-time: Locust must not call them ignored
+
     def tick(self) -> tuple[int, float] | None:
         options = self.runner.environment.parsed_options
         elapsed = self.get_run_time()

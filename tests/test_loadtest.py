@@ -1,28 +1,34 @@
 """``nmt loadtest``: real Locust runs (headless, a few users, bounded time) against a translator it starts
-itself on loopback over the session's tiny model; the SLO gates and the saturation search. Locust runs
-in its own process (it monkey-patches with gevent): this module never imports the locustfile."""
+itself on loopback over the session's tiny model, or against a test server whose metrics show the model
+loaded; the SLO gates and the saturation search; the help. Locust runs in its own process (it monkey-patches
+with gevent): this module never imports the locustfile."""
 
 from __future__ import annotations
 
 import csv
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from loadtests.cli import free_port
+from loadtests.cli import DEFAULT_MODEL, free_port
 from loadtests.scenarios import WEIGHTS
 from loadtests.slo import ScenarioStats, Slo, Step, saturation, violations
 from nmt.cli import main as nmt_main
-from tests.conftest import number_pairs
+from server.metrics import STATUS_CODES
+from tests.conftest import SERVED_MODEL, number_pairs
+from tests.harness import ServerHarness
+from tests.test_server import default_loader, test_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def loadtest(repository: Path, texts: Path, results: Path, *extra: str) -> int:
-    return nmt_main(["loadtest", "--model-repository", str(repository), "--texts", str(texts),
-                     "--results", str(results), "--users", "4", "--spawn-rate", "4", *extra])
+    return nmt_main(["loadtest", "--model-repository", str(repository), "--model", SERVED_MODEL, "--texts",
+                     str(texts), "--results", str(results), "--users", "4", "--spawn-rate", "4", *extra])
 
 
 def test_loadtest_runs_every_scenario_and_writes_reports(repository: Path, tmp_path: Path) -> None:
@@ -68,7 +74,8 @@ def test_distributed_master_and_worker_through_the_same_command(repository: Path
     results = tmp_path / "distributed"
     port = str(free_port())  # not Locust's default: test runs may overlap on one machine
     master = subprocess.Popen([sys.executable, "-m", "nmt", "loadtest", "--model-repository", str(repository),
-                               "--texts", str(texts), "--results", str(results), "--master", "--expect-workers", "1",
+                               "--model", SERVED_MODEL, "--texts", str(texts), "--results", str(results),
+                               "--master", "--expect-workers", "1",
                                "--master-port", port,
                                "--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--slo-p95-ms", "5000",
                                "--slo-p99-ms", "10000"], cwd=ROOT)
@@ -95,3 +102,44 @@ def test_a_scenario_can_have_its_own_objectives() -> None:
     assert violations(stats, default, {name: many}) == ["short greedy: p95 50 ms > 40 ms"]
     with pytest.raises(ValueError, match="bad SLO override"):
         default.with_override("many texts:p96=3")
+
+
+def test_loadtest_loads_the_demo_transformer_with_its_split_by_default(
+    tiny_models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With no ``--model`` and no ``--texts``: the demo Transformer, on its demo run's held-out split, although the
+    server's own default is demo-bahdanau (first by name); and Locust does not call the options it honours
+    (``--users``, ``--spawn-rate``, ``--run-time``) ignored."""
+    repository, runs = tmp_path / "models", tmp_path / "runs"
+    for name, arch in (("demo-bahdanau", "bahdanau"), (DEFAULT_MODEL, "transformer")):
+        shutil.copytree(tiny_models[arch], repository / name / "1")
+    (runs / DEFAULT_MODEL).mkdir(parents=True)
+    (runs / DEFAULT_MODEL / "test.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in number_pairs(30, seed=9)),
+                                                   encoding="utf-8")
+    harness = ServerHarness(test_config(repository), default_loader())
+    try:
+        assert harness.model_version().name == "demo-bahdanau"
+        status = nmt_main(["loadtest", "--address", harness.address, "--demo-runs", str(runs), "--results",
+                           str(tmp_path / "run"), "--users", "2", "--spawn-rate", "2", "--run-time", "6s",
+                           "--slo-p95-ms", "5000", "--slo-p99-ms", "10000"])
+        requests = {model: sum(harness.metric("nmt_requests_total", {"model": model, "method": "Translate",
+                                                                     "code": code}) for code in STATUS_CODES)
+                    for model in ("demo-bahdanau", DEFAULT_MODEL)}
+    finally:
+        harness.close()
+    output = "".join(capfd.readouterr())
+    assert status == 0, output
+    assert requests[DEFAULT_MODEL] > 0 and requests["demo-bahdanau"] == 0, requests
+    assert f"model {DEFAULT_MODEL}" in output
+    assert "will be ignored" not in output and "no impact on LoadShapes" not in output, output
+
+
+def test_loadtest_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        nmt_main(["loadtest", "--help"])
+    options = [" ".join(option.split()) for option in
+               re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:\n", 1)[1])]
+    assert len(options) > 20
+    for option in options:
+        assert option.count("(default:") <= 1 and "(default: )" not in option, option
+    assert any(option.startswith("--model MODEL") and f"(default: {DEFAULT_MODEL};" in option for option in options)
