@@ -89,3 +89,16 @@ def test_empty_and_mismatched_corpora(tmp_path, capsys):
     spec = f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}"
     assert main(["train", "--arch", "bahdanau", "--corpus", spec, "--out", str(tmp_path / "b")]) == 2
     assert "2 lines" in capsys.readouterr().err
+
+
+def test_a_run_the_time_cap_stops_says_so(tmp_path, corpus, capsys):
+    args = ["train", "--arch", "transformer", "--corpus", str(corpus), "--out", str(tmp_path / "run"),
+            "--vocab-size", "80", "--d-model", "32", "--layers", "1", "--heads", "2", "--ffn-dim", "64",
+            "--steps", "1000", "--max-minutes", "0.0001", "--valid-every", "500", "--batch-tokens", "400",
+            "--no-progress"]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "time cap" and summary["steps"] < 1000
+    assert f"stopped by --max-minutes 0.0001 at step {summary['steps']} of 1000" in capsys.readouterr().out
+    assert main([*args[:-3], "--max-minutes", "10", "--steps", "4", "--force", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_by"] == "step budget"

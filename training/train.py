@@ -183,7 +183,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     bar = tqdm(total=None if time_only else cfg.max_steps, initial=step, disable=not cfg.progress,
                unit="step", dynamic_ncols=True, desc=f"{cfg.arch} on {cfg.corpus}")
     window_tokens, window_start, running_loss = 0, time.monotonic(), None
-    stop = False
+    stop, stopped_by = False, "step budget"
     while not stop:
         for batch in make_batches(examples, cfg.batch_tokens, rng):
             model.train()
@@ -228,6 +228,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 reached = cfg.target_bleu is not None and valid_bleu >= cfg.target_bleu
                 patience_over = cfg.patience is not None and stale >= cfg.patience
                 last_step = last_step or reached or patience_over
+                if reached or patience_over or (out_of_time and step < cfg.max_steps):
+                    stopped_by = "target BLEU" if reached else "patience" if patience_over else "time cap"
             seconds = max(time.monotonic() - window_start, 1e-9)
             postfix = {"loss": f"{running_loss:.3f}", "tok_s": f"{window_tokens / seconds:,.0f}",
                        "bleu": f"{max(best_bleu, 0.0):.1f}"}
@@ -241,11 +243,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 break
     bar.close()
     seconds = time.monotonic() - start
+    if stopped_by == "time cap" and not time_only:
+        log(f"warning: stopped by --max-minutes {cfg.max_minutes:g} at step {step} of {cfg.max_steps} (this machine "
+            f"trains slower than the preset assumes); the best checkpoint so far is used: valid BLEU {best_bleu:.2f}")
 
     best_model, payload = load_checkpoint(out / BEST_CHECKPOINT)
     test_bleu = evaluate(best_model, tokenizer, test_pairs)
     summary = {
-        "arch": cfg.arch, "corpus": cfg.corpus, "steps": step, "train_seconds": round(seconds, 1),
+        "arch": cfg.arch, "corpus": cfg.corpus, "steps": step, "stopped_by": stopped_by,
+        "train_seconds": round(seconds, 1),
         "best_step": payload["step"], "best_valid_bleu": round(best_bleu, 2), "test_bleu": round(test_bleu, 2),
         "train_pairs": len(train_pairs), "valid_pairs": len(valid_pairs), "test_pairs": len(test_pairs),
         "parameters": n_params, "vocab_size": tokenizer.vocab_size, "train_config": train_config,
