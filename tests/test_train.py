@@ -7,7 +7,8 @@ import pytest
 
 from nmt.cli import main
 from nmt.model_format.tokenizer import Tokenizer, train_tokenizer
-from training.train import make_batches
+from training.config import TrainConfig
+from training.train import learning_rate, make_batches
 
 PAIRS = [(f"number {n}", f"Nummer {n}") for n in range(40)] + [(f"day {n} of May", f"{n}. Mai") for n in range(1, 29)]
 
@@ -102,3 +103,23 @@ def test_a_run_the_time_cap_stops_says_so(tmp_path, corpus, capsys):
     assert f"stopped by --max-minutes 0.0001 at step {summary['steps']} of 1000" in capsys.readouterr().out
     assert main([*args[:-3], "--max-minutes", "10", "--steps", "4", "--force", "--no-progress"]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_by"] == "step budget"
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_the_cosine_schedule_warms_up_then_decays_to_zero_at_the_last_step(arch):
+    cfg = TrainConfig(arch=arch, corpus="dates", out="unused", lr=2e-3, warmup_steps=100, max_steps=500,
+                      lr_schedule="cosine")
+    assert learning_rate(cfg, 50) == pytest.approx(1e-3)
+    assert learning_rate(cfg, 100) == pytest.approx(2e-3)
+    assert learning_rate(cfg, 300) == pytest.approx(1e-3)  # half way down
+    assert learning_rate(cfg, 500) == pytest.approx(0.0, abs=1e-12)
+    rates = [learning_rate(cfg, step) for step in range(100, 501)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_the_default_schedules_are_unchanged():
+    transformer = TrainConfig(arch="transformer", corpus="dates", out="unused", lr=1e-3, warmup_steps=100)
+    assert learning_rate(transformer, 100) == pytest.approx(1e-3)
+    assert learning_rate(transformer, 400) == pytest.approx(5e-4)
+    bahdanau = TrainConfig(arch="bahdanau", corpus="dates", out="unused", lr=1e-3)
+    assert learning_rate(bahdanau, 1) == learning_rate(bahdanau, 10_000) == 1e-3

@@ -10,6 +10,7 @@ from nmt.options import option
 from training.data import DATES_SIZE
 
 ARCHITECTURES = ("transformer", "bahdanau")
+LR_SCHEDULES = ("inverse_sqrt", "cosine")
 
 
 @dataclass
@@ -26,7 +27,11 @@ class TrainConfig:
     batch_tokens: int = option(4096, "padded tokens per batch", group="optimisation")
     lr: float | None = option(None, "peak (transformer) or constant (bahdanau) learning rate (default: 7e-4 for "
                               "the transformer, 1e-3 for bahdanau)", group="optimisation")
-    warmup_steps: int = option(1000, "transformer warmup steps", flag="--warmup", group="optimisation")
+    warmup_steps: int = option(1000, "warmup steps (the transformer's, and either architecture's under cosine)",
+                               flag="--warmup", group="optimisation")
+    lr_schedule: str = option("inverse_sqrt", "inverse_sqrt: warmup then inverse square root decay (transformer), "
+                              "constant (bahdanau); cosine: warmup then a cosine decay to zero at --steps",
+                              choices=LR_SCHEDULES, group="optimisation")
     label_smoothing: float = option(0.1, "label smoothing of the cross-entropy", group="optimisation")
     clip_norm: float = option(1.0, "gradient norm clipping", group="optimisation")
     max_steps: int = option(100_000, "maximum optimisation steps", flag="--steps", group="optimisation")

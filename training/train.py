@@ -112,11 +112,18 @@ def evaluate(model: Seq2SeqModel, tokenizer: Tokenizer, pairs: Sequence[Pair]) -
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Transformer: linear warmup then inverse square root decay; Bahdanau: constant Adam rate."""
-    if cfg.arch != "transformer":
-        return cfg.lr or 1e-3
-    peak = cfg.lr or 7e-4
+    """The rate at ``step`` (from 1). ``inverse_sqrt``: the Transformer warms up linearly, then decays as the
+    inverse square root; Bahdanau keeps a constant Adam rate. ``cosine`` (either architecture): linear warmup,
+    then half a cosine down to zero at ``max_steps``, so the last steps settle the model that is kept."""
+    peak = cfg.lr or (7e-4 if cfg.arch == "transformer" else 1e-3)
     step = max(step, 1)
+    if cfg.lr_schedule == "cosine":
+        if step <= cfg.warmup_steps:
+            return peak * step / cfg.warmup_steps
+        done = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        return peak * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+    if cfg.arch != "transformer":
+        return peak
     return peak * min(step / cfg.warmup_steps, math.sqrt(cfg.warmup_steps / step))
 
 
