@@ -242,8 +242,9 @@ class TranslatorClient(_ClientBase):
         Zero options mean the model's defaults; ``model``/``version`` empty: the server's default model, its
         newest version. ``attention`` and ``scores`` fill :attr:`Hypothesis.attention` and the scores.
         ``target_prefixes`` (none, or one per text, "" for none) force the start of each translation (a prefix
-        ending inside a word is completed); ``alternatives``: the hypotheses are the ``num_hypotheses`` most
-        likely next pieces after the prefix, each continued (an editor's next-word suggestions).
+        ending inside a word is completed); ``alternatives``: the hypotheses are up to ``num_hypotheses`` most
+        likely next words after the prefix, each continued (an editor's next-word suggestions; ``score`` is the
+        word's log-probability).
         ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
         ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
         """

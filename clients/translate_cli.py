@@ -132,7 +132,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                "ending inside a word, e.g. 'Dienstag, 25. Apr', has that word completed)")
     decoding.add_argument("--alternatives", type=_count, default=0, metavar="N",
                           help="the N most likely next words after --prefix (or at the start), each continued "
-                               "to a whole translation, in the order of that word's probability")
+                               "to a whole translation, in the order of that word's probability (its log-probability "
+                               "is the score; fewer when the others are under 1%% of the first's probability)")
     decoding.add_argument("--score", metavar="TARGET", default=None,
                           help="score TARGET as the translation of the one TEXT (kept for scripts; `nmt score "
                                "SOURCE TARGET` is the command for it)")

@@ -7,6 +7,10 @@ word, and may go on: "▁Apr" -> "▁April") or is a prefix of them (it produces
 goes on from there). Pieces that lead to a dead end (no piece continues) are left out when the
 automaton is built, so the search never runs into one; a word no sequence of pieces spells is refused
 by :func:`build_completion` (None) and the prefix is then tokenized whole, as before.
+
+:meth:`WordPieces.boundary` is the completion of a word boundary: its one piece starts a word or ends
+the sentence. Alternatives after a prefix that ends with whitespace (a finished word, though its pieces
+cannot say so: the tokenizer drops trailing whitespace) start there (:mod:`server.alternatives`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
+
+import numpy as np
 
 WORD_END = re.compile(r"\w+$")
 WORD_START = "▁"  # SentencePiece's word-boundary mark, which starts a piece that begins a word
@@ -80,3 +86,25 @@ def build_completion(word: str, after_space: bool, start: int,
                      if (piece.startswith(rest) or rest.startswith(piece)) and viable[min(k + len(piece), length)]}
         viable[k] = bool(states[k])
     return Completion(text, start, states) if viable[0] else None
+
+
+class WordPieces:
+    """Which target ids start a word, and how each is spelt: a model's vocabulary as the next-word rule
+    (:mod:`server.alternatives`) and :meth:`boundary` read it, built once when the model loads."""
+
+    def __init__(self, pieces: Sequence[str], eos_id: int) -> None:
+        self.spellings = tuple(pieces)  # id -> piece: two spellings of one word join to the same text
+        self.starts = np.array([piece.startswith(WORD_START) for piece in pieces])  # bool [V]
+        self.bare = np.array([piece == WORD_START for piece in pieces])  # bool [V]: the mark alone (a word's first
+        # piece when no piece holds the mark and its first characters; never a word by itself)
+        self.ends = self.starts.copy()  # bool [V]: a piece that ends the word before it (a word start, or EOS)
+        self.ends[eos_id] = True
+        self._boundary = [dict.fromkeys(np.flatnonzero(self.ends).tolist(), len(WORD_START))]
+
+    def boundary(self, start: int) -> Completion:
+        """The piece at step ``start`` starts a word or ends the sentence (a prefix ending with whitespace)."""
+        return Completion(WORD_START, start, self._boundary)
+
+    def spell(self, tokens: Sequence[int]) -> str:
+        """The pieces ``tokens`` joined: the same for every spelling of one word."""
+        return "".join(self.spellings[t] for t in tokens)

@@ -27,7 +27,7 @@ from nmt.errors import NmtError
 from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
-from server.completion import build_completion, piece_index, split_partial_word
+from server.completion import Completion, WordPieces, build_completion, piece_index, split_partial_word
 from server.device import (
     CUDA,
     DeviceSettings,
@@ -40,7 +40,7 @@ from server.device import (
 from server.device_step_model import DeviceStepModel
 from server.errors import DeviceMemoryExhausted, InvalidArgument
 from server.forced import decode
-from server.search import BeamSentence, SearchResult
+from server.search import Alternatives, BeamSentence, SearchResult
 from server.step_models import OnnxStepModel
 from server.types import DecodingOptions, Hypothesis, SentenceRequest, TargetPrefix, Translation
 
@@ -105,6 +105,7 @@ class Engine:
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
         self.has_logits = model.has_logits  # False: exported before the logits output, no repetition_penalty
+        self.words = WordPieces(tokenizer.pieces(range(manifest.vocab_size)), self.eos_id)  # which ids start a word
 
     @classmethod
     def load(
@@ -165,15 +166,16 @@ class Engine:
 
     def target_prefix(self, text: str, *, whole: bool = False) -> TargetPrefix:
         """A target prefix, tokenized: when it ends inside a word (no whitespace or punctuation at its end),
-        the text before that word is forced and the word is completed (:mod:`server.completion`); a word
-        no pieces spell, and a ``whole`` translation (Score), are tokenized as they are."""
+        the text before that word is forced and the word is completed (:mod:`server.completion`); a word no
+        pieces spell, and a ``whole`` translation (Score), are tokenized as they are. Whether it ends with
+        whitespace is kept beside its pieces (the tokenizer drops it): alternatives then start a word."""
         head, word = ("", "") if whole else split_partial_word(text)
         if word:
             ids = self.tokenizer.encode_target(head) if head.strip() else []
             completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._piece_index)
             if completion is not None:
                 return TargetPrefix(tuple(ids), completion)
-        return TargetPrefix(tuple(self.tokenizer.encode_target(text)))
+        return TargetPrefix(tuple(self.tokenizer.encode_target(text)), spaced=not whole and text[-1:].isspace())
 
     @functools.cached_property
     def _piece_index(self) -> dict[str, list[tuple[int, str]]]:
@@ -279,15 +281,25 @@ class Engine:
                 length_penalty=r.options.length_penalty,
                 is_cancelled=r.is_cancelled,
                 controls=replace(r.options.controls, forced=r.target_prefix.ids,
-                                 completion=r.target_prefix.completion),
+                                 completion=self._completion(r)),
                 patience=r.options.patience,
-                alternatives=r.options.num_hypotheses if r.options.return_alternatives else 0,
+                alternatives=Alternatives(r.options.num_hypotheses, self.words) if r.options.return_alternatives
+                else None,
                 beam_size=r.options.beam_size,
                 need_attention=r.options.return_attention,
             )
             for i, r in enumerate(requests)
         ]
         return encoded, sentences, SourceBatch(int(lengths.sum()), int(src.size), encoded_positions)
+
+    def _completion(self, request: SentenceRequest) -> Completion | None:
+        """What the pieces after ``request``'s forced prefix must spell: its target prefix's completion; for
+        alternatives at the start or after a finished word (the prefix ends with whitespace), a word
+        boundary (:meth:`WordPieces.boundary`: the next word, not pieces glued onto the prefix's last one)."""
+        prefix = request.target_prefix
+        if request.options.return_alternatives and prefix.completion is None and (prefix.spaced or not prefix.ids):
+            return self.words.boundary(len(prefix.ids))
+        return prefix.completion
 
     def _encode_by_length(self, src: np.ndarray, lengths: np.ndarray) -> tuple[dict, int]:
         """The encoder's outputs for the padded batch ``src`` (rows of ``lengths`` tokens), encoded in runs of

@@ -5,8 +5,8 @@ never searched. A prefix of ``n`` pieces runs as one pass over the positions ``s
 log-probability of the next given piece, the alignment attention, the decoder state after them, and
 the whole distribution after ``pn``); the search then resumes at step ``n`` from that state, its first
 step read off the pass (:class:`server.search.Resume`), exactly as if it had forced the pieces one step
-at a time. With alternatives the ``k`` most likely tokens after ``pn`` (under the sentence's controls)
-each become a hypothesis of their own, continued by the search from a copy of the state.
+at a time. With alternatives the pass's state and last distribution go to the next-word search
+(:mod:`server.alternatives`), each of whose words becomes a hypothesis of its own.
 
 :func:`decode` is the static batch. Under continuous batching, :func:`admit` lets sentences with a
 prefix join a running decode (:class:`server.decode.RunningDecode`) after a pass over ``start, p1 ..
@@ -21,17 +21,15 @@ loop without beam bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
-from server.controls import process, top_k
+from server.alternatives import alternatives
 from server.decode import RunningDecode, beam_search
 from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
-
-NEG_INF = -np.inf
 
 
 @dataclass
@@ -147,57 +145,7 @@ def _forced_group(model: StepModel, encoded: dict[str, Any], group: list[BeamSen
                            out.attention[:, n] if out.attention is not None else None, out.state, out.last_log_probs)
         resume = Resume(prefix, out.target_log_probs[:, :n], attention, out.state, first)
         return beam_search(model, encoded, group, resume=resume, **settings)
-    return _alternatives(model, encoded, group, prefix, out, settings)
-
-
-def _alternatives(model: StepModel, encoded: dict[str, Any], group: list[BeamSentence], prefix: np.ndarray,
-                  out: ForcedOutput, settings: dict[str, Any]) -> list[SearchResult | None]:
-    """Each sentence's ``alternatives`` most likely tokens after its prefix (the forced pass's last
-    distribution under its controls), each continued by the search to one hypothesis, in that order."""
-    n, eos_id = prefix.shape[1], settings["eos_id"]
-    boundary = process(out.last_log_probs, prefix, [s.controls for s in group], n, eos_id)
-    scores = out.target_log_probs[:, :n].astype(np.float64)
-    rows, tokens, subs, finished = [], [], [], {}
-    picks: list[list[int]] = []
-    for r, s in enumerate(group):
-        ids, values = top_k(boundary[r : r + 1], s.alternatives)
-        picks.append([])
-        for token, value in zip(ids[0].tolist(), values[0].tolist(), strict=True):
-            if value == NEG_INF:
-                break
-            picks[r].append(len(rows))
-            rows.append(r)
-            tokens.append(token)
-            forced = (*s.controls.forced, token)
-            subs.append(replace(s, num_hypotheses=1, alternatives=0, controls=replace(s.controls, forced=forced)))
-            if token == eos_id:
-                finished[len(rows) - 1] = None
-    index = np.array(rows, dtype=np.int64)
-    history = np.concatenate([prefix[index], np.array(tokens, dtype=np.int64)[:, None]], 1)
-    history_scores = np.concatenate([scores[index], boundary[index, tokens][:, None]], 1)
-    attention = out.attention[index, : n + 1] if out.attention is not None else None
-    for j in finished:
-        attention_rows = attention[j] if attention is not None and subs[j].need_attention else None
-        finished[j] = SearchResult([ScoredSequence(
-            tokens=history[j].tolist(), score=float(normalized_score(history_scores[j].sum(), n + 1,
-                                                                     subs[j].length_penalty)),
-            token_scores=history_scores[j].tolist(), attention=attention_rows)])
-    going = [j for j in range(len(rows)) if j not in finished]
-    found: dict[int, SearchResult | None] = dict(finished)
-    if going:
-        keep = index[going]
-        resume = Resume(history[going], history_scores[going], attention[going] if attention is not None else None,
-                        model.select_rows(out.state, keep))
-        continued = beam_search(model, model.select_rows(encoded, keep), [subs[j] for j in going], resume=resume,
-                                **settings)
-        found.update(zip(going, continued, strict=True))
-    results: list[SearchResult | None] = []
-    for r, s in enumerate(group):
-        if _cancelled(s) or any(found[j] is None for j in picks[r]):
-            results.append(None)
-            continue
-        results.append(SearchResult([found[j].hypotheses[0] for j in picks[r] if found[j].hypotheses]))
-    return results
+    return alternatives(model, encoded, group, prefix, out, settings)
 
 
 def _given(s: BeamSentence, tokens: list[int], out: ForcedOutput, r: int) -> ScoredSequence:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nmt.model_format.decoding import max_target_length
+from server.completion import WordPieces
 from server.controls import Controls
 
 NEG_INF = -np.inf
@@ -102,6 +103,15 @@ def _pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
     return np.pad(array, [(0, 0), *((0, int(want) - have) for have, want in zip(array.shape[1:], shape, strict=True))])
 
 
+@dataclass(frozen=True)
+class Alternatives:
+    """A sentence's ``return_alternatives``: its most likely next words after the forced prefix, each
+    continued to a whole translation (:mod:`server.alternatives`)."""
+
+    count: int  # the most words returned
+    words: WordPieces  # the model's pieces: which start a word, how each is spelt
+
+
 @dataclass
 class BeamSentence:
     """Per-sentence search settings."""
@@ -115,7 +125,7 @@ class BeamSentence:
     patience: float = 1.0  # beam search keeps round(beam x patience) finished hypotheses before it stops
     beam_size: int = 1
     need_attention: bool = False  # keep the cross-attention of its hypotheses
-    alternatives: int = 0  # > 0: that many most likely tokens after the forced prefix, each continued
+    alternatives: Alternatives | None = None  # the next words after the forced prefix, instead of the n best
 
     def limit(self) -> int:
         """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix and the

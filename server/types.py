@@ -67,6 +67,7 @@ class TargetPrefix:
 
     ids: tuple[int, ...] = ()
     completion: Completion | None = None  # the word the prefix ends inside (server.completion)
+    spaced: bool = False  # the text ends with whitespace, which its pieces cannot show: its last word is finished
 
     def steps(self) -> int:
         """Decoding steps the prefix can take at most (forced pieces and the pieces spelling the word)."""

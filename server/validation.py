@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nmt.model_format.decoding import max_target_length
+from server.alternatives import WIDTH
 from server.config import ServerConfig
 from server.controls import Controls
 from server.errors import InvalidArgument
@@ -140,10 +141,11 @@ def longest_output(source_tokens: int, options: DecodingOptions, prefix_steps: i
 def sentence_work(source_tokens: int, options: DecodingOptions, prefix_steps: int = 0) -> int:
     """Decoder work a sentence may take, in row-steps: ``beam_size`` x its longest allowed output
     (:func:`longest_output`, the rule the search applies, so this bounds the decoder steps of every beam
-    row), times ``num_hypotheses`` with alternatives (each is a search of its own). ``source_tokens``
+    row); with alternatives, ``num_hypotheses`` times that (each is a search of its own) and the next-word
+    search before them, :data:`server.alternatives.WIDTH` x ``num_hypotheses`` rows wide. ``source_tokens``
     includes EOS."""
-    searches = options.num_hypotheses if options.return_alternatives else 1
-    return searches * options.beam_size * longest_output(source_tokens, options, prefix_steps)
+    rows = options.num_hypotheses * (options.beam_size + WIDTH) if options.return_alternatives else options.beam_size
+    return rows * longest_output(source_tokens, options, prefix_steps)
 
 
 def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions, piece_bytes: int,

@@ -343,7 +343,7 @@ def test_given_tokens_in_a_running_decode_equal_the_static_path(arch, engines):
             assert a.score == pytest.approx(b.score, abs=1e-5)
             np.testing.assert_allclose(a.token_scores, b.token_scores, atol=1e-5)
             assert (a.attention is None) == (b.attention is None)
-    assert len(delivered["joining-4"].hypotheses) == 3  # one per alternative
+    assert 1 <= len(delivered["joining-4"].hypotheses) <= 3  # one per next word above the floor
     assert delivered["joining-3"].hypotheses[0].token_ids == own[:-1]  # the target, EOS dropped
 
 

@@ -1,9 +1,12 @@
-"""Decoding for interactive UIs: target prefixes run as one forced pass, alternatives at the prefix's end,
-prefixes ending inside a word, against the PyTorch reference search (``training/search.py``) on both tiny
-architectures; the forced-pass graph and the fallback of versions exported without it."""
+"""Decoding for interactive UIs: target prefixes run as one forced pass, alternatives at the prefix's end (the
+next words, :mod:`server.alternatives`: on hand-written tables, against the PyTorch reference on both tiny
+architectures, and on the small dates models), prefixes ending inside a word or with a space, against the
+PyTorch reference search (``training/search.py``); the forced-pass graph and the fallback of versions exported
+without it."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import replace
@@ -17,14 +20,20 @@ import torch
 from nmt.cli import main as nmt_main
 from nmt.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
 from nmt.model_format.manifest import read_manifest, write_manifest
-from server.completion import build_completion, piece_index, split_partial_word
+from server.alternatives import FLOOR
+from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
+from server.controls import Controls
 from server.engine import Engine
+from server.forced import decode, stepwise_force
 from server.protos import pb2
+from server.search import Alternatives, BeamSentence, take_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from server.validation import check_budget
 from tests.conftest import number_pairs
 from tests.harness import ServerHarness
+from tests.test_beam import step_output
+from training.data import generate_dates_corpus
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
 
@@ -72,30 +81,161 @@ def test_prefix_continuation_equals_the_reference_with_forced_tokens(engines, mo
             assert got.score == pytest.approx(expected.score, abs=TOLERANCE)
 
 
-def boundary(model, ids: list[int], prefix: list[int]) -> torch.Tensor:
-    """The reference model's log-probabilities of the token after ``prefix``."""
+# ---- alternatives: the next words ------------------------------------------------------------------------------
+
+PIECES = ["<pad>", "<unk>", "<s>", "</s>", "▁", "▁25.", "▁April", "▁Apr", "il", "▁Mai", "x", "▁2045", "▁2046", "i"]
+PAD, UNK, START, EOS, MARK, P25, APRIL, APR, IL, MAI, X, Y2045, Y2046, GLUED = range(len(PIECES))
+# next-piece probabilities given the target pieces so far; unlisted pieces have probability 0, unlisted rows end
+NEXT: dict[tuple[int, ...], dict[int, float]] = {
+    (): {P25: 1.0},
+    (P25,): {APRIL: 0.5, APR: 0.3, MAI: 0.1, MARK: 0.06, GLUED: 0.035, EOS: 0.005},
+    (P25, APRIL): {Y2045: 0.9, EOS: 0.1},  # a word: "April"
+    (P25, APR): {IL: 0.9, Y2045: 0.1},  # no word: a word start (0.1) is less likely than "il" (0.9)
+    (P25, APR, IL): {Y2045: 1.0},  # "April" again, spelt "▁Apr" "il"
+    (P25, MAI): {X: 0.45, Y2045: 0.3, Y2046: 0.25},  # a word (0.55 for a word start), and "Maix"
+    (P25, MAI, X): {Y2045: 1.0},
+    (P25, MARK): {X: 0.5, Y2045: 0.5},  # the mark alone is no word: "x" (spelt "▁" "x")
+    (P25, GLUED): {Y2045: 1.0},  # "25.i", glued on
+    (P25, APRIL, Y2045): {EOS: 0.95, Y2046: 0.05},
+}
+
+
+class NextPieceTable:
+    """:class:`server.search.StepModel` of :data:`NEXT`; its state is each row's pieces so far."""
+
+    static_names: list[str] = []
+    state_names = ["pieces"]
+
+    def step(self, tokens, static, state, need_attention, k, full=False, positions=None, logits=False):
+        pieces = np.concatenate([state["pieces"], tokens[:, None]], 1)
+        log_probs = np.full((len(pieces), len(PIECES)), -np.inf)
+        for r, row in enumerate(pieces[:, 1:].tolist()):
+            for token, p in NEXT.get(tuple(row), {EOS: 1.0}).items():
+                log_probs[r, token] = math.log(p)
+        attention = np.full((len(pieces), 2), 0.5, dtype=np.float32) if need_attention else None
+        return step_output(log_probs, k, EOS, attention, {"pieces": pieces})
+
+    def select_rows(self, tensors, rows, in_place=False):
+        return take_rows(tensors, rows)
+
+    def force(self, inputs, targets, static, state, need_attention):
+        return stepwise_force(self, inputs, targets, static, state, need_attention)
+
+
+def next_words(prefix: tuple[int, ...], count: int, *, space: bool, beam: int = 1):
+    """The alternatives after ``prefix``: ``space``: it ends with whitespace (the next piece starts a word)."""
+    words = WordPieces(PIECES, EOS)
+    sentence = BeamSentence(source_length=2, beam_size=beam, alternatives=Alternatives(count, words),
+                            controls=Controls(forced=prefix, completion=words.boundary(len(prefix)) if space else None))
+    [result] = decode(NextPieceTable(), {"pieces": np.zeros((1, 0), dtype=np.int64)}, [sentence], start_id=START,
+                      eos_id=EOS, pad_id=PAD)
+    return result.hypotheses
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_next_words_on_a_table(beam: int) -> None:
+    """Whole words ranked by their probability (spellings added up, their end included), the mark alone and
+    a piece more likely to go on being no word, the floor, the end of the sentence, the continuation."""
+    got = next_words((P25,), 5, space=True, beam=beam)
+    assert [h.tokens for h in got] == [
+        [P25, APRIL, Y2045, EOS],  # 0.5 x (0.9 + 0.1) + 0.3 x 0.9 x 1.0 ("▁Apr" "il", the same word)
+        [P25, MAI, Y2045, EOS],  # 0.1 x 0.55; the next word starts a word: "▁2045" (0.3), not "x" (0.45)
+        [P25, MAI, X, Y2045, EOS],  # 0.1 x 0.45
+        [P25, MARK, X, EOS],  # 0.06 x 0.5; the end of the sentence (0.005) is under the floor
+    ]
+    assert [h.score for h in got] == pytest.approx([math.log(p) for p in (0.77, 0.055, 0.045, 0.03)], abs=1e-9)
+    assert got[1].token_scores == pytest.approx([0.0, math.log(0.1), math.log(0.3), 0.0], abs=1e-9)
+    assert 0.005 < FLOOR * 0.77 < 0.03
+    assert [h.tokens[1:3] for h in next_words((P25,), 2, space=True, beam=beam)] == [[APRIL, Y2045], [MAI, Y2045]]
+    glued = next_words((P25,), 5, space=False, beam=beam)  # after punctuation the word may go on: "25.i"
+    assert [h.tokens[1] for h in glued] == [APRIL, MAI, MAI, GLUED, MARK]
+    assert glued[3].score == pytest.approx(math.log(0.035), abs=1e-9)
+    ended = next_words((P25, APRIL, Y2045), 3, space=True, beam=beam)  # the translation may end at the prefix
+    assert [h.tokens for h in ended] == [[P25, APRIL, Y2045, EOS], [P25, APRIL, Y2045, Y2046, EOS]]
+    assert [h.score for h in ended] == pytest.approx([math.log(0.95), math.log(0.05)], abs=1e-9)
+
+
+def reference_scores(model, ids: list[int], tokens: list[int]) -> tuple[list[float], torch.Tensor]:
+    """The reference model's log-probability of each of ``tokens`` after those before it, and its
+    log-probabilities of the token after them all."""
+    scores = []
     with torch.no_grad():
         state = model.init_state(model.encode(torch.tensor([ids])))
-        for token in [model.config.decoder_start_id, *prefix]:
+        for i, token in enumerate([model.config.decoder_start_id, *tokens]):
             logits, _, state = model.decode_step(torch.tensor([token]), state)
-    return logits[0].float().log_softmax(-1)
+            log_probs = logits[0].float().log_softmax(-1)
+            if i < len(tokens):
+                scores.append(float(log_probs[tokens[i]]))
+    return scores, log_probs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("beam", [1, 4])
-def test_alternatives_are_the_top_n_at_the_boundary_each_continued(engines, models, arch: str, beam: int) -> None:
+def test_alternatives_are_whole_next_words_scored_as_the_reference(engines, models, arch: str, beam: int) -> None:
+    """After an empty prefix, one ending with a space and one inside a word: each alternative is the prefix
+    and one more word; its pieces carry the reference model's log-probabilities; its score is the word's
+    (its pieces and the end that follows, a word start or EOS, at least as likely there as any one piece
+    going on with it); the words are distinct, ranked, within the floor."""
     engine, model = engines[arch], models[arch]
+    words = engine.words
     for source in SOURCES[:4]:
         ids = engine.tokenize(source) + [engine.eos_id]
-        own = translate_ids(model, ids, beam_size=beam)[0].tokens
-        for prefix in ([], own[:1], own[:2]):
-            got = search(engine, source, prefix, beam_size=beam, num_hypotheses=5, return_alternatives=True)
-            top = boundary(model, ids, prefix).topk(5)
-            assert [h.tokens[len(prefix)] for h in got] == top.indices.tolist()
-            for hypothesis, token in zip(got, top.indices.tolist(), strict=True):
-                [expected] = translate_ids(model, ids, beam_size=beam, forced=[*prefix, token])
-                assert hypothesis.tokens == expected.tokens
-                assert hypothesis.token_scores == pytest.approx(expected.token_scores, abs=TOLERANCE)
+        own = engine.translate([source], DecodingOptions(beam_size=beam))[0].hypotheses[0].text.split()
+        for typed in ("", f"{own[0]} ", f"{own[0]} {own[1][:2]}" if len(own) > 1 else own[0][:2]):
+            target = engine.target_prefix(typed) if typed else TargetPrefix()
+            request = SentenceRequest(ids[:-1], DecodingOptions(beam_size=beam, num_hypotheses=4,
+                                                                return_alternatives=True), text=source,
+                                      target_prefix=target)
+            hypotheses = engine.translate_batch([request]).translations[0].hypotheses
+            n, seen = len(target.ids), set()
+            assert 1 <= len(hypotheses) <= 4
+            for h in hypotheses:
+                tokens = [*h.token_ids, engine.eos_id]
+                assert tokens[:n] == list(target.ids) and (h.text + " ").startswith(typed)
+                if not typed.strip() or typed.endswith(" "):
+                    assert words.starts[tokens[n]] or tokens[n] == engine.eos_id  # a word of its own
+                scores, _ = reference_scores(model, ids, tokens)
+                assert h.token_scores == pytest.approx(scores, abs=TOLERANCE)
+                end = n + 1 + (int(np.flatnonzero(words.ends[tokens[n + 1:]])[0]) if tokens[n] != engine.eos_id else 0)
+                word = tokens[n:end]
+                expected = sum(scores[n:end])
+                if tokens[n] != engine.eos_id:
+                    _, after = reference_scores(model, ids, tokens[:end])
+                    ending = float(after[torch.from_numpy(words.ends)].logsumexp(0))
+                    assert ending >= float(after[torch.from_numpy(~words.ends)].max()) - TOLERANCE
+                    expected += ending
+                assert h.score == pytest.approx(expected, abs=TOLERANCE)
+                assert words.spell(word) not in seen
+                seen.add(words.spell(word))
+            scores = [h.score for h in hypotheses]
+            assert scores == sorted(scores, reverse=True) and scores[-1] >= scores[0] + math.log(FLOOR)
+
+
+@pytest.fixture(scope="module")
+def dates_engines(dates_models: dict[str, Path]) -> dict[str, Engine]:
+    return {arch: Engine.load(dates_models[arch], provider="cpu", intra_op_threads=1) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_alternatives_of_the_dates_models_are_words(dates_engines, arch: str) -> None:
+    """Issue 30: after "Dienstag, 25. " the demo models offered "25.achtundneunzigil" and the like (pieces glued
+    onto the prefix's last word). Now every alternative is the prefix and a word of the corpus's German side,
+    each once, the most likely first, and none under the floor."""
+    engine = dates_engines[arch]
+    vocabulary = {word for pair in generate_dates_corpus(20000) for word in pair.target.split()}
+    for source, typed, first in (("Tuesday, April 25, 2045", "Dienstag, 25. ", "April"),
+                                 ("three hundred and twelve", "", "dreihundertzwölf"),
+                                 ("ninety-seven", "", "siebenundneunzig")):
+        request = SentenceRequest(engine.tokenize(source), DecodingOptions(beam_size=4, num_hypotheses=5,
+                                                                           return_alternatives=True),
+                                  text=source, target_prefix=engine.target_prefix(typed) if typed else TargetPrefix())
+        hypotheses = engine.translate_batch([request]).translations[0].hypotheses
+        offered = [h.text[len(typed):].split(" ")[0] for h in hypotheses]
+        assert all(h.text.startswith(typed) for h in hypotheses), [h.text for h in hypotheses]
+        assert set(offered) <= vocabulary and len(set(offered)) == len(offered) and offered[0] == first, offered
+        scores = [h.score for h in hypotheses]
+        assert scores == sorted(scores, reverse=True) and scores[-1] >= scores[0] + math.log(FLOOR)
+    assert len(offered) > 1  # several numbers are likely enough
 
 
 def test_forced_pass_is_one_graph_and_older_versions_fall_back(engines, tiny_models, tmp_path: Path) -> None:
@@ -156,7 +296,9 @@ def test_a_prefix_ending_inside_a_word_completes_it(engines, arch: str) -> None:
     request = replace(request, target_prefix=other)
     hypothesis = engine.translate_batch([request]).translations[0].hypotheses[0]
     assert hypothesis.tokens[0] == "▁zehn" and hypothesis.words[0] == "zehn"
-    assert engine.target_prefix("zehn ").completion is None  # a boundary: nothing to complete
+    spaced = engine.target_prefix("zehn ")  # a boundary: nothing to complete; alternatives start a word there
+    assert spaced.completion is None and spaced.spaced and spaced.ids == engine.target_prefix("zehn", whole=True).ids
+    assert sorted(engine.words.boundary(3).allowed([])) == np.flatnonzero(engine.words.ends).tolist()
 
 
 def test_the_work_budget_counts_the_prefix_and_alternatives() -> None:
@@ -167,7 +309,7 @@ def test_the_work_budget_counts_the_prefix_and_alternatives() -> None:
     assert plain == 2 * 14 and long == 2 * 41  # beam x min(16, 2 x 2 source tokens + 10), or the prefix + EOS
     alternatives = replace(options, num_hypotheses=3, return_alternatives=True)
     [three] = check_budget(["one"], [[5]], alternatives, piece_bytes=8, max_work=10**6, max_response_bytes=10**9)
-    assert three == 3 * plain
+    assert three == 3 * (2 + 2) * 14  # three searches of beam 2 and the word search, 2 x 3 rows wide
 
 
 # ---- over gRPC and the command line --------------------------------------------------------------------------
@@ -189,11 +331,12 @@ def test_alternatives_over_grpc(harness: ServerHarness, model: str) -> None:
                                    options=pb2.DecodingOptions(beam_size=2, num_hypotheses=4, return_scores=True,
                                                                return_alternatives=True))
     [translation] = harness.stub.Translate(request, timeout=30).translations
-    assert len(translation.hypotheses) == 4
-    assert all(h.subword_tokens[0] == "▁sechs" for h in translation.hypotheses)  # the next piece may glue on
-    assert len({h.subword_tokens[1] for h in translation.hypotheses}) == 4  # four different next pieces
-    boundary = [h.token_scores[1] for h in translation.hypotheses]
-    assert boundary == sorted(boundary, reverse=True)  # in the order of the next piece's probability
+    assert 1 <= len(translation.hypotheses) <= 4
+    assert all(h.subword_tokens[0] == "▁sechs" for h in translation.hypotheses)
+    assert all(h.subword_tokens[1].startswith("▁") for h in translation.hypotheses if len(h.subword_tokens) > 1)
+    assert len({h.text for h in translation.hypotheses}) == len(translation.hypotheses)
+    scores = [h.score for h in translation.hypotheses]
+    assert scores == sorted(scores, reverse=True)  # in the order of the next word's probability
 
 
 @pytest.mark.parametrize("options, message", [
@@ -212,7 +355,7 @@ def test_cli_alternatives_and_score(harness: ServerHarness, capsys: pytest.Captu
     assert nmt_main(["translate", "--server", harness.address, "--model", "tiny-transformer", "--prefix", "sechs ",
                      "--alternatives", "3", "three four five six"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line[:2] in ("1.", "2.", "3.")]
-    assert len(lines) == 3 and all(line.split()[1] == "sechs" for line in lines)
+    assert 1 <= len(lines) <= 3 and all(line.split()[1] == "sechs" for line in lines)
     plot = tmp_path / "score.png"
     assert nmt_main(["score", "--server", harness.address, "--model", "tiny-bahdanau", "--attention", "--plot",
                      str(plot), "three four", "vier drei"]) == 0
