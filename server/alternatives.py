@@ -26,17 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from server.completion import WordPieces
 from server.controls import process
 from server.decode import beam_search
-from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
-
-if TYPE_CHECKING:
-    from server.forced import ForcedOutput
+from server.search import (
+    BeamSentence,
+    ForcedOutput,
+    Resume,
+    ScoredSequence,
+    SearchResult,
+    StepModel,
+    StepOutput,
+)
 
 FLOOR = 0.01  # a word less likely than this times the most likely next word is not offered
 WIDTH = 2  # partial words the word search keeps per word asked for (some make no word, some spell one again)

@@ -10,8 +10,8 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
-from server.forced import ForcedOutput, stepwise_force
-from server.search import StepOutput, concat_rows
+from server.forced import stepwise_force
+from server.search import ForcedOutput, StepOutput, concat_rows
 from server.step_models import OnnxStepModel, extra_outputs, initial_shape
 
 

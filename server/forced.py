@@ -21,7 +21,6 @@ loop without beam bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,17 +28,15 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.alternatives import alternatives
 from server.decode import RunningDecode, beam_search
-from server.search import BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
-
-
-@dataclass
-class ForcedOutput:
-    """One forced pass over ``T`` positions of ``R`` rows."""
-
-    target_log_probs: np.ndarray  # float [R, T]: log-probability of each position's given next token
-    last_log_probs: np.ndarray  # float [R, V]: the distribution after the last position
-    attention: np.ndarray | None  # float32 [R, T, S] alignment attention, when asked for
-    state: dict[str, Any]  # the decoder state after the T positions (the step decoder's state inputs)
+from server.search import (
+    BeamSentence,
+    ForcedOutput,
+    Resume,
+    ScoredSequence,
+    SearchResult,
+    StepModel,
+    StepOutput,
+)
 
 
 def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any],

@@ -24,6 +24,16 @@ NEG_INF = -np.inf
 
 
 @dataclass
+class ForcedOutput:
+    """One forced pass over ``T`` positions of ``R`` rows."""
+
+    target_log_probs: np.ndarray  # float [R, T]: log-probability of each position's given next token
+    last_log_probs: np.ndarray  # float [R, V]: the distribution after the last position
+    attention: np.ndarray | None  # float32 [R, T, S] alignment attention, when asked for
+    state: dict[str, Any]  # the decoder state after the T positions (the step decoder's state inputs)
+
+
+@dataclass
 class StepOutput:
     """One decoding step of ``R`` rows, as the search reads it: the best few tokens of each row, not
     the whole distribution (exported decoders compute them in the graph with ``TopK``)."""
@@ -74,7 +84,7 @@ class StepModel(Protocol):
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any], state: dict[str, Any],
               need_attention: bool) -> Any:
-        """Given tokens in one pass (:class:`server.forced.ForcedOutput`): ``inputs`` int64 [R, T] fed at
+        """Given tokens in one pass (:class:`ForcedOutput`): ``inputs`` int64 [R, T] fed at
         positions 0..T-1 from ``state`` (the initial one), ``targets`` int64 [R, T] the tokens whose
         log-probabilities each position reports; the resulting state is the step decoder's (for the
         in-place cache: its buffers and each row's position T)."""

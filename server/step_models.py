@@ -38,8 +38,8 @@ from nmt.model_format.manifest import (
     ManifestError,
     StateTensor,
 )
-from server.forced import ForcedOutput, stepwise_force
-from server.search import StepOutput
+from server.forced import stepwise_force
+from server.search import ForcedOutput, StepOutput
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
