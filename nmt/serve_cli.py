@@ -44,11 +44,11 @@ Hot reload: every --reload-interval seconds and on SIGHUP the repository is scan
 latest; broken ones are refused with a "model version refused" log line while the others serve; removed
 ones stop taking requests and close once their in-flight requests finish (within --grace-seconds).
 
-With --demo, the demo models the repository lacks are built (demo-transformer and demo-bahdanau, trained
+With --demo, the demo models the repository lacks are built (demo-bahdanau and demo-transformer, trained
 on the generated English->German dates corpus, exported and verified; needs the train extra), unless it
-holds models of other names: the first before serving starts (about two minutes on 2 CPU cores), the
+holds models of other names: the first before serving starts (about three minutes on 2 CPU cores), the
 other by a background process while the first serves (its output in DEMO_RUNS/demo-build.log), served
-as soon as it is ready. demo-transformer is then the default model. A second run reuses them.
+as soon as it is ready. demo-bahdanau is the default model. A second run reuses them.
 
 examples:
   nmt serve --demo

@@ -19,15 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from nmt.demo import DEMO_DEFAULT_MODEL, BackgroundBuild, demo_build_command, demo_default_model
+from nmt.demo import DEMO_DEFAULT_MODEL, DEMO_MODELS, BackgroundBuild, demo_build_command, demo_default_model
 from server.config import ServerConfig
 from server.protos import pb2
 from tests.harness import ServerHarness
 
+LATER = [name for name in DEMO_MODELS if name != DEMO_DEFAULT_MODEL][0]  # the model built in the background
+
 
 @pytest.fixture()
 def demo_repository(tiny_models: dict[str, Path], tmp_path: Path) -> Path:
-    """A repository holding demo-transformer only (the tiny Transformer): the state after the first build."""
+    """A repository holding the first demo model only (the tiny Transformer): the state after the first build."""
     root = tmp_path / "models"
     shutil.copytree(tiny_models["transformer"], root / DEMO_DEFAULT_MODEL / "1")
     return root
@@ -64,9 +66,9 @@ def listed(h: ServerHarness) -> list[str]:
 def test_a_model_built_in_the_background_is_served_when_the_child_exits(
         harness: ServerHarness, demo_repository: Path, tiny_runs: dict[str, Path], tmp_path: Path,
         demo_log: list[logging.LogRecord]) -> None:
-    command = [sys.executable, "-m", "nmt", "export", str(tiny_runs["bahdanau"]), "--name", "demo-bahdanau",
+    command = [sys.executable, "-m", "nmt", "export", str(tiny_runs["bahdanau"]), "--name", LATER,
                "--model-repository", str(demo_repository), "--parity-sentences", "2", "--no-progress"]
-    build = BackgroundBuild(command, tmp_path / "runs" / "demo-build.log", ["demo-bahdanau"])
+    build = BackgroundBuild(command, tmp_path / "runs" / "demo-build.log", [LATER])
     assert listed(harness) == [DEMO_DEFAULT_MODEL]
     task = asyncio.run_coroutine_threadsafe(build.run(harness.server), harness.loop)
     while not task.done():  # the first model answers while the child builds
@@ -74,18 +76,18 @@ def test_a_model_built_in_the_background_is_served_when_the_child_exits(
         assert harness.stub.Translate(request, timeout=30).translations[0].hypotheses[0].text
         time.sleep(0.2)
     task.result()
-    assert sorted(listed(harness)) == ["demo-bahdanau", DEMO_DEFAULT_MODEL]
+    assert sorted(listed(harness)) == sorted([LATER, DEMO_DEFAULT_MODEL])
     assert harness.server.repository.default_model == DEMO_DEFAULT_MODEL  # not taken over by the new model
-    request = pb2.TranslateRequest(texts=["one two"], model="demo-bahdanau")
+    request = pb2.TranslateRequest(texts=["one two"], model=LATER)
     assert harness.stub.Translate(request, timeout=30).translations[0].hypotheses[0].text
-    assert "demo-bahdanau" in build.log_path.read_text()  # the child's output
+    assert LATER in build.log_path.read_text()  # the child's output
     assert [r.getMessage() for r in demo_log] == ["building models in the background", "background build done"]
 
 
 def test_a_failed_background_build_is_logged_and_changes_nothing(
         harness: ServerHarness, tmp_path: Path, demo_log: list[logging.LogRecord]) -> None:
     command = [sys.executable, "-c", "import sys; print('out of disk'); sys.exit(3)"]
-    build = BackgroundBuild(command, tmp_path / "demo-build.log", ["demo-bahdanau"])
+    build = BackgroundBuild(command, tmp_path / "demo-build.log", [LATER])
     harness.run(build.run(harness.server))
     assert listed(harness) == [DEMO_DEFAULT_MODEL]
     assert build.log_path.read_text() == "out of disk\n"
@@ -95,7 +97,7 @@ def test_a_failed_background_build_is_logged_and_changes_nothing(
 
 def test_a_server_that_stops_first_stops_the_child(harness: ServerHarness, tmp_path: Path) -> None:
     command = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
-    build = BackgroundBuild(command, tmp_path / "demo-build.log", ["demo-bahdanau"])
+    build = BackgroundBuild(command, tmp_path / "demo-build.log", [LATER])
     task = asyncio.run_coroutine_threadsafe(build.run(harness.server), harness.loop)
     deadline = time.monotonic() + 30
     while not build.log_path.exists() or not build.log_path.read_text():
