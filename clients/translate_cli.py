@@ -219,7 +219,7 @@ def format_translation(source: str, translation: Any, *, verbose: bool, attentio
     lines = [f"> {source}"]
     for rank, hypothesis in enumerate(translation.hypotheses, start=1):
         score = f"  (score {hypothesis.score:.4f})" if hypothesis.score is not None else ""
-        lines.append(f"{rank}. {hypothesis.text}{score}")
+        lines.append(f"{rank}. {hypothesis.text or '(empty: the translation ends here)'}{score}")
         if attention and hypothesis.attention is not None:
             lines.append(f"   alignment: {hypothesis.attention.pharaoh}")
             grid = alignment_grid(hypothesis.attention, ascii_only=ascii_only, legend=legend)

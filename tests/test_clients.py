@@ -567,3 +567,14 @@ def test_cli_help_does_not_import_grpc() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent,
                    timeout=60)
 
+
+
+def test_an_empty_hypothesis_is_named_not_left_blank() -> None:
+    from clients.translate_cli import format_translation
+
+    translation = Translation(source_tokens=["one"], hypotheses=[
+        Hypothesis(text="eins", tokens=["eins"], subword_tokens=["▁eins"], score=-0.1),
+        Hypothesis(text="", tokens=[], subword_tokens=[], score=-4.2)])  # an alternative: the end of sentence
+    out = format_translation("one", translation, verbose=True, attention=False, ascii_only=True)
+    assert out.splitlines() == ["> one", "1. eins  (score -0.1000)",
+                                "2. (empty: the translation ends here)  (score -4.2000)"]
