@@ -47,10 +47,11 @@ def held_out() -> list[str]:
     return [source for source, _ in dates_split()[1]]
 
 
-def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish") -> Path:
-    """Train and save the Marian directory (``config.json``, ``model.safetensors``, tokenizer files)."""
-    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
-
+def write_tokenizer_files(directory: Path, extra_pieces: tuple[str, ...] = ()) -> list[str]:
+    """Write ``source.spm``, ``target.spm`` (trained on the dates corpus) and the shared ``vocab.json`` into
+    ``directory``; returns the vocabulary's pieces in id order. The vocabulary holds both models' pieces, so,
+    as in a real OPUS-MT vocabulary, many are unknown to ``target.spm`` (English ones); ``extra_pieces``, in
+    neither model, go before ``<pad>``."""
     train, _ = dates_split()
     directory.mkdir(parents=True, exist_ok=True)
     source_proto = _spm([s for s, _ in train], 200)
@@ -61,8 +62,18 @@ def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish
     for proto in (source_proto, target_proto):
         sp = spm.SentencePieceProcessor(model_proto=proto)
         pieces += [p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in pieces]
+    pieces += [p for p in extra_pieces if p not in pieces]
     pieces.append("<pad>")
     (directory / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}, ensure_ascii=False))
+    return pieces
+
+
+def build_marian_dir(directory: Path, steps: int = 300, activation: str = "swish") -> Path:
+    """Train and save the Marian directory (``config.json``, ``model.safetensors``, tokenizer files)."""
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    train, _ = dates_split()
+    pieces = write_tokenizer_files(directory)
     tokenizer = MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"),
                                 str(directory / "vocab.json"), source_lang="en", target_lang="de")
     pad = len(pieces) - 1

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
+import sentencepiece as spm
 
 from clients.client import TranslatorClient
 from export.options import ExportOptions
@@ -24,9 +27,13 @@ from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.manifest import read_manifest
 from nmt.model_format.tokenizer import MarianTokenizer
+from server.alignment import WORD_START, segment_words
+from server.engine import Engine
 from server.protos import pb2
+from server.search import ScoredSequence, SearchResult
+from server.types import SentenceRequest
 from tests.harness import ServerHarness
-from tests.marian import LANGUAGES, MODEL, dates_split, held_out
+from tests.marian import LANGUAGES, MODEL, dates_split, held_out, write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 LENGTH_PENALTY = 1.0
@@ -56,6 +63,42 @@ def test_tokenizer_ids_equal_marian_tokenizers(marian_dir: Path) -> None:
         assert ours.encode(source) + [ours.eos_id] == theirs(source)["input_ids"]
         ids = theirs(text_target=target)["input_ids"]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+SHARED_ONLY = ("\u2581w49772", "w49772", "\u2581Ökonomie", "<0x41>")  # in vocab.json, in neither SentencePiece model
+
+
+def lacking_ids(directory: Path, pieces: list[str], special: set[int]) -> list[int]:
+    """The ids of ``pieces`` (vocab.json's) that ``target.spm`` does not know, special ones left out."""
+    target = spm.SentencePieceProcessor(model_file=str(directory / "target.spm"))
+    return [i for i, piece in enumerate(pieces) if target.piece_to_id(piece) == target.unk_id() and i not in special]
+
+
+def random_sequences(ids: list[int], lacking: list[int], count: int, seed: int = 34) -> list[list[int]]:
+    """``count`` id sequences of 1-12 ids, about half of them ids ``target.spm`` lacks."""
+    rng = random.Random(seed)
+    return [[rng.choice(lacking if rng.random() < 0.5 else ids) for _ in range(rng.randrange(1, 13))]
+            for _ in range(count)]
+
+
+def test_detokenization_equals_marian_tokenizers_for_pieces_target_spm_lacks(tmp_path: Path) -> None:
+    """Issue 34: a shared vocabulary's pieces that ``target.spm`` lacks came back glued with their \u2581 marks."""
+    pieces = write_tokenizer_files(tmp_path, extra_pieces=SHARED_ONLY)
+    ours = MarianTokenizer.load(tmp_path)
+    theirs = transformers.MarianTokenizer(*(str(tmp_path / name) for name in MarianTokenizer.files))
+    special = {ours.eos_id, ours.unk_id, ours.pad_id}
+    lacking = lacking_ids(tmp_path, pieces, special)
+    assert len(lacking) > 50 and {pieces.index(p) for p in SHARED_ONLY} <= set(lacking)
+    w = pieces.index("\u2581w49772")
+    assert ours.decode([w] * 3) == theirs.decode([w] * 3, skip_special_tokens=True) == "w49772 w49772 w49772"
+    everything = list(range(len(pieces)))
+    for ids in [[i] for i in everything] + random_sequences(everything, lacking, 1000):
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), [pieces[i] for i in ids]
+    # the words of a hypothesis (one per piece group starting at \u2581) are the text's words
+    plain = [i for i in everything if i not in special and pieces[i] != WORD_START]
+    for ids in random_sequences(plain, [i for i in lacking if pieces[i] != WORD_START], 300):
+        tokens = ours.pieces(ids)
+        assert segment_words(tokens, ours.decode(ids)) == ours.decode(ids).split(), tokens
 
 
 def test_import_records_its_origin_and_marian_settings(marian_repository: Path, marian_dir: Path) -> None:
@@ -100,6 +143,29 @@ def test_served_equals_transformers_and_ctranslate2(marian_server: ServerHarness
     assert texts_out == [tokenizer.decode([vocab[p] for p in r.hypotheses[0]], skip_special_tokens=True)
                          for r in results]
     assert sum(a == b for a, b in zip(texts_out, references, strict=True)) >= 12  # a trained model, not noise
+
+
+def test_served_text_tokens_and_words_of_pieces_target_spm_lacks(marian_repository: Path, marian_dir: Path) -> None:
+    """The engine's detokenizer on hypotheses holding vocab.json pieces that ``target.spm`` lacks (the English
+    ones): text as ``MarianTokenizer.decode``, tokens the pieces, words and aligned words the text's words."""
+    engine = Engine.load(marian_repository / MODEL / "1", provider="cpu", intra_op_threads=1)
+    theirs = transformers.MarianTokenizer.from_pretrained(marian_dir)
+    pieces = engine.tokenizer.pieces(range(engine.manifest.vocab_size))
+    special = {engine.eos_id, engine.pad_id, engine.tokenizer.unk_id}
+    lacking = [i for i in lacking_ids(marian_dir, pieces, special) if pieces[i] != WORD_START]
+    assert "\u2581thousand" in [pieces[i] for i in lacking]
+    plain = [i for i in range(len(pieces)) if i not in special and pieces[i] != WORD_START]
+    request = SentenceRequest(source_ids=engine.tokenize(held_out()[0]), text=held_out()[0])
+    width = len(request.source_ids) + 1
+    for ids in random_sequences(plain, lacking, 200):
+        length = len(ids) + 1
+        result = SearchResult([ScoredSequence(tokens=[*ids, engine.eos_id], score=0.0, token_scores=[0.0] * length,
+                                              attention=np.full((length, width), 1 / width, dtype=np.float32))])
+        [hypothesis] = engine.to_translation(request, result).hypotheses
+        assert hypothesis.text == theirs.decode(ids, skip_special_tokens=True)
+        assert hypothesis.tokens == [pieces[i] for i in ids]
+        assert hypothesis.words == hypothesis.attention.target_words == hypothesis.text.split()
+        assert len(hypothesis.attention.alignments) == len(hypothesis.words)
 
 
 def test_target_language_inserts_the_language_token(marian_server: ServerHarness, marian_dir: Path) -> None:

@@ -25,6 +25,7 @@ from nmt.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 LANGUAGE_TOKEN = re.compile(r"^>>([^<>\s]+)<<$")  # Marian's target-language tokens, e.g. >>deu<<
+WORD_START = "\u2581"  # SentencePiece's word-boundary mark
 
 
 class Tokenizer:
@@ -172,9 +173,13 @@ class MarianTokenizer:
         return [self._pieces.get(int(i), "<unk>") for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Target text; special pieces (``<unk>`` too) are left out, as ``skip_special_tokens`` does."""
+        """Target text, as ``transformers.MarianTokenizer.decode(ids, skip_special_tokens=True)``: special pieces
+        (``<unk>`` too) are left out, the target model joins the rest, and then, as there, every ``▁`` left
+        becomes a space and the text is stripped. The target model writes pieces it does not know as they
+        are, marks included: a shared vocabulary (OPUS-MT's) holds many, the source language's."""
         special = (self.pad_id, self.eos_id, self.unk_id)
-        return self._target.decode_pieces(self.pieces(i for i in ids if int(i) not in special))
+        text = self._target.decode_pieces(self.pieces(i for i in ids if int(i) not in special))
+        return text.replace(WORD_START, " ").strip()
 
 
 AnyTokenizer = Tokenizer | MarianTokenizer
