@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from nmt.model_format.tokenizer import WORD_START
 from server.types import Attention, WordAlignment
-
-WORD_START = "\u2581"  # SentencePiece's word-boundary marker
 
 
 def word_groups(pieces: list[str]) -> list[list[int]]:

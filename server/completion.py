@@ -21,8 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nmt.model_format.tokenizer import WORD_START
+
 WORD_END = re.compile(r"\w+$")
-WORD_START = "▁"  # SentencePiece's word-boundary mark, which starts a piece that begins a word
 
 
 def split_partial_word(prefix: str) -> tuple[str, str]:

@@ -26,8 +26,8 @@ from export.pipeline import export_model
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.manifest import read_manifest
-from nmt.model_format.tokenizer import MarianTokenizer
-from server.alignment import WORD_START, segment_words
+from nmt.model_format.tokenizer import WORD_START, MarianTokenizer
+from server.alignment import segment_words
 from server.engine import Engine
 from server.protos import pb2
 from server.search import ScoredSequence, SearchResult
