@@ -536,3 +536,17 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
     with pytest.raises(NmtError, match="exclude each other"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
                                    quantize="int8", model_repository=str(tiny_repository), progress=False))
+
+
+def test_a_second_bahdanau_export_in_one_process_keeps_source_lengths_dynamic(tiny_models, tiny_runs, tmp_path):
+    """``tiny_models`` exported this run once in this process already; a second export traced the encoder's
+    source length as a constant (torch.arange over it), and its parity check then failed on other lengths."""
+    result = export_model(ExportOptions(checkpoint=str(tiny_runs["bahdanau"]), name="again",
+                                        model_repository=str(tmp_path), parity_sentences=PARITY_SENTENCES,
+                                        progress=False))
+    session = ort.InferenceSession(str(result.version_dir / "encoder.onnx"), providers=["CPUExecutionProvider"])
+    for length in (1, 5, 23):
+        src = np.full((2, length), 7, dtype=np.int64)
+        src[:, -1] = EOS_ID
+        memory = session.run(None, {"src_ids": src})[0]
+        assert memory.shape[:2] == (2, length)

@@ -47,7 +47,9 @@ class BahdanauConfig:
 
 def reverse_within_length(x: Tensor, lengths: Tensor) -> Tensor:
     """Reverse each row of ``x`` [B, S, ...] over its first ``lengths[b]`` positions; padding stays put."""
-    positions = torch.arange(x.shape[1], device=x.device)[None, :]
+    # the positions counted from the tensor, not torch.arange(x.shape[1]): a second ONNX export in one process
+    # traced that size as a constant (torch 2.13), and the exported encoder then refused other source lengths
+    positions = torch.ones_like(x[:, :, 0], dtype=torch.long).cumsum(1) - 1
     index = torch.where(positions < lengths[:, None], lengths[:, None] - 1 - positions, positions)
     return x.gather(1, index[:, :, None].expand(-1, -1, x.shape[2]))
 
