@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 DEMO_MODELS = {"demo-bahdanau": "dates-bahdanau", "demo-transformer": "dates-transformer"}
 DEMO_DEFAULT_MODEL = next(iter(DEMO_MODELS))
 BUILD_LOG = "demo-build.log"  # in the runs directory: the background build's output
+INTERRUPTED = {130, -2, -15}  # exit codes of a child stopped by SIGINT (nmt's own 130, or the signal) or SIGTERM
 
 log = logging.getLogger("nmt.demo")
 
@@ -101,6 +102,10 @@ class BackgroundBuild:
                 child.terminate()
                 await child.wait()
                 raise
+        if code in INTERRUPTED:  # Ctrl-C reaches the child too: not a failure
+            log.info("background build interrupted; a later --demo builds what it left out",
+                     extra={"fields": {**fields, "exit_code": code}})
+            return
         if code != 0:
             log.error("background build failed", extra={"fields": {**fields, "exit_code": code}})
             return

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -93,6 +94,34 @@ def test_a_failed_background_build_is_logged_and_changes_nothing(
     assert build.log_path.read_text() == "out of disk\n"
     failed = demo_log[-1]
     assert failed.levelno == logging.ERROR and failed.fields["exit_code"] == 3  # type: ignore[attr-defined]
+
+
+def test_a_child_interrupted_with_the_server_is_no_failure(harness: ServerHarness, tmp_path: Path,
+                                                           demo_log: list[logging.LogRecord]) -> None:
+    command = [sys.executable, "-m", "nmt", "serve", "--demo", "--demo-only", "--model-repository",
+               str(tmp_path / "models"), "--demo-runs", str(tmp_path / "runs")]
+    build = BackgroundBuild(command, tmp_path / "demo-build.log", [LATER])
+    task = asyncio.run_coroutine_threadsafe(build.run(harness.server), harness.loop)
+    deadline = time.monotonic() + 120
+    while "building" not in (build.log_path.read_text() if build.log_path.exists() else ""):
+        assert time.monotonic() < deadline, "the child did not start building"
+        time.sleep(0.1)
+    child = [p for p in os.listdir("/proc") if p.isdigit() and "--demo-only" in _cmdline(p) and str(tmp_path) in
+             _cmdline(p)]
+    assert len(child) == 1
+    os.kill(int(child[0]), signal.SIGINT)  # what Ctrl-C in the terminal sends the whole process group
+    task.result(timeout=60)
+    assert listed(harness) == [DEMO_DEFAULT_MODEL]
+    stopped = demo_log[-1]
+    assert stopped.levelno == logging.INFO and "interrupted" in stopped.getMessage()
+    assert stopped.fields["exit_code"] == 130  # type: ignore[attr-defined]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_a_server_that_stops_first_stops_the_child(harness: ServerHarness, tmp_path: Path) -> None:
