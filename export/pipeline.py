@@ -206,7 +206,8 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
         raise NmtError(
             f"ONNX parity check failed: max log-prob diff {parity.max_logit_diff:.2e}, max attention diff "
             f"{parity.max_attention_diff:.2e}, max forced-pass diff {parity.max_forced_diff or 0:.2e} "
-            f"(tolerance {options.parity_tolerance:g}), greedy "
+            f"(log-probabilities as |onnx - torch| / max(1, |torch|), attention and cache absolute; tolerance "
+            f"{options.parity_tolerance:g}, --parity-tolerance relaxes it), greedy "
             f"{parity.greedy_match[0]}/{parity.greedy_match[1]}, beam-4 {parity.beam4_match[0]}/"
             f"{parity.beam4_match[1]} identical" + (f"; {details}" if details else "")
         )

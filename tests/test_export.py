@@ -25,11 +25,11 @@ from export.verify import check_parity, engine_step_log_probs, engine_translate_
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
 from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
-from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest
+from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from server.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
-from training.models.checkpoint import load_checkpoint
+from training.models.checkpoint import load_checkpoint, save_checkpoint
 from training.search import translate_ids
 
 PARITY_SENTENCES = 8
@@ -550,3 +550,50 @@ def test_a_second_bahdanau_export_in_one_process_keeps_source_lengths_dynamic(ti
         src[:, -1] = EOS_ID
         memory = session.run(None, {"src_ids": src})[0]
         assert memory.shape[:2] == (2, length)
+
+
+def confident_copy(run, directory):
+    """``run`` with half its vocabulary pushed to log-probabilities of -2,000 to -4,000 (``final_logits_bias``), as
+    a confident model puts most of a large vocabulary far down: one float32 step there is 1.2e-4 to 2.4e-4."""
+    shutil.copytree(run, directory)
+    model, _ = load_checkpoint(directory / "best.pt")
+    bias = -(2000 + 2000 * torch.rand(model.final_logits_bias.shape, generator=torch.Generator().manual_seed(0)))
+    bias[:, : model.config.vocab_size // 2] = 0
+    with torch.no_grad():
+        model.final_logits_bias.copy_(bias)
+    save_checkpoint(directory / "best.pt", model, step=1, valid_bleu=50.0)
+    return directory, model
+
+
+def test_a_confident_model_passes_parity_and_a_corrupted_graph_fails(tiny_runs, tmp_path):
+    """Compared absolutely, this model's log-probabilities differed by 2.4e-4 and its export was refused; relative
+    to their magnitude beyond 1 they differ by ~1e-6. A graph with one weight matrix scaled by 1 % still fails."""
+    run, model = confident_copy(tiny_runs["transformer"], tmp_path / "run")
+    result = export_model(ExportOptions(checkpoint=str(run), name="confident", model_repository=str(tmp_path / "m"),
+                                        parity_sentences=PARITY_SENTENCES, progress=False))
+    assert result.manifest.parity["max_logit_diff"] <= LOGIT_TOLERANCE
+    assert result.manifest.parity["max_forced_diff"] <= LOGIT_TOLERANCE
+
+    broken = tmp_path / "broken"
+    shutil.copytree(result.version_dir, broken)
+    decoder = onnx.load(str(broken / "decoder.onnx"))
+    weight = max((t for t in decoder.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2),
+                 key=lambda t: np.prod(t.dims))
+    weight.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(weight) * 1.01, weight.name))
+    onnx.save(decoder, str(broken / "decoder.onnx"))
+    manifest = json.loads((broken / MANIFEST_FILE).read_text())
+    manifest["files"]["decoder.onnx"] = sha256_file(broken / "decoder.onnx")  # a wrong graph, not a damaged file
+    (broken / MANIFEST_FILE).write_text(json.dumps(manifest))
+    sources, targets = held_out_ids(tiny_runs["transformer"])
+    report = check_parity(model, Engine.load(broken, provider="cpu"), sources, targets)
+    assert report.max_logit_diff > 10 * LOGIT_TOLERANCE and not report.ok()
+
+
+def test_a_refused_export_names_the_measure_and_the_way_out(tiny_runs, tmp_path):
+    with pytest.raises(NmtError) as refused:
+        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="strict",
+                                   model_repository=str(tmp_path), parity_sentences=2, parity_tolerance=1e-12,
+                                   progress=False))
+    message = str(refused.value)
+    assert "|onnx - torch| / max(1, |torch|)" in message and "--parity-tolerance relaxes it" in message
+    assert not (tmp_path / "strict").exists() or not any((tmp_path / "strict").iterdir())
