@@ -105,11 +105,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     missing = missing_demo_models(config.model_repository)
-    if args.demo_only:
-        now, later = missing, []
-    else:  # the first model before serving (unless one is there), the others while it serves
-        first = len(missing) == len(DEMO_MODELS)
-        now, later = missing[: int(first)], missing[int(first):]
+    nothing_to_serve = len(missing) == len(DEMO_MODELS)  # else one is there to serve while the rest builds
+    now = missing if args.demo_only else missing[:1] if nothing_to_serve else []
+    later = missing[len(now):]
     build_demo(config.model_repository, args.demo_runs, now)
     if args.demo_only:
         print(f"demo models ready in {config.model_repository}: "
