@@ -64,10 +64,10 @@ import numpy as np
 
 from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
 from server.decode import RunningDecode
-from server.engine import SourceBatch
+from server.engine import SourceBatch, generated_tokens
 from server.forced import admit, decode, runs_apart
-from server.search import BeamSentence
-from server.types import SentenceRequest, Translation
+from server.search import BeamSentence, SearchResult
+from server.types import SentenceRequest
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Progress:
     source: SourceBatch | None = None  # the admitted sentences' (None: none admitted)
 
 
-Finished = list[tuple[Any, "Translation | None", int]]  # (tag, translation or None if cancelled, generated tokens)
+Finished = list[tuple[Any, "SearchResult | None"]]  # (tag, search result or None if cancelled)
 
 
 class RunningBatch:
@@ -100,7 +100,7 @@ class RunningBatch:
     def advance(self, requests: Sequence[SentenceRequest], tags: Sequence[Any], until: Callable[[], bool],
                 deliver: Callable[[Finished], None]) -> Progress:
         """Admit ``requests`` (one encoder call), then decode steps until the decode is empty or ``until()``
-        is true; the sentences that leave go to ``deliver`` with their translations after each step."""
+        is true; the sentences that leave go to ``deliver`` with their search results after each step."""
         progress = Progress()
         engine = self.engine
         try:
@@ -120,9 +120,7 @@ class RunningBatch:
                 progress.steps += 1
                 if left:
                     self.left += len(left)
-                    deliver([(tag, None, 0) if result is None else (
-                        tag, engine.to_translation(request, result), sum(len(h.tokens) for h in result.hypotheses))
-                        for (tag, request), result in left])
+                    deliver([(tag, result) for (tag, _request), result in left])
                 if until():
                     break
             progress.decode_seconds = time.perf_counter() - start
@@ -143,9 +141,7 @@ class RunningBatch:
         results = decode(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
                          start_id=engine.start_id, eos_id=engine.eos_id, pad_id=engine.pad_id)
         self.left += len(apart)
-        deliver([(tagged[i][0], None, 0) if result is None else (
-            tagged[i][0], engine.to_translation(tagged[i][1], result), sum(len(h.tokens) for h in result.hypotheses))
-            for i, result in zip(apart, results, strict=True)])
+        deliver([(tagged[i][0], result) for i, result in zip(apart, results, strict=True)])
         rest = [i for i in range(len(sentences)) if i not in set(apart)]
         encoded = model.select_rows(encoded, np.array(rest, dtype=np.int64)) if rest else {}
         return encoded, [sentences[i] for i in rest], [tagged[i] for i in rest]
@@ -213,11 +209,11 @@ class ContinuousBatcher:
         """Resolve the sentences that left the decode (on the event loop, as soon as they left)."""
         s = self.scheduler
         m, labels = s.metrics, s.labels
-        for pending, translation, generated in finished:
+        for pending, result in finished:
             if pending not in s._running:
                 continue  # the decode failed meanwhile and its requests were answered
             s._running.remove(pending)
-            if translation is None:
+            if result is None:
                 s.cancelled_sentences += 1
                 self._cancelled = True
                 resolve(pending, error=pending.request.error())
@@ -225,9 +221,9 @@ class ContinuousBatcher:
                     m.cancelled_sentences.labels(*labels).inc()
             else:
                 self._cost_done += pending.cost
-                resolve(pending, result=translation)
+                resolve(pending, result=result)
                 if m is not None:
-                    m.generated_tokens.labels(*labels).inc(generated)
+                    m.generated_tokens.labels(*labels).inc(generated_tokens(result))
         if not s._running:
             s._free_since = time.monotonic()
             s._notify_idle()

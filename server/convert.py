@@ -98,14 +98,14 @@ def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> An
         target_language=str(model.manifest_value("target_language")),
         is_default=is_default,
         is_latest=model.is_latest,
-        execution_provider=str(getattr(model.engine, "provider", "")),
+        execution_provider=model.provider,
         precision=str(model.manifest_value("precision")),
         default_beam_size=min(int(defaults.get("beam_size", 1) or 1), max_beam),
         max_beam_size=max_beam,
         test_bleu=float(bleu) if isinstance(bleu, int | float) else 0.0,
         training_corpus=str(training.get("corpus") or ""),
-        device=str(getattr(model.engine, "device", "")),
-        onnxruntime_build=str(getattr(model.engine, "runtime_build", "")),
+        device=model.device,
+        onnxruntime_build=model.runtime_build,
         target_languages=list(model.manifest_value("target_languages", [])),
     )
 

@@ -14,10 +14,9 @@ The provider an :class:`Engine` reports is the one its sessions really got (:mod
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,7 @@ import onnxruntime as ort
 from nmt.errors import NmtError
 from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
-from server.alignment import merge_to_words, segment_words
-from server.completion import Completion, WordPieces, build_completion, piece_index, split_partial_word
+from server.completion import Completion
 from server.device import (
     CUDA,
     DeviceSettings,
@@ -38,11 +36,12 @@ from server.device import (
     session_provider,
 )
 from server.device_step_model import DeviceStepModel
-from server.errors import DeviceMemoryExhausted, InvalidArgument
+from server.errors import DeviceMemoryExhausted
 from server.forced import decode
 from server.search import Alternatives, BeamSentence, SearchResult
 from server.step_models import OnnxStepModel
-from server.types import DecodingOptions, Hypothesis, SentenceRequest, TargetPrefix, Translation
+from server.text import TextCodec
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
 
 ENCODER_CALL_TOKENS = 64  # the cost of one more encoder call, in padded source tokens (length_runs; the
 # demo models measured 8-128 alike from 8 sentences up, and 64 no slower than one call for 2 sentences)
@@ -64,15 +63,21 @@ class SourceBatch:
 
 @dataclass
 class BatchResult:
-    """What one :meth:`Engine.translate_batch` call produced and cost."""
+    """What one :meth:`Engine.search_batch` call produced and cost."""
 
-    translations: list[Translation | None]  # None for sentences cancelled mid-way
+    results: list[SearchResult | None]  # None for sentences cancelled mid-way
     encode_seconds: float
     decode_seconds: float
     generated_tokens: int
     source_tokens: int
     padding_ratio: float  # padded positions / all positions the encoder ran over (see SourceBatch)
     cancelled: int  # sentences that left the batch because their request was cancelled or expired
+    translations: list[Translation | None] = field(default_factory=list)  # detokenized (translate_batch only)
+
+
+def generated_tokens(result: SearchResult) -> int:
+    """Target tokens of a sentence's returned hypotheses (what ``nmt_generated_tokens_total`` counts)."""
+    return sum(len(h.tokens) for h in result.hypotheses)
 
 
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:
@@ -105,7 +110,8 @@ class Engine:
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
         self.has_logits = model.has_logits  # False: exported before the logits output, no repetition_penalty
-        self.words = WordPieces(tokenizer.pieces(range(manifest.vocab_size)), self.eos_id)  # which ids start a word
+        self.text = TextCodec(manifest, tokenizer)
+        self.words = self.text.words  # which ids start a word (alternatives)
 
     @classmethod
     def load(
@@ -161,41 +167,16 @@ class Engine:
         return cls(manifest, tokenizer, model, got, device_id=device_id)
 
     def tokenize(self, text: str) -> list[int]:
-        """Subword ids of ``text`` (EOS excluded)."""
-        return self.tokenizer.encode(text)
+        """Subword ids of ``text`` (EOS excluded): :meth:`server.text.TextCodec.tokenize`."""
+        return self.text.tokenize(text)
 
     def target_prefix(self, text: str, *, whole: bool = False) -> TargetPrefix:
-        """A target prefix, tokenized: when it ends inside a word (no whitespace or punctuation at its end),
-        the text before that word is forced and the word is completed (:mod:`server.completion`); a word no
-        pieces spell, and a ``whole`` translation (Score), are tokenized as they are. Whether it ends with
-        whitespace is kept beside its pieces (the tokenizer drops it): alternatives then start a word."""
-        head, word = ("", "") if whole else split_partial_word(text)
-        if word:
-            ids = self.tokenizer.encode_target(head) if head.strip() else []
-            completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._piece_index)
-            if completion is not None:
-                return TargetPrefix(tuple(ids), completion)
-        return TargetPrefix(tuple(self.tokenizer.encode_target(text)), spaced=not whole and text[-1:].isspace())
-
-    @functools.cached_property
-    def _piece_index(self) -> dict[str, list[tuple[int, str]]]:
-        """The target pieces a partial word is spelt with (not padding, start, end or unknown)."""
-        ids = self.manifest.special_ids
-        special = {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
-        return piece_index(self.tokenizer.pieces(range(self.manifest.vocab_size)), special)
+        """:meth:`server.text.TextCodec.target_prefix`."""
+        return self.text.target_prefix(text, whole=whole)
 
     def language_prefix(self, language: str) -> list[int]:
-        """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
-        Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
-        languages = self.manifest.target_languages
-        if not language or (not languages and language == self.manifest.target_language):
-            return []
-        token = self.tokenizer.language_id(language) if languages else None
-        if token is None:
-            known = ", ".join(languages or [self.manifest.target_language])
-            raise InvalidArgument(f"target_language {language!r} is not served by {self.manifest.name}; "
-                                  f"choose {known}")
-        return [token]
+        """:meth:`server.text.TextCodec.language_prefix`."""
+        return self.text.language_prefix(language)
 
     def default_options(self) -> DecodingOptions:
         defaults = self.manifest.defaults
@@ -214,8 +195,16 @@ class Engine:
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
+        """:meth:`search_batch`, then each result detokenized (``translations``), for scripts and tests; the
+        server detokenizes where the request came in (:mod:`server.translate`)."""
+        result = self.search_batch(requests)
+        result.translations = [None if r is None else self.to_translation(request, r)
+                               for request, r in zip(requests, result.results, strict=True)]
+        return result
+
+    def search_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
         """Decode sentences together (a running decode that admits them all at its first step); their
-        options may differ. Cancelled sentences leave the batch between steps."""
+        options may differ. Cancelled sentences leave the batch between steps (their result is None)."""
         if not requests:
             return BatchResult([], 0.0, 0.0, 0, 0, 0.0, 0)
         try:
@@ -225,15 +214,11 @@ class Engine:
             if exhausted is None:
                 raise
             raise exhausted from error
-        translations = [
-            None if result is None else self.to_translation(request, result)
-            for request, result in zip(requests, results, strict=True)
-        ]
         return BatchResult(
-            translations=translations,
+            results=results,
             encode_seconds=encode_seconds,
             decode_seconds=decode_seconds,
-            generated_tokens=sum(len(h.tokens) for r in results if r is not None for h in r.hypotheses),
+            generated_tokens=sum(generated_tokens(r) for r in results if r is not None),
             source_tokens=source.tokens,
             padding_ratio=source.padding_ratio,
             cancelled=sum(r is None for r in results),
@@ -323,32 +308,8 @@ class Engine:
         return merged, sum(len(rows) * width for rows, width in zip(runs, widths, strict=True))
 
     def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
-        """Detokenize one sentence's result: pieces, text and words (computed once here, see
-        :func:`server.alignment.segment_words`) and word-level attention over those same words."""
-        source_pieces = self.tokenizer.pieces(request.source_ids)
-        source_words = segment_words(source_pieces, request.text)
-        hypotheses = []
-        for hyp in result.hypotheses:
-            ids = hyp.tokens[:-1] if hyp.tokens and hyp.tokens[-1] == self.eos_id else hyp.tokens
-            pieces = self.tokenizer.pieces(ids)
-            text = self.tokenizer.decode(ids)
-            words = segment_words(pieces, text)
-            attention = None
-            if hyp.attention is not None:
-                attention = merge_to_words(hyp.attention[:, : len(source_pieces) + 1], source_pieces, pieces,
-                                           source_words, words)
-            hypotheses.append(
-                Hypothesis(
-                    text=text,
-                    tokens=pieces,
-                    words=words,
-                    token_ids=list(ids),
-                    score=hyp.score,
-                    token_scores=hyp.token_scores,
-                    attention=attention,
-                )
-            )
-        return Translation(source_tokens=source_pieces, source_words=source_words, hypotheses=hypotheses)
+        """:meth:`server.text.TextCodec.to_translation`."""
+        return self.text.to_translation(request, result)
 
 
 def length_runs(lengths: np.ndarray, call_tokens: int) -> list[np.ndarray]:

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -44,9 +44,13 @@ from typing import Any
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions, version_key
+from server.admission import RequestHandle
 from server.errors import NotFound
 from server.metrics import ServerMetrics
 from server.scheduler import BatchPolicy, ModelScheduler, smoke_test
+from server.search import SearchResult
+from server.text import TextCodec
+from server.types import SentenceRequest
 
 log = logging.getLogger("nmt.server")
 
@@ -111,6 +115,34 @@ class ModelVersion:
     @property
     def manifest(self) -> Any:
         return self.engine.manifest
+
+    @property
+    def codec(self) -> TextCodec:
+        """The text side (tokenizer and manifest) of the engine."""
+        return self.engine.text
+
+    async def submit(self, sentences: Sequence[SentenceRequest], work: Sequence[int],
+                     request: RequestHandle) -> list[SearchResult]:
+        """:meth:`server.scheduler.ModelScheduler.submit` of this version's scheduler."""
+        return await self.scheduler.submit(sentences, work, request)
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether the decoder has the logits output (the repetition penalty needs it)."""
+        return bool(getattr(self.engine, "has_logits", True))
+
+    @property
+    def provider(self) -> str:
+        """The execution provider the sessions run on."""
+        return str(getattr(self.engine, "provider", ""))
+
+    @property
+    def device(self) -> str:
+        return str(getattr(self.engine, "device", ""))
+
+    @property
+    def runtime_build(self) -> str:
+        return str(getattr(self.engine, "runtime_build", ""))
 
     def manifest_value(self, attribute: str, default: Any = "") -> Any:
         value = getattr(self.manifest, attribute, None)

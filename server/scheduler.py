@@ -1,12 +1,12 @@
 """Dynamic batching of sentences for one model version, with cancellation and deadline-aware admission.
 
-The one way into a model version: the servicer hands a request's texts, resolved options and
-:class:`RequestHandle` to :meth:`ModelScheduler.translate`, which tokenizes the texts (on a worker
-thread when the request is large), refuses a text over the token limit and queues them as sentences
-in this model version's queue. One batcher task forms batches and runs :meth:`Engine.translate_batch`
-on the version's own single worker thread, so the event loop never blocks on inference and one
-version's batches never overlap. Results go back to each request's futures and are reassembled in
-request order.
+The one way into a model version: :func:`server.translate.translate_texts` tokenizes a request's texts
+and hands the sentences (token ids, resolved options, target prefixes) and the request's
+:class:`RequestHandle` to :meth:`ModelScheduler.submit` (in this process, or in the engine core through
+:mod:`server.ipc`), which queues them in this model version's queue. One batcher task forms batches
+and runs :meth:`Engine.search_batch` on the version's own single worker thread, so the event loop never
+blocks on inference and one version's batches never overlap. Search results (token ids, scores,
+attention) go back to each request's futures, in request order; the caller detokenizes them.
 
 Continuous batching
     With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
@@ -16,7 +16,7 @@ Continuous batching
     metrics below are shared; the batch key, ``max_wait`` and ``batch_work`` apply to static batches only.
 
 Bounded work
-    Before queueing, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
+    Before submitting, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
     decoder work (row-steps: beam size x longest allowed output, summed over its texts) exceeds
     ``max_request_work`` or whose response could exceed ``max_response_bytes``. A batch holds at most
     ``batch_work`` row-steps (its most urgent sentence always goes in), so no batch holds the worker
@@ -91,13 +91,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from server.admission import BatchPolicy, Pending, RequestHandle, by_request, form_batch, resolve
 from server.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
-from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
-from server.validation import check_budget, tokenize_texts
+from server.search import SearchResult
+from server.types import DecodingOptions, SentenceRequest
 
 log = logging.getLogger("nmt.server")
 
@@ -110,11 +111,9 @@ SMOKE_OPTIONS = DecodingOptions(beam_size=1, num_hypotheses=1, max_length=8)
 def smoke_test(engine: Any) -> None:
     """Translate :data:`SMOKE_TEXT` greedily through ``engine``; raise unless it yields a hypothesis (blocking)."""
     ids = engine.tokenize(SMOKE_TEXT)
-    result = engine.translate_batch([SentenceRequest(list(ids), SMOKE_OPTIONS, None, SMOKE_TEXT)])
-    translations = list(result.translations)
-    if len(translations) != 1 or translations[0] is None or not translations[0].hypotheses:
+    results = list(engine.search_batch([SentenceRequest(list(ids), SMOKE_OPTIONS, None, SMOKE_TEXT)]).results)
+    if len(results) != 1 or results[0] is None or not results[0].hypotheses:
         raise RuntimeError(f"the engine returned no translation of {SMOKE_TEXT!r}")
-TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
 
 class ModelScheduler:
@@ -197,45 +196,30 @@ class ModelScheduler:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    async def translate(
-        self, texts: Sequence[str], options: DecodingOptions, request: RequestHandle | None = None, *,
-        prefix: Sequence[int] = (), target_prefixes: Sequence[TargetPrefix] = (),
-    ) -> list[Translation]:
-        """Translate the texts of one request: tokenize them (on a worker thread when the request is
-        large) and put ``prefix`` (a target-language token, :meth:`Engine.language_prefix`) before each,
-        force each text's decoding through its ``target_prefixes`` (none, or one per text),
-        refuse a text over ``policy.max_tokens`` tokens and a request over the work or response-size
-        budget, queue them as sentences and return their translations in order."""
-        policy = self.policy
-        limit = policy.max_tokens
-
-        def tokenize(text: str) -> list[int]:
-            return [*prefix, *self.engine.tokenize(text)]
-
-        if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
-            sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, limit)
-        else:
-            sources = tokenize_texts(texts, tokenize, limit)
-        forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
-        work = check_budget(texts, sources, options, piece_bytes=self.engine.tokenizer.max_piece_bytes,
-                            max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
-                            prefix_steps=[target.steps() for target in forced])
+    async def submit(self, sentences: Sequence[SentenceRequest], work: Sequence[int],
+                     request: RequestHandle | None = None) -> list[SearchResult]:
+        """Decode the tokenized sentences of one request (``work``: each one's decoder row-steps at most,
+        :func:`server.validation.check_budget`) and return their search results in order. Refuses the
+        request whole when the queue cannot hold it (RESOURCE_EXHAUSTED) or its deadline cannot be met
+        (DEADLINE_EXCEEDED); the request's cancellation withdraws its queued sentences and stops its
+        running ones at the next step. Tokenizing and detokenizing are the caller's
+        (:func:`server.translate.translate_texts`)."""
         request = request or RequestHandle()
         if self._closed:
             raise Unavailable("server is shutting down")
         if request.is_cancelled():
             raise request.error()
-        if len(self._queue) + len(sources) > self.policy.queue_size:
+        if len(self._queue) + len(sentences) > self.policy.queue_size:
             raise ResourceExhausted(
                 f"queue full for model {self.labels[0]} version {self.labels[1]}: {len(self._queue)} sentences "
-                f"queued, limit {self.policy.queue_size}; this request has {len(sources)}; retry later")
+                f"queued, limit {self.policy.queue_size}; this request has {len(sentences)}; retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         steps = 0 if self._continuous is None else self._continuous.batch.steps
         pendings = [
-            Pending(request, SentenceRequest(ids, options, request.is_cancelled, text, target_prefix=target),
-                    len(ids) + 1, units, loop.create_future(), now, next(self._seq), steps)
-            for ids, text, units, target in zip(sources, texts, work, forced, strict=True)
+            Pending(request, replace(sentence, is_cancelled=request.is_cancelled), len(sentence.source_ids) + 1,
+                    units, loop.create_future(), now, next(self._seq), steps)
+            for sentence, units in zip(sentences, work, strict=True)
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
         self._queue.extend(pendings)
@@ -398,19 +382,19 @@ class ModelScheduler:
         """Decode ``batch`` on the worker thread and resolve its futures; return the error when it failed."""
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.engine.translate_batch, [p.sentence for p in batch])
-            if len(result.translations) != len(batch):
-                raise RuntimeError(f"the engine returned {len(result.translations)} results for {len(batch)} "
+                self._executor, self.engine.search_batch, [p.sentence for p in batch])
+            if len(result.results) != len(batch):
+                raise RuntimeError(f"the engine returned {len(result.results)} results for {len(batch)} "
                                    "sentences")
         except Exception as error:  # noqa: BLE001 - a failing batch fails its requests, not the batcher
             return error
         self.failures = 0
         self._record(batch, result)
-        for p, translation in zip(batch, result.translations, strict=True):
-            if translation is None:
+        for p, searched in zip(batch, result.results, strict=True):
+            if searched is None:
                 resolve(p, error=p.request.error())
             else:
-                resolve(p, result=translation)
+                resolve(p, result=searched)
         return None
 
     async def _fail(self, group: list[Pending], error: Exception) -> None:

@@ -2,10 +2,12 @@
 
 A handler reads as from_pb -> work -> to_pb: :mod:`server.convert` turns the ``TranslateRequest`` into
 a :class:`server.types.TranslateCall` and the translations into the response; :mod:`server.validation`
-checks the call against the configured limits and the model's defaults; the resolved model version's
-scheduler tokenizes and translates. The handler holds the version (:meth:`ModelRepository.acquire`)
-until the response is built, so hot reload never closes a version under a request. Every handler is
-wrapped by :func:`server.errors.grpc_errors`, so they simply raise typed errors.
+checks the call against the configured limits and the model's defaults;
+:func:`server.translate.translate_texts` tokenizes, decodes through the resolved model version's
+scheduler (in this process or in the engine core) and detokenizes. The handler holds the version
+(:meth:`ModelRepository.acquire`) until the response is built, so hot reload never closes a version
+under a request. Every handler is wrapped by :func:`server.errors.grpc_errors`, so they simply raise
+typed errors.
 
 Request ids, log lines, request metrics and the in-flight count are the interceptor's
 (:mod:`server.interceptor`); a handler only writes the model version it resolved and the number of
@@ -25,12 +27,13 @@ from typing import Any
 import grpc
 
 from nmt.model_format.decoding import normalized_score
+from server.admission import BatchPolicy, RequestHandle
 from server.config import ServerConfig
 from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
 from server.repository import ModelRepository
-from server.scheduler import RequestHandle
+from server.translate import translate_texts
 from server.types import TranslateCall, Translation
 from server.validation import check_texts, resolve_options, target_prefixes
 
@@ -45,6 +48,7 @@ class TranslatorService:
     def __init__(self, *, repository: ModelRepository, config: ServerConfig) -> None:
         self.repository = repository
         self.config = config
+        self.policy = BatchPolicy.from_config(config)  # the token, work and response limits of a request
         self.draining = False
         self._draining = asyncio.Event()
 
@@ -150,16 +154,17 @@ class TranslatorService:
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
             record.model, record.version = model.name, model.version
+            codec = model.codec
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
-                                      target_ids=model.engine.tokenizer.encode_target,
-                                      unk_id=model.engine.tokenizer.unk_id, logits=model.engine.has_logits)
-            prefix = model.engine.language_prefix(call.target_language) if call.target_language else []
+                                      target_ids=codec.tokenizer.encode_target, unk_id=codec.tokenizer.unk_id,
+                                      logits=model.has_logits)
+            prefix = codec.language_prefix(call.target_language) if call.target_language else []
             forced = target_prefixes(call.texts, call.target_prefixes,
-                                     lambda text, whole: model.engine.target_prefix(text, whole=whole),  # if any
-                                     options.max_length, end_id=model.engine.eos_id if call.score else None)
+                                     lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
+                                     options.max_length, end_id=codec.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
-            translations = await model.scheduler.translate(call.texts, options, handle, prefix=prefix,
-                                                           target_prefixes=forced)
+            translations = await translate_texts(codec, model.submit, call.texts, options, handle,
+                                                 policy=self.policy, prefix=prefix, target_prefixes=forced)
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
             return to_pb(translations, model, call.options)

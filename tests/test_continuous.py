@@ -326,9 +326,11 @@ def test_given_tokens_in_a_running_decode_equal_the_static_path(arch, engines):
     assert joining[5].target_prefix.completion is not None
 
     batch, delivered = RunningBatch(engine), {}
+    requests = dict(zip(["long-1", "long-4", *[f"joining-{i}" for i in range(len(joining))]], [*long, *joining],
+                        strict=True))
 
     def deliver(finished):
-        delivered.update({tag: translation for tag, translation, _ in finished})
+        delivered.update({tag: engine.to_translation(requests[tag], result) for tag, result in finished})
 
     batch.advance(long, ["long-1", "long-4"], lambda: batch.steps >= 3, deliver)
     assert batch.decode.rows > 0 and not delivered  # running when the others join

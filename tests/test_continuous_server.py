@@ -24,6 +24,7 @@ from server.engine import Engine
 from server.errors import Cancelled, DeadlineExceeded, Internal
 from server.protos import pb2
 from server.scheduler import ModelScheduler
+from server.translate import translate_texts
 from server.types import DecodingOptions, SentenceRequest
 from tests.harness import ServerHarness
 from tests.test_server import default_loader, test_config, wait_for
@@ -90,6 +91,12 @@ async def until(condition: Any, timeout: float = 10) -> None:
         await asyncio.sleep(0.005)
 
 
+def translate(scheduler: ModelScheduler, texts: list[str], options: DecodingOptions,
+              request: RequestHandle | None = None) -> Any:
+    """The texts through ``scheduler`` as the servicer sends them (tokenized, submitted, detokenized)."""
+    return translate_texts(scheduler.engine.text, scheduler.submit, texts, options, request)
+
+
 def continuous(engine: Engine, **policy: Any) -> ModelScheduler:
     return ModelScheduler(engine, policy=BatchPolicy(batching="continuous", **policy))
 
@@ -141,7 +148,7 @@ def test_a_model_without_per_row_positions_batches_statically(tiny_models: dict[
     async def scenario() -> tuple[str, Any]:
         scheduler = ModelScheduler(engine, policy=BatchPolicy(batching="continuous"), model="old", version="1")
         scheduler.start()
-        result = await asyncio.gather(*(scheduler.translate([t], DecodingOptions()) for t in SHORT))
+        result = await asyncio.gather(*(translate(scheduler, [t], DecodingOptions()) for t in SHORT))
         await scheduler.close(timeout=5)
         return scheduler.batching, result
 
@@ -162,7 +169,7 @@ def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[
         done: list[str] = []
 
         async def call(name: str, text: str, options: DecodingOptions) -> Any:
-            [translation] = await scheduler.translate([text], options)
+            [translation] = await translate(scheduler, [text], options)
             done.append(name)
             return translation
 
@@ -189,8 +196,8 @@ def test_cancelled_and_expired_requests_free_their_rows(tiny_models: dict[str, P
         scheduler = continuous(engine)
         scheduler.start()
         handle = RequestHandle()
-        cancelled = asyncio.ensure_future(scheduler.translate([LONG], long_options(4), handle))
-        expired = asyncio.ensure_future(scheduler.translate([LONG], long_options(2), RequestHandle.with_timeout(0.3)))
+        cancelled = asyncio.ensure_future(translate(scheduler, [LONG], long_options(4), handle))
+        expired = asyncio.ensure_future(translate(scheduler, [LONG], long_options(2), RequestHandle.with_timeout(0.3)))
         decode = scheduler._continuous.batch.decode
         await until(lambda: decode.rows >= 6)
         handle.cancel()
@@ -212,7 +219,7 @@ def test_rows_are_bounded_and_reused(tiny_models: dict[str, Path]) -> None:
         scheduler = continuous(engine, max_batch_rows=6)
         scheduler.start()
         texts = [LONG, *SHORT] * 2
-        results = await asyncio.gather(*(scheduler.translate([t], long_options(2) if t == LONG else
+        results = await asyncio.gather(*(translate(scheduler, [t], long_options(2) if t == LONG else
                                                              DecodingOptions(beam_size=2)) for t in texts))
         await scheduler.close(timeout=5)
         return [r[0] for r in results]
@@ -233,11 +240,11 @@ def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path]
     async def scenario() -> list[Any]:
         scheduler = continuous(engine)
         scheduler.start()
-        long = asyncio.ensure_future(scheduler.translate([LONG], long_options(2)))
+        long = asyncio.ensure_future(translate(scheduler, [LONG], long_options(2)))
         await until(lambda: scheduler._continuous.batch.steps)
-        calls = [scheduler.translate(["nine nine nine nine nine"], DecodingOptions(),
+        calls = [translate(scheduler, ["nine nine nine nine nine"], DecodingOptions(),
                                      RequestHandle(request_id="poisoned-1")),
-                 *(scheduler.translate([t], DecodingOptions()) for t in SHORT)]
+                 *(translate(scheduler, [t], DecodingOptions()) for t in SHORT)]
         outcomes = await asyncio.gather(long, *calls, return_exceptions=True)
         await scheduler.close(timeout=5)
         return outcomes

@@ -34,6 +34,7 @@ from tests.test_server import (
     _pending,
     default_loader,
     rpc_error,
+    submit_one,
     test_config,
     translate,
     wait_for,
@@ -268,7 +269,7 @@ def test_earliest_deadline_first() -> None:
         order: list[str] = []
 
         async def call(name: str, timeout: float | None) -> None:
-            await scheduler.translate([name], options, RequestHandle.with_timeout(timeout))
+            await submit_one(scheduler, options, RequestHandle.with_timeout(timeout))
             order.append(name)
 
         blocker = asyncio.ensure_future(call("blocker", None))
@@ -293,14 +294,14 @@ class PoisonEngine(SlowEngine):
         self.tried: list[list[str]] = []
         self.release = threading.Event()
 
-    def translate_batch(self, requests: Any) -> Any:
+    def search_batch(self, requests: Any) -> Any:
         texts = [r.text for r in requests]
         self.tried.append(texts)
         if "hold" in texts:
             self.release.wait(30)
         if "poison" in texts:
             raise RuntimeError("injected fault: session run failed")
-        return self.engine.translate_batch(requests)
+        return self.engine.search_batch(requests)
 
 
 def test_fault_in_one_sentence_fails_only_its_request(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -337,10 +338,10 @@ class BreakableEngine(SlowEngine):
         super().__init__(engine, poll_seconds=0.0)
         self.broken = False
 
-    def translate_batch(self, requests: Any) -> Any:
+    def search_batch(self, requests: Any) -> Any:
         if self.broken:
             raise RuntimeError("injected fault: the session is broken")
-        return self.engine.translate_batch(requests)
+        return self.engine.search_batch(requests)
 
 
 def test_a_broken_engine_is_marked_not_serving_and_reloaded(repository: Path,
@@ -388,7 +389,7 @@ def test_closing_a_scheduler_answers_the_running_batch() -> None:
     async def scenario() -> list[BaseException | list]:
         scheduler = ModelScheduler(RecordingEngine(seconds=0.5), policy=BatchPolicy(max_batch_sentences=1))
         scheduler.start()
-        calls = [asyncio.ensure_future(scheduler.translate([text], DecodingOptions())) for text in ("a", "b")]
+        calls = [asyncio.ensure_future(submit_one(scheduler, DecodingOptions())) for _ in ("a", "b")]
         await asyncio.sleep(0.1)  # "a" is running, "b" queued
         await asyncio.wait_for(scheduler.close(timeout=0), 5)
         return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)

@@ -284,7 +284,7 @@ def test_failing_smoke_translation_refuses_the_version(repo: Path, version_dir: 
         def tokenize(self, text: str) -> list[int]:
             return self.engine.tokenize(text)
 
-        def translate_batch(self, requests: Any) -> Any:
+        def search_batch(self, requests: Any) -> Any:
             raise RuntimeError("session failed")
 
     h = serve(repo, wrapping_loader(lambda e: e if e.manifest.version == "1" else Mute(e)))

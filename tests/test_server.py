@@ -35,7 +35,8 @@ from server.config import ServerConfig
 from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, form_batch
-from server.types import DecodingOptions, SentenceRequest, Translation
+from server.search import SearchResult
+from server.types import DecodingOptions, SentenceRequest
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
 
@@ -80,15 +81,16 @@ class SlowEngine:
     def __init__(self, engine: Any, poll_seconds: float) -> None:
         self.engine, self.poll_seconds = engine, poll_seconds
         self.manifest, self.tokenizer, self.provider = engine.manifest, engine.tokenizer, engine.provider
+        self.text = engine.text
         self.has_logits = engine.has_logits
         self.results: list[Any] = []
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
-    def translate_batch(self, requests: Any) -> Any:
+    def search_batch(self, requests: Any) -> Any:
         if all(r.is_cancelled is None for r in requests):
-            return self.engine.translate_batch(requests)
+            return self.engine.search_batch(requests)
 
         def slow(check: Callable[[], bool] | None) -> Callable[[], bool]:
             def polled() -> bool:
@@ -98,7 +100,7 @@ class SlowEngine:
             return polled
 
         wrapped = [replace(r, is_cancelled=slow(r.is_cancelled)) for r in requests]
-        result = self.engine.translate_batch(wrapped)
+        result = self.engine.search_batch(wrapped)
         self.results.append(result)
         return result
 
@@ -106,10 +108,10 @@ class SlowEngine:
 class FailingEngine(SlowEngine):
     """The real engine, failing every batch that holds a sentence with ``max_length == 13``."""
 
-    def translate_batch(self, requests: Any) -> Any:
+    def search_batch(self, requests: Any) -> Any:
         if any(r.options.max_length == 13 for r in requests):
             raise RuntimeError("injected failure")
-        return self.engine.translate_batch(requests)
+        return self.engine.search_batch(requests)
 
 
 def wrapping_loader(wrapper: Callable[[Any], Any]) -> Callable[..., Any]:
@@ -337,7 +339,7 @@ def test_deadline_shorter_than_the_work_leaves_the_batch(repository: Path) -> No
         cancelled = {"model": MODEL, "version": "10"}
         wait_for(lambda: h.metric("nmt_cancelled_sentences_total", cancelled) == 1)
         [result] = h.engine().results  # the batch ended early: its only sentence left it
-        assert result.cancelled == 1 and result.translations == [None]
+        assert result.cancelled == 1 and result.results == [None]
         # a cancelled call also leaves its batch
         future = h.stub.Translate.future(pb2.TranslateRequest(texts=[long_text]), timeout=30)
         wait_for(lambda: h.scheduler().running)
@@ -555,10 +557,15 @@ class RecordingEngine:
     def tokenize(self, text: str) -> list[int]:
         return [5, 6]
 
-    def translate_batch(self, requests: Any) -> BatchResult:
+    def search_batch(self, requests: Any) -> BatchResult:
         self.batches.append(len(requests))
         time.sleep(self.seconds)
-        return BatchResult([Translation([], [], []) for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
+        return BatchResult([SearchResult() for _ in requests], 0.0, self.seconds, 0, 0, 0.0, 0)
+
+
+async def submit_one(scheduler: ModelScheduler, options: DecodingOptions, request: RequestHandle | None = None) -> Any:
+    """One sentence of two tokens through ``scheduler`` (a :class:`RecordingEngine`'s)."""
+    return await scheduler.submit([SentenceRequest([5, 6], options)], [8], request)
 
 
 def test_batcher_waits_only_for_companions_it_can_expect() -> None:
@@ -570,13 +577,13 @@ def test_batcher_waits_only_for_companions_it_can_expect() -> None:
         scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=2.0))
         scheduler.start()
         start = time.monotonic()
-        await scheduler.translate(["five six"], options)
+        await submit_one(scheduler, options)
         lone = time.monotonic() - start
 
         async def caller(i: int) -> None:
-            await scheduler.translate(["five six"], options)
+            await submit_one(scheduler, options)
             await asyncio.sleep(0.01 * i)  # the callers come back at different moments ...
-            await scheduler.translate(["five six"], options)
+            await submit_one(scheduler, options)
 
         start = time.monotonic()
         await asyncio.gather(*(caller(i) for i in range(4)))

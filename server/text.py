@@ -1,0 +1,103 @@
+"""The text side of a model version: tokenizing, target prefixes, language tokens and detokenizing.
+
+What the serving layer does per request besides decoding (:mod:`server.translate`) needs the model's
+tokenizer and manifest only, never ONNX Runtime: a :class:`TextCodec` is built from a version's directory
+(:meth:`TextCodec.load`) by every process that answers requests, while the engine core decodes token ids
+(:mod:`server.engine`). The engine holds one too (its smoke test and its convenience ``translate``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from nmt.model_format.manifest import Manifest, read_manifest
+from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
+from server.alignment import merge_to_words, segment_words
+from server.completion import WordPieces, build_completion, piece_index, split_partial_word
+from server.errors import InvalidArgument
+from server.search import SearchResult
+from server.types import Hypothesis, SentenceRequest, TargetPrefix, Translation
+
+
+class TextCodec:
+    """Text <-> token ids of one model version (its tokenizer and manifest)."""
+
+    def __init__(self, manifest: Manifest, tokenizer: AnyTokenizer) -> None:
+        self.manifest = manifest
+        self.tokenizer = tokenizer
+        ids = manifest.special_ids
+        self.eos_id = ids["eos"]
+        self.words = WordPieces(tokenizer.pieces(range(manifest.vocab_size)), self.eos_id)  # which ids start a word
+
+    @classmethod
+    def load(cls, version_dir: str | Path, *, verify: bool = True) -> TextCodec:
+        """The codec of ``models/<name>/<version>/`` (``verify``: check the sha256 of every listed file)."""
+        manifest = read_manifest(Path(version_dir), verify=verify)
+        return cls(manifest, load_tokenizer(Path(version_dir), manifest.tokenizer_type))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Subword ids of ``text`` (EOS excluded)."""
+        return self.tokenizer.encode(text)
+
+    def target_prefix(self, text: str, *, whole: bool = False) -> TargetPrefix:
+        """A target prefix, tokenized: when it ends inside a word (no whitespace or punctuation at its end),
+        the text before that word is forced and the word is completed (:mod:`server.completion`); a word no
+        pieces spell, and a ``whole`` translation (Score), are tokenized as they are. Whether it ends with
+        whitespace is kept beside its pieces (the tokenizer drops it): alternatives then start a word."""
+        head, word = ("", "") if whole else split_partial_word(text)
+        if word:
+            ids = self.tokenizer.encode_target(head) if head.strip() else []
+            completion = build_completion(word, not head or head[-1].isspace(), len(ids), self._piece_index)
+            if completion is not None:
+                return TargetPrefix(tuple(ids), completion)
+        return TargetPrefix(tuple(self.tokenizer.encode_target(text)), spaced=not whole and text[-1:].isspace())
+
+    @functools.cached_property
+    def _piece_index(self) -> dict[str, list[tuple[int, str]]]:
+        """The target pieces a partial word is spelt with (not padding, start, end or unknown)."""
+        ids = self.manifest.special_ids
+        special = {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
+        return piece_index(self.tokenizer.pieces(range(self.manifest.vocab_size)), special)
+
+    def language_prefix(self, language: str) -> list[int]:
+        """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
+        Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
+        languages = self.manifest.target_languages
+        if not language or (not languages and language == self.manifest.target_language):
+            return []
+        token = self.tokenizer.language_id(language) if languages else None
+        if token is None:
+            known = ", ".join(languages or [self.manifest.target_language])
+            raise InvalidArgument(f"target_language {language!r} is not served by {self.manifest.name}; "
+                                  f"choose {known}")
+        return [token]
+
+
+    def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
+        """Detokenize one sentence's result: pieces, text and words (computed once here, see
+        :func:`server.alignment.segment_words`) and word-level attention over those same words."""
+        source_pieces = self.tokenizer.pieces(request.source_ids)
+        source_words = segment_words(source_pieces, request.text)
+        hypotheses = []
+        for hyp in result.hypotheses:
+            ids = hyp.tokens[:-1] if hyp.tokens and hyp.tokens[-1] == self.eos_id else hyp.tokens
+            pieces = self.tokenizer.pieces(ids)
+            text = self.tokenizer.decode(ids)
+            words = segment_words(pieces, text)
+            attention = None
+            if hyp.attention is not None:
+                attention = merge_to_words(hyp.attention[:, : len(source_pieces) + 1], source_pieces, pieces,
+                                           source_words, words)
+            hypotheses.append(
+                Hypothesis(
+                    text=text,
+                    tokens=pieces,
+                    words=words,
+                    token_ids=list(ids),
+                    score=hyp.score,
+                    token_scores=hyp.token_scores,
+                    attention=attention,
+                )
+            )
+        return Translation(source_tokens=source_pieces, source_words=source_words, hypotheses=hypotheses)

@@ -1,0 +1,54 @@
+"""One request's texts -> translations, around the decoding: what every serving process does per request.
+
+:func:`translate_texts` tokenizes the texts (on a worker thread when the request is large), puts the
+target-language token before each, checks the token limit and the work and response budgets
+(:mod:`server.validation`), submits the sentences as token ids to the model version's scheduler and
+detokenizes the search results it returns (:class:`server.text.TextCodec`). The scheduler is in this
+process (:meth:`server.scheduler.ModelScheduler.submit`) or in the engine core, reached through
+:mod:`server.ipc`; either way ``submit`` has the same contract, so this is the one path for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from server.admission import BatchPolicy, RequestHandle
+from server.search import SearchResult
+from server.text import TextCodec
+from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
+from server.validation import check_budget, tokenize_texts
+
+TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
+
+# (sentences, each one's work, the request's handle) -> their search results, in order
+Submit = Callable[[Sequence[SentenceRequest], Sequence[int], RequestHandle], Awaitable[list[SearchResult]]]
+
+
+async def translate_texts(
+    codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
+    request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
+    target_prefixes: Sequence[TargetPrefix] = (),
+) -> list[Translation]:
+    """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
+    :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
+    ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
+    request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
+    return their translations in order."""
+    policy = policy or BatchPolicy()
+
+    def tokenize(text: str) -> list[int]:
+        return [*prefix, *codec.tokenize(text)]
+
+    if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
+        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens)
+    else:
+        sources = tokenize_texts(texts, tokenize, policy.max_tokens)
+    forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
+    work = check_budget(texts, sources, options, piece_bytes=codec.tokenizer.max_piece_bytes,
+                        max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
+                        prefix_steps=[target.steps() for target in forced])
+    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target)
+                 for ids, text, target in zip(sources, texts, forced, strict=True)]
+    results = await submit(sentences, work, request or RequestHandle())
+    return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
