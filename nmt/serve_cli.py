@@ -85,7 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.app import configure_logging, serve
+    from server.app import serve
+    from server.logs import configure_logging
 
     started = time.monotonic()
     config = ServerConfig.from_args(args)

@@ -32,13 +32,11 @@ endpoint closes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,10 +49,11 @@ from server.http_face import HttpFace, http_routes
 from server.interceptor import RequestInterceptor
 from server.metrics import ServerMetrics
 from server.protos import SERVICE_NAME, method_types, pb2_grpc, translator_descriptor
-from server.repository import EngineLoader, LoadSettings, ModelRepository, ModelVersion, ScanResult
-from server.scheduler import BatchPolicy
 from server.servicer import TranslatorService
 from server.tls import server_credentials, tls_mode
+
+if TYPE_CHECKING:  # the engines are imported only where models are loaded (start)
+    from server.repository import EngineLoader, ModelVersion, ScanResult
 
 log = logging.getLogger("nmt.server")
 
@@ -68,46 +67,16 @@ DRAIN_QUIET_SECONDS = 0.5
 MIN_PING_INTERVAL_MS = 10_000  # clients may send HTTP/2 keepalive pings this often (gRPC's default: 5 minutes)
 
 
-def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+def server_options(config: ServerConfig, *, reuse_port: bool = False) -> list[tuple[str, int]]:
     """gRPC server channel arguments: accept the clients' keepalive pings (also on connections with no call,
-    e.g. a proxy's pooled ones) and, with ``max_connection_age``, close connections after that age."""
-    options = [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+    e.g. a proxy's pooled ones) and, with ``max_connection_age``, close connections after that age. The port
+    is shared (SO_REUSEPORT) only with ``reuse_port``: the front-ends of one server; else a taken port fails."""
+    options = [("grpc.so_reuseport", int(reuse_port)), ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
     if config.max_connection_age > 0:
         options += [("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(config.grace_seconds * 1000))]
     return options
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and the record's ``fields`` extra."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str = "INFO", stream: Any = None) -> None:
-    """JSON-lines logs on stderr for the ``nmt`` loggers."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("nmt")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level.upper())
-    logger.propagate = False
-
-
-def _device_settings(config: ServerConfig) -> dict[str, Any]:
-    """The engine loader's device arguments (``Engine.load``'s device_id, gpu_mem_limit, cuda_tf32)."""
-    return {"device_id": config.device_id, "gpu_mem_limit": config.gpu_mem_limit, "cuda_tf32": config.cuda_tf32}
 
 
 class TranslationServer:
@@ -119,7 +88,8 @@ class TranslationServer:
         *,
         registry: CollectorRegistry | None = None,
         engine_loader: EngineLoader | None = None,
-        repository: ModelRepository | None = None,
+        repository: Any = None,
+        reuse_port: bool = False,
     ) -> None:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
@@ -130,7 +100,8 @@ class TranslationServer:
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
         self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
         self.engine_loader = engine_loader
-        self.repository = repository
+        self.repository = repository  # a ModelRepository, or a front-end's RemoteRepository
+        self.reuse_port = reuse_port  # share the ports with the other front-ends of the server
         self.health = health.aio.HealthServicer()
         self.servicer: TranslatorService | None = None
         self.server: grpc.aio.Server | None = None
@@ -149,29 +120,19 @@ class TranslationServer:
     # ---- start -----------------------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port."""
+        """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port.
+        Given a repository (a front-end's view of the engine core, :class:`server.remote.RemoteRepository`),
+        serve that instead."""
         config = self.config
-        if self.repository is None and self.engine_loader is None:
-            from server.allocator import retain_freed_memory
-            from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
-
-            log_runtime()
-            if retain_freed_memory(config.malloc_retain_mb << 20):
-                log.info("malloc keeps up to %d MiB of freed memory for the next batch", config.malloc_retain_mb)
-            probe_provider(DeviceSettings(config.provider, config.device_id, config.gpu_mem_limit, config.cuda_tf32))
         if self.repository is None:
-            settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
-                                    inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
-                                    device=_device_settings(config),
-                                    engine_loader=self.engine_loader, policy=BatchPolicy.from_config(config),
-                                    metrics=self.metrics)
-            self.repository = await ModelRepository.open(config.model_repository, settings=settings,
-                                                         default_model=config.default_model,
-                                                         grace_seconds=config.grace_seconds)
+            from server.core import open_repository  # the engines: only a server that decodes imports them
+
+            self.repository = await open_repository(config, self.metrics, self.engine_loader)
         self.repository.start()
 
         self.servicer = TranslatorService(repository=self.repository, config=config)
-        self.server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
+        self.server = grpc.aio.server(interceptors=[self.interceptor],
+                                      options=server_options(config, reuse_port=self.reuse_port))
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in ["", SERVICE_NAME]:
@@ -218,7 +179,7 @@ class TranslationServer:
         self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
                              ready=self.readiness, cors=self.config.cors_origins)
         try:
-            self.http_port = await self.http.start(address)
+            self.http_port = await self.http.start(address, reuse_port=self.reuse_port)
         except OSError as error:
             await self.server.stop(0)
             if self.metrics_http is not None:
@@ -359,7 +320,13 @@ class TranslationServer:
 
 async def serve(config: ServerConfig, on_started: Callable[[TranslationServer], None] | None = None) -> None:
     """Run until SIGTERM / SIGINT, then drain and stop; ``on_started`` is called once the ports are bound
-    (``server.port`` etc. then hold the real ports, e.g. for ``--listen 127.0.0.1:0``)."""
+    (``server.port`` etc. then hold the real ports, e.g. for ``--listen 127.0.0.1:0``). With
+    ``config.frontends`` the server runs as an engine core and front-end processes (:mod:`server.supervisor`)."""
+    if config.frontends:
+        from server.supervisor import supervise
+
+        await supervise(config, on_started)
+        return
     server = TranslationServer(config)
     server.install_signal_handlers()
     await server.start()

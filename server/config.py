@@ -10,9 +10,10 @@ exposed by accident; containers set ``NMT_LISTEN=0.0.0.0:50051`` (and ``NMT_METR
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from nmt.errors import NmtError
@@ -121,6 +122,8 @@ class ServerConfig:
     grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish; "
                                   "also how long a removed model version drains")
     log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
+    frontends: int = option(0, "front-end processes (gRPC, HTTP, tokenizing, responses) beside one engine-core "
+                            "process that decodes; they share the ports. 0: one process does everything")
 
     def __post_init__(self) -> None:
         canonicalize_choices(self)  # choices are case-insensitive everywhere (flags, environment, code)
@@ -134,7 +137,7 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
-                     "device_id", "gpu_mem_limit", "max_connection_age"):
+                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.malloc_retain_mb < 2048:
@@ -167,6 +170,15 @@ class ServerConfig:
             if (value or name == "listen") and not _is_host_port(value):
                 raise NmtError(f"{name} must be host:port, got {value!r}")
         return self
+
+    def to_json(self) -> str:
+        """The configuration as one JSON object (how the supervisor hands it to its worker processes)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerConfig:
+        """The configuration :meth:`to_json` wrote (validated)."""
+        return cls(**json.loads(text)).validate()
 
     def with_(self, **changes: Any) -> ServerConfig:
         """A copy with ``changes`` applied (validated)."""

@@ -13,8 +13,8 @@ import grpc
 from google.rpc import status_pb2
 
 from server.protos import pb2
-from server.repository import ModelRepository, ModelVersion
 from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
+from server.versions import VersionIndex
 
 
 def score_from_pb(request: Any) -> TranslateCall:
@@ -68,7 +68,7 @@ def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_atte
     return message
 
 
-def to_pb(translations: Sequence[Translation], model: ModelVersion, options: RequestedOptions) -> Any:
+def to_pb(translations: Sequence[Translation], model: Any, options: RequestedOptions) -> Any:
     """Translations by ``model`` -> ``TranslateResponse`` (the words are the engine's, copied)."""
     response = pb2.TranslateResponse(model=model.name, model_version=model.version)
     for translation in translations:
@@ -86,7 +86,7 @@ def error_response_pb(code: grpc.StatusCode, message: str) -> Any:
     return pb2.TranslateResponse(error=status_pb2.Status(code=code.value[0], message=message))
 
 
-def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> Any:
+def model_info_pb(model: Any, *, is_default: bool, max_beam: int) -> Any:
     """:class:`ModelVersion` -> ``ModelInfo`` message."""
     defaults, training = model.defaults, model.training
     bleu = training.get("test_bleu")
@@ -110,7 +110,7 @@ def model_info_pb(model: ModelVersion, *, is_default: bool, max_beam: int) -> An
     )
 
 
-def model_list_pb(repository: ModelRepository, *, max_beam: int,
+def model_list_pb(repository: VersionIndex, *, max_beam: int,
                   allows: Callable[[str], bool] = lambda name: True) -> Any:
     """Every loaded version of the models ``allows`` (by name) -> ``ListModelsResponse``."""
     return pb2.ListModelsResponse(models=[

@@ -279,14 +279,15 @@ class HttpFace:
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
-    async def start(self, address: str) -> int:
-        """Listen on ``address`` (host:port, port 0 picks one); returns the port."""
+    async def start(self, address: str, *, reuse_port: bool = False) -> int:
+        """Listen on ``address`` (host:port, port 0 picks one; ``reuse_port``: shared with the server's other
+        front-ends); returns the port."""
         host, port = split_host_port(address)
         # handler_cancellation: a client that disconnects cancels its handler, and with it the call's work
         self.runner = _Runner(self.app, refuse=self._refuse, handler_cancellation=True, access_log=None,
                               shutdown_timeout=STOP_SECONDS)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, reuse_port=reuse_port or None)
         await site.start()
         self.port = int(self.runner.addresses[0][1])
         return self.port

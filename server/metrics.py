@@ -66,14 +66,17 @@ class ServerMetrics:
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.undecodable = Counter("nmt_undecodable_messages", "Request messages that did not parse "
                                    "(answered with INVALID_ARGUMENT)", ["grpc_service", "grpc_method"], registry=r)
-        self.inflight = Gauge("nmt_inflight_requests", "Translator requests being handled", registry=r)
+        self.inflight = Gauge("nmt_inflight_requests", "Translator requests being handled", registry=r,
+                              multiprocess_mode="livesum")
         # scheduler
         self.queue_duration = Histogram("nmt_queue_duration_seconds",
                                         "Time a sentence waited between admission and the start of its batch",
                                         ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("nmt_queue_depth", "Sentences waiting for a batch", ["model", "version"], registry=r)
+        self.queue_depth = Gauge("nmt_queue_depth", "Sentences waiting for a batch", ["model", "version"], registry=r,
+                                 multiprocess_mode="livesum")
         self.queue_capacity = Gauge("nmt_queue_capacity", "Most sentences the queue holds (--queue-size); a request "
-                                    "that does not fit gets RESOURCE_EXHAUSTED", ["model", "version"], registry=r)
+                                    "that does not fit gets RESOURCE_EXHAUSTED", ["model", "version"], registry=r,
+                                    multiprocess_mode="livemax")
         self.inference_duration = Histogram("nmt_inference_duration_seconds", "Compute time of one batch by stage",
                                             ["model", "version", "stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_sentences = Histogram("nmt_batch_size_sentences", "Sentences per batch", ["model", "version"],
@@ -93,12 +96,14 @@ class ServerMetrics:
                                            "Sentences that left a running batch because their request was "
                                            "cancelled or expired", ["model", "version"], registry=r)
         self.running_rows = Gauge("nmt_running_rows", "Decoder rows in the running decode (continuous batching; "
-                                  "a sentence holds beam_size rows)", ["model", "version"], registry=r)
+                                  "a sentence holds beam_size rows)", ["model", "version"], registry=r,
+                                  multiprocess_mode="livesum")
         self.admission_wait_steps = Histogram("nmt_admission_wait_steps", "Decoding steps the running decode ran "
                                               "while a sentence waited to join it (continuous batching)",
                                               ["model", "version"], buckets=STEP_BUCKETS, registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
-                                ["model", "version", "architecture", "provider"], registry=r)
+                                ["model", "version", "architecture", "provider"], registry=r,
+                                multiprocess_mode="livemax")
         self.model_loads = Counter("nmt_model_loads", "Model version loads (start-up, hot reload and reloads of a "
                                    "failing version) by outcome: loaded, or refused (bad manifest or hash, "
                                    "load error, failed smoke translation)", ["model", "result"], registry=r)
@@ -128,20 +133,20 @@ class ServerMetrics:
             for code in STATUS_CODES:
                 self.grpc_handled.labels(*labels, code)
         self._methods = dict(methods)
-        self._init_requests("")
+        self.init_requests("")
 
     def init_http(self, methods: Iterable[str]) -> None:
         """Create the request series of the methods the HTTP face serves (``method="http:<Method>"``) at zero,
         like :meth:`init_service` does for gRPC (call it before the models load), and those of the requests
         that reach no method (:data:`HTTP_UNROUTED`, ``model=""`` only: they never resolve a model)."""
         self._http_methods = list(methods)
-        self._init_requests("")
+        self.init_requests("")
         for code in STATUS_CODES:
             self.requests.labels("", HTTP_UNROUTED, code)
 
     def init_model(self, model: str, version: str) -> None:
         """Create every series of one model version at zero (after :meth:`init_service`)."""
-        self._init_requests(model)
+        self.init_requests(model)
         for family in self._version_families():
             family.labels(model, version)
         for stage in STAGES:
@@ -160,7 +165,7 @@ class ServerMetrics:
                 self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences,
                 self.running_rows, self.admission_wait_steps)
 
-    def _init_requests(self, model: str) -> None:
+    def init_requests(self, model: str) -> None:
         labels = [(method, method) for method in self._methods]
         labels += [(method, HTTP_LABEL_PREFIX + method) for method in self._http_methods]
         for method, label in labels:

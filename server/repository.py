@@ -32,11 +32,10 @@ scheduler closes, its engine is dropped and its metric series go.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,6 +50,7 @@ from server.scheduler import BatchPolicy, ModelScheduler, smoke_test
 from server.search import SearchResult
 from server.text import TextCodec
 from server.types import SentenceRequest
+from server.versions import Held, ManifestFields, VersionIndex
 
 log = logging.getLogger("nmt.server")
 
@@ -95,7 +95,7 @@ class LoadSettings:
 
 
 @dataclass(eq=False)
-class ModelVersion:
+class ModelVersion(ManifestFields, Held):
     """One loaded version of a model: its engine and the scheduler that batches requests into it."""
 
     name: str
@@ -144,29 +144,6 @@ class ModelVersion:
     def runtime_build(self) -> str:
         return str(getattr(self.engine, "runtime_build", ""))
 
-    def manifest_value(self, attribute: str, default: Any = "") -> Any:
-        value = getattr(self.manifest, attribute, None)
-        return default if value is None else value
-
-    @property
-    def max_positions(self) -> int:
-        """Target positions of the model's position table (0: none, as in an RNN)."""
-        return int((self.manifest_value("dimensions", {}) or {}).get("max_positions") or 0)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return dict(self.manifest_value("defaults", {}) or {})
-
-    @property
-    def training(self) -> dict[str, Any]:
-        return dict(self.manifest_value("training", {}) or {})
-
-    async def wait_unused(self, timeout: float | None) -> bool:
-        """Wait until no request holds this version (at most ``timeout`` seconds); whether it is unused."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._unused.wait(), timeout)
-        return self.users == 0
-
 
 @dataclass
 class ScanResult:
@@ -182,7 +159,7 @@ class ScanResult:
         return bool(self.loaded or self.replaced or self.removed)
 
 
-class ModelRepository:
+class ModelRepository(VersionIndex[ModelVersion]):
     """Loaded model versions, looked up by (name, version) with defaults, kept in step with ``root``.
 
     Build it with :meth:`open` (first scan included); :meth:`scan` looks again (the poller and SIGHUP
@@ -196,9 +173,8 @@ class ModelRepository:
         self.root = Path(root)
         self.settings = settings or LoadSettings()
         self.grace_seconds = grace_seconds
+        super().__init__(default_model)
         self._default_configured = bool(default_model)
-        self._default_model = default_model
-        self._models: dict[str, list[ModelVersion]] = {}
         self._refused: dict[tuple[str, str], Fingerprint] = {}  # not retried until the fingerprint changes
         self._lock = asyncio.Lock()
         self._listeners: list[ChangeListener] = []
@@ -245,55 +221,6 @@ class ModelRepository:
         await asyncio.gather(*(task for task, _ in retiring), return_exceptions=True)
         versions = [*self, *(mv for _, mv in retiring)]
         await asyncio.gather(*(mv.scheduler.close(timeout=timeout) for mv in versions))
-
-    # ---- lookups ---------------------------------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[ModelVersion]:
-        for name in sorted(self._models):
-            yield from list(self._models.get(name, ()))  # a name may go while the caller awaits
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self._models)
-
-    @property
-    def default_model(self) -> str:
-        """The configured default model, else the first name at start-up: a model added later does not take
-        over the requests that name none; if this one is removed, the first name left becomes the default."""
-        return self._default_model
-
-    def serving(self, name: str) -> bool:
-        """Whether requests for ``name`` that name no version can be served: its newest version is healthy."""
-        versions = self._models.get(name)
-        return bool(versions) and versions[-1].healthy
-
-    def resolve(self, name: str = "", version: str = "") -> ModelVersion:
-        """The requested version (default: newest) of the requested model (default: the default model)."""
-        name = name or self.default_model
-        versions = self._models.get(name)
-        if not versions:
-            raise NotFound(f"unknown model {name!r}; available: {', '.join(self.names)}")
-        if not version:
-            return versions[-1]
-        for mv in versions:
-            if mv.version == version:
-                return mv
-        raise NotFound(f"model {name!r} has no version {version!r}; available: "
-                       f"{', '.join(mv.version for mv in versions)}")
-
-    @contextlib.contextmanager
-    def acquire(self, name: str = "", version: str = "") -> Iterator[ModelVersion]:
-        """:meth:`resolve`, holding the version until the block ends: a removed or replaced version is
-        closed only after its holders are done (or its grace period is over)."""
-        mv = self.resolve(name, version)
-        mv.users += 1
-        mv._unused.clear()
-        try:
-            yield mv
-        finally:
-            mv.users -= 1
-            if mv.users == 0:
-                mv._unused.set()
 
     # ---- loading: the one path in ----------------------------------------------------------------------
 

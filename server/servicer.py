@@ -32,10 +32,10 @@ from server.config import ServerConfig
 from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
-from server.repository import ModelRepository
 from server.translate import translate_texts
 from server.types import TranslateCall, Translation
 from server.validation import check_texts, resolve_options, target_prefixes
+from server.versions import VersionIndex
 
 log = logging.getLogger("nmt.server")
 
@@ -45,7 +45,7 @@ STREAM_WINDOW = 32  # requests of one stream translated concurrently
 class TranslatorService:
     """``Translate``, ``TranslateStream``, ``ListModels`` and ``Score`` over the repository's model versions."""
 
-    def __init__(self, *, repository: ModelRepository, config: ServerConfig) -> None:
+    def __init__(self, *, repository: VersionIndex, config: ServerConfig) -> None:
         self.repository = repository
         self.config = config
         self.policy = BatchPolicy.from_config(config)  # the token, work and response limits of a request

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from server.app import JsonFormatter
 from server.config import ServerConfig
 from server.http_face import HTTP_STATUS, http_routes, parse_timeout
+from server.logs import JsonFormatter
 from server.protos import SERVICE_NAME, pb2, translator_descriptor
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, FailingEngine, SlowEngine, default_loader, wait_for, wrapping_loader

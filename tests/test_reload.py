@@ -27,8 +27,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from server.app import JsonFormatter
 from server.config import ServerConfig
+from server.logs import JsonFormatter
 from server.protos import pb2, pb2_grpc
 from server.repository import LoadSettings, ModelRepository, VersionRefused
 from tests.harness import ServerHarness

@@ -1,0 +1,111 @@
+"""The engine core: the model repository, its schedulers and engines, in a process of its own.
+
+In one process (``nmt serve``, the default) :class:`server.app.TranslationServer` opens the repository
+with :func:`open_repository` beside its gRPC and HTTP faces. With ``--frontends N`` the supervisor
+(:mod:`server.supervisor`) starts this module as the one process that owns the device: it opens the
+repository the same way, answers the front-ends over :mod:`server.ipc`, scans the repository every
+``reload_interval`` seconds and on SIGHUP, and on SIGTERM closes the schedulers (the supervisor sends
+it only once every front-end has drained).
+
+Run by the supervisor as ``python -m server.core`` with ``NMT_WORKER_CONFIG`` (the server configuration
+as JSON), ``NMT_CORE_ADDRESS`` (the socket to bind) and ``NMT_READY_FILE`` (written once it serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from server.admission import BatchPolicy
+from server.config import ServerConfig
+from server.ipc import CoreEndpoint
+from server.logs import configure_logging
+from server.metrics import ServerMetrics
+from server.repository import EngineLoader, LoadSettings, ModelRepository
+
+log = logging.getLogger("nmt.server")
+
+
+async def open_repository(config: ServerConfig, metrics: ServerMetrics,
+                          engine_loader: EngineLoader | None = None) -> ModelRepository:
+    """The model repository of ``config`` after its first scan: every version loaded, verified and
+    smoke-tested with its scheduler (not started). Without an ``engine_loader`` (tests pass one) the
+    runtime is logged, the allocator tuned and the provider probed first."""
+    if engine_loader is None:
+        from server.allocator import retain_freed_memory
+        from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
+
+        log_runtime()
+        if retain_freed_memory(config.malloc_retain_mb << 20):
+            log.info("malloc keeps up to %d MiB of freed memory for the next batch", config.malloc_retain_mb)
+        probe_provider(DeviceSettings(config.provider, config.device_id, config.gpu_mem_limit, config.cuda_tf32))
+    settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
+                            inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
+                            device={"device_id": config.device_id, "gpu_mem_limit": config.gpu_mem_limit,
+                                    "cuda_tf32": config.cuda_tf32},
+                            engine_loader=engine_loader, policy=BatchPolicy.from_config(config), metrics=metrics)
+    return await ModelRepository.open(config.model_repository, settings=settings, default_model=config.default_model,
+                                      grace_seconds=config.grace_seconds)
+
+
+async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None:
+    """Serve the front-ends on ``address`` until SIGTERM or SIGINT."""
+    repository = await open_repository(config, ServerMetrics())
+    repository.start()
+    endpoint = CoreEndpoint(repository, address)
+    endpoint.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    scans: set[asyncio.Task] = set()
+
+    async def scan() -> None:
+        try:
+            await repository.scan()
+        except Exception:  # noqa: BLE001 - a failed scan (e.g. the repository unmounted) changes nothing
+            log.exception("model repository scan failed", extra={"fields": {
+                "model_repository": config.model_repository}})
+
+    def on_sighup() -> None:
+        task = loop.create_task(scan())
+        scans.add(task)
+        task.add_done_callback(scans.discard)
+
+    async def poll() -> None:
+        while True:
+            await asyncio.sleep(config.reload_interval)
+            await scan()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    poller = loop.create_task(poll()) if config.reload_interval > 0 else None
+    ready_file.write_text(json.dumps({"models": repository.names, "default_model": repository.default_model}))
+    log.info("engine core serving", extra={"fields": {
+        "address": address, "models": [f"{mv.name}/{mv.version}" for mv in repository]}})
+    await stop.wait()
+    log.info("engine core stopping")
+    for task in [*scans, *([poller] if poller else [])]:
+        task.cancel()
+    await repository.close(timeout=config.grace_seconds)
+    await endpoint.close()
+    log.info("engine core stopped")
+
+
+def main() -> int:
+    config = ServerConfig.from_json(os.environ["NMT_WORKER_CONFIG"])
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(run_core(config, os.environ["NMT_CORE_ADDRESS"], Path(os.environ["NMT_READY_FILE"])))
+    except Exception as error:  # noqa: BLE001 - the supervisor reads the exit status and the log
+        log.error("engine core failed", extra={"fields": {"error": f"{type(error).__name__}: {error}"}})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
