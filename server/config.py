@@ -31,6 +31,7 @@ ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BATCHING = ("static", "continuous")
+ENGINES = ("onnx", "null")
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class ServerConfig:
     grace_seconds: float = option(10.0, "on SIGTERM/SIGINT: how long in-flight requests may take to finish; "
                                   "also how long a removed model version drains")
     log_level: str = option("INFO", "log level (logs are JSON lines on stderr)", choices=LOG_LEVELS)
+    engine: str = option("onnx", "what decodes: onnx (the models' ONNX graphs), or null (no model: every sentence "
+                         "comes back as its own tokens at once; measures the serving layer alone)", choices=ENGINES)
     frontends: int = option(0, "front-end processes (gRPC, HTTP, tokenizing, responses) beside one engine-core "
                             "process that decodes; they share the ports. 0: one process does everything")
 
@@ -156,6 +159,8 @@ class ServerConfig:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
+        if self.engine not in ENGINES:
+            raise NmtError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.provider not in PROVIDERS:
             raise NmtError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         if self.log_level not in LOG_LEVELS:

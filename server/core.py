@@ -35,8 +35,13 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
                           engine_loader: EngineLoader | None = None) -> ModelRepository:
     """The model repository of ``config`` after its first scan: every version loaded, verified and
     smoke-tested with its scheduler (not started). Without an ``engine_loader`` (tests pass one) the
-    runtime is logged, the allocator tuned and the provider probed first."""
-    if engine_loader is None:
+    runtime is logged, the allocator tuned and the provider probed first; ``config.engine == "null"``
+    loads :class:`server.null_engine.NullEngine` s instead (no model, no device)."""
+    if engine_loader is None and config.engine == "null":
+        from server.null_engine import NullEngine
+
+        engine_loader = NullEngine.load
+    elif engine_loader is None:
         from server.allocator import retain_freed_memory
         from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
 
