@@ -1,0 +1,273 @@
+"""``nmt serve --frontends 2``: an engine-core process and two front-ends, as real processes on loopback.
+
+What the split must keep: the same answers as one process, one exact ``/metrics`` (read by a real
+Prometheus), a killed front-end replaced while the other serves, a killed core answered with UNAVAILABLE
+at once and restarted, cancellation reaching the core's running decode, a drain under load that loses
+nothing, and front-ends that never import ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.protos import SERVICE_NAME, pb2, pb2_grpc
+from tests.conftest import SERVED_MODEL
+from tests.harness import ServerHarness
+from tests.test_prometheus import PROMETHEUS, Prometheus, values
+from tests.test_server import TEXTS, default_loader, test_config
+
+ROOT = Path(__file__).resolve().parent.parent
+# a long decode: EOS is not allowed before max_length, 8 beams, many texts (seconds on the tiny model)
+LONG = pb2.TranslateRequest(texts=[" ".join(["one two three four five"] * 20)] * 32, options=pb2.DecodingOptions(
+    beam_size=8, max_length=200, min_length=190))
+
+
+class SplitServer:
+    """``nmt serve --frontends N`` as a subprocess; its logs (JSON lines) collected in a file."""
+
+    def __init__(self, repository: Path, workdir: Path, frontends: int = 2, *extra: str) -> None:
+        self.log_path = workdir / "serve.log"
+        self.log = self.log_path.open("w")
+        command = [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository),
+                   "--frontends", str(frontends), "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+                   "--metrics-listen", "127.0.0.1:0", "--provider", "cpu", "--intra-op-threads", "1",
+                   "--reload-interval", "0", "--grace-seconds", "20", *extra]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        serving = self.wait_log(lambda e: e["message"] == "serving" and "frontends" in e, 240)
+        self.port, self.http_port, self.metrics_port = serving["port"], serving["http_port"], serving["metrics_port"]
+        self.pids = serving["pids"]
+        self.address = f"127.0.0.1:{self.port}"
+
+    def logs(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def wait_log(self, match: Any, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [entry for entry in self.logs() if match(entry)]
+            if found:
+                return found[-1]
+            assert self.process.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log_path.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def stub(self) -> Any:
+        """A stub on a channel of its own (a new connection: the kernel picks a front-end for it)."""
+        return pb2_grpc.TranslatorStub(grpc.insecure_channel(self.address))
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/readyz", timeout=5):
+                return True
+        except urllib.error.HTTPError:
+            return False
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+def requests_ok(metrics: dict[tuple[str, tuple], float], method: str = "Translate") -> float:
+    return metrics.get(("nmt_requests_total", (("code", "OK"), ("method", method), ("model", SERVED_MODEL))), 0.0)
+
+
+def until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def split(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SplitServer]:
+    server = SplitServer(repository, tmp_path_factory.mktemp("split"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_frontends_never_import_onnxruntime() -> None:
+    code = "import sys, server.frontend; print(sorted(m for m in sys.modules if m.startswith('onnxruntime')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_answers_equal_the_one_process_server(split: SplitServer, repository: Path) -> None:
+    """Translate (greedy, beam 4 with attention and n-best, a target prefix), Score, the stream and the
+    model list answer as the one-process server does."""
+    requests = [
+        pb2.TranslateRequest(texts=TEXTS[:3]),
+        pb2.TranslateRequest(texts=TEXTS[:2], options=pb2.DecodingOptions(
+            beam_size=4, num_hypotheses=2, return_attention=True, return_scores=True)),
+        pb2.TranslateRequest(texts=TEXTS[:1], target_prefixes=["drei"]),
+    ]
+    score = pb2.ScoreRequest(texts=TEXTS[:2], targets=["drei eins", "zwei"], return_attention=True)
+    one = ServerHarness(test_config(repository, http_listen=""), default_loader())
+    try:
+        split_stub = split.stub()
+        for request in requests:
+            assert split_stub.Translate(request, timeout=30) == one.stub.Translate(request, timeout=30)
+        assert split_stub.Score(score, timeout=30) == one.stub.Score(score, timeout=30)
+        streamed = list(split_stub.TranslateStream(iter(requests), timeout=30))
+        assert streamed == [one.stub.Translate(r, timeout=30) for r in requests]
+        models = split_stub.ListModels(pb2.ListModelsRequest(), timeout=10)
+        assert [(m.name, m.version) for m in models.models] == [
+            (m.name, m.version) for m in one.stub.ListModels(pb2.ListModelsRequest(), timeout=10).models]
+        body = json.dumps({"texts": TEXTS[:2]}).encode()
+        answer = json.load(urllib.request.urlopen(f"http://127.0.0.1:{split.http_port}/v1/translate", body, 30))
+        assert [t["hypotheses"][0]["text"] for t in answer["translations"]] == [
+            t.hypotheses[0].text for t in one.stub.Translate(pb2.TranslateRequest(texts=TEXTS[:2])).translations]
+        with pytest.raises(grpc.RpcError) as error:  # errors keep their status across the split
+            split_stub.Translate(pb2.TranslateRequest(texts=["one"], model="nope"), timeout=10)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        one.close()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not on PATH (apt-get install -y prometheus)")
+def test_one_metrics_endpoint_counts_every_request_exactly(split: SplitServer, tmp_path: Path) -> None:
+    """Requests over many connections (both front-ends) are counted once each in the one /metrics, which a
+    real Prometheus scrapes; the core's counters (tokens) are there too."""
+    prometheus = Prometheus(f"127.0.0.1:{split.metrics_port}", tmp_path)
+    try:
+        prometheus.wait_for(lambda: values(prometheus.query('up{job="translator"}')) == [1.0], 30, "a scrape")
+        before = split.metrics()
+        sent = 24
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: split.stub().Translate(pb2.TranslateRequest(texts=[TEXTS[i % 3]]), timeout=30),
+                          range(sent)))
+        after = split.metrics()
+        assert requests_ok(after) - requests_ok(before) == sent
+        handled = ("grpc_server_handled_total", (("grpc_code", "OK"), ("grpc_method", "Translate"),
+                                                 ("grpc_service", SERVICE_NAME), ("grpc_type", "UNARY")))
+        assert after[handled] - before.get(handled, 0) == sent
+        assert after[("nmt_inflight_requests", ())] == 0
+        generated = sum(v for (name, _), v in after.items() if name == "nmt_generated_tokens_total")
+        assert generated > sum(v for (name, _), v in before.items() if name == "nmt_generated_tokens_total")
+        total = f'sum(nmt_requests_total{{job="translator", code="OK", method="Translate", model="{SERVED_MODEL}"}})'
+        prometheus.wait_for(lambda: values(prometheus.query(total)) == [requests_ok(after)], 20, "the counts scraped")
+    finally:
+        prometheus.stop()
+
+
+def test_cancelling_a_call_frees_its_rows_in_the_core(split: SplitServer) -> None:
+    before = split.metrics()
+    future = split.stub().Translate.future(LONG, timeout=60)
+    until(lambda: split.metrics()[("nmt_inflight_requests", ())] == 1, 10, "the long call in flight")
+    time.sleep(0.3)  # decoding in the core
+    future.cancel()
+    cancelled = [k for k in split.metrics() if k[0] == "nmt_cancelled_sentences_total"]
+    assert cancelled
+
+    def total(metrics: dict) -> float:
+        return sum(metrics.get(k, 0.0) for k in cancelled)
+
+    # the running batch's sentences leave the decode (counted), the queued ones the queue (batch_work splits
+    # the request into several batches)
+    until(lambda: total(split.metrics()) > total(before), 10, "the running sentences left the decode")
+    depth = [k for k in split.metrics() if k[0] == "nmt_queue_depth"]
+    until(lambda: sum(split.metrics()[k] for k in depth) == 0, 10, "the queued sentences withdrawn")
+    start = time.monotonic()  # the core is free again at once
+    split.stub().Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
+    assert time.monotonic() - start < 2
+
+
+def test_a_killed_frontend_loses_only_its_calls_and_is_replaced(split: SplitServer) -> None:
+    victim = split.pids["frontend-0"]
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                split.stub().Translate(pb2.TranslateRequest(texts=TEXTS[:2]), timeout=30)
+                outcomes.append("OK")
+            except grpc.RpcError as error:
+                outcomes.append(error.code().name)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    restarted = split.wait_log(lambda e: e["message"] == "worker process restarted" and e["worker"] == "frontend-0")
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert restarted["pid"] != victim
+    split.pids["frontend-0"] = restarted["pid"]
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"} and outcomes.count("OK") > len(outcomes) // 2
+    for _ in range(8):  # every connection is served again
+        assert split.stub().Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30).translations
+
+
+def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServer) -> None:
+    stub = split.stub()
+    stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
+    in_flight = stub.Translate.future(LONG, timeout=60)
+    until(lambda: split.metrics()[("nmt_inflight_requests", ())] >= 1, 10, "the long call in flight")
+    os.kill(split.pids["core"], signal.SIGKILL)
+    start = time.monotonic()
+    assert in_flight.exception(timeout=5).code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=5)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 1.0
+    assert not split.ready()
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(split.address))
+    assert health.Check(health_pb2.HealthCheckRequest(service=SERVED_MODEL), timeout=5).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    restarted = split.wait_log(lambda e: e["message"] == "worker process restarted" and e["worker"] == "core", 120)
+    split.pids["core"] = restarted["pid"]
+    until(split.ready, 30, "ready again")
+    assert stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30).translations
+
+
+def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path: Path) -> None:
+    server = SplitServer(repository, tmp_path, 2)
+    try:
+        calls = [server.stub().Translate.future(pb2.TranslateRequest(
+            texts=TEXTS[:2], options=pb2.DecodingOptions(beam_size=4, max_length=60, min_length=59)), timeout=60)
+            for _ in range(12)]
+        until(lambda: server.metrics()[("nmt_inflight_requests", ())] >= 6, 10, "calls in flight")
+        server.process.send_signal(signal.SIGTERM)
+        assert all(len(call.result(timeout=60).translations) == 2 for call in calls)
+        assert server.process.wait(60) == 0
+        messages = [(e["message"], e.get("worker", "")) for e in server.logs()]
+        assert messages[-1] == ("stopped", "")
+        order = [m for m, _ in messages]
+        stops = [i for i, m in enumerate(order) if m == "stopped"]  # each front-end's, then the supervisor's
+        assert len(stops) == 3 and stops[1] < order.index("engine core stopping") < stops[2]
+    finally:
+        server.stop()
