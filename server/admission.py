@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, ServingError
 from server.types import SentenceRequest, Translation
 
 NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
+
+
+DEVICE_ROWS = {"cpu": 32, "cuda": 512}  # max_batch_rows 0: a CPU computes a few dozen rows in parallel, a GPU
+# hundreds (512: 128 beam-4 sentences, what the static batches of the first GPU run held)
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,14 @@ class BatchPolicy:
     max_request_work: int = 65536  # decoder row-steps of one request
     max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
     batching: str = "static"  # or "continuous" (server.continuous)
-    max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size)
+    max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
+
+    def for_device(self, device: str) -> BatchPolicy:
+        """This policy with ``max_batch_rows`` 0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
+        if self.max_batch_rows:
+            return self
+        return replace(self, max_batch_rows=DEVICE_ROWS["cuda" if device.startswith("cuda") else "cpu"])
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:

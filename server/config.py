@@ -92,9 +92,10 @@ class ServerConfig:
         "one running decode per model version that sentences join between decoding steps and leave as soon as "
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
         "falls back to static, with a log line)", choices=BATCHING)
-    max_batch_rows: int = option(32, "continuous batching: most decoder rows in the running decode (a sentence "
+    max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
-                                 "on a CPU), more rows only slow every sentence down: raise it on a GPU")
+                                 "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
+                                 "CPU, 512 on CUDA (128 beam-4 sentences, as many as static batches hold)")
     decode_tokens: int = option(65536, "continuous batching: token budget of the running decode, rows x (widest "
                                 "source + longest target so far), checked when sentences join (bounds its "
                                 "memory)")
@@ -135,12 +136,12 @@ class ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
         positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
                     "max_tokens", "max_length", "batch_work", "max_request_work", "max_response_bytes",
-                    "max_batch_rows", "decode_tokens")
+                    "decode_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
-                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends"):
+                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends", "max_batch_rows"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.malloc_retain_mb < 2048:
@@ -149,7 +150,7 @@ class ServerConfig:
         if self.max_tokens + 1 > self.batch_tokens:
             raise NmtError(f"batch_tokens ({self.batch_tokens}) must hold one text of max_tokens "
                            f"({self.max_tokens}) plus EOS")
-        if self.max_batch_rows < self.max_beam:
+        if 0 < self.max_batch_rows < self.max_beam:
             raise NmtError(f"max_batch_rows ({self.max_batch_rows}) must hold one sentence of max_beam "
                            f"({self.max_beam}) rows")
         if self.decode_tokens < self.max_beam * (self.max_tokens + 1):

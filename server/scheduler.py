@@ -124,7 +124,7 @@ class ModelScheduler:
         self.engine = engine
         self.on_broken = on_broken  # called (on the event loop) when the engine fails a known-good sentence
         self.failures = 0  # request runs failed in a row
-        self.policy = policy or BatchPolicy()
+        self.policy = (policy or BatchPolicy()).for_device(str(getattr(engine, "device", "cpu")))
         self.metrics = metrics
         self.labels = (model, version)
         self._queue: list[Pending] = []  # arrival order

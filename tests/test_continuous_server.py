@@ -311,3 +311,11 @@ def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
         wait_for(lambda: h.metric("nmt_requests_total", cancelled) == 1)
     finally:
         h.close()
+
+
+def test_max_batch_rows_follows_the_device_unless_set() -> None:
+    auto = BatchPolicy.from_config(ServerConfig())
+    assert auto.max_batch_rows == 0
+    assert auto.for_device("cpu").max_batch_rows == 32
+    assert auto.for_device("cuda:1").max_batch_rows == 512
+    assert BatchPolicy(max_batch_rows=12).for_device("cuda:0").max_batch_rows == 12
