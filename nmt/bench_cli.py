@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a benchmark (training quality, engine throughput, server load)",
         description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
         "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
-        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load; batching: static "
+        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load (--capacity: the "
+        "serving layer alone, --engine null, as one process and with --frontends); batching: static "
         "vs continuous batching under a mix of short and long sentences; interactive: completing a sentence "
         "from a target prefix vs from scratch, Score vs Translate; controls: what the decoders' logits output "
         "and the decoding controls cost.",
