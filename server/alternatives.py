@@ -33,15 +33,8 @@ import numpy as np
 from server.completion import WordPieces
 from server.controls import process
 from server.decode import beam_search
-from server.search import (
-    BeamSentence,
-    ForcedOutput,
-    Resume,
-    ScoredSequence,
-    SearchResult,
-    StepModel,
-    StepOutput,
-)
+from server.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.types import ScoredSequence, SearchResult
 
 FLOOR = 0.01  # a word less likely than this times the most likely next word is not offered
 WIDTH = 2  # partial words the word search keeps per word asked for (some make no word, some spell one again)

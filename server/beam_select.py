@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
-from server.search import NEG_INF, ScoredSequence
+from server.search import NEG_INF
+from server.types import ScoredSequence
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,15 +36,15 @@ def split_partial_word(prefix: str) -> tuple[str, str]:
     return prefix[: match.start()], match.group()
 
 
+@dataclass(eq=False)  # compared by identity, as before it was a dataclass
 class Completion:
     """The pieces allowed while a partial word is spelt out, from step ``start`` (the forced pieces
     before it) on: ``states[k]`` maps each allowed token to the characters of ``text`` produced once it
     is taken (``len(text)``: the word is complete)."""
 
-    def __init__(self, text: str, start: int, states: list[dict[int, int]]) -> None:
-        self.text = text  # the word in piece spelling ("▁Apr" after whitespace)
-        self.start = start
-        self.states = states
+    text: str  # the word in piece spelling ("▁Apr" after whitespace)
+    start: int
+    states: list[dict[int, int]]
 
     def steps(self) -> int:
         """At most this many pieces spell the word (each produces at least one character)."""

@@ -66,8 +66,8 @@ from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
 from server.decode import RunningDecode
 from server.engine import SourceBatch, generated_tokens
 from server.forced import admit, decode, runs_apart
-from server.search import BeamSentence, SearchResult
-from server.types import SentenceRequest
+from server.search import BeamSentence
+from server.types import SearchResult, SentenceRequest
 
 
 @dataclass

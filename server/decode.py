@@ -56,7 +56,8 @@ from nmt.model_format.decoding import normalized_score
 from server.beam_select import select_beam, sentence_done
 from server.controls import Controls, process, sample, top_k
 from server.row_layout import Layout, fill_holes, lay_out
-from server.search import NEG_INF, BeamSentence, Resume, ScoredSequence, SearchResult, StepModel, StepOutput
+from server.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
+from server.types import ScoredSequence, SearchResult
 
 
 def beam_search(

@@ -38,10 +38,10 @@ from server.device import (
 from server.device_step_model import DeviceStepModel
 from server.errors import DeviceMemoryExhausted
 from server.forced import decode
-from server.search import Alternatives, BeamSentence, SearchResult
+from server.search import Alternatives, BeamSentence
 from server.step_models import OnnxStepModel
 from server.text import TextCodec
-from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
+from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 
 ENCODER_CALL_TOKENS = 64  # the cost of one more encoder call, in padded source tokens (length_runs; the
 # demo models measured 8-128 alike from 8 sentences up, and 64 no slower than one call for 2 sentences)

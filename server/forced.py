@@ -28,15 +28,8 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.alternatives import alternatives
 from server.decode import RunningDecode, beam_search
-from server.search import (
-    BeamSentence,
-    ForcedOutput,
-    Resume,
-    ScoredSequence,
-    SearchResult,
-    StepModel,
-    StepOutput,
-)
+from server.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.types import ScoredSequence, SearchResult
 
 
 def stepwise_force(model: StepModel, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any],

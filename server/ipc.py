@@ -5,18 +5,18 @@ engines in one *engine core* process and everything else a request needs in N *f
 (gRPC, HTTP, TLS, tokens, validation, tokenizing, detokenizing, alignments, responses, logs). Between
 them, one ``ipc://`` socket in a directory only the server's user can enter:
 
-* front-end -> core (a DEALER per front-end, the core's ROUTER):
-  ``("hello",)`` asks for the catalog; ``("submit", call, name, version, request_id, deadline, sentences,
-  work)`` decodes one request's sentences (token ids, options, target prefixes; ``deadline`` on the
-  host's monotonic clock, which every process shares); ``("cancel", call)`` withdraws a call whose
-  client went away (its queued sentences leave the queue, its running ones the decode at the next step).
-* core -> front-end: ``("catalog", Catalog)`` after a hello and after every change of the repository
-  (hot reload, a version failing or recovering); ``("done", call, results)`` with the calls' search
-  results; ``("failed", call, error)`` with a :class:`server.errors.ServingError`.
+* front-end -> core (a DEALER per front-end, the core's ROUTER): :class:`Hello` asks for the catalog;
+  :class:`Submit` decodes one request's sentences (token ids, options, target prefixes; the deadline on
+  the host's monotonic clock, which every process shares); :class:`Cancel` withdraws a call whose client
+  went away (its queued sentences leave the queue, its running ones the decode at the next step).
+* core -> front-end: :class:`Catalog` after a hello and after every change of the repository (hot
+  reload, a version failing or recovering); :class:`Done` with a call's search results; :class:`Failed`
+  with a :class:`server.errors.ServingError`'s kind and message.
 
-Messages are pickled (protocol 5): both ends are this program's own processes, on a socket in a 0700
-directory, so nothing else can write to it; pickle carries the dataclasses and NumPy arrays of a search
-result without a second schema to keep in step.
+Each message is two frames, its kind and its body in MessagePack, encoded and decoded by msgspec into the
+very dataclasses both sides use (:class:`server.types.DecodingOptions`, :class:`server.types.SearchResult`,
+...): typed decoding checks every field, nothing is unpickled (no code runs on receipt), and NumPy
+arrays (attention) travel as raw bytes with their dtype and shape.
 
 A front-end watches its connection (a ZeroMQ socket monitor): when the core goes away every call in
 flight fails at once with UNAVAILABLE, new calls are refused with UNAVAILABLE, readiness turns false;
@@ -32,32 +32,25 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from server.admission import RequestHandle
 from server.errors import Internal, ServingError, Unavailable
-from server.search import SearchResult
-from server.types import SentenceRequest
+from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix
 
 log = logging.getLogger("nmt.server")
 
 ORPHAN_CHECK_SECONDS = 0.5
+ARRAY_EXT = 1  # MessagePack extension type of a NumPy array
 CORE_DOWN = "the engine core is not running (it is being restarted); retry shortly"
-
-
-def dumps(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=5)
-
-
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)  # noqa: S301 - our own processes, on a socket in a 0700 directory
 
 
 @dataclass(frozen=True)
@@ -67,7 +60,7 @@ class VersionInfo:
     name: str
     version: str
     path: str
-    fingerprint: tuple = ()  # of the directory's files when the core loaded it: a changed one is loaded anew
+    fingerprint: tuple[tuple[str, int, int, int], ...] = ()  # of its files when loaded: changed, loaded anew
     is_latest: bool = False
     healthy: bool = True
     provider: str = ""
@@ -92,9 +85,96 @@ def catalog_of(repository: Any) -> Catalog:
     return Catalog(versions, repository.default_model, {name: repository.serving(name) for name in repository.names})
 
 
-def _wire_sentence(sentence: SentenceRequest) -> SentenceRequest:
+@dataclass
+class WireSentence:
     """What the core needs of a sentence: token ids, options and target prefix (no text, no callback)."""
-    return replace(sentence, is_cancelled=None, text="")
+
+    source_ids: list[int]
+    options: DecodingOptions
+    target_prefix: TargetPrefix
+
+    def request(self, is_cancelled: Callable[[], bool] | None = None) -> SentenceRequest:
+        return SentenceRequest(self.source_ids, self.options, is_cancelled, target_prefix=self.target_prefix)
+
+
+@dataclass
+class Hello:
+    pid: int  # the front-end's process: the core cancels its calls once it is gone
+
+
+@dataclass
+class Submit:
+    call: int
+    name: str
+    version: str
+    request_id: str
+    deadline: float | None  # time.monotonic() seconds, shared by every process of the host
+    sentences: list[WireSentence]
+    work: list[int]
+
+
+@dataclass
+class Cancel:
+    call: int
+
+
+@dataclass
+class Done:
+    call: int
+    results: list[SearchResult]
+
+
+@dataclass
+class Failed:
+    call: int
+    kind: str  # the ServingError's class name
+    message: str
+
+    def error(self) -> ServingError:
+        return _ERRORS.get(self.kind, Internal)(self.message)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+_ERRORS = {cls.__name__: cls for cls in _subclasses(ServingError)}
+MESSAGES: dict[bytes, type] = {cls.__name__.encode(): cls for cls in (Hello, Submit, Cancel, Catalog, Done, Failed)}
+
+
+def _encode_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        array = np.ascontiguousarray(obj)
+        shape = ",".join(map(str, array.shape))
+        return msgspec.msgpack.Ext(ARRAY_EXT, f"{array.dtype.str}|{shape}|".encode() + array.tobytes())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to another process")
+
+
+def _decode_hook(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray and isinstance(obj, msgspec.msgpack.Ext) and obj.code == ARRAY_EXT:
+        dtype, shape, data = bytes(obj.data).split(b"|", 2)
+        return np.frombuffer(data, dtype=np.dtype(dtype.decode())).reshape(
+            tuple(int(n) for n in shape.split(b",") if n))
+    raise NotImplementedError(f"cannot receive {kind.__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls, dec_hook=_decode_hook) for kind, cls in MESSAGES.items()}
+
+
+def encode(message: Any) -> list[bytes]:
+    """The two frames of ``message`` (one of :data:`MESSAGES`): its kind and its MessagePack body."""
+    return [type(message).__name__.encode(), _ENCODER.encode(message)]
+
+
+def decode(kind: bytes, body: bytes) -> Any:
+    """The message of ``kind`` in ``body``; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise msgspec.DecodeError(f"unknown message kind {kind!r}")
+    return decoder.decode(body)
 
 
 # ---- the engine core's end ------------------------------------------------------------------------------
@@ -131,51 +211,47 @@ class CoreEndpoint:
 
     async def publish(self) -> None:
         """Send the catalog to every front-end that said hello (after each repository change)."""
-        data = dumps(("catalog", catalog_of(self.repository)))
+        frames = encode(catalog_of(self.repository))
         for peer in list(self.peers):
-            await self._send(peer, data)
+            await self._send(peer, frames)
 
-    async def _send(self, peer: bytes, data: bytes) -> None:
+    async def _send(self, peer: bytes, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # the front-end is gone: its calls are reaped
-            await self.socket.send_multipart([peer, data])
+            await self.socket.send_multipart([peer, *frames])
 
     async def _receive(self) -> None:
         while True:
-            peer, data = await self.socket.recv_multipart()
+            peer, *frames = await self.socket.recv_multipart()
             try:
-                message = loads(data)
-            except Exception:  # noqa: BLE001 - nothing but our front-ends can reach the socket
+                message = decode(*frames)
+            except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our front-ends reach the socket
                 log.exception("undecodable message from a front-end")
                 continue
-            kind = message[0]
-            if kind == "hello":
-                self.peers[peer] = int(message[1])
-                await self._send(peer, dumps(("catalog", catalog_of(self.repository))))
-            elif kind == "submit":
-                _, call, name, version, request_id, deadline, sentences, work = message
-                handle = RequestHandle(deadline, request_id)
-                task = asyncio.get_running_loop().create_task(
-                    self._submit(peer, handle, call, name, version, sentences, work))
-                self.calls[(peer, call)] = (task, handle)
-            elif kind == "cancel":
-                self._cancel((peer, message[1]))
+            if isinstance(message, Hello):
+                self.peers[peer] = message.pid
+                await self._send(peer, encode(catalog_of(self.repository)))
+            elif isinstance(message, Submit):
+                handle = RequestHandle(message.deadline, message.request_id)
+                task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
+                self.calls[(peer, message.call)] = (task, handle)
+            elif isinstance(message, Cancel):
+                self._cancel((peer, message.call))
 
-    async def _submit(self, peer: bytes, handle: RequestHandle, call: int, name: str, version: str,
-                      sentences: Sequence[SentenceRequest], work: Sequence[int]) -> None:
+    async def _submit(self, peer: bytes, handle: RequestHandle, submit: Submit) -> None:
         try:
-            with self.repository.acquire(name, version) as model:
-                results = await model.submit(sentences, work, handle)
-            reply = ("done", call, results)
+            with self.repository.acquire(submit.name, submit.version) as model:
+                sentences = [s.request() for s in submit.sentences]
+                reply: Any = Done(submit.call, await model.submit(sentences, submit.work, handle))
         except asyncio.CancelledError:
             return  # the front-end withdrew the call: nobody waits for an answer
         except ServingError as error:
-            reply = ("failed", call, error)
+            reply = Failed(submit.call, type(error).__name__, str(error))
         except Exception as error:  # noqa: BLE001 - one call's failure must not end the core
             log.exception("engine core call failed", extra={"fields": {"request_id": handle.request_id}})
-            reply = ("failed", call, Internal(f"engine core error ({type(error).__name__})"))
+            reply = Failed(submit.call, "Internal", f"engine core error ({type(error).__name__})")
         finally:
-            self.calls.pop((peer, call), None)
-        await self._send(peer, dumps(reply))
+            self.calls.pop((peer, submit.call), None)
+        await self._send(peer, encode(reply))
 
     def _cancel(self, key: tuple[bytes, int]) -> None:
         entry = self.calls.pop(key, None)
@@ -258,44 +334,43 @@ class CoreClient:
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
-        message = ("submit", call, name, version, request.request_id, request.deadline,
-                   [_wire_sentence(s) for s in sentences], list(work))
+        message = Submit(call, name, version, request.request_id, request.deadline,
+                         [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences], list(work))
         try:
-            await self.socket.send(dumps(message))
+            await self.socket.send_multipart(encode(message))
             return await future
         except asyncio.CancelledError:
             request.cancel()
             if self.up:
                 with contextlib.suppress(zmq.ZMQError):
-                    await self.socket.send(dumps(("cancel", call)))
+                    await self.socket.send_multipart(encode(Cancel(call)))
             raise
         finally:
             self._calls.pop(call, None)
 
     async def _receive(self) -> None:
         while True:
-            message = loads(await self.socket.recv())
-            kind = message[0]
-            if kind == "catalog":
-                self.catalog = message[1]
+            message = decode(*await self.socket.recv_multipart())
+            if isinstance(message, Catalog):
+                self.catalog = message
                 self.up = True
-                await self.on_catalog(self.catalog)
+                await self.on_catalog(message)
                 self._first_catalog.set()
-            elif kind in ("done", "failed"):
-                future = self._calls.get(message[1])
+            elif isinstance(message, Done | Failed):
+                future = self._calls.get(message.call)
                 if future is None or future.done():
                     continue
-                if kind == "done":
-                    future.set_result(message[2])
+                if isinstance(message, Done):
+                    future.set_result(message.results)
                 else:
-                    future.set_exception(message[2])
+                    future.set_exception(message.error())
 
     async def _watch(self) -> None:
         """Hello on every (re)connection; on a disconnection fail every call in flight and go down."""
         while True:
             event = await recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                await self.socket.send(dumps(("hello", os.getpid())))
+                await self.socket.send_multipart(encode(Hello(os.getpid())))
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
                 log.error("engine core gone; answering UNAVAILABLE until it is back")

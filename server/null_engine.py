@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from server.engine import BatchResult, generated_tokens
-from server.search import ScoredSequence, SearchResult
 from server.text import TextCodec
-from server.types import SentenceRequest
+from server.types import ScoredSequence, SearchResult, SentenceRequest
 
 
 class NullEngine:

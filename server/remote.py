@@ -19,9 +19,8 @@ from typing import Any
 from nmt.errors import NmtError
 from server.admission import RequestHandle
 from server.ipc import Catalog, CoreClient, VersionInfo
-from server.search import SearchResult
 from server.text import TextCodec
-from server.types import SentenceRequest
+from server.types import SearchResult, SentenceRequest
 from server.versions import Held, ManifestFields, VersionIndex
 
 log = logging.getLogger("nmt.server")

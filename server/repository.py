@@ -47,9 +47,8 @@ from server.admission import RequestHandle
 from server.errors import NotFound
 from server.metrics import ServerMetrics
 from server.scheduler import BatchPolicy, ModelScheduler, smoke_test
-from server.search import SearchResult
 from server.text import TextCodec
-from server.types import SentenceRequest
+from server.types import SearchResult, SentenceRequest
 from server.versions import Held, ManifestFields, VersionIndex
 
 log = logging.getLogger("nmt.server")

@@ -97,8 +97,7 @@ from typing import Any
 from server.admission import BatchPolicy, Pending, RequestHandle, by_request, form_batch, resolve
 from server.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
-from server.search import SearchResult
-from server.types import DecodingOptions, SentenceRequest
+from server.types import DecodingOptions, SearchResult, SentenceRequest
 
 log = logging.getLogger("nmt.server")
 

@@ -146,16 +146,6 @@ class BeamSentence:
 
 
 @dataclass
-class ScoredSequence:
-    """A finished hypothesis of the search: token ids and scores (text comes later, in the engine)."""
-
-    tokens: list[int]  # ends with EOS
-    score: float
-    token_scores: list[float]
-    attention: np.ndarray | None = None  # [len(tokens), the sentence's source length]
-
-
-@dataclass
 class Resume:
     """Where the search starts when a forced pass (:mod:`server.forced`) has already decided each
     sentence's first ``T`` tokens: step ``T``, whose model output the pass may have computed too."""
@@ -166,8 +156,3 @@ class Resume:
     state: dict[str, Any]  # the model state after positions 0..T-1 (the start token and tokens[:, :-1])
     first: StepOutput | None = None  # step T already run by the forced pass (``log_probs`` whole, ``state``
     # after it); None: the search runs it, feeding tokens[:, -1] to ``state``
-
-
-@dataclass
-class SearchResult:
-    hypotheses: list[ScoredSequence] = field(default_factory=list)

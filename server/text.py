@@ -16,8 +16,7 @@ from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.errors import InvalidArgument
-from server.search import SearchResult
-from server.types import Hypothesis, SentenceRequest, TargetPrefix, Translation
+from server.types import Hypothesis, SearchResult, SentenceRequest, TargetPrefix, Translation
 
 
 class TextCodec:

@@ -14,9 +14,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 from server.admission import BatchPolicy, RequestHandle
-from server.search import SearchResult
 from server.text import TextCodec
-from server.types import DecodingOptions, SentenceRequest, TargetPrefix, Translation
+from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 from server.validation import check_budget, tokenize_texts
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop

@@ -129,3 +129,18 @@ class SentenceRequest:
     is_cancelled: Callable[[], bool] | None = None
     text: str = ""  # the original text, for its words ("": words merged from the subword pieces)
     target_prefix: TargetPrefix = field(default_factory=TargetPrefix)  # what decoding is forced through first
+
+
+@dataclass
+class ScoredSequence:
+    """A finished hypothesis of the search: token ids and scores (text comes later, where the request came in)."""
+
+    tokens: list[int]  # ends with EOS
+    score: float
+    token_scores: list[float]
+    attention: np.ndarray | None = None  # [len(tokens), the sentence's source length]
+
+
+@dataclass
+class SearchResult:
+    hypotheses: list[ScoredSequence] = field(default_factory=list)

@@ -30,8 +30,7 @@ from nmt.model_format.tokenizer import WORD_START, MarianTokenizer
 from server.alignment import segment_words
 from server.engine import Engine
 from server.protos import pb2
-from server.search import ScoredSequence, SearchResult
-from server.types import SentenceRequest
+from server.types import ScoredSequence, SearchResult, SentenceRequest
 from tests.harness import ServerHarness
 from tests.marian import LANGUAGES, MODEL, dates_split, held_out, write_tokenizer_files
 

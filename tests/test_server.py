@@ -35,8 +35,7 @@ from server.config import ServerConfig
 from server.engine import BatchResult
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, form_batch
-from server.search import SearchResult
-from server.types import DecodingOptions, SentenceRequest
+from server.types import DecodingOptions, SearchResult, SentenceRequest
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
 

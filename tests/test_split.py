@@ -23,11 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.completion import Completion
+from server.controls import Controls
+from server.errors import ResourceExhausted
+from server.ipc import Done, Failed, Submit, WireSentence, decode, encode
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
+from server.types import DecodingOptions, ScoredSequence, SearchResult, TargetPrefix
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
 from tests.test_prometheus import PROMETHEUS, Prometheus, values
@@ -114,6 +121,33 @@ def split(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield server
     finally:
         server.stop()
+
+
+def test_messages_cross_as_typed_msgpack_and_nothing_else_decodes() -> None:
+    """A request's options, controls and partial-word completion, and a result's attention array, arrive as
+    they were sent; a message of an unknown kind, or a body that is not its kind's, is refused."""
+    completion = Completion("▁Apr", 2, [{7: 2}, {8: 4}])
+    options = DecodingOptions(beam_size=4, num_hypotheses=2, return_attention=True,
+                              controls=Controls(suppress=((3, 4),), repetition_penalty=1.5))
+    sentence = WireSentence([5, 6, 7], options, TargetPrefix((9, 10), completion, spaced=True))
+    submit = Submit(3, "tiny", "2", "req-1", 1234.5, [sentence], [80])
+    got = decode(*encode(submit))
+    assert (got.call, got.name, got.version, got.request_id, got.deadline, got.work) == (3, "tiny", "2", "req-1",
+                                                                                          1234.5, [80])
+    [wire] = got.sentences
+    assert (wire.source_ids, wire.options, wire.target_prefix.ids, wire.target_prefix.spaced) == (
+        [5, 6, 7], options, (9, 10), True)
+    arrived = wire.target_prefix.completion  # compared by identity: field by field
+    assert (arrived.text, arrived.start, arrived.states) == (completion.text, completion.start, completion.states)
+    attention = np.arange(6, dtype=np.float32).reshape(2, 3)
+    done = decode(*encode(Done(3, [SearchResult([ScoredSequence([1, 2], -0.5, [-0.2, -0.3], attention)])])))
+    np.testing.assert_array_equal(done.results[0].hypotheses[0].attention, attention)
+    assert done.results[0].hypotheses[0].tokens == [1, 2]
+    assert isinstance(decode(*encode(Failed(3, "ResourceExhausted", "queue full"))).error(), ResourceExhausted)
+    with pytest.raises(msgspec.DecodeError):
+        decode(b"Pickle", b"\x80\x05")
+    with pytest.raises(msgspec.ValidationError):
+        decode(b"Submit", encode(Done(3, []))[1])
 
 
 def test_frontends_never_import_onnxruntime() -> None:
