@@ -36,8 +36,7 @@ import torch
 from export.options import LOGIT_TOLERANCE
 from nmt.model_format.layout import FORCED_GRAPH
 from server.engine import Engine
-from server.search import ScoredSequence
-from server.types import DecodingOptions, SentenceRequest
+from server.types import DecodingOptions, ScoredSequence, SentenceRequest
 from training.models.interface import Seq2SeqModel
 from training.search import translate_ids
 

@@ -1,90 +1,18 @@
-"""What the schedulers share: the batching policy, a request's handle, a queued sentence, and the
-rules that pick which queued sentences decode next (:func:`form_batch` for a static batch,
-:func:`admit_to_decode` for a running decode). See :mod:`server.scheduler` and :mod:`server.continuous`
-for the policies."""
+"""What the schedulers share: a queued sentence, and the rules that pick which queued sentences decode
+next (:func:`form_batch` for a static batch, :func:`admit_to_decode` for a running decode). See
+:mod:`server.scheduler` and :mod:`server.continuous` for the policies; a request's handle and the limits
+are :mod:`server.policy`'s."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
-from server.errors import Cancelled, DeadlineExceeded, ServingError
+from server.policy import BatchPolicy, RequestHandle
 from server.types import SentenceRequest, Translation
 
 NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
-
-
-DEVICE_ROWS = {"cpu": 32, "cuda": 512}  # max_batch_rows 0: a CPU computes a few dozen rows in parallel, a GPU
-# hundreds (512: 128 beam-4 sentences, what the static batches of the first GPU run held)
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """Limits of the scheduler (from :class:`server.config.ServerConfig`)."""
-
-    batch_tokens: int = 4096  # longest source (EOS incl.) x sentences
-    max_batch_sentences: int = 64
-    max_wait_seconds: float = 0.005
-    queue_size: int = 1024  # queued sentences (not yet in a batch)
-    max_tokens: int = 256  # source tokens of one text (EOS excl.); longer texts are refused
-    batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
-    max_request_work: int = 65536  # decoder row-steps of one request
-    max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
-    batching: str = "static"  # or "continuous" (server.continuous)
-    max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
-    decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
-
-    def for_device(self, device: str) -> BatchPolicy:
-        """This policy with ``max_batch_rows`` 0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
-        if self.max_batch_rows:
-            return self
-        return replace(self, max_batch_rows=DEVICE_ROWS["cuda" if device.startswith("cuda") else "cpu"])
-
-    @classmethod
-    def from_config(cls, config: Any) -> BatchPolicy:
-        """The policy of ``config`` (a :class:`server.config.ServerConfig`)."""
-        return cls(batch_tokens=config.batch_tokens, max_batch_sentences=config.max_batch_sentences,
-                   max_wait_seconds=config.max_wait_ms / 1000.0, queue_size=config.queue_size,
-                   max_tokens=config.max_tokens, batch_work=config.batch_work,
-                   max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
-                   batching=config.batching, max_batch_rows=config.max_batch_rows,
-                   decode_tokens=config.decode_tokens)
-
-
-class RequestHandle:
-    """Cancellation state and deadline of one request, shared by its sentences.
-
-    ``is_cancelled`` is called from the engine's worker thread; it only reads two attributes.
-    """
-
-    def __init__(self, deadline: float | None = None, request_id: str = "") -> None:
-        self.deadline = deadline  # time.monotonic() seconds, None: no deadline
-        self.request_id = request_id  # for error messages and logs
-        self._cancelled = False
-
-    @classmethod
-    def with_timeout(cls, seconds: float | None, request_id: str = "") -> RequestHandle:
-        return cls(None if seconds is None else time.monotonic() + seconds, request_id)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def is_cancelled(self) -> bool:
-        return self._cancelled or self.expired()
-
-    def error(self) -> ServingError:
-        if self.expired():
-            return DeadlineExceeded("deadline exceeded while the request was queued or being translated")
-        return Cancelled("request cancelled")
 
 
 @dataclass(eq=False)

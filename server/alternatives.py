@@ -30,14 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from server.completion import WordPieces
+from server.completion import WIDTH, WordPieces
 from server.controls import process
 from server.decode import beam_search
 from server.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 FLOOR = 0.01  # a word less likely than this times the most likely next word is not offered
-WIDTH = 2  # partial words the word search keeps per word asked for (some make no word, some spell one again)
 NEG_INF = -np.inf
 
 

@@ -25,6 +25,9 @@ import numpy as np
 from nmt.model_format.tokenizer import WORD_START
 
 WORD_END = re.compile(r"\w+$")
+# alternatives: partial words the word search keeps per word asked for (some make no word, some spell one
+# again); the front-end counts the rows it takes (server.validation), the search keeps them (server.alternatives)
+WIDTH = 2
 
 
 def split_partial_word(prefix: str) -> tuple[str, str]:

@@ -21,11 +21,11 @@ import signal
 import sys
 from pathlib import Path
 
-from server.admission import BatchPolicy
 from server.config import ServerConfig
 from server.ipc import CoreEndpoint
 from server.logs import configure_logging
 from server.metrics import ServerMetrics
+from server.policy import BatchPolicy
 from server.repository import EngineLoader, LoadSettings, ModelRepository
 
 log = logging.getLogger("nmt.server")

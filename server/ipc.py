@@ -42,8 +42,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from server.admission import RequestHandle
 from server.errors import Internal, ServingError, Unavailable
+from server.policy import RequestHandle
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix
 
 log = logging.getLogger("nmt.server")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nmt.errors import NmtError
-from server.admission import RequestHandle
 from server.ipc import Catalog, CoreClient, VersionInfo
+from server.policy import RequestHandle
 from server.text import TextCodec
 from server.types import SearchResult, SentenceRequest
 from server.versions import Held, ManifestFields, VersionIndex

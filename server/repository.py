@@ -43,10 +43,10 @@ from typing import Any
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions, version_key
-from server.admission import RequestHandle
 from server.errors import NotFound
 from server.metrics import ServerMetrics
-from server.scheduler import BatchPolicy, ModelScheduler, smoke_test
+from server.policy import BatchPolicy, RequestHandle
+from server.scheduler import ModelScheduler, smoke_test
 from server.text import TextCodec
 from server.types import SearchResult, SentenceRequest
 from server.versions import Held, ManifestFields, VersionIndex

@@ -94,9 +94,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from server.admission import BatchPolicy, Pending, RequestHandle, by_request, form_batch, resolve
+from server.admission import Pending, by_request, form_batch, resolve
 from server.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
+from server.policy import BatchPolicy, RequestHandle
 from server.types import DecodingOptions, SearchResult, SentenceRequest
 
 log = logging.getLogger("nmt.server")

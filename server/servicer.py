@@ -27,11 +27,11 @@ from typing import Any
 import grpc
 
 from nmt.model_format.decoding import normalized_score
-from server.admission import BatchPolicy, RequestHandle
 from server.config import ServerConfig
 from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
 from server.interceptor import Undecodable, current_call
+from server.policy import BatchPolicy, RequestHandle
 from server.translate import translate_texts
 from server.types import TranslateCall, Translation
 from server.validation import check_texts, resolve_options, target_prefixes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from server.admission import BatchPolicy, RequestHandle
+from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 from server.validation import check_budget, tokenize_texts

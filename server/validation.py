@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nmt.model_format.decoding import max_target_length
-from server.alternatives import WIDTH
+from server.completion import WIDTH
 from server.config import ServerConfig
 from server.controls import Controls
 from server.errors import InvalidArgument
@@ -142,7 +142,7 @@ def sentence_work(source_tokens: int, options: DecodingOptions, prefix_steps: in
     """Decoder work a sentence may take, in row-steps: ``beam_size`` x its longest allowed output
     (:func:`longest_output`, the rule the search applies, so this bounds the decoder steps of every beam
     row); with alternatives, ``num_hypotheses`` times that (each is a search of its own) and the next-word
-    search before them, :data:`server.alternatives.WIDTH` x ``num_hypotheses`` rows wide. ``source_tokens``
+    search before them, :data:`server.completion.WIDTH` x ``num_hypotheses`` rows wide. ``source_tokens``
     includes EOS."""
     rows = options.num_hypotheses * (options.beam_size + WIDTH) if options.return_alternatives else options.beam_size
     return rows * longest_output(source_tokens, options, prefix_steps)

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.admission import BatchPolicy, DecodeLoad, Pending, RequestHandle, admit_to_decode
+from server.admission import DecodeLoad, Pending, admit_to_decode
 from server.config import ServerConfig
 from server.controls import Controls
 from server.engine import Engine
 from server.errors import Cancelled, DeadlineExceeded, Internal
+from server.policy import BatchPolicy, RequestHandle
 from server.protos import pb2
 from server.scheduler import ModelScheduler
 from server.translate import translate_texts

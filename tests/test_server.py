@@ -33,8 +33,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.admission import Pending
 from server.config import ServerConfig
 from server.engine import BatchResult
+from server.policy import BatchPolicy, RequestHandle
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
-from server.scheduler import BatchPolicy, ModelScheduler, RequestHandle, form_batch
+from server.scheduler import ModelScheduler, form_batch
 from server.types import DecodingOptions, SearchResult, SentenceRequest
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
