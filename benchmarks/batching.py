@@ -174,7 +174,7 @@ def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads
     """p50 of one sentence at a time: the bare engine, then each server, alternating per sentence."""
     import grpc
 
-    from server.engine import Engine
+    from server.engine.engine import Engine
     from server.protos import pb2, pb2_grpc
     from server.types import DecodingOptions, SentenceRequest
 
@@ -208,8 +208,8 @@ def bare_closed_loop(repository: str, model: str, texts: list, beam: int, caller
     per step, mean rows per step and encoder calls and ms, all detokenized as the servers do."""
     from collections import deque
 
-    from server.decode import RunningDecode
-    from server.engine import Engine
+    from server.engine.decode import RunningDecode
+    from server.engine.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 
     version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent

@@ -29,7 +29,7 @@ from benchmarks.engine_throughput import host  # noqa: E402
 from export.graph_passes import remove_output  # noqa: E402
 from nmt.model_format.manifest import LOGITS_OUTPUT, sha256_file  # noqa: E402
 from server.controls import Controls  # noqa: E402
-from server.engine import Engine  # noqa: E402
+from server.engine.engine import Engine  # noqa: E402
 
 
 def without_logits(version_dir: Path, target: Path) -> Path:

@@ -18,7 +18,7 @@ window pair than between processes. Otherwise each worker is its own process (it
 
 With ``--arrivals GAP`` a cell is a continuous decode instead of one static batch: its ``batch``
 sentences arrive over the decoding steps (Poisson gaps of mean GAP steps) and join one running decode
-(:class:`server.decode.RunningDecode`, as ``--batching continuous`` drives it, up to ``--max-rows``
+(:class:`server.engine.decode.RunningDecode`, as ``--batching continuous`` drives it, up to ``--max-rows``
 rows), each with its own maximum length drawn from 4..``--max-length``.
 """
 
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def worker(checkout: str, versions: list[str], job_path: str) -> None:
     """Measure ``versions`` with ``checkout``'s engine (alternating when there are two); prints one JSON line."""
     sys.path.insert(0, checkout)
-    import server.engine
-    from server.engine import Engine
+    import server.engine.engine
+    from server.engine.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 
     job = json.loads(Path(job_path).read_text())
@@ -63,7 +63,8 @@ def worker(checkout: str, versions: list[str], job_path: str) -> None:
             return [t.hypotheses[0].token_ids for t in engine.translate_batch(requests).translations]
         return continuous(engine, requests, arrivals[:batch], job["max_rows"])
 
-    report: dict = {"rates": [{} for _ in engines], "outputs": [{} for _ in engines], "engine": server.engine.__file__}
+    report: dict = {"rates": [{} for _ in engines], "outputs": [{} for _ in engines],
+                    "engine": server.engine.engine.__file__}
     for beam in job["beams"]:
         for batch in job["batches"]:
             key = f"{batch}x{beam}"
@@ -82,7 +83,7 @@ def worker(checkout: str, versions: list[str], job_path: str) -> None:
 
 def continuous(engine, requests: list, arrivals: np.ndarray, max_rows: int) -> list[list[int]]:
     """Each request joins one running decode at its arrival step (or once its beam fits in ``max_rows``)."""
-    from server.decode import RunningDecode
+    from server.engine.decode import RunningDecode
 
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
     waiting, outputs, step = list(range(len(requests))), {}, 0

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 from engine_throughput import host  # noqa: E402
 
 from nmt.model_format.layout import FORCED_GRAPH  # noqa: E402
-from server.engine import Engine  # noqa: E402
+from server.engine.engine import Engine  # noqa: E402
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix  # noqa: E402
 
 

@@ -46,9 +46,9 @@ def project(model: str, job: dict) -> Runtime:
     """This project's engine: the model version, CPU, ``threads`` intra-op threads."""
     import onnxruntime as ort
 
-    from server.allocator import retain_freed_memory
     from server.config import ServerConfig
-    from server.engine import Engine
+    from server.engine.allocator import retain_freed_memory
+    from server.engine.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 
     retain_mb = ServerConfig().malloc_retain_mb

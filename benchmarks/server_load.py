@@ -254,9 +254,9 @@ def process_role(pid: int, root: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "gone"
-    if b"server.core" in argv:
+    if b"server.core.process" in argv:
         return "core"
-    if b"server.frontend" in argv:
+    if b"server.frontend.process" in argv:
         return "front-end"
     return "parent" if pid == root else "other"
 
@@ -532,7 +532,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -> None:
     """Both benchmarks for every number of callers, then the tables."""
-    from server.engine import Engine
+    from server.engine.engine import Engine
 
     versions = sorted(Path(args.model_repository, args.model).glob("*/manifest.json"))
     if not versions:

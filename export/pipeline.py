@@ -64,7 +64,7 @@ from nmt.model_format.layout import (
 )
 from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
 from nmt.model_format.tokenizer import Tokenizer
-from server.engine import Engine
+from server.engine.engine import Engine
 from training.train import bleu
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -1,6 +1,6 @@
 """Verification of a written model version: the serving engine against the PyTorch reference.
 
-The version is loaded exactly as ``nmt serve`` loads it (:class:`server.engine.Engine`), so the check
+The version is loaded exactly as ``nmt serve`` loads it (:class:`server.engine.engine.Engine`), so the check
 covers the graphs, the in-graph top-k, the manifest's I/O description and the engine's batched search:
 
 * teacher-forced steps over held-out targets (the whole batch at once, so padding is exercised)
@@ -35,7 +35,7 @@ import torch
 
 from export.options import LOGIT_TOLERANCE
 from nmt.model_format.layout import FORCED_GRAPH
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.types import DecodingOptions, ScoredSequence, SentenceRequest
 from training.models.interface import Seq2SeqModel
 from training.search import translate_ids

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from nmt.model_format.layout import discover_versions, has_models
 
 if TYPE_CHECKING:
-    from server.app import TranslationServer
+    from server.frontend.app import TranslationServer
 
 # served model name -> training preset, in the order they are built; the first is the demo's default model
 # (the Bahdanau model: it reaches the demo's quality in about half the Transformer's training time)
@@ -110,4 +110,4 @@ class BackgroundBuild:
             log.error("background build failed", extra={"fields": {**fields, "exit_code": code}})
             return
         await server.reload()
-        log.info("background build done", extra={"fields": {**fields, "served": server.repository.names}})
+        log.info("background build done", extra={"fields": {**fields, "served": server.core.repository.names}})

@@ -12,15 +12,16 @@ import argparse
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions
 from server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from server.app import TranslationServer
+    from server.frontend.app import TranslationServer
 
 DESCRIPTION = """\
 Serve every model version of a model repository (<repo>/<name>/<version>/manifest.json) over gRPC:
@@ -85,7 +86,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.app import serve
     from server.logs import configure_logging
 
     started = time.monotonic()
@@ -134,11 +134,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def serve(config: ServerConfig, on_started: Callable[[Any], None] | None = None) -> None:
+    """Run until SIGTERM / SIGINT, then drain and stop; ``on_started`` is called once the ports are bound
+    (``server.port`` etc. then hold the real ports, e.g. for ``--listen 127.0.0.1:0``). One process loads
+    the models and serves them (:class:`server.frontend.app.TranslationServer` over
+    :func:`server.core.process.open_repository`); with ``config.frontends`` the server runs as an engine
+    core and front-end processes (:mod:`server.supervisor`)."""
+    if config.frontends:
+        from server.supervisor import supervise
+
+        await supervise(config, on_started)
+        return
+    from server.core.process import open_repository
+    from server.frontend.app import TranslationServer as Server
+
+    server = Server(config, opener=open_repository)
+    server.install_signal_handlers()
+    await server.start()
+    if on_started is not None:
+        on_started(server)
+    await server.wait_for_termination()
+
+
 def print_how_to_call(server: TranslationServer) -> None:
     """Print the models served and commands to try, with the ports the server bound (``--listen
     127.0.0.1:0`` binds a free port)."""
     config = server.config
-    models = server.repository.names
+    models = server.core.repository.names
     if not models:
         return
     listen = _with_port(config.listen, server.port)
@@ -146,7 +168,7 @@ def print_how_to_call(server: TranslationServer) -> None:
         else "off"
     http = _with_port(config.http_listen, server.http_port) if config.http_listen else ""
     print(HOW_TO_CALL.format(models=", ".join(models), listen=listen, metrics=metrics,
-                             model=server.repository.default_model, security=_security_hint(config),
+                             model=server.core.repository.default_model, security=_security_hint(config),
                              http=_http_hint(http)), flush=True)
 
 

@@ -4,7 +4,7 @@ Every metric lives in an injected :class:`CollectorRegistry` (tests use a fresh 
 ``nmt_<thing>_<unit>``; label values are bounded (model names and versions, method names, status
 codes, stages) and never carry texts or request ids. The ``grpc_server_*`` family matches the
 go-grpc-prometheus / py-grpc-prometheus names so stock Grafana dashboards work. The request and
-``grpc_server_*`` metrics are counted by :mod:`server.interceptor`, the others by the scheduler and
+``grpc_server_*`` metrics are counted by :mod:`server.frontend.interceptor`, the others by the scheduler and
 the model repository (loads, model info, queue capacity); prometheus-client's standard ``process_*``
 and ``python_*`` collectors are registered beside them.
 
@@ -47,7 +47,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 STAGES = ("encode", "decode")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
-HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.http_face)
+HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
 # ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
 HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
 

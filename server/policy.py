@@ -26,7 +26,7 @@ class BatchPolicy:
     batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
     max_request_work: int = 65536  # decoder row-steps of one request
     max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
-    batching: str = "static"  # or "continuous" (server.continuous)
+    batching: str = "static"  # or "continuous" (server.core.continuous)
     max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
 

@@ -10,7 +10,7 @@ modules are registered as ``translation.v1.translation_pb2`` / ``_pb2_grpc``, th
 code itself imports; the messages they import (``google.api.annotations_pb2``, ``google.rpc.status_pb2``)
 are googleapis-common-protos' modules, which describe the same files.
 
-Only the gRPC edge (``server/convert.py``, ``server/app.py``, clients) imports this module; the
+Only the gRPC edge (``server/frontend/convert.py``, ``server/frontend/app.py``, clients) imports this module; the
 scheduler and the engine work on :mod:`server.types`.
 
 For editors and type checkers, ``python -m server.protos --out DIR`` writes the same stubs plus

@@ -3,8 +3,8 @@
 One Python process with one event loop tops out near a thousand requests a second whatever the device,
 and the engine's per-step Python shares that process's interpreter lock with gRPC. With ``--frontends N``
 the serving is split the way vLLM splits its API servers from its engine core: the engine core
-(:mod:`server.core`) owns the model repository, the schedulers and the device; N front-ends
-(:mod:`server.frontend`) do everything else per request and share the gRPC and HTTP ports
+(:mod:`server.core.process`) owns the model repository, the schedulers and the device; N front-ends
+(:mod:`server.frontend.process`) do everything else per request and share the gRPC and HTTP ports
 (SO_REUSEPORT); they exchange token ids and search results over ZeroMQ (:mod:`server.ipc`). This
 process, the supervisor, starts them, restarts them, serves ``/metrics`` for all of them and orders the
 shutdown:
@@ -104,8 +104,8 @@ class Supervisor:
         self.http_port: int | None = None
         self.metrics_port: int | None = None
         self.repository: ServedModels | None = None
-        self.workers = [Worker("core", "server.core"),
-                        *(Worker(f"frontend-{i}", "server.frontend") for i in range(config.frontends))]
+        self.workers = [Worker("core", "server.core.process"),
+                        *(Worker(f"frontend-{i}", "server.frontend.process") for i in range(config.frontends))]
         self._dir = Path(tempfile.mkdtemp(prefix="nmt-serve-"))  # 0700: the socket and metrics are ours
         self._metrics_dir = self._dir / "metrics"
         self._metrics_dir.mkdir()

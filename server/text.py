@@ -1,9 +1,9 @@
 """The text side of a model version: tokenizing, target prefixes, language tokens and detokenizing.
 
-What the serving layer does per request besides decoding (:mod:`server.translate`) needs the model's
+What the serving layer does per request besides decoding (:mod:`server.frontend.translate`) needs the model's
 tokenizer and manifest only, never ONNX Runtime: a :class:`TextCodec` is built from a version's directory
 (:meth:`TextCodec.load`) by every process that answers requests, while the engine core decodes token ids
-(:mod:`server.engine`). The engine holds one too (its smoke test and its convenience ``translate``).
+(:mod:`server.engine.engine`). The engine holds one too (its smoke test and its convenience ``translate``).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class Translation:
 
 @dataclass
 class SentenceRequest:
-    """One sentence handed to :meth:`server.engine.Engine.translate_batch`.
+    """One sentence handed to :meth:`server.engine.engine.Engine.translate_batch`.
 
     ``is_cancelled`` is polled between decoding steps; once it returns True the sentence leaves
     the running batch and its result is ``None``.

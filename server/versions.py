@@ -1,5 +1,5 @@
 """Looking up served model versions by name and version: what the model repository (which loads them,
-:mod:`server.repository`) and a front-end's view of the engine core's repository (:mod:`server.remote`)
+:mod:`server.core.repository`) and a front-end's view of the engine core's repository (:mod:`server.frontend.remote`)
 share. No engine here: front-ends import this and never ONNX Runtime."""
 
 from __future__ import annotations

@@ -9,17 +9,19 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from server.app import TranslationServer
 from server.config import ServerConfig
+from server.core.process import open_repository
+from server.core.repository import ModelVersion
+from server.core.scheduler import ModelScheduler
+from server.frontend.app import TranslationServer
 from server.protos import pb2_grpc
-from server.repository import ModelVersion
-from server.scheduler import ModelScheduler
 
 
 def refuse_fixed_ports(config: ServerConfig) -> None:
@@ -42,7 +44,8 @@ class ServerHarness:
         self.thread.start()
 
         async def make() -> TranslationServer:
-            return TranslationServer(config, registry=self.registry, engine_loader=engine_loader)
+            return TranslationServer(config, registry=self.registry,
+                                     opener=partial(open_repository, engine_loader=engine_loader))
 
         self.server = self.run(make())
         self.port = self.run(self.server.start())
@@ -61,7 +64,7 @@ class ServerHarness:
 
     def model_version(self, model: str = "", version: str = "") -> ModelVersion:
         """A served model version (default: the newest version of the default model)."""
-        return self.server.repository.resolve(model, version)
+        return self.server.core.repository.resolve(model, version)
 
     def scheduler(self, model: str = "", version: str = "") -> ModelScheduler:
         return self.model_version(model, version).scheduler

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from server.beam_select import select_beam, sentence_done
 from server.controls import Controls
-from server.decode import beam_search
-from server.search import BeamSentence, StepOutput, take_rows
+from server.engine.beam_select import select_beam, sentence_done
+from server.engine.decode import beam_search
+from server.engine.search import BeamSentence, StepOutput, take_rows
 from server.types import ScoredSequence
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model

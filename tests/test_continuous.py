@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from server.controls import Controls
-from server.decode import RunningDecode
-from server.engine import Engine
-from server.row_layout import fill_holes, lay_out
-from server.search import concat_rows
+from server.engine.decode import RunningDecode
+from server.engine.engine import Engine
+from server.engine.row_layout import fill_holes, lay_out
+from server.engine.search import concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
 CONTINUOUS = ["bahdanau", "transformer"]  # both step models take per-row positions
@@ -304,7 +304,7 @@ def test_given_tokens_in_a_running_decode_equal_the_static_path(arch, engines):
     with a repetition penalty, one ending inside a word) join a decode already running after one forced
     pass over their prefix; a whole target (Score) and alternatives run apart through the forced pass.
     Each gets what the static path (forced pass, then the search) gives it alone."""
-    from server.continuous import RunningBatch
+    from server.core.continuous import RunningBatch
 
     engine = engines[arch]
     own = engine.search([request(engine, "three four five", beam_size=1)])[0].hypotheses[0].tokens
@@ -356,7 +356,7 @@ def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
     into the in-place buffers, every row's position set) joins a decode already running through
     ``admit(resume=)`` (Resume without a first step: the search feeds the prefix's last piece) and gets
     what the static path gives it alone; so does the sentence it joined."""
-    from server.search import Resume
+    from server.engine.search import Resume
 
     engine = engines[arch]
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)

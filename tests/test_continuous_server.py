@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.admission import DecodeLoad, Pending, admit_to_decode
 from server.config import ServerConfig
 from server.controls import Controls
-from server.engine import Engine
+from server.core.admission import DecodeLoad, Pending, admit_to_decode
+from server.core.scheduler import ModelScheduler
+from server.engine.engine import Engine
 from server.errors import Cancelled, DeadlineExceeded, Internal
+from server.frontend.translate import translate_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.protos import pb2
-from server.scheduler import ModelScheduler
-from server.translate import translate_texts
 from server.types import DecodingOptions, SentenceRequest
 from tests.harness import ServerHarness
 from tests.test_server import default_loader, test_config, wait_for

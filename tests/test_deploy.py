@@ -217,7 +217,7 @@ def test_kubernetes_manifests_are_valid_for_a_current_kubernetes() -> None:
 
 
 def test_kubernetes_translators_drain_and_probe_as_the_server_does() -> None:
-    from server.app import STOP_SECONDS
+    from server.frontend.app import STOP_SECONDS
     from server.protos import SERVICE_NAME
 
     deployments = {d["metadata"]["name"]: d for d in of_kind("Deployment")}

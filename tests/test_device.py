@@ -22,13 +22,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from nmt.errors import NmtError
-from server.app import TranslationServer
-from server.device import CPU, CUDA, DeviceSettings, is_out_of_memory, log_runtime, probe_provider, provider_list
-from server.engine import DeviceStepModel, Engine, OnnxStepModel
+from server.core.process import open_repository
+from server.engine.device import CPU, CUDA, DeviceSettings, is_out_of_memory, log_runtime, probe_provider, provider_list
+from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel
 from server.errors import InvalidArgument
+from server.frontend.app import TranslationServer
+from server.frontend.validation import resolve_options
 from server.protos import pb2
 from server.types import DecodingOptions, RequestedOptions
-from server.validation import resolve_options
 from tests.harness import ServerHarness
 from tests.test_server import MODEL, TEXTS, test_config, wrapping_loader
 
@@ -77,10 +78,10 @@ def test_explicit_cuda_fails_fast_naming_the_reason(tiny_models, repository):
         Engine.load(tiny_models["transformer"], provider="cuda")
     with pytest.raises(NmtError, match="cuda requested"):
         probe_provider(DeviceSettings("cuda"))
-    server = TranslationServer(test_config(repository, provider="cuda"))  # the real loader: probed at start
+    server = TranslationServer(test_config(repository, provider="cuda"), opener=open_repository)  # probed at start
     with pytest.raises(NmtError, match="cuda requested"):
         asyncio.run(server.start())
-    assert server.repository is None  # failed before loading any model
+    assert server.core.repository is None  # failed before loading any model
 
 
 def test_unknown_provider_is_refused(tiny_models):

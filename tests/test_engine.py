@@ -7,7 +7,7 @@ import pytest
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, word_groups
 from server.controls import Controls
-from server.engine import Engine, OnnxStepModel, length_runs
+from server.engine.engine import Engine, OnnxStepModel, length_runs
 from server.types import DecodingOptions, SentenceRequest
 from training.models.checkpoint import load_checkpoint
 from training.search import translate_ids
@@ -125,13 +125,13 @@ def test_a_batch_encoded_in_length_runs_decodes_as_one_padded_batch(arch, engine
     texts = ["one", " ".join(["three four five six seven"] * 4), "two three", " ".join(["eight nine ten"] * 5)]
     requests = [SentenceRequest(engine.tokenize(t), DecodingOptions(beam_size=3, return_attention=True), text=t)
                 for t in texts]
-    monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 10**6)
+    monkeypatch.setattr("server.engine.engine.ENCODER_CALL_TOKENS", 10**6)
     one, _, padded = engine.encode(requests)
     expected = engine.translate_batch(requests).translations
     calls = []
     encode = engine.model.encode
     monkeypatch.setattr(engine.model, "encode", lambda batch: calls.append(batch.shape) or encode(batch))
-    monkeypatch.setattr("server.engine.ENCODER_CALL_TOKENS", 8)
+    monkeypatch.setattr("server.engine.engine.ENCODER_CALL_TOKENS", 8)
     runs, _, source = engine.encode(requests)
     lengths = [len(r.source_ids) + 1 for r in requests]
     assert sorted(calls) == [(2, max(lengths[0], lengths[2])), (2, max(lengths[1], lengths[3]))]  # short, long

@@ -27,7 +27,7 @@ from nmt.errors import NmtError
 from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
 from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint, save_checkpoint
 from training.search import translate_ids

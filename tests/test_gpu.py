@@ -22,9 +22,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from server.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
-from server.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
-from server.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
+from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
+from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
+from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.types import DecodingOptions
 from tests.test_engine import TEXTS
 
@@ -70,7 +70,7 @@ def test_every_session_runs_on_cuda(arch, gpu):
 
 def _off_cuda(version_dir: Path, tmp_path: Path) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
     """(node, op) of the nodes ONNX Runtime's profile saw run off CUDA, shape arithmetic left out, and of the
-    nodes :func:`server.placement.nodes_without_cuda_kernel` predicts from the kernel table, over every graph
+    nodes :func:`server.engine.placement.nodes_without_cuda_kernel` predicts from the kernel table, over every graph
     of the version after a beam-4 translation. The rule of what shape arithmetic is applies to the graph the
     session ran (ONNX Runtime's optimized graph, saved beside the profile)."""
     engine = Engine.load(version_dir, provider="cuda")  # manifest and tokenizer

@@ -28,7 +28,7 @@ from nmt.errors import NmtError
 from nmt.model_format.manifest import read_manifest
 from nmt.model_format.tokenizer import WORD_START, MarianTokenizer
 from server.alignment import segment_words
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.protos import pb2
 from server.types import ScoredSequence, SearchResult, SentenceRequest
 from tests.harness import ServerHarness
@@ -188,7 +188,7 @@ def test_target_language_inserts_the_language_token(marian_server: ServerHarness
 
 def test_round_trip_to_huggingface(model_version_dir: Path, tiny_runs: dict[str, Path], tmp_path: Path) -> None:
     """The session's tiny Transformer written as a Marian directory translates under transformers as served."""
-    from server.engine import Engine
+    from server.engine.engine import Engine
 
     out = tmp_path / "tiny-marian"
     assert nmt_main(["export", str(tiny_runs["transformer"]), "--to", "huggingface", "--out", str(out),
@@ -233,7 +233,7 @@ def test_unsupported_config_and_missing_tokenizer_are_named(marian_dir: Path, tm
 
 def test_target_language_of_a_one_pair_model(model_version_dir: Path) -> None:
     """A model trained here takes its own target language or none; another is INVALID_ARGUMENT."""
-    from server.engine import Engine
+    from server.engine.engine import Engine
     from server.errors import InvalidArgument
 
     engine = Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, inter_op_threads=1)

@@ -1,5 +1,5 @@
 """Decoding for interactive UIs: target prefixes run as one forced pass, alternatives at the prefix's end (the
-next words, :mod:`server.alternatives`: on hand-written tables, against the PyTorch reference on both tiny
+next words, :mod:`server.engine.alternatives`: on hand-written tables, against the PyTorch reference on both tiny
 architectures, and on the small dates models), prefixes ending inside a word or with a space, against the
 PyTorch reference search (``training/search.py``); the forced-pass graph and the fallback of versions exported
 without it."""
@@ -20,16 +20,16 @@ import torch
 from nmt.cli import main as nmt_main
 from nmt.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
 from nmt.model_format.manifest import read_manifest, write_manifest
-from server.alternatives import FLOOR
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
 from server.controls import Controls
-from server.engine import Engine
-from server.forced import decode, stepwise_force
+from server.engine.alternatives import FLOOR
+from server.engine.engine import Engine
+from server.engine.forced import decode, stepwise_force
+from server.engine.search import Alternatives, BeamSentence, take_rows
+from server.frontend.validation import check_budget
 from server.protos import pb2
-from server.search import Alternatives, BeamSentence, take_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
-from server.validation import check_budget
 from tests.conftest import number_pairs
 from tests.harness import ServerHarness
 from tests.test_beam import step_output
@@ -101,7 +101,7 @@ NEXT: dict[tuple[int, ...], dict[int, float]] = {
 
 
 class NextPieceTable:
-    """:class:`server.search.StepModel` of :data:`NEXT`; its state is each row's pieces so far."""
+    """:class:`server.engine.search.StepModel` of :data:`NEXT`; its state is each row's pieces so far."""
 
     static_names: list[str] = []
     state_names = ["pieces"]

@@ -16,8 +16,8 @@ from onnx import TensorProto, helper
 from export.options import LOGIT_TOLERANCE
 from nmt.model_format.layout import MANIFEST_FILE
 from nmt.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
-from server.engine import Engine
-from server.step_models import INITIAL_CAPACITY
+from server.engine.engine import Engine
+from server.engine.step_models import INITIAL_CAPACITY
 from server.types import DecodingOptions
 from training.models.checkpoint import load_checkpoint
 

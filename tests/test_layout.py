@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("nmt", "training", "export", "server", "clients", "loadtests")
 # what export/ may take from server/: the engine it verifies with, and the types of the engine's API
-EXPORT_MAY_USE = {"server.engine", "server.search", "server.types"}
+EXPORT_MAY_USE = {"server.engine.engine", "server.engine.search", "server.types"}
 
 
 def project_modules() -> dict[str, Path]:
@@ -118,6 +118,40 @@ def test_arrows_point_down_the_design() -> None:
             assert {m for m in edges[module] if m.split(".")[0] == "server"} <= EXPORT_MAY_USE, module
         if module.startswith("nmt.model_format"):  # the shared format stands on nothing but nmt's own base
             assert all(m.startswith("nmt.") for m in edges[module]), module
+
+
+# server/: three parts and what they share. The front-end (gRPC, HTTP, tokenizing, responses) never reaches the
+# engine, the engine core or ONNX Runtime; the core and the engine never reach the front-end; the shared
+# modules at server/'s top (configuration, types, errors, metrics, the text side, the IPC) reach none of the
+# three parts.
+SERVER_PARTS = ("server.frontend", "server.core", "server.engine")
+PART_MAY_NOT_REACH = {
+    "server.frontend": ("server.core", "server.engine"),
+    "server.core": ("server.frontend",),
+    "server.engine": ("server.frontend", "server.core"),
+}
+
+
+def part_of(module: str) -> str | None:
+    """The part of ``server/`` a module belongs to (None: shared at the top, or not in server/)."""
+    return next((part for part in SERVER_PARTS if module == part or module.startswith(part + ".")), None)
+
+
+def test_the_server_parts_keep_apart() -> None:
+    edges, external = import_graph()
+    server = [m for m in edges if m.split(".")[0] == "server"]
+    assert {part_of(m) for m in server} == {*SERVER_PARTS, None}
+    for module in server:
+        part = part_of(module)
+        closure = reachable(edges, module) | {module}
+        forbidden = PART_MAY_NOT_REACH.get(part, SERVER_PARTS) if module != "server" else ()
+        crossing = sorted(m for m in closure if any(m == f or m.startswith(f + ".") for f in forbidden))
+        assert not crossing, f"{module} reaches {crossing}"
+        if part != "server.core" and part != "server.engine":
+            assert not any("onnxruntime" in external[m] for m in closure), f"{module} reaches onnxruntime"
+    # the checker itself can fail: the engine reaches ONNX Runtime, the core the engine
+    assert "onnxruntime" in external["server.engine.engine"]
+    assert "server.engine.engine" in reachable(edges, "server.core.repository")
 
 
 def test_a_planted_circle_is_found() -> None:

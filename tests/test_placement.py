@@ -1,5 +1,5 @@
 """CUDA placement checked without a GPU: every graph each GPU precision writes, read against the CUDA kernel
-table of the pinned ONNX Runtime (:mod:`server.placement`, ``server/data/cuda_kernels_ort-1.31.toml``).
+table of the pinned ONNX Runtime (:mod:`server.engine.placement`, ``server/engine/data/cuda_kernels_ort-1.31.toml``).
 
 fp32 and fp16 are the precisions that run on CUDA; an int8 version is refused there at load
 (``tests/test_gpu.py::test_an_int8_version_is_refused_on_cuda``: its ``MatMulInteger`` nodes have no CUDA
@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 from nmt.cli import main as nmt_main
 from nmt.model_format.manifest import read_manifest
-from server.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
+from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
 from tests.conftest import PARITY_SENTENCES
 
 ROOT = Path(__file__).resolve().parent.parent

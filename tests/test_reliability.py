@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.core.scheduler import ModelScheduler, form_batch
+from server.frontend.validation import response_bytes_bound
 from server.metrics import metrics_table
 from server.policy import BatchPolicy, RequestHandle
 from server.protos import SERVICE_NAME, pb2
-from server.scheduler import ModelScheduler, form_batch
 from server.types import DecodingOptions
-from server.validation import response_bytes_bound
 from tests.conftest import EN
 from tests.harness import ServerHarness
 from tests.test_server import (

@@ -28,8 +28,8 @@ from clients.client import TranslatorClient
 from clients.messages import TranslationError
 from nmt.cli import main as nmt_main
 from nmt.errors import NmtError
-from server.auth import Authenticator
 from server.config import ServerConfig
+from server.frontend.auth import Authenticator
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from tests.harness import ServerHarness
 
@@ -208,7 +208,7 @@ def test_tls_configuration_errors(repository: Path, pki: dict[str, Path], tmp_pa
         config_for(repository, tls_key=str(pki["server_key"]))
     with pytest.raises(NmtError, match="tls_client_ca .* needs TLS"):
         config_for(repository, tls_client_ca=str(pki["ca"]))
-    from server.app import TranslationServer
+    from server.frontend.app import TranslationServer
 
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(NmtError, match=f"tls_cert: cannot read {missing}"):
@@ -396,7 +396,7 @@ def reflection_call(channel: grpc.Channel, version: str, request: dict[str, Any]
                     metadata: tuple = ()) -> Any:
     """One request to ``grpc.reflection.<version>.ServerReflection``; its (first) response."""
     if version == "v1":
-        from server.reflection import v1_pb2 as messages
+        from server.frontend.reflection import v1_pb2 as messages
     else:
         from grpc_reflection.v1alpha import reflection_pb2 as messages
     method = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",

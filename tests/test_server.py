@@ -30,12 +30,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.admission import Pending
 from server.config import ServerConfig
-from server.engine import BatchResult
+from server.core.admission import Pending
+from server.core.scheduler import ModelScheduler, form_batch
+from server.engine.engine import BatchResult
 from server.policy import BatchPolicy, RequestHandle
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
-from server.scheduler import ModelScheduler, form_batch
 from server.types import DecodingOptions, SearchResult, SentenceRequest
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
@@ -48,8 +48,8 @@ TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "t
 
 
 def default_loader() -> Callable[..., Any]:
-    """How versions are loaded: the real :meth:`server.engine.Engine.load`."""
-    from server.repository import default_engine_loader
+    """How versions are loaded: the real :meth:`server.engine.engine.Engine.load`."""
+    from server.core.repository import default_engine_loader
 
     return default_engine_loader
 

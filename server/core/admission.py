@@ -1,6 +1,6 @@
 """What the schedulers share: a queued sentence, and the rules that pick which queued sentences decode
 next (:func:`form_batch` for a static batch, :func:`admit_to_decode` for a running decode). See
-:mod:`server.scheduler` and :mod:`server.continuous` for the policies; a request's handle and the limits
+:mod:`server.core.scheduler` and :mod:`server.core.continuous` for the policies; a request's handle and the limits
 are :mod:`server.policy`'s."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Pending:
     request: RequestHandle
     sentence: SentenceRequest
     tokens: int  # source tokens incl. EOS
-    work: int  # decoder row-steps at most (server.validation.sentence_work)
+    work: int  # decoder row-steps at most (server.frontend.validation.sentence_work)
     future: asyncio.Future
     enqueued: float
     seq: int

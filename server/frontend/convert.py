@@ -1,6 +1,6 @@
 """Protobuf messages <-> the plain dataclasses of :mod:`server.types`, at the servicer's edge.
 
-With :mod:`server.app` (which registers the services), the only server module that imports
+With :mod:`server.frontend.app` (which registers the services), the only server module that imports
 :mod:`server.protos`: validation, the scheduler and the engine work on dataclasses.
 """
 

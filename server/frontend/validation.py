@@ -199,7 +199,7 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
 
 def target_prefixes(texts: Sequence[str], prefixes: Sequence[str], tokenize: Callable[..., TargetPrefix],
                     max_length: int, *, end_id: int | None = None) -> list[TargetPrefix]:
-    """Each text's target prefix tokenized by ``tokenize`` (:meth:`server.engine.Engine.target_prefix`), or []
+    """Each text's target prefix tokenized by ``tokenize`` (:meth:`server.engine.engine.Engine.target_prefix`), or []
     when the request has none; InvalidArgument unless there is one prefix per text, each shorter than
     ``max_length`` pieces. Scoring (``end_id``, the end-of-sentence id): the prefixes are whole
     translations, required, tokenized as they are and ended by it."""

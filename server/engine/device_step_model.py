@@ -10,9 +10,9 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
-from server.forced import stepwise_force
-from server.search import ForcedOutput, StepOutput, concat_rows
-from server.step_models import OnnxStepModel, extra_outputs, initial_shape
+from server.engine.forced import stepwise_force
+from server.engine.search import ForcedOutput, StepOutput, concat_rows
+from server.engine.step_models import OnnxStepModel, extra_outputs, initial_shape
 
 
 class DeviceStepModel(OnnxStepModel):

@@ -1,16 +1,16 @@
 """The running decode: a batched beam search (greedy = beam 1) that sentences join and leave between steps.
 
 :func:`beam_search` (the static batch) is a running decode that admits every sentence
-before its first step; the continuous scheduler (:mod:`server.continuous`) admits sentences whenever
+before its first step; the continuous scheduler (:mod:`server.core.continuous`) admits sentences whenever
 rows are free. Both run the same selection code, so a sentence gets the same hypotheses and scores
 whichever companions it decodes with and whenever it joined: every rule below reads only the
 sentence's own rows and its own step.
 
 Rows. A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
 The sentences that stay keep their rows from step to step; when one leaves, the last sentence moves
-into its rows if it needs as many (:func:`server.row_layout.fill_holes`), so the state's in-place
+into its rows if it needs as many (:func:`server.engine.row_layout.fill_holes`), so the state's in-place
 buffers move one sentence's rows instead of every row behind the one that left. What a step reads of
-its sentences' settings (:class:`server.row_layout.Layout`) is worked out again only when sentences
+its sentences' settings (:class:`server.engine.row_layout.Layout`) is worked out again only when sentences
 join, leave or first expand.
 Sentences of different beam sizes, lengths, penalties, controls, target prefixes and source lengths
 share one decode; each step runs the model once on all rows, with each row's own step as its target
@@ -18,7 +18,7 @@ position (``positions``; models that cannot take per-row positions only ever dec
 started together). The step asks for the ``2 x beam`` best tokens of the widest beam; a sentence
 reads the ``2 x beam`` best of its own rows.
 
-Search rules. The selection is :mod:`server.beam_select` (which continuations finish, which live on,
+Search rules. The selection is :mod:`server.engine.beam_select` (which continuations finish, which live on,
 when a sentence is done; a sentence's quota of finished hypotheses is ``round(beam x patience)``); this
 module keeps the books around it. With ``beam_size == 1`` the rules reduce to arg-max decoding (the best
 token is kept; when it is EOS the sentence is done), which runs through a lean path of a few array
@@ -33,8 +33,8 @@ hypothesis' attention is [its tokens, its own source length]: it never depends o
 
 Given tokens. A forced target prefix is decoded like any token (one row, its token whatever its
 probability) but adds nothing to the hypothesis' score, whose length counts it (CTranslate2's rule). A
-sentence may also join after its first ``T`` tokens were decided by a forced pass (:mod:`server.forced`,
-:class:`server.search.Resume`): it starts at step ``T`` from the pass's state; when the pass already ran
+sentence may also join after its first ``T`` tokens were decided by a forced pass (:mod:`server.engine.forced`,
+:class:`server.engine.search.Resume`): it starts at step ``T`` from the pass's state; when the pass already ran
 step ``T`` (``Resume.first``), the decode reads that step off it instead of calling the model, which
 requires those sentences to be all the decode holds (the static batch); ``first=None`` joins anywhere.
 
@@ -53,10 +53,10 @@ from typing import Any
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
-from server.beam_select import select_beam, sentence_done
 from server.controls import Controls, process, sample, top_k
-from server.row_layout import Layout, fill_holes, lay_out
-from server.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
+from server.engine.beam_select import select_beam, sentence_done
+from server.engine.row_layout import Layout, fill_holes, lay_out
+from server.engine.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 
@@ -136,7 +136,7 @@ class RunningDecode:
         self._history_scores = np.zeros((0, 0))
         self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
-        self._layout: Layout | None = None  # None: work it out at the next step (server.row_layout)
+        self._layout: Layout | None = None  # None: work it out at the next step (server.engine.row_layout)
         self._age = 0  # steps run since the layout was worked out
 
     @property
@@ -327,7 +327,7 @@ class RunningDecode:
               row_scores: np.ndarray, attention: np.ndarray | None, prefix: bool,
               left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
         """The general step of sentences ``group``, all of beam ``beam`` holding ``width`` rows each: the
-        selection (:func:`server.beam_select.select_beam`), then its books (``prefix``: some sentence of
+        selection (:func:`server.engine.beam_select.select_beam`), then its books (``prefix``: some sentence of
         the decode may be in its forced prefix)."""
         sentences = [self._sentences[j] for j in group.tolist()]
         given = np.array([s.step < s.forced_length for s in sentences]) if prefix else None

@@ -1,18 +1,18 @@
 """The ``translation.v1.Translator`` servicer: the RPC handlers, and nothing else.
 
-A handler reads as from_pb -> work -> to_pb: :mod:`server.convert` turns the ``TranslateRequest`` into
-a :class:`server.types.TranslateCall` and the translations into the response; :mod:`server.validation`
+A handler reads as from_pb -> work -> to_pb: :mod:`server.frontend.convert` turns the ``TranslateRequest`` into
+a :class:`server.types.TranslateCall` and the translations into the response; :mod:`server.frontend.validation`
 checks the call against the configured limits and the model's defaults;
-:func:`server.translate.translate_texts` tokenizes, decodes through the resolved model version's
+:func:`server.frontend.translate.translate_texts` tokenizes, decodes through the resolved model version's
 scheduler (in this process or in the engine core) and detokenizes. The handler holds the version
 (:meth:`ModelRepository.acquire`) until the response is built, so hot reload never closes a version
 under a request. Every handler is wrapped by :func:`server.errors.grpc_errors`, so they simply raise
 typed errors.
 
 Request ids, log lines, request metrics and the in-flight count are the interceptor's
-(:mod:`server.interceptor`); a handler only writes the model version it resolved and the number of
-texts on the call's record (:func:`server.interceptor.current_call`), and checks the models it uses
-against the record's grant (:mod:`server.auth`: PERMISSION_DENIED for a model the token may not use).
+(:mod:`server.frontend.interceptor`); a handler only writes the model version it resolved and the number of
+texts on the call's record (:func:`server.frontend.interceptor.current_call`), and checks the models it uses
+against the record's grant (:mod:`server.frontend.auth`: PERMISSION_DENIED for a model the token may not use).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import grpc
 
 from nmt.model_format.decoding import normalized_score
 from server.config import ServerConfig
-from server.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.errors import ServingError, Unavailable, grpc_errors, status_of
-from server.interceptor import Undecodable, current_call
+from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
+from server.frontend.interceptor import Undecodable, current_call
+from server.frontend.translate import translate_texts
+from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.policy import BatchPolicy, RequestHandle
-from server.translate import translate_texts
 from server.types import TranslateCall, Translation
-from server.validation import check_texts, resolve_options, target_prefixes
 from server.versions import VersionIndex
 
 log = logging.getLogger("nmt.server")

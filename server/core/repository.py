@@ -8,7 +8,7 @@ name no version. The default model is the configured one, else the first name in
 Directories whose name starts with a dot are ignored (copy a version in as ``.tmp`` and rename it).
 
 The repository is the one registry of the served models: each :class:`ModelVersion` owns its engine
-and the :class:`server.scheduler.ModelScheduler` that is the one way into it; the repository starts
+and the :class:`server.core.scheduler.ModelScheduler` that is the one way into it; the repository starts
 and closes the schedulers. A request holds its version through :meth:`ModelRepository.acquire` from
 resolution to response, so a version is closed only once nobody uses it.
 
@@ -43,10 +43,10 @@ from typing import Any
 
 from nmt.errors import NmtError
 from nmt.model_format.layout import discover_versions, version_key
+from server.core.scheduler import ModelScheduler, smoke_test
 from server.errors import NotFound
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
-from server.scheduler import ModelScheduler, smoke_test
 from server.text import TextCodec
 from server.types import SearchResult, SentenceRequest
 from server.versions import Held, ManifestFields, VersionIndex
@@ -65,7 +65,7 @@ def default_engine_loader(
     **device: Any,
 ) -> Any:
     """``Engine.load``; ``device``: its device_id, gpu_mem_limit and cuda_tf32 (when set)."""
-    from server.engine import Engine  # onnxruntime is imported only when models are loaded
+    from server.engine.engine import Engine  # onnxruntime is imported only when models are loaded
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
                        inter_op_threads=inter_op_threads, spinning=spinning, **device)
@@ -100,7 +100,7 @@ class ModelVersion(ManifestFields, Held):
     name: str
     version: str
     path: Path
-    engine: Any  # server.engine.Engine (or anything with the same API)
+    engine: Any  # server.engine.engine.Engine (or anything with the same API)
     scheduler: ModelScheduler
     is_latest: bool = False
     fingerprint: Fingerprint = ()  # of the directory's files when it was loaded
@@ -122,7 +122,7 @@ class ModelVersion(ManifestFields, Held):
 
     async def submit(self, sentences: Sequence[SentenceRequest], work: Sequence[int],
                      request: RequestHandle) -> list[SearchResult]:
-        """:meth:`server.scheduler.ModelScheduler.submit` of this version's scheduler."""
+        """:meth:`server.core.scheduler.ModelScheduler.submit` of this version's scheduler."""
         return await self.scheduler.submit(sentences, work, request)
 
     @property

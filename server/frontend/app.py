@@ -2,7 +2,7 @@
 
 ::
 
-    server = TranslationServer(ServerConfig.from_env(model_repository="models"))
+    server = TranslationServer(config, opener=open_repository)  # server.core.process: load the models here
     port = await server.start()          # binds config.listen (port 0: a free port)
     ...
     await server.reload()                # what SIGHUP and the poller do: load new versions, drop removed ones
@@ -11,14 +11,14 @@
 The repository is the one registry of the served models: each model version owns its engine and its
 scheduler (created at load, started and closed here through the repository); the servicer resolves a
 model version there and hands it the request. The repository changes at run time (hot reload, see
-:mod:`server.repository`): every ``reload_interval`` seconds, on SIGHUP, and through
+:mod:`server.core.repository`): every ``reload_interval`` seconds, on SIGHUP, and through
 :meth:`TranslationServer.reload_model_version` (which a model version whose engine breaks calls
-itself); per-model health follows each change. The interceptor (:mod:`server.interceptor`) does what
-every call shares: request ids, bearer-token authentication (:mod:`server.auth`), request logs, request
-and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.tls`);
-reflection (:mod:`server.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
+itself); per-model health follows each change. The interceptor (:mod:`server.frontend.interceptor`) does what
+every call shares: request ids, bearer-token authentication (:mod:`server.frontend.auth`), request logs, request
+and gRPC metrics, the in-flight count. The gRPC port is plaintext, TLS or mutual TLS (:mod:`server.frontend.tls`);
+reflection (:mod:`server.frontend.reflection`, both ``v1`` and ``v1alpha``) can be turned off. Certificates and
 the tokens file are read when the server is created, so a bad one fails before any model loads. The
-HTTP/JSON face and the alignment explorer (:mod:`server.http_face`, ``http_listen``) run on the same event
+HTTP/JSON face and the alignment explorer (:mod:`server.frontend.http_face`, ``http_listen``) run on the same event
 loop and call the same servicer through the same interceptor.
 
 Shutdown, in order: health turns NOT_SERVING (overall, per model and for the service), scans stop, new
@@ -35,25 +35,25 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from nmt.errors import NmtError
-from server.auth import Authenticator
 from server.config import ServerConfig, split_host_port
-from server.http_face import HttpFace, http_routes
-from server.interceptor import RequestInterceptor
+from server.frontend.auth import Authenticator
+from server.frontend.http_face import HttpFace, http_routes
+from server.frontend.interceptor import RequestInterceptor
+from server.frontend.servicer import TranslatorService
+from server.frontend.tls import server_credentials, tls_mode
 from server.metrics import ServerMetrics
 from server.protos import SERVICE_NAME, method_types, pb2_grpc, translator_descriptor
-from server.servicer import TranslatorService
-from server.tls import server_credentials, tls_mode
 
-if TYPE_CHECKING:  # the engines are imported only where models are loaded (start)
-    from server.repository import EngineLoader, ModelVersion, ScanResult
+# (config, metrics) -> a model repository: server.core.process.open_repository in one process
+RepositoryOpener = Callable[[ServerConfig, ServerMetrics], Awaitable[Any]]
 
 log = logging.getLogger("nmt.server")
 
@@ -87,7 +87,7 @@ class TranslationServer:
         config: ServerConfig,
         *,
         registry: CollectorRegistry | None = None,
-        engine_loader: EngineLoader | None = None,
+        opener: RepositoryOpener | None = None,
         repository: Any = None,
         reuse_port: bool = False,
     ) -> None:
@@ -99,7 +99,7 @@ class TranslationServer:
         self.credentials = server_credentials(config)  # None: plaintext
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
         self.interceptor = RequestInterceptor(self.metrics, service=SERVICE_NAME, authenticator=self.authenticator)
-        self.engine_loader = engine_loader
+        self.opener = opener
         self.repository = repository  # a ModelRepository, or a front-end's RemoteRepository
         self.reuse_port = reuse_port  # share the ports with the other front-ends of the server
         self.health = health.aio.HealthServicer()
@@ -120,14 +120,15 @@ class TranslationServer:
     # ---- start -----------------------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Load the models (off the event loop), start their schedulers and the servers; return the gRPC port.
-        Given a repository (a front-end's view of the engine core, :class:`server.remote.RemoteRepository`),
-        serve that instead."""
+        """Open the model repository (``opener``: load the models here), unless given one (a front-end's view of
+        the engine core, :class:`server.frontend.remote.RemoteRepository`); start its schedulers and the
+        servers; return the gRPC port."""
         config = self.config
         if self.repository is None:
-            from server.core import open_repository  # the engines: only a server that decodes imports them
-
-            self.repository = await open_repository(config, self.metrics, self.engine_loader)
+            if self.opener is None:
+                raise NmtError("no model repository to serve: give TranslationServer a repository or an opener "
+                               "(server.core.process.open_repository)")
+            self.repository = await self.opener(config, self.metrics)
         self.repository.start()
 
         self.servicer = TranslatorService(repository=self.repository, config=config)
@@ -140,7 +141,7 @@ class TranslationServer:
         await self._sync_health()
         self.repository.add_listener(self._sync_health)
         if config.reflection:
-            from server.reflection import enable_server_reflection
+            from server.frontend.reflection import enable_server_reflection
 
             enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME], self.server)
         try:
@@ -209,23 +210,23 @@ class TranslationServer:
 
     # ---- hot reload ------------------------------------------------------------------------------------
 
-    async def reload(self) -> ScanResult:
+    async def reload(self) -> Any:
         """Scan the model repository once (what SIGHUP and the poller do): new versions are loaded, verified,
         smoke-tested and served beside the old ones (the newest becomes the latest); broken ones are refused
         with a log line; removed ones drain and close. Returns what changed."""
         assert self.repository is not None, "start() first"
         return await self.repository.scan()
 
-    async def reload_model_version(self, name: str, version: str) -> ModelVersion:
+    async def reload_model_version(self, name: str, version: str) -> Any:
         """Replace the loaded version ``name``/``version`` by a fresh copy from its directory (new ONNX Runtime
         sessions and scheduler); call it when the version's sessions keep failing.
 
-        Contract (:meth:`server.repository.ModelRepository.reload_version`): health for ``name`` turns
+        Contract (:meth:`server.core.repository.ModelRepository.reload_version`): health for ``name`` turns
         NOT_SERVING at once while this version is its newest; the fresh copy is loaded off the event loop and
         checked like any new version (manifest, sha256 of every file, a smoke translation). On success it
         serves every new request, health for ``name`` is SERVING again, and the old copy's queued and running
         requests finish on it (within ``grace_seconds``) before it is closed; the new version is returned.
-        On failure :class:`server.repository.VersionRefused` is raised (logged, counted in
+        On failure :class:`server.core.repository.VersionRefused` is raised (logged, counted in
         ``nmt_model_loads_total{result="refused"}``), the old copy stays in place and health stays
         NOT_SERVING; calling again retries. :class:`server.errors.NotFound` if the version is not loaded.
         Safe to call concurrently with scans and with itself (they are serialized)."""
@@ -316,20 +317,3 @@ class TranslationServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown(grace=0 if exc[0] else None)
-
-
-async def serve(config: ServerConfig, on_started: Callable[[TranslationServer], None] | None = None) -> None:
-    """Run until SIGTERM / SIGINT, then drain and stop; ``on_started`` is called once the ports are bound
-    (``server.port`` etc. then hold the real ports, e.g. for ``--listen 127.0.0.1:0``). With
-    ``config.frontends`` the server runs as an engine core and front-end processes (:mod:`server.supervisor`)."""
-    if config.frontends:
-        from server.supervisor import supervise
-
-        await supervise(config, on_started)
-        return
-    server = TranslationServer(config)
-    server.install_signal_handlers()
-    await server.start()
-    if on_started is not None:
-        on_started(server)
-    await server.wait_for_termination()

@@ -12,7 +12,7 @@ field starting with ``#`` begins a comment::
 A token is at least 16 characters of ``A-Z a-z 0-9 - . _ ~ + /`` (optionally ending in ``=``), the
 ``b64token`` of RFC 6750, so it travels unchanged in a header.
 
-A client sends ``authorization: Bearer <token>``. The interceptor (:mod:`server.interceptor`) calls
+A client sends ``authorization: Bearer <token>``. The interceptor (:mod:`server.frontend.interceptor`) calls
 :meth:`Authenticator.authenticate` before the handler of every service but ``grpc.health.v1.Health``
 (:data:`OPEN_SERVICES`: load balancers and orchestrators probe without credentials); a missing or
 unknown token is :class:`~server.errors.Unauthenticated`. The :class:`Grant` it returns rides on the

@@ -1,6 +1,6 @@
 """Beam search's selection rule: which continuations of a group of sentences finish and which live on.
 
-:mod:`server.decode` keeps the books (rows, histories, finished hypotheses, who leaves); this module only
+:mod:`server.engine.decode` keeps the books (rows, histories, finished hypotheses, who leaves); this module only
 picks, on arrays, the way fairseq's ``Search.step`` picks for its ``SequenceGenerator``. The rules are
 those of :mod:`nmt.model_format.decoding`, as in the PyTorch reference ``training/search.py``:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
-from server.search import NEG_INF
+from server.engine.search import NEG_INF
 from server.types import ScoredSequence
 
 

@@ -1,7 +1,7 @@
-"""The :class:`server.search.StepModel` of an exported model version: ONNX Runtime sessions driven step by step.
+"""The :class:`server.engine.search.StepModel` of an exported model version: ONNX Runtime sessions driven step by step.
 
 :class:`OnnxStepModel` keeps the static inputs and the recurrent state as NumPy arrays that share ONNX
-Runtime's memory (the CPU); :class:`server.device_step_model.DeviceStepModel` keeps them on the execution
+Runtime's memory (the CPU); :class:`server.engine.device_step_model.DeviceStepModel` keeps them on the execution
 provider's device as ``OrtValue`` buffers (CUDA), selecting and joining rows there with small graphs.
 
 A Transformer exported as ``nmt-model/2`` keeps its self-attention KV cache in place: the state holds
@@ -38,14 +38,14 @@ from nmt.model_format.manifest import (
     ManifestError,
     StateTensor,
 )
-from server.forced import stepwise_force
-from server.search import ForcedOutput, StepOutput
+from server.engine.forced import stepwise_force
+from server.engine.search import ForcedOutput, StepOutput
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
 
 class OnnxStepModel:
-    """The :class:`server.search.StepModel` of an exported model version: encoder + one-step decoder.
+    """The :class:`server.engine.search.StepModel` of an exported model version: encoder + one-step decoder.
 
     With an in-place KV cache (``manifest.decoder_positions``) the state also holds each row's position
     (int64 [R], under that input's name), so rows carry their own lengths through :meth:`select_rows`
@@ -97,7 +97,7 @@ class OnnxStepModel:
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
         k: int, full: bool = False, positions: np.ndarray | None = None, logits: bool = False,
     ) -> StepOutput:
-        """One decoding step (see :class:`server.search.StepModel`): only the ``k`` best tokens of each
+        """One decoding step (see :class:`server.engine.search.StepModel`): only the ``k`` best tokens of each
         row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it.
         ``positions`` (int64 [R]) overrides the positions the state carries; a concatenating cache takes
         only its own."""
@@ -120,7 +120,7 @@ class OnnxStepModel:
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
               state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
-        """Given tokens in one ``decoder_forced`` call (see :class:`server.search.StepModel`), or step by
+        """Given tokens in one ``decoder_forced`` call (see :class:`server.engine.search.StepModel`), or step by
         step for a version without that graph (the RNN, Transformers exported before it)."""
         session = self.sessions.get(FORCED_GRAPH)
         if session is None:
@@ -366,7 +366,7 @@ def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` has spare rows behind it
     (:func:`_spare_rows`) for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go there,
     zero-padded; otherwise both are copied into a new zeroed array with as many spare rows again, ``b``
-    zero-padded as in :func:`server.search.concat_rows`, and its leading view is returned."""
+    zero-padded as in :func:`server.engine.search.concat_rows`, and its leading view is returned."""
     rows = len(a) + len(b)
     owner = _spare_rows(a)
     if len(owner) >= rows and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True)):

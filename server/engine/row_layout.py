@@ -1,4 +1,4 @@
-"""How a running decode's sentences lie on its rows (:class:`server.decode.RunningDecode`).
+"""How a running decode's sentences lie on its rows (:class:`server.engine.decode.RunningDecode`).
 
 A sentence owns ``width`` contiguous rows: 1 before its first expansion, then its beam size.
 :func:`lay_out` works out what a step reads of its sentences' settings (their rows, limits, the top-k

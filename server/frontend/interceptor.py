@@ -9,11 +9,11 @@ and logged, a unary call gets INVALID_ARGUMENT (counted and logged like any fail
 ``TranslateStream`` (:data:`PER_MESSAGE_ERRORS`) the handler answers that one message with an error
 while the stream goes on. Other streams end with INVALID_ARGUMENT.
 
-With an :class:`~server.auth.Authenticator`, every call of every service but those of
-:data:`server.auth.OPEN_SERVICES` (health) is authenticated first, inside the instrumented call: a
+With an :class:`~server.frontend.auth.Authenticator`, every call of every service but those of
+:data:`server.frontend.auth.OPEN_SERVICES` (health) is authenticated first, inside the instrumented call: a
 missing or unknown bearer token ends it with UNAUTHENTICATED through :func:`server.errors.abort` (the
 one mapping), so it is counted, timed and logged like any failed call; the call's
-:class:`~server.auth.Grant` goes on its record for the handler. A refused call of another service
+:class:`~server.frontend.auth.Grant` goes on its record for the handler. A refused call of another service
 (reflection) is logged too ("request denied"), as the Translator's are by their "request" line.
 
 For the methods of the accounted service (the Translator), besides:
@@ -49,8 +49,8 @@ from typing import Any
 
 import grpc
 
-from server.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
 from server.errors import InvalidArgument, ServingError, abort, status_of
+from server.frontend.auth import ANYONE, OPEN_SERVICES, Authenticator, Grant
 from server.metrics import HTTP_LABEL_PREFIX, HTTP_UNROUTED, LOOKUP_METHODS, ServerMetrics
 
 log = logging.getLogger("nmt.server")

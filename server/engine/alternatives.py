@@ -2,7 +2,7 @@
 
 A word is what SentencePiece writes between two spaces: a piece that starts a word, then the pieces that
 continue it, up to the next piece that starts a word or the end of the sentence
-(:class:`server.completion.WordPieces`). After the prefix's forced pass (:mod:`server.forced`),
+(:class:`server.completion.WordPieces`). After the prefix's forced pass (:mod:`server.engine.forced`),
 :func:`next_words` runs a small beam search over the next word's pieces, :data:`WIDTH` x ``count`` partial
 words wide. A partial word ends where ending it (a word start or the end of the sentence next, their
 probabilities added) is at least as likely as any one piece that would go on with it, and it spells more
@@ -32,8 +32,8 @@ import numpy as np
 
 from server.completion import WIDTH, WordPieces
 from server.controls import process
-from server.decode import beam_search
-from server.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.engine.decode import beam_search
+from server.engine.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 FLOOR = 0.01  # a word less likely than this times the most likely next word is not offered

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from server.engine import BatchResult, generated_tokens
+from server.engine.engine import BatchResult, generated_tokens
 from server.text import TextCodec
 from server.types import ScoredSequence, SearchResult, SentenceRequest
 
 
 class NullEngine:
-    """The engine API (:class:`server.engine.Engine`) over a version's tokenizer, answering without a model."""
+    """The engine API (:class:`server.engine.engine.Engine`) over a version's tokenizer, answering without a model."""
 
     provider = "null"
     device = "cpu"

@@ -1,13 +1,13 @@
 """The engine core: the model repository, its schedulers and engines, in a process of its own.
 
-In one process (``nmt serve``, the default) :class:`server.app.TranslationServer` opens the repository
+In one process (``nmt serve``, the default) :class:`server.frontend.app.TranslationServer` opens the repository
 with :func:`open_repository` beside its gRPC and HTTP faces. With ``--frontends N`` the supervisor
 (:mod:`server.supervisor`) starts this module as the one process that owns the device: it opens the
 repository the same way, answers the front-ends over :mod:`server.ipc`, scans the repository every
 ``reload_interval`` seconds and on SIGHUP, and on SIGTERM closes the schedulers (the supervisor sends
 it only once every front-end has drained).
 
-Run by the supervisor as ``python -m server.core`` with ``NMT_WORKER_CONFIG`` (the server configuration
+Run by the supervisor as ``python -m server.core.process`` with ``NMT_WORKER_CONFIG`` (the server configuration
 as JSON), ``NMT_CORE_ADDRESS`` (the socket to bind) and ``NMT_READY_FILE`` (written once it serves).
 """
 
@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 
 from server.config import ServerConfig
+from server.core.repository import EngineLoader, LoadSettings, ModelRepository
 from server.ipc import CoreEndpoint
 from server.logs import configure_logging
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy
-from server.repository import EngineLoader, LoadSettings, ModelRepository
 
 log = logging.getLogger("nmt.server")
 
@@ -36,14 +36,14 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
     """The model repository of ``config`` after its first scan: every version loaded, verified and
     smoke-tested with its scheduler (not started). Without an ``engine_loader`` (tests pass one) the
     runtime is logged, the allocator tuned and the provider probed first; ``config.engine == "null"``
-    loads :class:`server.null_engine.NullEngine` s instead (no model, no device)."""
+    loads :class:`server.engine.null_engine.NullEngine` s instead (no model, no device)."""
     if engine_loader is None and config.engine == "null":
-        from server.null_engine import NullEngine
+        from server.engine.null_engine import NullEngine
 
         engine_loader = NullEngine.load
     elif engine_loader is None:
-        from server.allocator import retain_freed_memory
-        from server.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
+        from server.engine.allocator import retain_freed_memory
+        from server.engine.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
 
         log_runtime()
         if retain_freed_memory(config.malloc_retain_mb << 20):

@@ -4,12 +4,12 @@ A sentence whose target prefix ends with EOS (Score's whole translations) is rea
 never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. pn`` (each position's
 log-probability of the next given piece, the alignment attention, the decoder state after them, and
 the whole distribution after ``pn``); the search then resumes at step ``n`` from that state, its first
-step read off the pass (:class:`server.search.Resume`), exactly as if it had forced the pieces one step
+step read off the pass (:class:`server.engine.search.Resume`), exactly as if it had forced the pieces one step
 at a time. With alternatives the pass's state and last distribution go to the next-word search
-(:mod:`server.alternatives`), each of whose words becomes a hypothesis of its own.
+(:mod:`server.engine.alternatives`), each of whose words becomes a hypothesis of its own.
 
 :func:`decode` is the static batch. Under continuous batching, :func:`admit` lets sentences with a
-prefix join a running decode (:class:`server.decode.RunningDecode`) after a pass over ``start, p1 ..
+prefix join a running decode (:class:`server.engine.decode.RunningDecode`) after a pass over ``start, p1 ..
 p(n-1)``: the decode feeds ``pn`` with its other rows, since a step read off the pass would have to run
 apart from them; whole targets and alternatives (:func:`runs_apart`) go through :func:`decode` on their own.
 
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from nmt.model_format.decoding import normalized_score
-from server.alternatives import alternatives
-from server.decode import RunningDecode, beam_search
-from server.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.engine.alternatives import alternatives
+from server.engine.decode import RunningDecode, beam_search
+from server.engine.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 
@@ -56,7 +56,7 @@ def runs_apart(s: BeamSentence, eos_id: int) -> bool:
 
 def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
            eos_id: int, pad_id: int) -> list[SearchResult | None]:
-    """:func:`server.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
+    """:func:`server.engine.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
     (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
     each sentence keeps its own beam size and attention. Sentences needing the same pass length go through
     it, and then the search, together."""

@@ -1,14 +1,14 @@
 """Continuous (iteration-level) batching: one running decode per model version (``--batching continuous``).
 
-Where the static batcher (:mod:`server.scheduler`) decodes a batch to its end while later sentences
+Where the static batcher (:mod:`server.core.scheduler`) decodes a batch to its end while later sentences
 wait behind its longest sentence, here sentences join the version's running decode
-(:class:`server.decode.RunningDecode`) between two decoding steps and leave it as soon as they finish:
+(:class:`server.engine.decode.RunningDecode`) between two decoding steps and leave it as soon as they finish:
 a sentence's latency is its own decoding length plus at most about one step of waiting.
 
 The loop (the scheduler's batcher task; inference on the version's single worker thread):
 
 1. Drop cancelled and expired queued sentences (their callers get CANCELLED / DEADLINE_EXCEEDED).
-2. Admission (:func:`server.admission.admit_to_decode`): queued sentences in urgency order (earliest
+2. Admission (:func:`server.core.admission.admit_to_decode`): queued sentences in urgency order (earliest
    deadline first, then oldest, as the static batcher), while their rows (beam size each) fit in
    ``max_batch_rows``, the decode's tokens, rows x (widest source + longest target so far), stay within
    ``decode_tokens`` (bounding its memory) and the one encoder call for all of them stays within
@@ -25,14 +25,14 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    worker goes on decoding (it never waits for the event loop, which on 2 cores left it idle a third
    of the time when it returned after every sentence).
 
-Given target tokens (:mod:`server.forced`): sentences with a target prefix run one forced pass per
+Given target tokens (:mod:`server.engine.forced`): sentences with a target prefix run one forced pass per
 prefix length right after their encoder call (a Transformer's ``decoder_forced``: the prefix in one call,
 its K/V copied into the in-place buffers) and join the running decode from the state it leaves
-(:func:`server.forced.admit`); the search then feeds the prefix's last piece with the other rows (one
+(:func:`server.engine.forced.admit`); the search then feeds the prefix's last piece with the other rows (one
 decoder row-step more than the static path, whose first step is read off the pass, which only works
 when every row starts there together). Whole targets (Score: the forced pass is their result) and
 alternatives (the pass branches a sentence into several) do not join: right after their encoder call
-the worker runs them through :func:`server.forced.decode` on their own and delivers them, then decodes
+the worker runs them through :func:`server.engine.forced.decode` on their own and delivers them, then decodes
 on; an alternatives request holds the running decode for its own (short) search.
 
 Attention: the attention graph runs while any sentence in the decode asked for it, which costs the
@@ -62,11 +62,11 @@ from typing import Any
 
 import numpy as np
 
-from server.admission import DecodeLoad, Pending, admit_to_decode, resolve
-from server.decode import RunningDecode
-from server.engine import SourceBatch, generated_tokens
-from server.forced import admit, decode, runs_apart
-from server.search import BeamSentence
+from server.core.admission import DecodeLoad, Pending, admit_to_decode, resolve
+from server.engine.decode import RunningDecode
+from server.engine.engine import SourceBatch, generated_tokens
+from server.engine.forced import admit, decode, runs_apart
+from server.engine.search import BeamSentence
 from server.types import SearchResult, SentenceRequest
 
 
@@ -135,7 +135,7 @@ class RunningBatch:
     def _run_apart(self, encoded: dict[str, Any], sentences: list[BeamSentence], tagged: list[tuple[Any, Any]],
                    apart: list[int], deliver: Callable[[Finished], None],
                    ) -> tuple[dict[str, Any], list[BeamSentence], list[tuple[Any, Any]]]:
-        """Decode sentences ``apart`` through :func:`server.forced.decode` and deliver them; returns the
+        """Decode sentences ``apart`` through :func:`server.engine.forced.decode` and deliver them; returns the
         encoder outputs, settings and tags of the others, which join the running decode."""
         engine, model = self.engine, self.engine.model
         results = decode(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
@@ -148,7 +148,7 @@ class RunningBatch:
 
 
 class ContinuousBatcher:
-    """The continuous batching loop of one :class:`server.scheduler.ModelScheduler` (see the module docstring)."""
+    """The continuous batching loop of one :class:`server.core.scheduler.ModelScheduler` (see the module docstring)."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler

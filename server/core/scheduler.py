@@ -1,6 +1,6 @@
 """Dynamic batching of sentences for one model version, with cancellation and deadline-aware admission.
 
-The one way into a model version: :func:`server.translate.translate_texts` tokenizes a request's texts
+The one way into a model version: :func:`server.frontend.translate.translate_texts` tokenizes a request's texts
 and hands the sentences (token ids, resolved options, target prefixes) and the request's
 :class:`RequestHandle` to :meth:`ModelScheduler.submit` (in this process, or in the engine core through
 :mod:`server.ipc`), which queues them in this model version's queue. One batcher task forms batches
@@ -10,13 +10,13 @@ attention) go back to each request's futures, in request order; the caller detok
 
 Continuous batching
     With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
-    runs :class:`server.continuous.ContinuousBatcher` instead of forming batches: sentences join the
+    runs :class:`server.core.continuous.ContinuousBatcher` instead of forming batches: sentences join the
     version's running decode between steps and leave as soon as they finish (see that module). The
     queue, its bound, the request checks, deadline admission, cancellation, fault isolation and the
     metrics below are shared; the batch key, ``max_wait`` and ``batch_work`` apply to static batches only.
 
 Bounded work
-    Before submitting, :func:`server.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
+    Before submitting, :func:`server.frontend.validation.check_budget` refuses (INVALID_ARGUMENT) a request whose
     decoder work (row-steps: beam size x longest allowed output, summed over its texts) exceeds
     ``max_request_work`` or whose response could exceed ``max_response_bytes``. A batch holds at most
     ``batch_work`` row-steps (its most urgent sentence always goes in), so no batch holds the worker
@@ -94,8 +94,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from server.admission import Pending, by_request, form_batch, resolve
-from server.continuous import ContinuousBatcher
+from server.core.admission import Pending, by_request, form_batch, resolve
+from server.core.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.policy import BatchPolicy, RequestHandle
 from server.types import DecodingOptions, SearchResult, SentenceRequest
@@ -199,11 +199,11 @@ class ModelScheduler:
     async def submit(self, sentences: Sequence[SentenceRequest], work: Sequence[int],
                      request: RequestHandle | None = None) -> list[SearchResult]:
         """Decode the tokenized sentences of one request (``work``: each one's decoder row-steps at most,
-        :func:`server.validation.check_budget`) and return their search results in order. Refuses the
+        :func:`server.frontend.validation.check_budget`) and return their search results in order. Refuses the
         request whole when the queue cannot hold it (RESOURCE_EXHAUSTED) or its deadline cannot be met
         (DEADLINE_EXCEEDED); the request's cancellation withdraws its queued sentences and stops its
         running ones at the next step. Tokenizing and detokenizing are the caller's
-        (:func:`server.translate.translate_texts`)."""
+        (:func:`server.frontend.translate.translate_texts`)."""
         request = request or RequestHandle()
         if self._closed:
             raise Unavailable("server is shutting down")

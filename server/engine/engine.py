@@ -2,14 +2,14 @@
 
 No torch here. The engine is architecture-agnostic: the manifest names the decoder's static inputs
 (encoder outputs fed unchanged every step) and its recurrent state (input -> output pairs), and
-:class:`server.decode.RunningDecode` drives any model through the :class:`StepModel` contract. On the
+:class:`server.engine.decode.RunningDecode` drives any model through the :class:`StepModel` contract. On the
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 
-The step models live in :mod:`server.step_models` (with the in-place KV cache of ``nmt-model/2``) and
-:mod:`server.device_step_model`.
+The step models live in :mod:`server.engine.step_models` (with the in-place KV cache of ``nmt-model/2``) and
+:mod:`server.engine.device_step_model`.
 
-The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.device`).
+The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.engine.device`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nmt.errors import NmtError
 from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
-from server.device import (
+from server.engine.device import (
     CUDA,
     DeviceSettings,
     check_provider,
@@ -35,11 +35,11 @@ from server.device import (
     runtime_build,
     session_provider,
 )
-from server.device_step_model import DeviceStepModel
+from server.engine.device_step_model import DeviceStepModel
+from server.engine.forced import decode
+from server.engine.search import Alternatives, BeamSentence
+from server.engine.step_models import OnnxStepModel
 from server.errors import DeviceMemoryExhausted
-from server.forced import decode
-from server.search import Alternatives, BeamSentence
-from server.step_models import OnnxStepModel
 from server.text import TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 
@@ -139,7 +139,7 @@ class Engine:
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
 
         ``device_id``, ``gpu_mem_limit`` (bytes per session arena, 0: unbounded) and ``cuda_tf32`` go to
-        every CUDA session (:class:`server.device.DeviceSettings`). The provider is read back from the
+        every CUDA session (:class:`server.engine.device.DeviceSettings`). The provider is read back from the
         sessions: an explicit ``cuda`` that fell back to the CPU raises :class:`NmtError` naming the
         reason; ``auto`` logs the fallback. An int8 version is refused on CUDA (its ``MatMulInteger``
         nodes run on the CPU, copying every step between host and device): export fp16 for GPUs.
@@ -196,7 +196,7 @@ class Engine:
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
         """:meth:`search_batch`, then each result detokenized (``translations``), for scripts and tests; the
-        server detokenizes where the request came in (:mod:`server.translate`)."""
+        server detokenizes where the request came in (:mod:`server.frontend.translate`)."""
         result = self.search_batch(requests)
         result.translations = [None if r is None else self.to_translation(request, r)
                                for request, r in zip(requests, result.results, strict=True)]

@@ -3,7 +3,7 @@
 The core loads, verifies, smoke-tests, hot-reloads and decodes; a front-end keeps the catalog the core
 publishes and, for each version in it, the text side it needs to answer requests
 (:class:`server.text.TextCodec`, loaded from the version's directory). A :class:`RemoteVersion` offers
-the servicer what a loaded :class:`server.repository.ModelVersion` does, with ``submit`` going to the
+the servicer what a loaded :class:`server.core.repository.ModelVersion` does, with ``submit`` going to the
 core; while the core is away every model reads as not serving (health NOT_SERVING, ``/readyz`` 503) and
 calls get UNAVAILABLE.
 """

@@ -1,11 +1,11 @@
 """The search's view of a model (:class:`StepModel`), its per-sentence settings and its results.
 
-The search itself is :mod:`server.decode`: a running decode that sentences join and leave between
-steps (:func:`server.decode.beam_search` is the static batch, every sentence admitted at step 0). The
+The search itself is :mod:`server.engine.decode`: a running decode that sentences join and leave between
+steps (:func:`server.engine.decode.beam_search` is the static batch, every sentence admitted at step 0). The
 model is reached only through :class:`StepModel`; the search never knows whether it drives a
 Transformer or an RNN. A forced target prefix adds nothing to a hypothesis' score, which counts the
 tokens the search chose (as CTranslate2), though its length does count them; given tokens can also run as
-one forced pass (:mod:`server.forced`) and the search resume after them (:class:`Resume`).
+one forced pass (:mod:`server.engine.forced`) and the search resume after them (:class:`Resume`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Alternatives:
     """A sentence's ``return_alternatives``: its most likely next words after the forced prefix, each
-    continued to a whole translation (:mod:`server.alternatives`)."""
+    continued to a whole translation (:mod:`server.engine.alternatives`)."""
 
     count: int  # the most words returned
     words: WordPieces  # the model's pieces: which start a word, how each is spelt
@@ -147,7 +147,7 @@ class BeamSentence:
 
 @dataclass
 class Resume:
-    """Where the search starts when a forced pass (:mod:`server.forced`) has already decided each
+    """Where the search starts when a forced pass (:mod:`server.engine.forced`) has already decided each
     sentence's first ``T`` tokens: step ``T``, whose model output the pass may have computed too."""
 
     tokens: np.ndarray  # int64 [N, T], T >= 1

@@ -2,11 +2,11 @@
 
 Everything per request that is not decoding happens here (TLS and tokens, validation, tokenizing,
 detokenizing, word alignments, responses, logs, request metrics); the decoding goes to the engine core
-(:mod:`server.core`) through :mod:`server.ipc`. The N front-ends share the listening ports
+(:mod:`server.core.process`) through :mod:`server.ipc`. The N front-ends share the listening ports
 (SO_REUSEPORT: the kernel spreads connections over them). This process never imports ONNX Runtime.
-On SIGTERM it drains like the one-process server (:meth:`server.app.TranslationServer.shutdown`).
+On SIGTERM it drains like the one-process server (:meth:`server.frontend.app.TranslationServer.shutdown`).
 
-Run by the supervisor as ``python -m server.frontend`` with ``NMT_WORKER_CONFIG`` (the configuration as
+Run by the supervisor as ``python -m server.frontend.process`` with ``NMT_WORKER_CONFIG`` (the configuration as
 JSON, ports resolved, no metrics port: the supervisor serves ``/metrics``), ``NMT_CORE_ADDRESS`` and
 ``NMT_READY_FILE`` (written once the ports are bound).
 """
@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 from nmt.errors import NmtError
-from server.app import TranslationServer
 from server.config import ServerConfig
+from server.frontend.app import TranslationServer
+from server.frontend.remote import RemoteRepository
 from server.logs import configure_logging
-from server.remote import RemoteRepository
 
 log = logging.getLogger("nmt.server")
 CATALOG_TIMEOUT_SECONDS = 30.0  # how long a new front-end waits for the core's catalog
@@ -33,7 +33,7 @@ CATALOG_TIMEOUT_SECONDS = 30.0  # how long a new front-end waits for the core's 
 async def run_frontend(config: ServerConfig, address: str, ready_file: Path) -> None:
     """Serve until SIGTERM or SIGINT, then drain and stop."""
     server = TranslationServer(config, reuse_port=True)
-    server.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
+    server.core.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
     server.install_signal_handlers()
     await server.start()
     ready_file.write_text(json.dumps({"pid": os.getpid(), "port": server.port, "http_port": server.http_port}))

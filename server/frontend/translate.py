@@ -2,9 +2,9 @@
 
 :func:`translate_texts` tokenizes the texts (on a worker thread when the request is large), puts the
 target-language token before each, checks the token limit and the work and response budgets
-(:mod:`server.validation`), submits the sentences as token ids to the model version's scheduler and
+(:mod:`server.frontend.validation`), submits the sentences as token ids to the model version's scheduler and
 detokenizes the search results it returns (:class:`server.text.TextCodec`). The scheduler is in this
-process (:meth:`server.scheduler.ModelScheduler.submit`) or in the engine core, reached through
+process (:meth:`server.core.scheduler.ModelScheduler.submit`) or in the engine core, reached through
 :mod:`server.ipc`; either way ``submit`` has the same contract, so this is the one path for both.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
+from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
-from server.validation import check_budget, tokenize_texts
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 

@@ -14,7 +14,7 @@ Around the call, what gateways do: a failed call's status becomes the HTTP statu
 disconnects cancels the call (aiohttp's handler cancellation), which stops its sentences in the batch loop;
 ``x-request-id`` is read and echoed; CORS answers only the ``--cors-origins``. Besides: ``/healthz``
 (liveness), ``/readyz`` (every model's newest version serving and not draining) and the alignment explorer
-(``/``, static files of ``server/static`` shipped as package data).
+(``/``, static files of ``server/frontend/static`` shipped as package data).
 
 The errors aiohttp answers itself are Status JSON too, counted and logged by the interceptor
 (:meth:`RequestInterceptor.http_refused`, ``method="http:unknown"``): its router's (an unknown path 404, a
@@ -45,7 +45,7 @@ from google.rpc import status_pb2
 
 from server.config import split_host_port
 from server.errors import InvalidArgument, report
-from server.interceptor import REQUEST_ID_KEY, RequestInterceptor, Undecodable
+from server.frontend.interceptor import REQUEST_ID_KEY, RequestInterceptor, Undecodable
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 TIMEOUT_HEADER = "grpc-timeout"
