@@ -279,9 +279,12 @@ def batch_totals(metrics_address: str) -> tuple[float, float]:
 def measure_server(process: subprocess.Popen, address: str, metrics: str, model: str, texts: list[str],
                    callers: int, beam: int) -> dict[str, float]:
     """:func:`bench_server` plus CPU per request on both sides and the server's mean batch size."""
-    client0, server0, (sent0, batches0) = time.process_time(), process_cpu_seconds(process.pid), batch_totals(metrics)
+    def server_cpu() -> float:  # every process of the server (the supervisor, core and front-ends of --frontends)
+        return sum(tree_cpu_seconds(process.pid).values())
+
+    client0, server0, (sent0, batches0) = time.process_time(), server_cpu(), batch_totals(metrics)
     result = asyncio.run(bench_server(address, model, texts, callers, beam))
-    client1, server1, (sent1, batches1) = time.process_time(), process_cpu_seconds(process.pid), batch_totals(metrics)
+    client1, server1, (sent1, batches1) = time.process_time(), server_cpu(), batch_totals(metrics)
     result["client_cpu_ms"] = (client1 - client0) / len(texts) * 1000
     result["server_cpu_ms"] = (server1 - server0) / len(texts) * 1000
     result["mean_batch"] = (sent1 - sent0) / max(batches1 - batches0, 1)
@@ -404,7 +407,7 @@ def capacity(args: argparse.Namespace) -> None:
         raise SystemExit(f"no {args.model} in {args.model_repository}: run `nmt serve --demo` first")
     requests = args.requests or 2000
     configurations = [("grpc.aio echo (floor)", None)] + [
-        (f"--frontends {n}" + (" (one process)" if n == 0 else ""), n) for n in args.frontends]
+        (f"--frontends {n}" + (" (one process)" if n == 0 else ""), n) for n in args.frontends or [0, 1, 2]]
     servers = {}
     try:
         for name, frontends in configurations:
@@ -498,8 +501,11 @@ def main() -> None:
     parser.add_argument("--capacity", action="store_true",
                         help="serving-layer capacity: --engine null as one process and with --frontends, and the "
                         "grpc.aio echo floor (see above)")
-    parser.add_argument("--frontends", nargs="+", type=int, default=[0, 1, 2],
-                        help="--capacity: the --frontends settings to compare")
+    parser.add_argument("--frontends", nargs="+", type=int,
+                        help="--capacity: the --frontends settings to compare (default 0 1 2); else: the server's "
+                             "--frontends (one value, default 0)")
+    parser.add_argument("--batching", choices=["static", "continuous"], default="static",
+                        help="the server's --batching (not --capacity: the null engine batches statically)")
     parser.add_argument("--clients", type=int, default=2, help="--capacity: load-generator processes")
     parser.add_argument("--client-threads", type=int, default=8,
                         help="--capacity: threads (blocking calls, a channel each) per load-generator process")
@@ -537,11 +543,15 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     versions = sorted(Path(args.model_repository, args.model).glob("*/manifest.json"))
     if not versions:
         raise SystemExit(f"no {args.model} in {args.model_repository}: run `nmt serve --demo` first")
+    if args.frontends and len(args.frontends) > 1:
+        raise SystemExit("--frontends takes one value here (several only with --capacity)")
+    frontends = args.frontends[0] if args.frontends else 0
     engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
                          spinning=args.ort_spinning)
     process, address, metrics = start_server(args.model_repository, [
         "--intra-op-threads", str(args.threads), "--max-batch-sentences", "128", "--queue-size", "4096",
-        "--max-wait-ms", str(args.max_wait_ms), "--ort-spinning" if args.ort_spinning else "--no-ort-spinning"])
+        "--max-wait-ms", str(args.max_wait_ms), "--ort-spinning" if args.ort_spinning else "--no-ort-spinning",
+        "--frontends", str(frontends), "--batching", args.batching])
     rows = []
     try:
         for callers in args.callers:
@@ -560,7 +570,8 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
 
     print()
     print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads, {args.requests} sentences per level, "
-          f"server max wait {args.max_wait_ms} ms, ORT spinning {'on' if args.ort_spinning else 'off'}")
+          f"server max wait {args.max_wait_ms} ms, ORT spinning {'on' if args.ort_spinning else 'off'}, "
+          f"{args.batching} batching, {frontends} front-ends")
     print("| callers | engine sent/s | server sent/s | ratio | server tok/s | engine p50/p95/p99 ms "
           "| server p50/p95/p99 ms | server batch | server CPU ms/req | client CPU ms/req |")
     print("|---|---|---|---|---|---|---|---|---|---|")

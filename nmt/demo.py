@@ -110,4 +110,4 @@ class BackgroundBuild:
             log.error("background build failed", extra={"fields": {**fields, "exit_code": code}})
             return
         await server.reload()
-        log.info("background build done", extra={"fields": {**fields, "served": server.core.repository.names}})
+        log.info("background build done", extra={"fields": {**fields, "served": server.repository.names}})

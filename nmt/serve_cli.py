@@ -160,7 +160,7 @@ def print_how_to_call(server: TranslationServer) -> None:
     """Print the models served and commands to try, with the ports the server bound (``--listen
     127.0.0.1:0`` binds a free port)."""
     config = server.config
-    models = server.core.repository.names
+    models = server.repository.names
     if not models:
         return
     listen = _with_port(config.listen, server.port)
@@ -168,7 +168,7 @@ def print_how_to_call(server: TranslationServer) -> None:
         else "off"
     http = _with_port(config.http_listen, server.http_port) if config.http_listen else ""
     print(HOW_TO_CALL.format(models=", ".join(models), listen=listen, metrics=metrics,
-                             model=server.core.repository.default_model, security=_security_hint(config),
+                             model=server.repository.default_model, security=_security_hint(config),
                              http=_http_hint(http)), flush=True)
 
 

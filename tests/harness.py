@@ -64,7 +64,7 @@ class ServerHarness:
 
     def model_version(self, model: str = "", version: str = "") -> ModelVersion:
         """A served model version (default: the newest version of the default model)."""
-        return self.server.core.repository.resolve(model, version)
+        return self.server.repository.resolve(model, version)
 
     def scheduler(self, model: str = "", version: str = "") -> ModelScheduler:
         return self.model_version(model, version).scheduler

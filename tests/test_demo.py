@@ -78,7 +78,7 @@ def test_a_model_built_in_the_background_is_served_when_the_child_exits(
         time.sleep(0.2)
     task.result()
     assert sorted(listed(harness)) == sorted([LATER, DEMO_DEFAULT_MODEL])
-    assert harness.server.core.repository.default_model == DEMO_DEFAULT_MODEL  # not taken over by the new model
+    assert harness.server.repository.default_model == DEMO_DEFAULT_MODEL  # not taken over by the new model
     request = pb2.TranslateRequest(texts=["one two"], model=LATER)
     assert harness.stub.Translate(request, timeout=30).translations[0].hypotheses[0].text
     assert LATER in build.log_path.read_text()  # the child's output

@@ -81,7 +81,7 @@ def test_explicit_cuda_fails_fast_naming_the_reason(tiny_models, repository):
     server = TranslationServer(test_config(repository, provider="cuda"), opener=open_repository)  # probed at start
     with pytest.raises(NmtError, match="cuda requested"):
         asyncio.run(server.start())
-    assert server.core.repository is None  # failed before loading any model
+    assert server.repository is None  # failed before loading any model
 
 
 def test_unknown_provider_is_refused(tiny_models):

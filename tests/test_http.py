@@ -236,7 +236,7 @@ def test_readyz_flips_during_drain(repository: Path) -> None:
         inflight = h.stub.Translate.future(pb2.TranslateRequest(texts=[" ".join(TEXTS)]), timeout=30)
         wait_for(lambda: h.scheduler().running)
         done = h.start_shutdown(grace=20)
-        wait_for(lambda: h.server.frontend.servicer.draining)
+        wait_for(lambda: h.server.servicer.draining)
         status, _, body = call(h, "GET", "/readyz")
         assert status == 503 and body["reason"] == "draining"
         assert call(h, "GET", "/healthz")[0] == 200  # alive: it is finishing its work

@@ -226,7 +226,7 @@ def test_live_prometheus_scrapes_the_server_and_evaluates_every_alert_and_dashbo
         assert not [a for a in prometheus.get("/api/v1/alerts")["data"]["alerts"] if a["state"] == "firing"]
         # the queue-near-full alert's ratio: each version's queue against its capacity (--queue-size)
         capacity = values(prometheus.query(f'nmt_queue_capacity{{model="{MODEL}"}}'))
-        versions = [mv for mv in harness.server.core.repository if mv.name == MODEL]
+        versions = [mv for mv in harness.server.repository if mv.name == MODEL]
         assert capacity == [float(harness.server.config.queue_size)] * len(versions) and len(versions) == 3
         assert values(prometheus.query("nmt_queue_depth / nmt_queue_capacity")) == [0.0] * len(capacity)
         # every expression of the Grafana dashboard parses and returns data (variables at "All")

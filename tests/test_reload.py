@@ -221,7 +221,7 @@ def test_hot_reload_under_concurrent_traffic_has_no_failed_requests(repo: Path, 
         versions = [v for _, v in traffic.served]
         assert "1" in versions and "2" in versions
         assert {v for t, v in traffic.served if t > removed} == {"2"}
-        h.run(h.server.core.repository.drained())
+        h.run(h.server.repository.drained())
         assert info_series(h, MODEL, "1") is None and info_series(h, MODEL, "2") == 1
         assert health(h, MODEL) == SERVING
     finally:
@@ -360,7 +360,7 @@ def test_removed_version_drains_then_disappears(repo: Path, version_dir: Path) -
         assert health(h, MODEL) == SERVING and health(h, "other") == NOT_SERVING
         assert info_series(h, MODEL, "2") == 1  # still draining
         assert running.result().model_version == "2" and queued.result().model_version == "2"
-        h.run(h.server.core.repository.drained())
+        h.run(h.server.repository.drained())
         assert info_series(h, MODEL, "2") is None and info_series(h, "other", "1") is None
         assert h.registry.get_sample_value("nmt_queue_depth", {"model": MODEL, "version": "2"}) is None
         assert old.scheduler._closed and old.users == 0
@@ -422,7 +422,7 @@ def test_reload_model_version_swaps_engines_without_failed_requests(repo: Path) 
         assert health(h, MODEL) == SERVING
         swapped = time.monotonic()
         wait_for(lambda: len([t for t, _ in traffic.served if t > swapped]) >= 10)
-        h.run(h.server.core.repository.drained())
+        h.run(h.server.repository.drained())
         assert old.scheduler._closed and not new.scheduler._closed
         assert new.engine.results  # the traffic goes through the fresh engine now
         assert info_series(h, MODEL, "1") == 1

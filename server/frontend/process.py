@@ -33,7 +33,7 @@ CATALOG_TIMEOUT_SECONDS = 30.0  # how long a new front-end waits for the core's 
 async def run_frontend(config: ServerConfig, address: str, ready_file: Path) -> None:
     """Serve until SIGTERM or SIGINT, then drain and stop."""
     server = TranslationServer(config, reuse_port=True)
-    server.core.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
+    server.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
     server.install_signal_handlers()
     await server.start()
     ready_file.write_text(json.dumps({"pid": os.getpid(), "port": server.port, "http_port": server.http_port}))
