@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,5 +304,24 @@ def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path:
         order = [m for m, _ in messages]
         stops = [i for i, m in enumerate(order) if m == "stopped"]  # each front-end's, then the supervisor's
         assert len(stops) == 3 and stops[1] < order.index("engine core stopping") < stops[2]
+    finally:
+        server.stop()
+
+
+def test_hot_reload_reaches_the_frontends(repository: Path, tmp_path: Path) -> None:
+    """SIGHUP to nmt serve makes the core scan; the front-ends take the new catalog (and the new version's
+    tokenizer) and route to the new version."""
+    repo = tmp_path / "repo"
+    shutil.copytree(repository / SERVED_MODEL / "1", repo / SERVED_MODEL / "1")
+    server = SplitServer(repo, tmp_path, 1)
+    try:
+        stub = server.stub()
+        assert [m.version for m in stub.ListModels(pb2.ListModelsRequest(), timeout=10).models] == ["1"]
+        shutil.copytree(repository / SERVED_MODEL / "1", repo / SERVED_MODEL / "7")
+        server.process.send_signal(signal.SIGHUP)
+        until(lambda: [m.version for m in stub.ListModels(pb2.ListModelsRequest(), timeout=10).models] == ["1", "7"],
+              60, "the new version listed by the front-end")
+        response = stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
+        assert response.model_version == "7" and response.translations[0].hypotheses
     finally:
         server.stop()
