@@ -13,9 +13,7 @@ them, one ``ipc://`` socket in a directory only the server's user can enter:
   reload, a version failing or recovering); :class:`Done` with a call's search results; :class:`Failed`
   with a :class:`server.errors.ServingError`'s kind and message.
 
-The messages queued for one peer within one turn of the event loop go as one multipart ZeroMQ message
-(:class:`Outbox`: a batch's replies cost one send, not one each). Each message is two frames of it, its
-kind and its body in MessagePack, encoded and decoded by msgspec into the
+Each message is two frames, its kind and its body in MessagePack, encoded and decoded by msgspec into the
 very dataclasses both sides use (:class:`server.types.DecodingOptions`, :class:`server.types.SearchResult`,
 ...): typed decoding checks every field, nothing is unpickled (no code runs on receipt), and NumPy
 arrays (attention) travel as raw bytes with their dtype and shape.
@@ -171,44 +169,6 @@ def encode(message: Any) -> list[bytes]:
     return [type(message).__name__.encode(), _ENCODER.encode(message)]
 
 
-def decode_all(frames: Sequence[bytes]) -> list[Any]:
-    """The messages of one multipart message (kind and body frames in turn)."""
-    if len(frames) % 2:
-        raise msgspec.DecodeError(f"{len(frames)} frames: a message is a kind and a body")
-    return [decode(kind, body) for kind, body in zip(frames[::2], frames[1::2], strict=True)]
-
-
-class Outbox:
-    """Messages queued within one turn of the event loop, sent at its end as one multipart message per peer
-    (one ZeroMQ send, one wake-up of its I/O thread, however many replies a batch resolved)."""
-
-    def __init__(self, socket: zmq.asyncio.Socket) -> None:
-        self.socket = socket
-        self._pending: dict[bytes, list[bytes]] = {}  # peer (b"": the DEALER's one peer) -> frames
-        self._scheduled = False
-
-    def put(self, message: Any, peer: bytes = b"") -> None:
-        self._pending.setdefault(peer, []).extend(encode(message))
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        pending, self._pending = self._pending, {}
-        for peer, frames in pending.items():
-            try:
-                sent = self.socket.send_multipart([peer, *frames] if peer else frames)
-            except zmq.ZMQError:  # closed (shutdown), or a ROUTER peer that is gone: its calls are reaped
-                continue
-            sent.add_done_callback(_retrieve)
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # a failed send is a peer gone away, which the monitor and the reaper handle
-
-
 def decode(kind: bytes, body: bytes) -> Any:
     """The message of ``kind`` in ``body``; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
     decoder = _DECODERS.get(kind)
@@ -229,7 +189,6 @@ class CoreEndpoint:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
-        self.outbox = Outbox(self.socket)
         self.peers: dict[bytes, int] = {}  # front-end identity -> its pid
         self.calls: dict[tuple[bytes, int], tuple[asyncio.Task, RequestHandle]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -252,28 +211,31 @@ class CoreEndpoint:
 
     async def publish(self) -> None:
         """Send the catalog to every front-end that said hello (after each repository change)."""
-        catalog = catalog_of(self.repository)
+        frames = encode(catalog_of(self.repository))
         for peer in list(self.peers):
-            self.outbox.put(catalog, peer)
+            await self._send(peer, frames)
+
+    async def _send(self, peer: bytes, frames: list[bytes]) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # the front-end is gone: its calls are reaped
+            await self.socket.send_multipart([peer, *frames])
 
     async def _receive(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             peer, *frames = await self.socket.recv_multipart()
             try:
-                messages = decode_all(frames)
+                message = decode(*frames)
             except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our front-ends reach the socket
                 log.exception("undecodable message from a front-end")
                 continue
-            for message in messages:
-                if isinstance(message, Hello):
-                    self.peers[peer] = message.pid
-                    self.outbox.put(catalog_of(self.repository), peer)
-                elif isinstance(message, Submit):
-                    handle = RequestHandle(message.deadline, message.request_id)
-                    self.calls[(peer, message.call)] = (loop.create_task(self._submit(peer, handle, message)), handle)
-                elif isinstance(message, Cancel):
-                    self._cancel((peer, message.call))
+            if isinstance(message, Hello):
+                self.peers[peer] = message.pid
+                await self._send(peer, encode(catalog_of(self.repository)))
+            elif isinstance(message, Submit):
+                handle = RequestHandle(message.deadline, message.request_id)
+                task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
+                self.calls[(peer, message.call)] = (task, handle)
+            elif isinstance(message, Cancel):
+                self._cancel((peer, message.call))
 
     async def _submit(self, peer: bytes, handle: RequestHandle, submit: Submit) -> None:
         try:
@@ -289,7 +251,7 @@ class CoreEndpoint:
             reply = Failed(submit.call, "Internal", f"engine core error ({type(error).__name__})")
         finally:
             self.calls.pop((peer, submit.call), None)
-        self.outbox.put(reply, peer)
+        await self._send(peer, encode(reply))
 
     def _cancel(self, key: tuple[bytes, int]) -> None:
         entry = self.calls.pop(key, None)
@@ -339,7 +301,6 @@ class CoreClient:
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.socket.connect(address)
-        self.outbox = Outbox(self.socket)
         self.up = False
         self.catalog: Catalog | None = None
         self._calls: dict[int, asyncio.Future] = {}
@@ -376,39 +337,40 @@ class CoreClient:
         message = Submit(call, name, version, request.request_id, request.deadline,
                          [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences], list(work))
         try:
-            self.outbox.put(message)
+            await self.socket.send_multipart(encode(message))
             return await future
         except asyncio.CancelledError:
             request.cancel()
             if self.up:
-                self.outbox.put(Cancel(call))
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.socket.send_multipart(encode(Cancel(call)))
             raise
         finally:
             self._calls.pop(call, None)
 
     async def _receive(self) -> None:
         while True:
-            for message in decode_all(await self.socket.recv_multipart()):
-                if isinstance(message, Catalog):
-                    self.catalog = message
-                    self.up = True
-                    await self.on_catalog(message)
-                    self._first_catalog.set()
-                elif isinstance(message, Done | Failed):
-                    future = self._calls.get(message.call)
-                    if future is None or future.done():
-                        continue
-                    if isinstance(message, Done):
-                        future.set_result(message.results)
-                    else:
-                        future.set_exception(message.error())
+            message = decode(*await self.socket.recv_multipart())
+            if isinstance(message, Catalog):
+                self.catalog = message
+                self.up = True
+                await self.on_catalog(message)
+                self._first_catalog.set()
+            elif isinstance(message, Done | Failed):
+                future = self._calls.get(message.call)
+                if future is None or future.done():
+                    continue
+                if isinstance(message, Done):
+                    future.set_result(message.results)
+                else:
+                    future.set_exception(message.error())
 
     async def _watch(self) -> None:
         """Hello on every (re)connection; on a disconnection fail every call in flight and go down."""
         while True:
             event = await recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.outbox.put(Hello(os.getpid()))
+                await self.socket.send_multipart(encode(Hello(os.getpid())))
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
                 log.error("engine core gone; answering UNAVAILABLE until it is back")
