@@ -325,3 +325,18 @@ def test_hot_reload_reaches_the_frontends(repository: Path, tmp_path: Path) -> N
         assert response.model_version == "7" and response.translations[0].hypotheses
     finally:
         server.stop()
+
+
+def test_a_taken_port_fails_the_start_with_a_clear_error(repository: Path) -> None:
+    """The supervisor reserves the ports before any worker starts: a port another program holds is named."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "nmt", "serve", "--frontends", "1", "--model-repository",
+                                 str(repository), "--listen", f"127.0.0.1:{port}", "--http-listen", "",
+                                 "--metrics-listen", ""], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Address already in use" in result.stderr
