@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -329,8 +330,6 @@ def test_hot_reload_reaches_the_frontends(repository: Path, tmp_path: Path) -> N
 
 def test_a_taken_port_fails_the_start_with_a_clear_error(repository: Path) -> None:
     """The supervisor reserves the ports before any worker starts: a port another program holds is named."""
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
