@@ -459,3 +459,28 @@ def test_reflection_off_is_unimplemented(plain_no_reflection: ServerHarness, ver
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     reply = plain_no_reflection.stub.ListModels(pb2.ListModelsRequest(), timeout=10)  # no auth, no TLS: open
     assert {m.name for m in reply.models} == {"tiny-bahdanau", "tiny-transformer"}
+
+
+def test_split_frontends_keep_tls_and_tokens(repository: Path, pki: dict[str, Path], tokens_file: Path,
+                                             tmp_path: Path) -> None:
+    """``--frontends 1``: the front-end process speaks TLS and checks the tokens as the one-process server."""
+    from tests.test_split import SplitServer
+
+    server = SplitServer(repository, tmp_path, 1, "--tls-cert", str(pki["server"]), "--tls-key",
+                         str(pki["server_key"]), "--auth-tokens-file", str(tokens_file))
+    channel = grpc.secure_channel(server.address, grpc.ssl_channel_credentials(pki["ca"].read_bytes()))
+    try:
+        stub = pb2_grpc.TranslatorStub(channel)
+        partner = (("authorization", f"Bearer {PARTNER_TOKEN}"),)
+        request = pb2.TranslateRequest(texts=["one two"], model="tiny-transformer")
+        assert stub.Translate(request, metadata=partner, timeout=30).translations[0].hypotheses
+        for metadata, model, code in (((), "tiny-transformer", UNAUTHENTICATED),
+                                      (partner, "tiny-bahdanau", PERMISSION_DENIED)):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Translate(pb2.TranslateRequest(texts=["one"], model=model), metadata=metadata, timeout=30)
+            assert error.value.code() == code
+        with pytest.raises(grpc.RpcError):  # plaintext is refused on the TLS port
+            pb2_grpc.TranslatorStub(grpc.insecure_channel(server.address)).Translate(request, timeout=5)
+    finally:
+        channel.close()
+        server.stop()
