@@ -39,8 +39,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from server.errors import Internal, ServingError, Unavailable
 from server.policy import RequestHandle
@@ -177,6 +176,47 @@ def decode(kind: bytes, body: bytes) -> Any:
     return decoder.decode(body)
 
 
+# ---- both ends ------------------------------------------------------------------------------------------
+
+
+class Pump:
+    """A ZeroMQ socket on the event loop without a future per message: its file descriptor signals (edge-
+    triggered) that messages may be waiting, and every signal drains all of them into ``handle``. Sends
+    never wait: the socket's queue is unbounded (what is in flight is bounded by the schedulers' queues)."""
+
+    def __init__(self, socket: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        self.socket = socket
+        self.handle = handle
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(socket.FD, self.drain)
+        self._loop.call_soon(self.drain)
+
+    def drain(self) -> None:
+        socket = self.socket
+        while not socket.closed and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = socket.recv_multipart(zmq.NOBLOCK)
+            try:
+                self.handle(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the draining (nor the process)
+                log.exception("cannot handle a message from the other end")
+
+    def send(self, frames: list[bytes]) -> None:
+        self.socket.send_multipart(frames, zmq.NOBLOCK)
+        self._loop.call_soon(self.drain)  # a send may leave input waiting that the edge-triggered FD won't repeat
+
+    def close(self) -> None:
+        self._loop.remove_reader(self.socket.FD)
+        self.socket.close(0)
+
+
+def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: a send never blocks nor drops a reply
+    socket.setsockopt(zmq.RCVHWM, 0)
+    return socket
+
+
 # ---- the engine core's end ------------------------------------------------------------------------------
 
 
@@ -185,57 +225,56 @@ class CoreEndpoint:
 
     def __init__(self, repository: Any, address: str) -> None:
         self.repository = repository
-        self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.context = zmq.Context()
+        self.socket = _socket(self.context, zmq.ROUTER)
         self.socket.bind(address)
         self.peers: dict[bytes, int] = {}  # front-end identity -> its pid
         self.calls: dict[tuple[bytes, int], tuple[asyncio.Task, RequestHandle]] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._pump: Pump | None = None
+        self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive(), name="core-receive"),
-                       loop.create_task(self._reap_orphans(), name="core-orphans")]
+        self._pump = Pump(self.socket, self._receive)
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans(), name="core-orphans")
         self.repository.add_listener(self.publish)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         for task, handle in list(self.calls.values()):
             handle.cancel()
             task.cancel()
-        self.socket.close(0)
+        if self._pump is not None:
+            self._pump.close()
         self.context.term()
 
     async def publish(self) -> None:
         """Send the catalog to every front-end that said hello (after each repository change)."""
         frames = encode(catalog_of(self.repository))
         for peer in list(self.peers):
-            await self._send(peer, frames)
+            self._send(peer, frames)
 
-    async def _send(self, peer: bytes, frames: list[bytes]) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # the front-end is gone: its calls are reaped
-            await self.socket.send_multipart([peer, *frames])
+    def _send(self, peer: bytes, frames: list[bytes]) -> None:
+        if self._pump is not None and not self.socket.closed:
+            self._pump.send([peer, *frames])  # a ROUTER drops what is addressed to a peer that is gone
 
-    async def _receive(self) -> None:
-        while True:
-            peer, *frames = await self.socket.recv_multipart()
-            try:
-                message = decode(*frames)
-            except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our front-ends reach the socket
-                log.exception("undecodable message from a front-end")
-                continue
-            if isinstance(message, Hello):
-                self.peers[peer] = message.pid
-                await self._send(peer, encode(catalog_of(self.repository)))
-            elif isinstance(message, Submit):
-                handle = RequestHandle(message.deadline, message.request_id)
-                task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
-                self.calls[(peer, message.call)] = (task, handle)
-            elif isinstance(message, Cancel):
-                self._cancel((peer, message.call))
+    def _receive(self, frames: list[bytes]) -> None:
+        peer, *body = frames
+        try:
+            message = decode(*body)
+        except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our front-ends reach the socket
+            log.exception("undecodable message from a front-end")
+            return
+        if isinstance(message, Hello):
+            self.peers[peer] = message.pid
+            self._send(peer, encode(catalog_of(self.repository)))
+        elif isinstance(message, Submit):
+            handle = RequestHandle(message.deadline, message.request_id)
+            task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
+            self.calls[(peer, message.call)] = (task, handle)
+        elif isinstance(message, Cancel):
+            self._cancel((peer, message.call))
 
     async def _submit(self, peer: bytes, handle: RequestHandle, submit: Submit) -> None:
         try:
@@ -251,7 +290,7 @@ class CoreEndpoint:
             reply = Failed(submit.call, "Internal", f"engine core error ({type(error).__name__})")
         finally:
             self.calls.pop((peer, submit.call), None)
-        await self._send(peer, encode(reply))
+        self._send(peer, encode(reply))
 
     def _cancel(self, key: tuple[bytes, int]) -> None:
         entry = self.calls.pop(key, None)
@@ -294,9 +333,8 @@ class CoreClient:
     def __init__(self, address: str, on_catalog: Callable[[Catalog | None], Awaitable[None]]) -> None:
         self.address = address
         self.on_catalog = on_catalog  # None: the core went away
-        self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.context = zmq.Context()
+        self.socket = _socket(self.context, zmq.DEALER)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 50)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -305,25 +343,26 @@ class CoreClient:
         self.catalog: Catalog | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._tasks: list[asyncio.Task] = []
+        self._pumps: list[Pump] = []
+        self._catalogs: asyncio.Queue[Catalog | None] = asyncio.Queue()  # taken in order by one task
+        self._catalog_task: asyncio.Task | None = None
         self._first_catalog = asyncio.Event()
 
     async def start(self, timeout: float) -> None:
         """Start listening and wait (at most ``timeout`` seconds) for the core's first catalog."""
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive(), name="core-client-receive"),
-                       loop.create_task(self._watch(), name="core-client-watch")]
+        self._pumps = [Pump(self.socket, self._receive), Pump(self.monitor, self._watch)]
+        self._catalog_task = asyncio.get_running_loop().create_task(self._take_catalogs(), name="core-catalogs")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._first_catalog.wait(), timeout)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._catalog_task is not None:
+            self._catalog_task.cancel()
+            await asyncio.gather(self._catalog_task, return_exceptions=True)
         self._fail_all(Unavailable("server is shutting down"))
         self.socket.disable_monitor()
-        self.monitor.close(0)
-        self.socket.close(0)
+        for pump in reversed(self._pumps):
+            pump.close()
         self.context.term()
 
     async def submit(self, name: str, version: str, sentences: Sequence[SentenceRequest], work: Sequence[int],
@@ -337,45 +376,53 @@ class CoreClient:
         message = Submit(call, name, version, request.request_id, request.deadline,
                          [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences], list(work))
         try:
-            await self.socket.send_multipart(encode(message))
+            try:
+                self._pumps[0].send(encode(message))
+            except zmq.ZMQError as error:
+                raise Unavailable(CORE_DOWN) from error
             return await future
         except asyncio.CancelledError:
             request.cancel()
             if self.up:
                 with contextlib.suppress(zmq.ZMQError):
-                    await self.socket.send_multipart(encode(Cancel(call)))
+                    self._pumps[0].send(encode(Cancel(call)))
             raise
         finally:
             self._calls.pop(call, None)
 
-    async def _receive(self) -> None:
-        while True:
-            message = decode(*await self.socket.recv_multipart())
-            if isinstance(message, Catalog):
-                self.catalog = message
-                self.up = True
-                await self.on_catalog(message)
-                self._first_catalog.set()
-            elif isinstance(message, Done | Failed):
-                future = self._calls.get(message.call)
-                if future is None or future.done():
-                    continue
-                if isinstance(message, Done):
-                    future.set_result(message.results)
-                else:
-                    future.set_exception(message.error())
+    def _receive(self, frames: list[bytes]) -> None:
+        message = decode(*frames)
+        if isinstance(message, Catalog):
+            self.catalog = message
+            self.up = True
+            self._catalogs.put_nowait(message)
+        elif isinstance(message, Done | Failed):
+            future = self._calls.get(message.call)
+            if future is None or future.done():
+                return
+            if isinstance(message, Done):
+                future.set_result(message.results)
+            else:
+                future.set_exception(message.error())
 
-    async def _watch(self) -> None:
+    def _watch(self, frames: list[bytes]) -> None:
         """Hello on every (re)connection; on a disconnection fail every call in flight and go down."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._pumps[0].send(encode(Hello(os.getpid())))
+        elif event == zmq.EVENT_DISCONNECTED and self.up:
+            self.up = False
+            log.error("engine core gone; answering UNAVAILABLE until it is back")
+            self._fail_all(Unavailable(CORE_DOWN))
+            self._catalogs.put_nowait(None)
+
+    async def _take_catalogs(self) -> None:
+        """Hand each catalog (None: the core went away) to ``on_catalog``, one after the other."""
         while True:
-            event = await recv_monitor_message(self.monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                await self.socket.send_multipart(encode(Hello(os.getpid())))
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
-                self.up = False
-                log.error("engine core gone; answering UNAVAILABLE until it is back")
-                self._fail_all(Unavailable(CORE_DOWN))
-                await self.on_catalog(None)
+            catalog = await self._catalogs.get()
+            await self.on_catalog(catalog)
+            if catalog is not None:
+                self._first_catalog.set()
 
     def _fail_all(self, error: ServingError) -> None:
         for future in self._calls.values():
