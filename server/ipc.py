@@ -16,7 +16,10 @@ them, one ``ipc://`` socket in a directory only the server's user can enter:
 Each message is two frames, its kind and its body in MessagePack, encoded and decoded by msgspec into the
 very dataclasses both sides use (:class:`server.types.DecodingOptions`, :class:`server.types.SearchResult`,
 ...): typed decoding checks every field, nothing is unpickled (no code runs on receipt), and NumPy
-arrays (attention) travel as raw bytes with their dtype and shape.
+arrays (attention) travel as raw bytes with their dtype and shape. Each socket is read from its file
+descriptor on the event loop, every wake-up draining all waiting messages (:class:`Pump`): measured side
+by side, that took the split's CPU per request from 0.95-1.27 ms to 0.83-0.87 against zmq.asyncio's
+future per message (benchmarks/README.md).
 
 A front-end watches its connection (a ZeroMQ socket monitor): when the core goes away every call in
 flight fails at once with UNAVAILABLE, new calls are refused with UNAVAILABLE, readiness turns false;
