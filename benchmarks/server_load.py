@@ -45,7 +45,7 @@ running (the "other jobs" column: the machine's busy CPU during the load, from /
 server's and the load generator's, in cores). The one-process server is bound by its one event loop:
 sentences/s x its CPU ms per request comes to ~1,000 ms a second, one core, with the load generator on
 the other. The split servers run out of machine first: core, front-ends and load generator together
-fill both cores before any one process fills one, and the split's extra CPU per request (the ZeroMQ
+fill both cores before any one process fills one, and the split's extra CPU per request (the IPC
 hop on both sides) then makes them slower here than one process. So on 2 cores compare the CPU per
 request; the throughput front-ends buy needs cores of their own and a load generator elsewhere, and is
 about 1,000 / (a process's ms per request) for its busiest process: the core, or each front-end.

@@ -1,31 +1,34 @@
-"""The engine core and its front-ends talk over ZeroMQ: token ids in, search results out.
+"""The engine core and its front-ends talk over a Unix socket: token ids in, search results out.
 
 ``nmt serve --frontends N`` (:mod:`server.supervisor`) runs the model repository, the schedulers and the
 engines in one *engine core* process and everything else a request needs in N *front-end* processes
-(gRPC, HTTP, TLS, tokens, validation, tokenizing, detokenizing, alignments, responses, logs). Between
-them, one ``ipc://`` socket in a directory only the server's user can enter:
+(gRPC, HTTP, TLS, tokens, validation, tokenizing, detokenizing, alignments, responses, logs). Each
+front-end holds one connection to the core's Unix socket, in a directory only the server's user can
+enter (the socket itself 0600):
 
-* front-end -> core (a DEALER per front-end, the core's ROUTER): :class:`Hello` asks for the catalog;
-  :class:`Submit` decodes one request's sentences (token ids, options, target prefixes; the deadline on
-  the host's monotonic clock, which every process shares); :class:`Cancel` withdraws a call whose client
-  went away (its queued sentences leave the queue, its running ones the decode at the next step).
+* front-end -> core: :class:`Hello` asks for the catalog; :class:`Submit` decodes one request's sentences
+  (token ids, options, target prefixes; the deadline on the host's monotonic clock, which every process
+  shares); :class:`Cancel` withdraws a call whose client went away (its queued sentences leave the queue,
+  its running ones the decode at the next step).
 * core -> front-end: :class:`Catalog` after a hello and after every change of the repository (hot
   reload, a version failing or recovering); :class:`Done` with a call's search results; :class:`Failed`
   with a :class:`server.errors.ServingError`'s kind and message.
 
-Each message is two frames, its kind and its body in MessagePack, encoded and decoded by msgspec into the
-very dataclasses both sides use (:class:`server.types.DecodingOptions`, :class:`server.types.SearchResult`,
-...): typed decoding checks every field, nothing is unpickled (no code runs on receipt), and NumPy
-arrays (attention) travel as raw bytes with their dtype and shape. Each socket is read from its file
-descriptor on the event loop, every wake-up draining all waiting messages (:class:`Pump`): measured side
-by side, that took the split's CPU per request from 0.95-1.27 ms to 0.83-0.87 against zmq.asyncio's
-future per message (benchmarks/README.md).
+A message is one length-prefixed frame: a kind byte and a MessagePack body, encoded and decoded by
+msgspec into the very dataclasses both sides use (:class:`server.types.DecodingOptions`,
+:class:`server.types.SearchResult`, ...): typed decoding checks every field, nothing is unpickled (no code
+runs on receipt), and NumPy arrays (attention) travel as raw bytes with their dtype and shape. Each
+connection is an asyncio protocol (:class:`Channel`) that parses every frame a chunk completes, with no
+task or future per message. That is the third transport measured (benchmarks/README.md, the split's
+server CPU per request, `nmt bench server --capacity`, side by side): ZeroMQ through zmq.asyncio (a
+future per message) 0.95-1.27 ms, ZeroMQ drained from its file descriptor 0.83-1.15 ms, this
+0.75-0.88 ms; ZeroMQ also costs a background I/O thread per process and a socket monitor to notice a
+peer's death, where a Unix socket's end is the connection closing.
 
-A front-end watches its connection (a ZeroMQ socket monitor): when the core goes away every call in
-flight fails at once with UNAVAILABLE, new calls are refused with UNAVAILABLE, readiness turns false;
-when a core (restarted by the supervisor) connects again the front-end asks for the catalog and serves
-again. The core cancels the calls of a front-end whose process is gone (checked every
-``ORPHAN_CHECK_SECONDS``), so a killed front-end's calls stop taking rows.
+The connection is the liveness signal both ways: when the core goes away, a front-end fails every call
+in flight at once with UNAVAILABLE, refuses new calls with UNAVAILABLE (readiness turns false) and
+connects again every ``RECONNECT_SECONDS`` until the restarted core answers; when a front-end goes away
+(stopped or killed), the core cancels its calls, so they stop taking rows.
 """
 
 from __future__ import annotations
@@ -35,14 +38,13 @@ import contextlib
 import itertools
 import logging
 import os
+import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from server.errors import Internal, ServingError, Unavailable
 from server.policy import RequestHandle
@@ -50,7 +52,7 @@ from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetP
 
 log = logging.getLogger("nmt.server")
 
-ORPHAN_CHECK_SECONDS = 0.5
+RECONNECT_SECONDS = 0.05  # a front-end tries the core this often while it is away
 ARRAY_EXT = 1  # MessagePack extension type of a NumPy array
 CORE_DOWN = "the engine core is not running (it is being restarted); retry shortly"
 
@@ -101,7 +103,7 @@ class WireSentence:
 
 @dataclass
 class Hello:
-    pid: int  # the front-end's process: the core cancels its calls once it is gone
+    pid: int  # the front-end's process (for the core's logs)
 
 
 @dataclass
@@ -141,7 +143,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 _ERRORS = {cls.__name__: cls for cls in _subclasses(ServingError)}
-MESSAGES: dict[bytes, type] = {cls.__name__.encode(): cls for cls in (Hello, Submit, Cancel, Catalog, Done, Failed)}
+MESSAGES: tuple[type, ...] = (Hello, Submit, Cancel, Catalog, Done, Failed)  # a frame's kind byte: the index
 
 
 def _encode_hook(obj: Any) -> Any:
@@ -163,115 +165,112 @@ def _decode_hook(kind: type, obj: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
-_DECODERS = {kind: msgspec.msgpack.Decoder(cls, dec_hook=_decode_hook) for kind, cls in MESSAGES.items()}
 
 
-def encode(message: Any) -> list[bytes]:
-    """The two frames of ``message`` (one of :data:`MESSAGES`): its kind and its MessagePack body."""
-    return [type(message).__name__.encode(), _ENCODER.encode(message)]
+_KIND_OF = {cls: bytes([i]) for i, cls in enumerate(MESSAGES)}
+_DECODERS = [msgspec.msgpack.Decoder(cls, dec_hook=_decode_hook) for cls in MESSAGES]
+_LENGTH = struct.Struct("<I")  # a frame on the stream: its length, then its kind byte and MessagePack body
 
 
-def decode(kind: bytes, body: bytes) -> Any:
-    """The message of ``kind`` in ``body``; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
-        raise msgspec.DecodeError(f"unknown message kind {kind!r}")
-    return decoder.decode(body)
+def encode(message: Any) -> bytes:
+    """``message`` (one of :data:`MESSAGES`) as a frame: its kind byte, then its MessagePack body."""
+    return _KIND_OF[type(message)] + _ENCODER.encode(message)
+
+
+def decode(frame: bytes) -> Any:
+    """The message in ``frame``; raises ``msgspec.DecodeError``/``ValidationError`` on anything else."""
+    if not frame or frame[0] >= len(_DECODERS):
+        raise msgspec.DecodeError(f"unknown message kind {frame[:1]!r}")
+    return _DECODERS[frame[0]].decode(frame[1:])
 
 
 # ---- both ends ------------------------------------------------------------------------------------------
 
 
-class Pump:
-    """A ZeroMQ socket on the event loop without a future per message: its file descriptor signals (edge-
-    triggered) that messages may be waiting, and every signal drains all of them into ``handle``. Sends
-    never wait: the socket's queue is unbounded (what is in flight is bounded by the schedulers' queues)."""
+class Channel(asyncio.Protocol):
+    """One connection between a front-end and the core, on a Unix socket: length-prefixed frames, every
+    chunk the kernel hands over parsed for all the frames it completes (no task or future per message)."""
 
-    def __init__(self, socket: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
-        self.socket = socket
-        self.handle = handle
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(socket.FD, self.drain)
-        self._loop.call_soon(self.drain)
+    def __init__(self, on_message: Callable[[Channel, Any], None], on_lost: Callable[[Channel], None]) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
 
-    def drain(self) -> None:
-        socket = self.socket
-        while not socket.closed and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = socket.recv_multipart(zmq.NOBLOCK)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        while len(buffer) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(buffer, start)
+            end = start + _LENGTH.size + length
+            if len(buffer) < end:
+                break
+            frame = bytes(buffer[start + _LENGTH.size:end])
+            start = end
             try:
-                self.handle(frames)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the draining (nor the process)
-                log.exception("cannot handle a message from the other end")
+                message = decode(frame)
+            except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our own processes reach the socket
+                log.exception("undecodable message from the other end")
+                continue
+            self.on_message(self, message)
+        del buffer[:start]
 
-    def send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames, zmq.NOBLOCK)
-        self._loop.call_soon(self.drain)  # a send may leave input waiting that the edge-triggered FD won't repeat
+    def send(self, message: Any) -> None:
+        frame = encode(message)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_LENGTH.pack(len(frame)) + frame)
 
     def close(self) -> None:
-        self._loop.remove_reader(self.socket.FD)
-        self.socket.close(0)
+        if self.transport is not None:
+            self.transport.close()
 
-
-def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
-    socket = context.socket(kind)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: a send never blocks nor drops a reply
-    socket.setsockopt(zmq.RCVHWM, 0)
-    return socket
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost(self)
 
 
 # ---- the engine core's end ------------------------------------------------------------------------------
 
 
 class CoreEndpoint:
-    """The core's ROUTER socket: serves submits and cancels against ``repository``, publishes its catalog."""
+    """The core's Unix socket: serves submits and cancels against ``repository``, publishes its catalog to
+    every connected front-end; a front-end that goes away (its connection closes) has its calls cancelled."""
 
-    def __init__(self, repository: Any, address: str) -> None:
+    def __init__(self, repository: Any, path: str) -> None:
         self.repository = repository
-        self.context = zmq.Context()
-        self.socket = _socket(self.context, zmq.ROUTER)
-        self.socket.bind(address)
-        self.peers: dict[bytes, int] = {}  # front-end identity -> its pid
-        self.calls: dict[tuple[bytes, int], tuple[asyncio.Task, RequestHandle]] = {}
-        self._pump: Pump | None = None
-        self._reaper: asyncio.Task | None = None
+        self.path = path
+        self.peers: dict[Channel, int] = {}  # front-ends that asked for the catalog -> their pid
+        self.calls: dict[tuple[Channel, int], tuple[asyncio.Task, RequestHandle]] = {}
+        self._server: asyncio.AbstractServer | None = None
 
-    def start(self) -> None:
-        self._pump = Pump(self.socket, self._receive)
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans(), name="core-orphans")
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: Channel(self._receive, self._lost), self.path)
+        os.chmod(self.path, 0o600)
         self.repository.add_listener(self.publish)
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
         for task, handle in list(self.calls.values()):
             handle.cancel()
             task.cancel()
-        if self._pump is not None:
-            self._pump.close()
-        self.context.term()
+        for peer in list(self.peers):
+            peer.close()
 
     async def publish(self) -> None:
         """Send the catalog to every front-end that said hello (after each repository change)."""
-        frames = encode(catalog_of(self.repository))
+        catalog = catalog_of(self.repository)
         for peer in list(self.peers):
-            self._send(peer, frames)
+            peer.send(catalog)
 
-    def _send(self, peer: bytes, frames: list[bytes]) -> None:
-        if self._pump is not None and not self.socket.closed:
-            self._pump.send([peer, *frames])  # a ROUTER drops what is addressed to a peer that is gone
-
-    def _receive(self, frames: list[bytes]) -> None:
-        peer, *body = frames
-        try:
-            message = decode(*body)
-        except (msgspec.MsgspecError, TypeError, ValueError):  # nothing but our front-ends reach the socket
-            log.exception("undecodable message from a front-end")
-            return
+    def _receive(self, peer: Channel, message: Any) -> None:
         if isinstance(message, Hello):
             self.peers[peer] = message.pid
-            self._send(peer, encode(catalog_of(self.repository)))
+            peer.send(catalog_of(self.repository))
         elif isinstance(message, Submit):
             handle = RequestHandle(message.deadline, message.request_id)
             task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
@@ -279,7 +278,16 @@ class CoreEndpoint:
         elif isinstance(message, Cancel):
             self._cancel((peer, message.call))
 
-    async def _submit(self, peer: bytes, handle: RequestHandle, submit: Submit) -> None:
+    def _lost(self, peer: Channel) -> None:
+        """A front-end went away (it stopped, or was killed): cancel its calls, they have nobody to answer."""
+        pid = self.peers.pop(peer, None)
+        orphans = [key for key in self.calls if key[0] is peer]
+        for key in orphans:
+            self._cancel(key)
+        if orphans:
+            log.warning("front-end gone; its calls cancelled", extra={"fields": {"pid": pid, "calls": len(orphans)}})
+
+    async def _submit(self, peer: Channel, handle: RequestHandle, submit: Submit) -> None:
         try:
             with self.repository.acquire(submit.name, submit.version) as model:
                 sentences = [s.request() for s in submit.sentences]
@@ -293,37 +301,14 @@ class CoreEndpoint:
             reply = Failed(submit.call, "Internal", f"engine core error ({type(error).__name__})")
         finally:
             self.calls.pop((peer, submit.call), None)
-        self._send(peer, encode(reply))
+        peer.send(reply)
 
-    def _cancel(self, key: tuple[bytes, int]) -> None:
+    def _cancel(self, key: tuple[Channel, int]) -> None:
         entry = self.calls.pop(key, None)
         if entry is not None:
             task, handle = entry
             handle.cancel()
             task.cancel()
-
-    async def _reap_orphans(self) -> None:
-        """Cancel the calls of front-ends whose process is gone (killed: it could not withdraw them)."""
-        while True:
-            await asyncio.sleep(ORPHAN_CHECK_SECONDS)
-            for peer, pid in list(self.peers.items()):
-                if not _alive(pid):
-                    del self.peers[peer]
-                    orphans = [key for key in self.calls if key[0] == peer]
-                    for key in orphans:
-                        self._cancel(key)
-                    log.warning("front-end gone; its calls cancelled", extra={"fields": {
-                        "pid": pid, "calls": len(orphans)}})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---- a front-end's end ----------------------------------------------------------------------------------
@@ -331,70 +316,77 @@ def _alive(pid: int) -> bool:
 
 class CoreClient:
     """A front-end's connection to the engine core: submits calls, keeps the latest catalog, knows whether
-    the core is there (``up``) and calls ``on_catalog`` when the catalog (or the core's presence) changes."""
+    the core is there (``up``) and calls ``on_catalog`` when the catalog (or the core's presence) changes.
+    It connects again, every ``RECONNECT_SECONDS``, whenever the connection is lost."""
 
-    def __init__(self, address: str, on_catalog: Callable[[Catalog | None], Awaitable[None]]) -> None:
-        self.address = address
+    def __init__(self, path: str, on_catalog: Callable[[Catalog | None], Awaitable[None]]) -> None:
+        self.address = path
         self.on_catalog = on_catalog  # None: the core went away
-        self.context = zmq.Context()
-        self.socket = _socket(self.context, zmq.DEALER)
-        self.socket.setsockopt(zmq.RECONNECT_IVL, 50)
-        self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.socket.connect(address)
         self.up = False
         self.catalog: Catalog | None = None
+        self._channel: Channel | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._pumps: list[Pump] = []
         self._catalogs: asyncio.Queue[Catalog | None] = asyncio.Queue()  # taken in order by one task
-        self._catalog_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._lost = asyncio.Event()
         self._first_catalog = asyncio.Event()
 
     async def start(self, timeout: float) -> None:
-        """Start listening and wait (at most ``timeout`` seconds) for the core's first catalog."""
-        self._pumps = [Pump(self.socket, self._receive), Pump(self.monitor, self._watch)]
-        self._catalog_task = asyncio.get_running_loop().create_task(self._take_catalogs(), name="core-catalogs")
+        """Connect (and keep connecting) and wait (at most ``timeout`` seconds) for the core's first catalog."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._connect(), name="core-connect"),
+                       loop.create_task(self._take_catalogs(), name="core-catalogs")]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._first_catalog.wait(), timeout)
 
     async def close(self) -> None:
-        if self._catalog_task is not None:
-            self._catalog_task.cancel()
-            await asyncio.gather(self._catalog_task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._fail_all(Unavailable("server is shutting down"))
-        self.socket.disable_monitor()
-        for pump in reversed(self._pumps):
-            pump.close()
-        self.context.term()
+        if self._channel is not None:
+            self._channel.close()
 
     async def submit(self, name: str, version: str, sentences: Sequence[SentenceRequest], work: Sequence[int],
                      request: RequestHandle) -> list[SearchResult]:
         """Decode a request's sentences in the core (the contract of :meth:`ModelScheduler.submit`)."""
-        if not self.up:
+        channel = self._channel
+        if not self.up or channel is None:
             raise Unavailable(CORE_DOWN)
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
-        message = Submit(call, name, version, request.request_id, request.deadline,
-                         [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences], list(work))
         try:
-            try:
-                self._pumps[0].send(encode(message))
-            except zmq.ZMQError as error:
-                raise Unavailable(CORE_DOWN) from error
+            channel.send(Submit(call, name, version, request.request_id, request.deadline,
+                                [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences],
+                                list(work)))
             return await future
         except asyncio.CancelledError:
             request.cancel()
             if self.up:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._pumps[0].send(encode(Cancel(call)))
+                channel.send(Cancel(call))
             raise
         finally:
             self._calls.pop(call, None)
 
-    def _receive(self, frames: list[bytes]) -> None:
-        message = decode(*frames)
+    async def _connect(self) -> None:
+        """Connect, say hello, wait for the connection to end; again, for as long as the front-end runs."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                _, channel = await loop.create_unix_connection(lambda: Channel(self._receive, self._on_lost),
+                                                               self.address)
+            except OSError:  # the core is not (yet, or any more) listening
+                await asyncio.sleep(RECONNECT_SECONDS)
+                continue
+            self._lost.clear()
+            self._channel = channel
+            channel.send(Hello(os.getpid()))
+            await self._lost.wait()
+            await asyncio.sleep(RECONNECT_SECONDS)
+
+    def _receive(self, channel: Channel, message: Any) -> None:
         if isinstance(message, Catalog):
             self.catalog = message
             self.up = True
@@ -408,16 +400,15 @@ class CoreClient:
             else:
                 future.set_exception(message.error())
 
-    def _watch(self, frames: list[bytes]) -> None:
-        """Hello on every (re)connection; on a disconnection fail every call in flight and go down."""
-        event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._pumps[0].send(encode(Hello(os.getpid())))
-        elif event == zmq.EVENT_DISCONNECTED and self.up:
+    def _on_lost(self, channel: Channel) -> None:
+        """The core went away: fail every call in flight at once and refuse new ones until it is back."""
+        self._channel = None
+        self._lost.set()
+        if self.up:
             self.up = False
             log.error("engine core gone; answering UNAVAILABLE until it is back")
-            self._fail_all(Unavailable(CORE_DOWN))
             self._catalogs.put_nowait(None)
+        self._fail_all(Unavailable(CORE_DOWN))
 
     async def _take_catalogs(self) -> None:
         """Hand each catalog (None: the core went away) to ``on_catalog``, one after the other."""

@@ -5,7 +5,7 @@ and the engine's per-step Python shares that process's interpreter lock with gRP
 the serving is split the way vLLM splits its API servers from its engine core: the engine core
 (:mod:`server.core.process`) owns the model repository, the schedulers and the device; N front-ends
 (:mod:`server.frontend.process`) do everything else per request and share the gRPC and HTTP ports
-(SO_REUSEPORT); they exchange token ids and search results over ZeroMQ (:mod:`server.ipc`). This
+(SO_REUSEPORT); they exchange token ids and search results over a Unix socket (:mod:`server.ipc`). This
 process, the supervisor, starts them, restarts them, serves ``/metrics`` for all of them and orders the
 shutdown:
 
@@ -109,7 +109,7 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="nmt-serve-"))  # 0700: the socket and metrics are ours
         self._metrics_dir = self._dir / "metrics"
         self._metrics_dir.mkdir()
-        self._address = f"ipc://{self._dir / 'core.sock'}"
+        self._address = str(self._dir / "core.sock")  # the core's Unix socket (server.ipc)
         self._held: list[socket.socket] = []
         self._metrics_http: Any = None
         self._watchers: list[asyncio.Task] = []

@@ -63,7 +63,7 @@ async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None
     repository = await open_repository(config, ServerMetrics())
     repository.start()
     endpoint = CoreEndpoint(repository, address)
-    endpoint.start()
+    await endpoint.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     scans: set[asyncio.Task] = set()
