@@ -66,37 +66,16 @@ async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None
     await endpoint.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    scans: set[asyncio.Task] = set()
-
-    async def scan() -> None:
-        try:
-            await repository.scan()
-        except Exception:  # noqa: BLE001 - a failed scan (e.g. the repository unmounted) changes nothing
-            log.exception("model repository scan failed", extra={"fields": {
-                "model_repository": config.model_repository}})
-
-    def on_sighup() -> None:
-        task = loop.create_task(scan())
-        scans.add(task)
-        task.add_done_callback(scans.discard)
-
-    async def poll() -> None:
-        while True:
-            await asyncio.sleep(config.reload_interval)
-            await scan()
-
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    poller = loop.create_task(poll()) if config.reload_interval > 0 else None
+    loop.add_signal_handler(signal.SIGHUP, repository.scan_soon)
+    repository.watch(config.reload_interval)
     ready_file.write_text(json.dumps({"models": repository.names, "default_model": repository.default_model}))
     log.info("engine core serving", extra={"fields": {
         "address": address, "models": [f"{mv.name}/{mv.version}" for mv in repository]}})
     await stop.wait()
     log.info("engine core stopping")
-    for task in [*scans, *([poller] if poller else [])]:
-        task.cancel()
-    await repository.close(timeout=config.grace_seconds)
+    await repository.close(timeout=config.grace_seconds)  # the scans stop first
     await endpoint.close()
     log.info("engine core stopped")
 

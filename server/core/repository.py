@@ -179,6 +179,7 @@ class ModelRepository(VersionIndex[ModelVersion]):
         self._listeners: list[ChangeListener] = []
         self._drains: dict[asyncio.Task, ModelVersion] = {}  # removed or replaced versions being drained
         self._repairs: set[asyncio.Task] = set()  # reloads of broken versions (a reference keeps each alive)
+        self._scans: set[asyncio.Task] = set()  # the poller and SIGHUP scans (watch, scan_soon)
         self._started = False
         self._closed = False
 
@@ -213,6 +214,7 @@ class ModelRepository(VersionIndex[ModelVersion]):
     async def close(self, timeout: float | None = None) -> None:
         """Close every version's scheduler: queued and running sentences get ``timeout`` seconds to finish.
         Scans after this change nothing."""
+        await self.stop_scans()
         self._closed = True
         retiring = list(self._drains.items())
         for task, _ in retiring:
@@ -220,6 +222,41 @@ class ModelRepository(VersionIndex[ModelVersion]):
         await asyncio.gather(*(task for task, _ in retiring), return_exceptions=True)
         versions = [*self, *(mv for _, mv in retiring)]
         await asyncio.gather(*(mv.scheduler.close(timeout=timeout) for mv in versions))
+
+    # ---- watching the directory ------------------------------------------------------------------------
+
+    def watch(self, interval: float) -> None:
+        """Scan every ``interval`` seconds (0: never) until :meth:`stop_scans`; failures are logged."""
+        if interval > 0:
+            self._keep(asyncio.get_running_loop().create_task(self._poll(interval), name="repository-poller"))
+
+    def scan_soon(self) -> None:
+        """Scan now, in the background (what SIGHUP does); a failure is logged."""
+        self._keep(asyncio.get_running_loop().create_task(self.rescan(), name="repository-scan"))
+
+    async def stop_scans(self) -> None:
+        """Cancel the poller and the scans in progress (shutdown)."""
+        scans = list(self._scans)
+        for task in scans:
+            task.cancel()
+        await asyncio.gather(*scans, return_exceptions=True)
+
+    async def rescan(self) -> None:
+        """:meth:`scan`, logging a failure instead of raising: a failed scan (e.g. the repository unmounted)
+        changes nothing."""
+        try:
+            await self.scan()
+        except Exception:  # noqa: BLE001
+            log.exception("model repository scan failed", extra={"fields": {"model_repository": str(self.root)}})
+
+    async def _poll(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.rescan()
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._scans.add(task)  # a reference keeps it alive
+        task.add_done_callback(self._scans.discard)
 
     # ---- loading: the one path in ----------------------------------------------------------------------
 

@@ -112,8 +112,6 @@ class TranslationServer:
         self.http_port: int | None = None
         self._shutdown_task: asyncio.Task | None = None
         self._signal_task: asyncio.Task | None = None
-        self._poll_task: asyncio.Task | None = None
-        self._reload_tasks: set[asyncio.Task] = set()  # SIGHUP scans (a reference keeps each alive)
         self._health_models: set[str] = set()  # model names given a health status
         self._stopped = asyncio.Event()
 
@@ -163,9 +161,7 @@ class TranslationServer:
             self.metrics_port = self.metrics_http.server_port
         if config.http_listen:
             await self._start_http(config.http_listen)
-        if config.reload_interval > 0:
-            self._poll_task = asyncio.get_running_loop().create_task(self._poll(config.reload_interval),
-                                                                     name="repository-poller")
+        self.repository.watch(config.reload_interval)
         self._warn_about_auth()
         log.info("serving", extra={"fields": {
             "listen": config.listen, "port": self.port, "metrics_port": self.metrics_port, "http_port": self.http_port,
@@ -233,11 +229,6 @@ class TranslationServer:
         assert self.repository is not None, "start() first"
         return await self.repository.reload_version(name, version)
 
-    async def _poll(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            await self._poll_once()
-
     async def _sync_health(self) -> None:
         """Per-model health: SERVING while the model's newest version works, NOT_SERVING otherwise and once
         its last version is gone."""
@@ -260,10 +251,8 @@ class TranslationServer:
         deadline = time.monotonic() + grace
         log.info("shutting down", extra={"fields": {"grace_seconds": grace}})
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
-        scans = [task for task in (self._poll_task, *self._reload_tasks) if task is not None]
-        for task in scans:
-            task.cancel()
-        await asyncio.gather(*scans, return_exceptions=True)
+        if self.repository is not None:
+            await self.repository.stop_scans()
         if self.servicer is not None:
             self.servicer.start_draining()
             remaining = max(0.0, deadline - time.monotonic())
@@ -300,16 +289,8 @@ class TranslationServer:
 
     def _on_sighup(self) -> None:
         log.info("signal received", extra={"fields": {"signal": "SIGHUP"}})
-        task = asyncio.get_running_loop().create_task(self._poll_once())
-        self._reload_tasks.add(task)
-        task.add_done_callback(self._reload_tasks.discard)
-
-    async def _poll_once(self) -> None:
-        try:
-            await self.reload()
-        except Exception:  # noqa: BLE001 - a failed scan (e.g. the repository unmounted) changes nothing
-            log.exception("model repository scan failed", extra={"fields": {
-                "model_repository": self.config.model_repository}})
+        if self.repository is not None:  # else still loading: the first scan is under way
+            self.repository.scan_soon()
 
     async def __aenter__(self) -> TranslationServer:
         await self.start()

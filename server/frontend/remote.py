@@ -84,6 +84,15 @@ class RemoteRepository(VersionIndex[RemoteVersion]):
     async def close(self, timeout: float | None = None) -> None:
         await self.client.close()
 
+    def watch(self, interval: float) -> None:
+        """Nothing to watch here: the core scans the model repository."""
+
+    def scan_soon(self) -> None:
+        log.warning("the engine core scans the model repository: send SIGHUP to the nmt serve process")
+
+    async def stop_scans(self) -> None:
+        """No scans here (the core's)."""
+
     async def scan(self) -> Any:
         raise NmtError("the engine core scans the model repository: send SIGHUP to the nmt serve process")
 
