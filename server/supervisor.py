@@ -126,10 +126,6 @@ class Supervisor:
     def frontends(self) -> list[Worker]:
         return self.workers[1:]
 
-    def pids(self) -> list[int]:
-        """The process ids of this process and every running worker (what a benchmark sums CPU over)."""
-        return [os.getpid(), *(w.process.pid for w in self.workers if w.process and w.process.returncode is None)]
-
     # ---- start -----------------------------------------------------------------------------------------
 
     async def start(self) -> int:
