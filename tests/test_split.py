@@ -293,9 +293,10 @@ def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServ
 def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path: Path) -> None:
     server = SplitServer(repository, tmp_path, 2)
     try:
+        # long enough (190 steps, beam 4) that the calls are still in flight when the signal comes
         calls = [server.stub().Translate.future(pb2.TranslateRequest(
-            texts=TEXTS[:2], options=pb2.DecodingOptions(beam_size=4, max_length=60, min_length=59)), timeout=60)
-            for _ in range(12)]
+            texts=[LONG.texts[0]] * 2, options=pb2.DecodingOptions(beam_size=4, max_length=200, min_length=190)),
+            timeout=60) for _ in range(12)]
         until(lambda: server.metrics()[("nmt_inflight_requests", ())] >= 6, 10, "calls in flight")
         server.process.send_signal(signal.SIGTERM)
         assert all(len(call.result(timeout=60).translations) == 2 for call in calls)
