@@ -5,8 +5,9 @@ in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -391,10 +392,16 @@ def fold_output_bias(model: onnx.ModelProto) -> int:
     return folded
 
 
-def fold_embedding_scale(model: onnx.ModelProto) -> int:
+def digest(values: np.ndarray) -> bytes:
+    """What two equal tensors share: element type and bytes."""
+    return hashlib.sha256(values.dtype.str.encode() + np.ascontiguousarray(values).tobytes()).digest()
+
+
+def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = ()) -> int:
     """``Mul(Gather(table, ids), s)`` with constant scalar ``s`` and a table only that Gather reads becomes
     ``Gather(table · s, ids)`` (in place): the same products, computed once at export instead of every step.
-    Returns the number folded."""
+    A table whose :func:`digest` is in ``keep`` (a tied embedding, equal to the output projection's weight:
+    :mod:`export.tied_weights`) stays as it is. Returns the number folded."""
     initializers = {init.name: init for init in model.graph.initializer}
     readers = reader_counts(model.graph)
     folded = 0
@@ -403,7 +410,7 @@ def fold_embedding_scale(model: onnx.ModelProto) -> int:
         if table is None or readers[table.name] != 1:
             continue
         factor, values = onnx.numpy_helper.to_array(scale), onnx.numpy_helper.to_array(table)
-        if factor.size != 1 or factor.dtype != values.dtype:
+        if factor.size != 1 or factor.dtype != values.dtype or (keep and digest(values) in keep):
             continue
         table.CopyFrom(onnx.numpy_helper.from_array(values * factor.reshape(()), table.name))
         _bypass(model, mul, gather)

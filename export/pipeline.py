@@ -52,6 +52,7 @@ from export.huggingface import compare_with_transformers, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
+from export.tied_weights import gemm_weights, transposed_projection_as_gemm
 from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
 from export.tracing import torch_threads
 from export.verify import ParityReport, check_parity, greedy_texts
@@ -64,6 +65,7 @@ from nmt.model_format.layout import (
 )
 from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
 from nmt.model_format.tokenizer import Tokenizer
+from nmt.model_format.weights import WEIGHTS_FILE, store_once
 from server.engine.engine import Engine
 from training.train import bleu
 
@@ -178,11 +180,13 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
+    projections = gemm_weights(graph_set.graphs().values())  # a tied embedding stays one tensor
     for graph in graph_set.graphs().values():
         pack_parallel_matmuls(graph)
         pack_attention_inputs(graph)
         fold_output_bias(graph)
-        fold_embedding_scale(graph)
+        fold_embedding_scale(graph, keep=projections)
+        transposed_projection_as_gemm(graph, projections)
     for step_graph in (graph_set.decoder, graph_set.decoder_attention):
         if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's are 2-D)
             one_position_gemms(step_graph)
@@ -198,6 +202,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
     files = _graph_files(graph_set)
     for role, graph in graph_set.graphs().items():
         save_graph(graph, fp32_dir / files[role])
+    store_once(fp32_dir, list(files.values()))
     manifest = _write_version(fp32_dir, options, inputs, graph_set, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
     parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
@@ -224,6 +229,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
                 quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
             else:
                 convert_fp16(fp32_dir / filename, reduced_dir / filename, _buffer_io(graph_set))
+        store_once(reduced_dir, list(files.values()))
         reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, version, precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
         parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
@@ -294,11 +300,13 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
         tokenizer_type=inputs.tokenizer.kind,
         target_languages=inputs.tokenizer.target_languages,
         origin=inputs.origin,
-        fused_ops={role: fused_op_counts(onnx.load(str(directory / name))) for role, name in graph_files.items()},
+        fused_ops={role: fused_op_counts(onnx.load(str(directory / name), load_external_data=False))
+                   for role, name in graph_files.items()},
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
         training=training_info(inputs),
         defaults=_serving_defaults(options, inputs),
-        files={name: sha256_file(directory / name) for name in [*graph_files.values(), *inputs.tokenizer.files]},
+        files={name: sha256_file(directory / name)
+               for name in [*graph_files.values(), WEIGHTS_FILE, *inputs.tokenizer.files]},
         created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
     )
     write_manifest(manifest, directory)

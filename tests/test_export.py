@@ -27,6 +27,7 @@ from nmt.errors import NmtError
 from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
 from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
 from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from nmt.model_format.weights import WEIGHTS_FILE, stored_tensors
 from server.engine.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint, save_checkpoint
@@ -225,18 +226,19 @@ def test_projections_of_one_input_are_packed(tiny_models):
     assert not any(node.op_type == "Split" for node in decoder.node)
 
 
-def test_output_bias_and_embedding_scale_are_folded(tiny_models):
-    """The decoder step's output layer adds its bias inside the Gemm, and the embedding table is stored
-    scaled: no Add after the Gemm, no Mul after the embedding Gather (parity is checked by the export)."""
-    decoder = onnx.load(str(tiny_models["transformer"] / GRAPH_FILES["decoder"])).graph
-    initializers = {init.name for init in decoder.initializer}
+def test_output_bias_is_folded_and_the_tied_embedding_is_one_tensor(tiny_models):
+    """The decoder step's output layer adds its bias inside the Gemm; its weight is the embedding table
+    itself (the Transformer ties them), so the table is not stored scaled: the Gather reads the Gemm's
+    range of weights.bin and a Mul scales the rows it picks (parity is checked by the export)."""
+    version = tiny_models["transformer"]
+    decoder = onnx.load(str(version / GRAPH_FILES["decoder"]), load_external_data=False).graph
     made = {output: node for node in decoder.node for output in node.output}
     gemm = made[LOGITS_OUTPUT]
     assert gemm.op_type == "Gemm" and len(gemm.input) == 3
-    for node in decoder.node:
-        if node.op_type == "Mul":
-            assert not any(made.get(name) is not None and made[name].op_type == "Gather"
-                           and made[name].input[0] in initializers for name in node.input)
+    offsets = {tensor.name: tensor.offset for tensor in stored_tensors(version / GRAPH_FILES["decoder"])}
+    gathers = [made[name] for node in decoder.node if node.op_type == "Mul" for name in node.input
+               if name in made and made[name].op_type == "Gather" and made[name].input[0] in offsets]
+    assert [offsets[gather.input[0]] for gather in gathers] == [offsets[gemm.input[1]]]  # one scaled table: W
 
 
 def test_step_projections_add_their_bias_inside_a_gemm(tiny_models):
@@ -373,7 +375,7 @@ def test_manifest_contents(tiny_runs, tiny_models):
                                  "checkpoint_step": 150}
     assert manifest.quantization is None
     assert manifest.defaults == {"beam_size": 4, "length_penalty": 1.0, "max_length": 256}
-    assert set(manifest.files) == {*GRAPH_FILES.values(), *OPTIONAL_GRAPH_FILES.values(), "spm.model"}
+    assert set(manifest.files) == {*GRAPH_FILES.values(), *OPTIONAL_GRAPH_FILES.values(), WEIGHTS_FILE, "spm.model"}
     assert manifest.parity["max_forced_diff"] <= manifest.parity["tolerance"]
     exported_tokenizer = (tiny_models["transformer"] / "spm.model").read_bytes()
     assert exported_tokenizer == (tiny_runs["transformer"] / "spm.model").read_bytes()

@@ -51,6 +51,7 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
         probe_provider(DeviceSettings(config.provider, config.device_id, config.gpu_mem_limit, config.cuda_tf32))
     settings = LoadSettings(provider=config.provider, intra_op_threads=config.intra_op_threads,
                             inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
+                            prepack=config.ort_prepack,
                             device={"device_id": config.device_id, "gpu_mem_limit": config.gpu_mem_limit,
                                     "cuda_tf32": config.cuda_tf32},
                             engine_loader=engine_loader, policy=BatchPolicy.from_config(config), metrics=metrics)

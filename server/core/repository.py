@@ -53,7 +53,7 @@ from server.versions import Held, ManifestFields, VersionIndex
 
 log = logging.getLogger("nmt.server")
 
-# (version_dir, provider, intra_op_threads, inter_op_threads, spinning) -> an Engine
+# (version_dir, provider, intra_op_threads, inter_op_threads, spinning, prepack, **device) -> an Engine
 EngineLoader = Callable[..., Any]
 ChangeListener = Callable[[], Awaitable[None]]
 
@@ -62,13 +62,13 @@ Fingerprint = tuple[tuple[str, int, int, int], ...]  # (file name, size, mtime_n
 
 def default_engine_loader(
     version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False,
-    **device: Any,
+    prepack: bool = True, **device: Any,
 ) -> Any:
     """``Engine.load``; ``device``: its device_id, gpu_mem_limit and cuda_tf32 (when set)."""
     from server.engine.engine import Engine  # onnxruntime is imported only when models are loaded
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
-                       inter_op_threads=inter_op_threads, spinning=spinning, **device)
+                       inter_op_threads=inter_op_threads, spinning=spinning, prepack=prepack, **device)
 
 
 class VersionRefused(NmtError):
@@ -87,6 +87,7 @@ class LoadSettings:
     intra_op_threads: int = 0
     inter_op_threads: int = 1
     spinning: bool = False
+    prepack: bool = True
     device: dict[str, Any] = field(default_factory=dict)  # device_id, gpu_mem_limit, cuda_tf32 for the loader
     engine_loader: EngineLoader | None = None
     policy: BatchPolicy | None = None
@@ -269,7 +270,8 @@ class ModelRepository(VersionIndex[ModelVersion]):
         fingerprint = directory_fingerprint(path)
         try:
             engine = loader(path, provider=s.provider, intra_op_threads=s.intra_op_threads,
-                            inter_op_threads=s.inter_op_threads, spinning=s.spinning, **s.device)
+                            inter_op_threads=s.inter_op_threads, spinning=s.spinning, prepack=s.prepack,
+                            **s.device)
         except Exception as error:  # noqa: BLE001 - whatever breaks a version refuses it, with the reason
             raise VersionRefused(name, version, path, f"cannot load: {error}") from error
         try:

@@ -38,6 +38,7 @@ from server.engine.device import (
 from server.engine.device_step_model import DeviceStepModel
 from server.engine.forced import decode
 from server.engine.search import Alternatives, BeamSentence
+from server.engine.shared_weights import SharedWeights
 from server.engine.step_models import OnnxStepModel
 from server.errors import DeviceMemoryExhausted
 from server.text import TextCodec
@@ -80,11 +81,13 @@ def generated_tokens(result: SearchResult) -> int:
     return sum(len(h.tokens) for h in result.hypotheses)
 
 
-def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool) -> ort.SessionOptions:
+def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool,
+                    prepack: bool = True) -> ort.SessionOptions:
     """ONNX Runtime options of a model version's sessions. With ``spinning``, idle workers busy-wait for
     the next operator only while a ``run`` is in progress (``session.force_spinning_stop``): each session
     has its own thread pool, and pools left spinning between runs fight each other, the Python search
-    and the gRPC event loop for the cores."""
+    and the gRPC event loop for the cores. Without ``prepack``, the CPU kernels read the weights as stored
+    instead of a re-laid-out copy of their own (``session.disable_prepacking``)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
@@ -92,6 +95,8 @@ def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: b
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     options.add_session_config_entry("session.force_spinning_stop", "1" if spinning else "0")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return options
 
 
@@ -99,8 +104,9 @@ class Engine:
     """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
 
     def __init__(self, manifest: Manifest, tokenizer: AnyTokenizer, model: OnnxStepModel, provider: str, *,
-                 device_id: int = 0) -> None:
+                 device_id: int = 0, weights: SharedWeights | None = None) -> None:
         self.manifest = manifest
+        self.weights = weights  # the buffers the sessions read (a version storing its weights once): kept alive
         self.tokenizer = tokenizer
         self.model = model
         self.provider = provider  # what the sessions really run on (``get_providers()[0]``)
@@ -126,6 +132,7 @@ class Engine:
         device_id: int = 0,
         gpu_mem_limit: int = 0,
         cuda_tf32: bool = False,
+        prepack: bool = True,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
@@ -143,16 +150,22 @@ class Engine:
         sessions: an explicit ``cuda`` that fell back to the CPU raises :class:`NmtError` naming the
         reason; ``auto`` logs the fallback. An int8 version is refused on CUDA (its ``MatMulInteger``
         nodes run on the CPU, copying every step between host and device): export fp16 for GPUs.
+
+        A version that stores its weights once (``weights.bin``) gives every session the same buffers
+        (:class:`SharedWeights`); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session
+        (faster steps); without it the loaded version holds each weight once.
         """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
         settings = DeviceSettings(provider, device_id, gpu_mem_limit, cuda_tf32)
         providers = provider_list(settings)
-        options = session_options(intra_op_threads, inter_op_threads, spinning=spinning)
-        sessions = {
-            role: ort.InferenceSession(str(version_dir / filename), options, providers=providers)
-            for role, filename in manifest.graphs.items()
-        }
+        weights = SharedWeights(version_dir) if SharedWeights.present(version_dir) else None
+        sessions = {}
+        for role, filename in manifest.graphs.items():
+            options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack)
+            if weights is not None:
+                weights.add_to(options, version_dir / filename)
+            sessions[role] = ort.InferenceSession(str(version_dir / filename), options, providers=providers)
         got = session_provider(sessions)
         check_provider(provider, providers, got)
         on_gpu = got == CUDA
@@ -164,7 +177,7 @@ class Engine:
             model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu")
         else:
             model = OnnxStepModel(manifest, sessions)
-        return cls(manifest, tokenizer, model, got, device_id=device_id)
+        return cls(manifest, tokenizer, model, got, device_id=device_id, weights=weights)
 
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded): :meth:`server.text.TextCodec.tokenize`."""
