@@ -171,7 +171,8 @@ def main() -> None:
         print(f"| version bytes | {written / mib:,.0f} MiB | {written / checkpoint:.2f}x | <= 1.1x |")
         for flag, size in loaded.items():
             print(f"| server RSS, one version loaded, {flag} | {size / mib:,.0f} MiB (--engine null: "
-                  f"{idle / mib:,.0f}) | {size / checkpoint:.2f}x (growth {(size - idle) / checkpoint:.2f}x) | <= 1.5x |")
+                  f"{idle / mib:,.0f}) | {size / checkpoint:.2f}x (growth {(size - idle) / checkpoint:.2f}x) "
+                  "| <= 1.5x |")
         print(f"| greedy / beam 4 equal to generate | {matches[1]}/{len(texts)}, {matches[4]}/{len(texts)} | | all |")
         print(f"parity recorded by the export: {manifest['parity']}")
 

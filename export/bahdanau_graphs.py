@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from export.graph_passes import count_ops, remove_output, set_io_shapes
 from export.graphs import GraphSet
-from export.tracing import example_source, torch_to_onnx, untied_copy
+from export.tracing import example_source, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
 from training.models.bahdanau import Bahdanau
@@ -63,7 +63,7 @@ class StepGraph(nn.Module):
 def export_bahdanau(model: Bahdanau, opset: int) -> GraphSet:
     """The encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
     cfg = model.config
-    model = untied_copy(model, "generator", "tgt_embed")
+    model = untie(model, "generator", "tgt_embed")
     src = example_source(cfg)
     with torch.no_grad():
         state = model.init_state(model.encode(src))

@@ -42,9 +42,9 @@ def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     keep.reverse()
     del graph.node[:]
     graph.node.extend(keep)
-    initializers = [init for init in graph.initializer if init.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
+    for index in reversed(range(len(graph.initializer))):  # deleted in place: rebuilding the list would copy
+        if graph.initializer[index].name not in needed:  # every weight (and protobuf frees none of it until
+            del graph.initializer[index]  # the whole model goes)
     infos = [info for info in graph.value_info if info.name in needed]
     del graph.value_info[:]
     graph.value_info.extend(infos)

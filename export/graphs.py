@@ -24,6 +24,12 @@ class GraphSet:
     decoder_forced: onnx.ModelProto | None = None  # the decoder over given positions in one call (Transformer)
     decoder_positions: str = ""  # the decoder's per-row position input (a "buffer" state), else ""
 
+    def release(self) -> dict[str, onnx.ModelProto]:
+        """:meth:`graphs`, no longer held here: the caller frees each graph when done with it."""
+        graphs = self.graphs()
+        self.encoder = self.decoder = self.decoder_attention = self.decoder_forced = None  # type: ignore[assignment]
+        return graphs
+
     def graphs(self) -> dict[str, onnx.ModelProto]:
         graphs = {"encoder": self.encoder, "decoder": self.decoder, "decoder_attention": self.decoder_attention}
         return graphs | ({"decoder_forced": self.decoder_forced} if self.decoder_forced is not None else {})

@@ -52,8 +52,8 @@ from export.huggingface import compare_with_transformers, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
-from export.tied_weights import gemm_weights, transposed_projection_as_gemm
 from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
+from export.tied_weights import gemm_weights, transposed_projection_as_gemm
 from export.tracing import torch_threads
 from export.verify import ParityReport, check_parity, greedy_texts
 from nmt.errors import NmtError
@@ -65,7 +65,7 @@ from nmt.model_format.layout import (
 )
 from nmt.model_format.manifest import Manifest, sha256_file, write_manifest
 from nmt.model_format.tokenizer import Tokenizer
-from nmt.model_format.weights import WEIGHTS_FILE, store_once
+from nmt.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
 from server.engine.engine import Engine
 from training.train import bleu
 
@@ -180,30 +180,34 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
+    files = _graph_files(graph_set)
     projections = gemm_weights(graph_set.graphs().values())  # a tied embedding stays one tensor
-    for graph in graph_set.graphs().values():
+    fp32_dir = work / "fp32"
+    fp32_dir.mkdir()
+    graphs = graph_set.release()
+    store = WeightStore(fp32_dir / WEIGHTS_FILE)
+    for role in list(graphs):  # each graph edited, its weights stored, saved and freed in turn
+        graph = graphs.pop(role)
         pack_parallel_matmuls(graph)
         pack_attention_inputs(graph)
         fold_output_bias(graph)
         fold_embedding_scale(graph, keep=projections)
         transposed_projection_as_gemm(graph, projections)
-    for step_graph in (graph_set.decoder, graph_set.decoder_attention):
-        if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's are 2-D)
-            one_position_gemms(step_graph)
-        add_logits(step_graph)
-        add_top_k(step_graph, model.config.eos_id)
+        if role in ("decoder", "decoder_attention"):
+            if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's: 2-D)
+                one_position_gemms(graph)
+            add_logits(graph)
+            add_top_k(graph, model.config.eos_id)
+        store.externalize(graph)
+        save_graph(graph, fp32_dir / files[role])
+        del graph
+    store.close()
 
     stage("verify parity")
     sources, targets = parity_pairs(inputs, options.parity_sentences)
     if inputs.origin:
         _check_against_source(inputs, options, sources, targets)
-    fp32_dir = work / "fp32"
-    fp32_dir.mkdir()
-    files = _graph_files(graph_set)
-    for role, graph in graph_set.graphs().items():
-        save_graph(graph, fp32_dir / files[role])
-    store_once(fp32_dir, list(files.values()))
-    manifest = _write_version(fp32_dir, options, inputs, graph_set, version, precision="fp32")
+    manifest = _write_version(fp32_dir, options, inputs, graph_set, files, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
     parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
     if not parity.ok(options.parity_tolerance):
@@ -230,7 +234,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
             else:
                 convert_fp16(fp32_dir / filename, reduced_dir / filename, _buffer_io(graph_set))
         store_once(reduced_dir, list(files.values()))
-        reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, version, precision=reduced)
+        reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, files, version, precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
         parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
         reduced_manifest.parity = {"precision": reduced, "enforced": False, **parity_reduced.to_dict(),
@@ -268,12 +272,11 @@ def _graph_files(graph_set: GraphSet) -> dict[str, str]:
     return {role: names[role] for role in graph_set.graphs()}
 
 
-def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs, graph_set: GraphSet, version: str,
-                   *, precision: str) -> Manifest:
-    """Complete the model version in ``directory`` (whose graphs are written): tokenizer and a manifest
-    without parity figures yet. Returns the manifest."""
+def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs, graph_set: GraphSet,
+                   graph_files: dict[str, str], version: str, *, precision: str) -> Manifest:
+    """Complete the model version in ``directory`` (whose graphs ``graph_files`` are written): tokenizer and
+    a manifest without parity figures yet. Returns the manifest."""
     model, cfg = inputs.model, inputs.model.config
-    graph_files = _graph_files(graph_set)
     inputs.tokenizer.save(directory)
     state = graph_set.decoder_state
     if precision == "fp16":  # the in-place KV cache is fp16 there (export.quantize.convert_fp16)
@@ -319,8 +322,10 @@ def _buffer_io(graph_set: GraphSet) -> set[str]:
 
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
-    """The version as ``nmt serve`` loads it (CPU, ``options.threads`` threads)."""
-    return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1)
+    """The version as ``nmt serve --no-ort-prepack`` loads it (CPU, ``options.threads`` threads): each weight
+    held once, beside the PyTorch model the checks compare it with."""
+    return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1,
+                       prepack=False)
 
 
 REDUCTION_METHODS = {

@@ -4,7 +4,6 @@ example inputs and model copies the architecture exporters trace."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import warnings
@@ -32,17 +31,18 @@ def example_source(config: Any) -> Tensor:
     return src
 
 
-def untied_copy(model: Seq2SeqModel, projection: str, embedding: str) -> Seq2SeqModel:
-    """A deep copy whose output projection owns its weight (numerically identical).
+def untie(model: Seq2SeqModel, projection: str, embedding: str) -> Seq2SeqModel:
+    """``model`` (in eval mode) with its output projection given a parameter of its own over the
+    embedding's storage (no copy; numerically the same model). Returns ``model``.
 
-    A projection tied to the embedding becomes one initializer read by both a Gather and a transposed
-    MatMul/Gemm; dynamic int8 quantization then rewrites the shared tensor and breaks the Gather.
+    A projection tied to the embedding is traced as one initializer read by both a Gather and a transposed
+    MatMul/Gemm; dynamic int8 quantization then rewrites the shared tensor and breaks the Gather. Untied,
+    they are two initializers of equal bytes, which :func:`nmt.model_format.weights.store_once` stores once.
     """
-    clone = copy.deepcopy(model).eval()
-    layer = getattr(clone, projection)
-    if layer.weight is getattr(clone, embedding).weight:
-        layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
-    return clone
+    layer = getattr(model.eval(), projection)
+    if layer.weight is getattr(model, embedding).weight:
+        layer.weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
+    return model
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
 from export.graphs import GraphSet
-from export.tracing import example_source, torch_to_onnx, untied_copy
+from export.tracing import example_source, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
 from training.models.transformer import Transformer
@@ -375,7 +375,7 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
     cfg = model.config
     layers, heads = cfg.decoder_layers, cfg.heads
     head_dim = cfg.d_model // heads
-    model = untied_copy(model, "lm_head", "shared")
+    model = untie(model, "lm_head", "shared")
     src, src_mask, cross, past = _example_inputs(model)
     batch = torch.export.Dim("batch", min=1, max=4096)
     src_len = torch.export.Dim("src_len", min=1, max=cfg.max_positions)

@@ -1,16 +1,14 @@
 """A model version's weights, stored once: every graph's large initializers live in one ``weights.bin``.
 
 The exporter traces each graph with its own copy of the weights (the decoder's in three step graphs, the
-embedding in all four). :func:`store_once` moves every initializer of at least :data:`MIN_BYTES` out of
-the graphs into ``weights.bin`` as ONNX external data, each distinct content once (equal bytes and
-element type share one range, whatever the initializer's name or shape in each graph), at offsets aligned
-to :data:`ALIGNMENT` (a page: the ranges can be memory-mapped). The graphs stay valid ONNX files that any
-ONNX tool opens from the version's directory.
+embedding in all four). :class:`WeightStore` (or :func:`store_once`, for graphs already saved) moves every
+initializer of at least :data:`MIN_BYTES` out of the graphs into ``weights.bin`` as ONNX external data,
+each distinct content once (equal bytes and element type share one range, whatever the initializer's name
+or shape in each graph), at offsets aligned to :data:`ALIGNMENT` (a page: the ranges can be
+memory-mapped). The graphs stay valid ONNX files that any ONNX tool opens from the version's directory.
 
-:func:`shared_initializers` is the loading side: one read-only memory map of ``weights.bin`` and one
-``OrtValue`` per stored range, which every session of the version is given
-(``SessionOptions.add_initializer``), so a loaded version holds each weight once (see
-:func:`server.engine.engine.Engine.load`).
+:class:`server.engine.shared_weights.SharedWeights` is the loading side: one read-only memory map of
+``weights.bin`` and one ``OrtValue`` per stored range, given to every session of the version.
 """
 
 from __future__ import annotations
@@ -29,30 +27,50 @@ ALIGNMENT = 4096
 MIN_BYTES = 1024  # smaller initializers (shapes, scalars, biases of small layers) stay inside their graph
 
 
-def store_once(directory: Path, graph_files: Sequence[str]) -> int:
+class WeightStore:
+    """``weights.bin`` being written: :meth:`externalize` moves a graph's initializers of at least
+    :data:`MIN_BYTES` into it, each distinct content once (equal bytes and element type share one range)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by close() / the context manager
+        self.ranges: dict[tuple[int, bytes], tuple[int, int]] = {}  # (element type, sha256) -> (offset, length)
+
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        """Point ``model``'s large initializers (in place) at their ranges of the store, writing new contents."""
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                raise ValueError(f"initializer {tensor.name} is external data already: load it first")
+            data = numpy_helper.to_array(tensor)
+            if data.nbytes < MIN_BYTES or data.dtype == object:
+                continue
+            raw = np.ascontiguousarray(data).tobytes()
+            key = (tensor.data_type, hashlib.sha256(raw).digest())
+            if key not in self.ranges:
+                offset = -self.file.tell() % ALIGNMENT + self.file.tell()
+                self.file.seek(offset)
+                self.file.write(raw)
+                self.ranges[key] = (offset, len(raw))
+            _point_to(tensor, *self.ranges[key])
+
+
+def store_once(directory: Path, graph_files: Sequence[str]) -> None:
     """Rewrite the graphs ``graph_files`` in ``directory`` (each holding its initializers inline) so their
-    initializers of at least :data:`MIN_BYTES` are ranges of ``directory/weights.bin``, each distinct
-    content stored once. One graph is in memory at a time. Returns the bytes of ``weights.bin``."""
-    ranges: dict[tuple[int, bytes], tuple[int, int]] = {}  # (element type, sha256) -> (offset, length)
-    with open(directory / WEIGHTS_FILE, "wb") as store:
+    large initializers are ranges of ``directory/weights.bin`` (:class:`WeightStore`); one graph is in
+    memory at a time."""
+    with WeightStore(directory / WEIGHTS_FILE) as store:
         for filename in graph_files:
-            path = directory / filename
-            model = onnx.load(str(path))
-            for tensor in model.graph.initializer:
-                data = numpy_helper.to_array(tensor)
-                if data.nbytes < MIN_BYTES or data.dtype == object:
-                    continue
-                raw = np.ascontiguousarray(data).tobytes()
-                key = (tensor.data_type, hashlib.sha256(raw).digest())
-                if key not in ranges:
-                    offset = -store.tell() % ALIGNMENT + store.tell()
-                    store.seek(offset)
-                    store.write(raw)
-                    ranges[key] = (offset, len(raw))
-                offset, length = ranges[key]
-                _point_to(tensor, offset, length)
-            onnx.save(model, str(path))
-        return store.tell()
+            model = onnx.load(str(directory / filename))
+            store.externalize(model)
+            onnx.save(model, str(directory / filename))
 
 
 def _point_to(tensor: onnx.TensorProto, offset: int, length: int) -> None:

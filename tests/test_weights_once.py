@@ -1,0 +1,189 @@
+"""A model version's weights stored once (``weights.bin``) and held once by its sessions.
+
+The tiny exported versions of both architectures are inspected as written; ONNX Runtime sessions sharing one
+buffer are measured by their process's RSS on graphs large enough to see (16 MiB weights).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from export.graph_passes import digest, fold_embedding_scale
+from export.tied_weights import transposed_projection_as_gemm
+from nmt.model_format.manifest import ManifestError, read_manifest, sha256_file
+from nmt.model_format.weights import ALIGNMENT, MIN_BYTES, WEIGHTS_FILE, store_once, stored_tensors
+from server.engine.engine import Engine
+from server.types import DecodingOptions
+
+TEXTS = ["one two three", "four hundred and five"]
+
+
+def _initializers(graph_path: Path) -> list[onnx.TensorProto]:
+    return list(onnx.load(str(graph_path)).graph.initializer)  # external data read from weights.bin
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_a_version_stores_each_weight_once(tiny_models, arch):
+    version = tiny_models[arch]
+    graphs = read_manifest(version).graphs.values()
+    contents: dict[bytes, int] = {}
+    every = 0
+    for filename in graphs:
+        inline = onnx.load(str(version / filename), load_external_data=False).graph.initializer
+        assert all(len(t.raw_data) < MIN_BYTES for t in inline if t.data_location != onnx.TensorProto.EXTERNAL)
+        for tensor in _initializers(version / filename):
+            values = numpy_helper.to_array(tensor)
+            if values.nbytes >= MIN_BYTES:
+                contents[digest(values)] = values.nbytes
+                every += values.nbytes
+    ranges = {(t.offset, t.length) for filename in graphs for t in stored_tensors(version / filename)}
+    assert len(ranges) == len(contents)  # one range per distinct content, and no two ranges equal
+    unique, stored = sum(contents.values()), (version / WEIGHTS_FILE).stat().st_size
+    assert unique <= stored < unique + ALIGNMENT * len(ranges)
+    assert unique < 0.6 * every  # the decoder's weights were in two or three graphs, the embedding in all
+
+
+def test_a_version_exported_before_still_loads(tiny_models, tmp_path):
+    """A version written with the weights inside each graph (before ``weights.bin``) loads and translates
+    as the same version stored once, and so does the version with pre-packing off."""
+    old = tmp_path / "old"
+    shutil.copytree(tiny_models["transformer"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for filename in manifest["graphs"].values():
+        onnx.save(onnx.load(str(old / filename)), str(old / filename))  # the weights back inside
+        manifest["files"][filename] = sha256_file(old / filename)
+    (old / WEIGHTS_FILE).unlink()
+    del manifest["files"][WEIGHTS_FILE]
+    (old / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    options = DecodingOptions(beam_size=4, return_attention=True)
+    engines = [Engine.load(old, provider="cpu"), Engine.load(tiny_models["transformer"], provider="cpu"),
+               Engine.load(tiny_models["transformer"], provider="cpu", prepack=False)]
+    assert engines[0].weights is None and engines[1].weights is not None
+    results = [[(h.token_ids, round(h.score, 4)) for t in engine.translate(TEXTS, options) for h in t.hypotheses]
+               for engine in engines]
+    assert results[0] == results[1] == results[2]
+
+
+def test_a_changed_weights_file_is_refused(tiny_models, tmp_path):
+    version = tmp_path / "version"
+    shutil.copytree(tiny_models["bahdanau"], version)
+    with open(version / WEIGHTS_FILE, "r+b") as weights:
+        weights.seek(100)
+        byte = weights.read(1)
+        weights.seek(100)
+        weights.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ManifestError, match=WEIGHTS_FILE):
+        Engine.load(version, provider="cpu")
+
+
+WIDTH = 2048  # a 16 MiB float32 weight: far above the noise of a process's RSS
+
+_SESSIONS = """
+import sys
+from pathlib import Path
+import numpy as np
+import onnxruntime as ort
+from server.engine.shared_weights import SharedWeights
+
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+directory, shared = Path(sys.argv[1]), sys.argv[2] == "shared"
+x = np.ones((4, {width}), dtype=np.float32)
+before = rss()
+weights, sessions = SharedWeights(directory) if shared else None, []
+for name in ("a.onnx", "b.onnx", "c.onnx"):
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    if shared:
+        weights.add_to(options, directory / name)
+    sessions.append(ort.InferenceSession(str(directory / name), options, providers=["CPUExecutionProvider"]))
+    sessions[-1].run(None, {{"x": x}})
+print(rss() - before)
+""".format(width=WIDTH)
+
+
+def _three_graphs(directory: Path) -> None:
+    """Three graphs that multiply by the same 16 MiB weight, each with a small weight of its own."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)
+    for i, name in enumerate(("a", "b", "c")):
+        own = np.full((WIDTH,), float(i), dtype=np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "own"], ["y"])], name,
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, WIDTH])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, WIDTH])],
+            [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(own, "own")])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+                  str(directory / f"{name}.onnx"))
+
+
+def test_sessions_given_the_shared_weights_hold_them_once(tmp_path):
+    """Three sessions over one ``weights.bin`` grow the process by one copy of the weight (measured: 1.7x
+    it, sessions included); the same three graphs each holding the weight grow it by at least three
+    (measured: 5.9x, each session also keeps its graph's bytes)."""
+    inline, shared = tmp_path / "inline", tmp_path / "shared"
+    for directory in (inline, shared):
+        directory.mkdir()
+        _three_graphs(directory)
+    store_once(shared, ["a.onnx", "b.onnx", "c.onnx"])
+    weight_bytes = WIDTH * WIDTH * 4
+    assert (shared / WEIGHTS_FILE).stat().st_size < 1.01 * weight_bytes + 3 * ALIGNMENT + 3 * WIDTH * 4
+    growth = {}
+    for name, directory in (("inline", inline), ("shared", shared)):
+        run = subprocess.run([sys.executable, "-c", _SESSIONS, str(directory), name], capture_output=True,
+                             text=True, timeout=120, check=True)
+        growth[name] = int(run.stdout.split()[-1])
+    assert growth["shared"] < 2 * weight_bytes, growth  # one copy, plus the sessions' own few MiB
+    assert growth["inline"] > growth["shared"] + 2 * weight_bytes, growth  # at least two copies more
+
+
+def test_a_transposed_projection_becomes_a_gemm_over_the_shared_weight():
+    """``MatMul(x [rows, positions, K], Wᵀ)`` with ``W`` a step graph's Gemm weight: the same values from
+    ``Gemm(x, W, transB=1)`` between two reshapes, ``W`` stored as it is there."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((7, 4)).astype(np.float32)  # [N, K], as the Gemm elsewhere reads it
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "wt"], ["y"], name="projection")], "forced",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", "positions", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["rows", "positions", 7])],
+        [numpy_helper.from_array(np.ascontiguousarray(weight.T), "wt")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert transposed_projection_as_gemm(model, {digest(np.ones((2, 2), np.float32))}) == 0  # not a shared weight
+    assert transposed_projection_as_gemm(model, {digest(weight)}) == 1
+    assert "Gemm" in [node.op_type for node in model.graph.node]
+    stored = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    np.testing.assert_array_equal(stored["wt"], weight)
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert after[0].shape == before[0].shape
+    np.testing.assert_allclose(after[0], before[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_embedding_table_is_not_stored_scaled():
+    table = np.arange(12, dtype=np.float32).reshape(6, 2)
+
+    def model() -> onnx.ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("Gather", ["table", "ids"], ["rows"]), helper.make_node("Mul", ["rows", "s"], ["y"])],
+            "embed", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [None])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, 2])],
+            [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.array(3.0, np.float32), "s")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    untied, tied = model(), model()
+    assert fold_embedding_scale(untied) == 1
+    np.testing.assert_array_equal(numpy_helper.to_array(untied.graph.initializer[0]), table * 3)
+    assert fold_embedding_scale(tied, keep={digest(table)}) == 0
+    assert [node.op_type for node in tied.graph.node] == ["Gather", "Mul"]
