@@ -98,8 +98,8 @@ from server.engine.shared_weights import SharedWeights
 def rss():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
 
-directory, shared = Path(sys.argv[1]), sys.argv[2] == "shared"
-x = np.ones((4, {width}), dtype=np.float32)
+directory, shared, width = Path(sys.argv[1]), sys.argv[2] == "shared", int(sys.argv[3])
+x = np.ones((4, width), dtype=np.float32)
 before = rss()
 weights, sessions = SharedWeights(directory) if shared else None, []
 for name in ("a.onnx", "b.onnx", "c.onnx"):
@@ -108,9 +108,9 @@ for name in ("a.onnx", "b.onnx", "c.onnx"):
     if shared:
         weights.add_to(options, directory / name)
     sessions.append(ort.InferenceSession(str(directory / name), options, providers=["CPUExecutionProvider"]))
-    sessions[-1].run(None, {{"x": x}})
+    sessions[-1].run(None, {"x": x})
 print(rss() - before)
-""".format(width=WIDTH)
+"""
 
 
 def _three_graphs(directory: Path) -> None:
@@ -141,7 +141,7 @@ def test_sessions_given_the_shared_weights_hold_them_once(tmp_path):
     assert (shared / WEIGHTS_FILE).stat().st_size < 1.01 * weight_bytes + 3 * ALIGNMENT + 3 * WIDTH * 4
     growth = {}
     for name, directory in (("inline", inline), ("shared", shared)):
-        run = subprocess.run([sys.executable, "-c", _SESSIONS, str(directory), name], capture_output=True,
+        run = subprocess.run([sys.executable, "-c", _SESSIONS, str(directory), name, str(WIDTH)], capture_output=True,
                              text=True, timeout=120, check=True)
         growth[name] = int(run.stdout.split()[-1])
     assert growth["shared"] < 2 * weight_bytes, growth  # one copy, plus the sessions' own few MiB
