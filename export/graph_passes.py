@@ -401,7 +401,7 @@ def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = ()) -
     """``Mul(Gather(table, ids), s)`` with constant scalar ``s`` and a table only that Gather reads becomes
     ``Gather(table · s, ids)`` (in place): the same products, computed once at export instead of every step.
     A table whose :func:`digest` is in ``keep`` (a tied embedding, equal to the output projection's weight:
-    :mod:`export.tied_weights`) stays as it is. Returns the number folded."""
+    :mod:`export.shared_tensors`) stays as it is. Returns the number folded."""
     initializers = {init.name: init for init in model.graph.initializer}
     readers = reader_counts(model.graph)
     folded = 0

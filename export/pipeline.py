@@ -52,8 +52,8 @@ from export.huggingface import compare_with_transformers, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
+from export.shared_tensors import align_packed_blocks, gemm_weights, packed_blocks, transposed_projection_as_gemm
 from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
-from export.tied_weights import gemm_weights, transposed_projection_as_gemm
 from export.tracing import torch_threads
 from export.verify import ParityReport, check_parity, greedy_texts
 from nmt.errors import NmtError
@@ -185,7 +185,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
     fp32_dir = work / "fp32"
     fp32_dir.mkdir()
     graphs = graph_set.release()
-    store = WeightStore(fp32_dir / WEIGHTS_FILE)
+    store, step_blocks = WeightStore(fp32_dir / WEIGHTS_FILE), set()
     for role in list(graphs):  # each graph edited, its weights stored, saved and freed in turn
         graph = graphs.pop(role)
         pack_parallel_matmuls(graph)
@@ -193,6 +193,10 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
         fold_output_bias(graph)
         fold_embedding_scale(graph, keep=projections)
         transposed_projection_as_gemm(graph, projections)
+        if role == "decoder":  # its packed projections, in query-key-value order, before they become Gemms
+            step_blocks = packed_blocks([graph])
+        elif role == "decoder_forced":  # comes after the decoder (the order of GraphSet.graphs)
+            align_packed_blocks(graph, step_blocks)
         if role in ("decoder", "decoder_attention"):
             if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's: 2-D)
                 one_position_gemms(graph)

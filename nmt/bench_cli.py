@@ -18,6 +18,7 @@ SCRIPTS = {
     "proxy": "proxy.py",
     "interactive": "interactive.py",
     "controls": "controls_cost.py",
+    "export": "export_size.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -32,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serving layer alone, --engine null, as one process and with --frontends); batching: static "
         "vs continuous batching under a mix of short and long sentences; interactive: completing a sentence "
         "from a target prefix vs from scratch, Score vs Translate; controls: what the decoders' logits output "
-        "and the decoding controls cost.",
+        "and the decoding controls cost; export: an OPUS-MT-sized model through nmt export and nmt serve (time, "
+        "peak memory, bytes written, server memory, outputs against transformers).",
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

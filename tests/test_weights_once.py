@@ -19,7 +19,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from export.graph_passes import digest, fold_embedding_scale
-from export.tied_weights import transposed_projection_as_gemm
+from export.shared_tensors import align_packed_blocks, packed_blocks, transposed_projection_as_gemm
 from nmt.model_format.manifest import ManifestError, read_manifest, sha256_file
 from nmt.model_format.weights import ALIGNMENT, MIN_BYTES, WEIGHTS_FILE, store_once, stored_tensors
 from server.engine.engine import Engine
@@ -35,7 +35,7 @@ def _initializers(graph_path: Path) -> list[onnx.TensorProto]:
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
 def test_a_version_stores_each_weight_once(tiny_models, arch):
     version = tiny_models[arch]
-    graphs = read_manifest(version).graphs.values()
+    graphs = list(read_manifest(version).graphs.values())
     contents: dict[bytes, int] = {}
     every = 0
     for filename in graphs:
@@ -51,6 +51,10 @@ def test_a_version_stores_each_weight_once(tiny_models, arch):
     unique, stored = sum(contents.values()), (version / WEIGHTS_FILE).stat().st_size
     assert unique <= stored < unique + ALIGNMENT * len(ranges)
     assert unique < 0.6 * every  # the decoder's weights were in two or three graphs, the embedding in all
+    roles = read_manifest(version).graphs
+    if "decoder_forced" in roles:  # the forced pass reads the step decoder's tensors, none of its own
+        used = {role: {(t.offset, t.length) for t in stored_tensors(version / roles[role])} for role in roles}
+        assert used["decoder_forced"] <= used["decoder"]
 
 
 def test_a_version_exported_before_still_loads(tiny_models, tmp_path):
@@ -187,3 +191,35 @@ def test_a_tied_embedding_table_is_not_stored_scaled():
     np.testing.assert_array_equal(numpy_helper.to_array(untied.graph.initializer[0]), table * 3)
     assert fold_embedding_scale(tied, keep={digest(table)}) == 0
     assert [node.op_type for node in tied.graph.node] == ["Gather", "Mul"]
+
+
+def test_packed_projection_blocks_follow_the_step_graphs_order():
+    """A forced pass's ``Split(MatMul(x, [k|v|q]) + b)`` reordered to the step graph's ``[q|k|v]``: the same
+    values reach each reader, and the weight is the step graph's tensor."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(3))
+    bq, bk, bv = (rng.standard_normal(3).astype(np.float32) for _ in range(3))
+    step = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "step",
+                             [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, 4])],
+                             [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, 9])],
+                             [numpy_helper.from_array(np.concatenate([q, k, v], axis=1), "w")])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["pb"]),
+             helper.make_node("Split", ["pb"], ["key", "value", "query"], axis=1, num_outputs=3)]
+    nodes += [helper.make_node("Relu", [name], [f"{name}_out"]) for name in ("query", "key", "value")]
+    forced = helper.make_model(helper.make_graph(
+        nodes, "forced", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, [None, 3])
+         for name in ("query", "key", "value")],
+        [numpy_helper.from_array(np.concatenate([k, v, q], axis=1), "w"),
+         numpy_helper.from_array(np.concatenate([bk, bv, bq]), "b")]), opset_imports=[helper.make_opsetid("", 18)],
+        ir_version=8)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    before = ort.InferenceSession(forced.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    step_model = helper.make_model(step, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    assert align_packed_blocks(forced, packed_blocks([step_model])) == 1
+    weights = {init.name: numpy_helper.to_array(init) for init in forced.graph.initializer}
+    np.testing.assert_array_equal(weights["w"], np.concatenate([q, k, v], axis=1))
+    after = ort.InferenceSession(forced.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(new, old)
+    assert align_packed_blocks(forced, packed_blocks([step_model])) == 0  # aligned already

@@ -153,7 +153,8 @@ class Engine:
 
         A version that stores its weights once (``weights.bin``) gives every session the same buffers
         (:class:`SharedWeights`); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session
-        (faster steps); without it the loaded version holds each weight once.
+        (faster steps; the mapped pages only packing read are then released); without it the loaded
+        version holds each weight once.
         """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
@@ -166,6 +167,8 @@ class Engine:
             if weights is not None:
                 weights.add_to(options, version_dir / filename)
             sessions[role] = ort.InferenceSession(str(version_dir / filename), options, providers=providers)
+        if weights is not None and prepack:  # the kernels hold packed copies: the pages only the packing read go
+            weights.release_pages()
         got = session_provider(sessions)
         check_provider(provider, providers, got)
         on_gpu = got == CUDA

@@ -5,11 +5,18 @@ version through ``SessionOptions.add_initializer``.
 ONNX Runtime uses such an initializer's buffer as it is (no copy). Its CPU kernels still pre-pack each
 ``MatMul``/``Gemm`` weight into a layout of their own, a copy per session (three of the decoder, for the
 three decoder graphs): :meth:`server.engine.engine.Engine.load`'s ``prepack=False`` turns that off, so
-the version holds each weight once, at the cost of slower steps (benchmarks/README.md).
+the version holds each weight once, at the cost of slower steps (benchmarks/README.md). With pre-packing
+on, :meth:`SharedWeights.release_pages` gives the mapped pages that only the packing read back to the
+page cache once the sessions are built; the few the kernels read later come back on first touch.
+
+The map reads the file as it is on disk: a version is replaced by writing a new directory and renaming it
+into place (as ``nmt export`` does), never by overwriting ``weights.bin`` while a server maps it.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +29,10 @@ class SharedWeights:
     """``weights.bin`` of one version, mapped once; :meth:`add_to` gives a session its ranges."""
 
     def __init__(self, version_dir: Path) -> None:
-        self.map = np.memmap(version_dir / WEIGHTS_FILE, dtype=np.uint8, mode="r")
+        with open(version_dir / WEIGHTS_FILE, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self.map = np.frombuffer(self.mapping, dtype=np.uint8) if self.mapping else np.empty(0, np.uint8)
         self.values: dict[tuple[int, str, tuple[int, ...]], ort.OrtValue] = {}
 
     @staticmethod
@@ -34,6 +44,11 @@ class SharedWeights:
         """Give the session of ``graph_path`` (opened with ``options``) every one of its stored initializers."""
         for tensor in stored_tensors(graph_path):
             options.add_initializer(tensor.name, self._value(tensor))
+
+    def release_pages(self) -> None:
+        """Drop the mapped pages from this process (the page cache keeps them; a later read maps them again)."""
+        if self.mapping is not None:
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
     def _value(self, tensor: StoredTensor) -> ort.OrtValue:
         key = (tensor.offset, tensor.dtype.str, tensor.shape)

@@ -1,5 +1,5 @@
-"""Graph edits that keep a tied embedding one tensor across a version's graphs, so that
-:func:`nmt.model_format.weights.store_once` stores (and the server loads) it once.
+"""Graph edits that keep equal weights one tensor across a version's graphs, so that
+:class:`nmt.model_format.weights.WeightStore` stores (and the server loads) each once.
 
 A model whose output projection shares the embedding (Marian, OPUS-MT, this project's Transformer) is
 traced as separate, equal tensors: the ``Gather`` tables of the encoder and the decoders, the step
@@ -8,6 +8,11 @@ a new constant. :func:`gemm_weights` finds the projection weights; ``fold_embedd
 equal to one of them unscaled (one ``Mul`` per step instead of a scaled copy of the vocabulary's
 embedding), and :func:`transposed_projection_as_gemm` turns the forced pass's ``MatMul(x, Wᵀ)`` into
 ``Gemm(x, W, transB=1)`` over the same ``W``.
+
+The self-attention projections packed into one ``MatMul`` (:func:`export.graph_passes.pack_parallel_matmuls`)
+come out in query, key, value order in the step graphs (their attention operator wants it) but in another
+order in the forced pass; :func:`align_packed_blocks` puts the forced pass's blocks in the step graphs'
+order (and its ``Split``'s outputs with them).
 """
 
 from __future__ import annotations
@@ -72,3 +77,55 @@ def transposed_projection_as_gemm(model: onnx.ModelProto, weights: Collection[by
     if rewritten:
         prune(model)
     return rewritten
+
+
+def packed_blocks(models: Iterable[onnx.ModelProto], parts: int = 3) -> set[tuple[bytes, ...]]:
+    """The :func:`digest` of each column block of every 2-D ``MatMul`` weight of ``models`` whose columns split
+    into ``parts`` equal blocks, block by block in stored order."""
+    found = set()
+    for model in models:
+        initializers = {init.name: init for init in model.graph.initializer}
+        for node in model.graph.node:
+            weight = initializers.get(node.input[1]) if node.op_type == "MatMul" else None
+            if weight is not None and len(weight.dims) == 2 and weight.dims[1] % parts == 0:
+                found.add(tuple(digest(block) for block in np.split(numpy_helper.to_array(weight), parts, axis=1)))
+    return found
+
+
+def align_packed_blocks(model: onnx.ModelProto, references: Collection[tuple[bytes, ...]]) -> int:
+    """``Split(MatMul(x, W) [+ b])`` into equal pieces whose ``W`` holds the blocks of a reference in another
+    order: ``W``'s (and ``b``'s) blocks and the ``Split``'s outputs are put in the reference's order (in
+    place; the same values reach every reader). Returns the number of weights reordered."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    made = {output: node for node in graph.node for output in node.output}
+    readers = reader_counts(graph)
+    by_set = {frozenset(blocks): blocks for blocks in references}
+    aligned = 0
+    for split in graph.node:
+        if split.op_type != "Split":
+            continue
+        add = made.get(split.input[0])
+        matmul = made.get(add.input[0]) if add is not None and add.op_type == "Add" else add
+        if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in initializers:
+            continue
+        parts = len(split.output)
+        weight = numpy_helper.to_array(initializers[matmul.input[1]])
+        if weight.ndim != 2 or weight.shape[1] % parts or (len(split.input) > 1 and len(set(
+                numpy_helper.to_array(initializers[split.input[1]]).tolist())) != 1):
+            continue
+        blocks = [digest(block) for block in np.split(weight, parts, axis=1)]
+        target = by_set.get(frozenset(blocks))
+        if target is None or tuple(blocks) == target or len(set(blocks)) != parts:
+            continue
+        order = [blocks.index(block) for block in target]  # new block i = old block order[i]
+        names = [matmul.input[1]] + ([add.input[1]] if add is not matmul else [])
+        if any(name not in initializers or readers[name] != 1 for name in names):
+            continue
+        for name in names:
+            pieces = np.split(numpy_helper.to_array(initializers[name]), parts, axis=-1)
+            initializers[name].CopyFrom(numpy_helper.from_array(np.concatenate([pieces[i] for i in order], axis=-1),
+                                                                name))
+        split.output[:] = [split.output[i] for i in order]
+        aligned += 1
+    return aligned
