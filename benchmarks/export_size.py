@@ -10,7 +10,9 @@ trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..
 - ``nmt serve`` with the version loaded, after one translation, with and without ``--ort-prepack``: its
   RSS, and its growth over the same server with ``--engine null`` (no weights), against the weights' fp32
   bytes (goal <= 1.5x);
-- greedy and beam-4 token ids of the serving engine against ``MarianMTModel.generate`` on 20 sentences.
+- greedy and beam-4 token ids of the serving engine against ``MarianMTModel.generate`` on 20 sentences;
+- what pre-packing buys: the engine with and without ``prepack`` (``--ort-prepack``), runs alternating,
+  median time to translate one sentence and all 20, greedy and beam 4.
 
 ``--size SMALL`` runs a reduced model (vocabulary 8,000) for a quick look.
 """
@@ -142,10 +144,34 @@ def engine_ids(version: Path, texts: list[str], beam: int) -> list[list[int]]:
     return [list(translation.hypotheses[0].token_ids) for translation in engine.translate(texts, options)]
 
 
+def prepack_speed(version: Path, texts: list[str], repeats: int) -> list[str]:
+    """Table rows: median seconds of the engine with and without pre-packing, runs alternating."""
+    import statistics
+
+    from server.engine.engine import Engine
+
+    engines = {packed: Engine.load(version, provider="cpu", intra_op_threads=2, inter_op_threads=1, prepack=packed)
+               for packed in (True, False)}
+    rows = []
+    for beam, count in ((1, 1), (1, len(texts)), (4, 1), (4, len(texts))):
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats):
+            for packed, engine in engines.items():
+                options = dataclasses.replace(engine.default_options(), beam_size=beam, max_length=MAX_LENGTH)
+                start = time.perf_counter()
+                engine.translate(texts[:count], options)
+                times[packed].append(time.perf_counter() - start)
+        packed, plain = statistics.median(times[True]), statistics.median(times[False])
+        rows.append(f"| beam {beam}, {count} sentence{'s' if count > 1 else ''} | {packed * 1000:,.0f} ms | "
+                    f"{plain * 1000:,.0f} ms | {plain / packed:.2f}x |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="OPUS")
     parser.add_argument("--work", help="keep the Marian directory and the repository here (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each engine in the pre-packing comparison")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-export-") as scratch:
         work = Path(args.work or scratch)
@@ -162,6 +188,7 @@ def main() -> None:
         matches = {beam: sum(a == b for a, b in zip(engine_ids(version, texts, beam), generate_ids(marian, texts, beam),
                                                     strict=True))
                    for beam in (1, 4)}
+        speed = prepack_speed(version, texts, args.repeats)
         manifest = json.loads((version / "manifest.json").read_text())
         mib = 2**20
         print(f"\n{host()}; model {args.size} {SIZES[args.size]}, checkpoint {checkpoint / mib:.0f} MiB")
@@ -175,6 +202,8 @@ def main() -> None:
                   "| <= 1.5x |")
         print(f"| greedy / beam 4 equal to generate | {matches[1]}/{len(texts)}, {matches[4]}/{len(texts)} | | all |")
         print(f"parity recorded by the export: {manifest['parity']}")
+        print("\n| translating (CPU, 2 threads) | --ort-prepack | --no-ort-prepack | ratio |\n|---|---|---|---|")
+        print("\n".join(speed))
 
 
 if __name__ == "__main__":
