@@ -26,6 +26,7 @@ from export.graphs import GraphSet
 from export.tracing import example_source, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
+from nmt.model_format.weights import WeightStore
 from training.models.bahdanau import Bahdanau
 
 STATIC = ["memory", "keys", "src_mask"]
@@ -60,8 +61,9 @@ class StepGraph(nn.Module):
         return logits.log_softmax(-1), state["hidden"], state["context"], attention
 
 
-def export_bahdanau(model: Bahdanau, opset: int) -> GraphSet:
-    """The encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
+def export_bahdanau(model: Bahdanau, opset: int, store: WeightStore | None = None) -> GraphSet:
+    """The encoder and decoder step graphs of ``model`` (see the module docstring for their I/O); with
+    ``store``, their weights go there (:meth:`WeightStore.externalize`)."""
     cfg = model.config
     model = untie(model, "generator", "tgt_embed")
     src = example_source(cfg)
@@ -102,6 +104,8 @@ def export_bahdanau(model: Bahdanau, opset: int) -> GraphSet:
     if count_ops(encoder)["GRU"] != 2 or count_ops(decoder)["GRU"] != 1:
         raise NmtError(f"expected 2 GRU nodes in the encoder and 1 in the decoder step, found "
                        f"{count_ops(encoder)['GRU']} and {count_ops(decoder)['GRU']}")
+    if store is not None:
+        encoder, decoder, decoder_attention = (store.externalize(g) for g in (encoder, decoder, decoder_attention))
     return GraphSet(
         encoder=encoder,
         decoder=decoder,

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ from nmt.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
 from server.engine.engine import Engine
 from training.train import bleu
 
+EDIT_ORDER = ("decoder", "decoder_attention", "decoder_forced", "encoder")  # the decoder's weights first: the
+# output projection (tied to the embedding that every graph gathers from) and the packed self-attention
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -174,38 +177,43 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
     """Export, verify (and quantize) into ``work``; returns the result with ``version_dir`` under ``work``."""
     model = inputs.model
     stage("export graphs")
-    graph_set = graph_exporter(model.arch)(model, options.opset)
+    traced = work / "traced"  # each graph's weights as traced, until its edits are done (a model's worth)
+    traced.mkdir()
+    with WeightStore(traced / WEIGHTS_FILE) as scratch:
+        graph_set = graph_exporter(model.arch)(model, options.opset, store=scratch)
     if graph_set.attention_fused < graph_set.attention_total and not options.allow_unfused:
         raise NmtError(
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
     files = _graph_files(graph_set)
-    projections = gemm_weights(graph_set.graphs().values())  # a tied embedding stays one tensor
     fp32_dir = work / "fp32"
     fp32_dir.mkdir()
     graphs = graph_set.release()
-    store, step_blocks = WeightStore(fp32_dir / WEIGHTS_FILE), set()
-    for role in list(graphs):  # each graph edited, its weights stored, saved and freed in turn
-        graph = graphs.pop(role)
-        pack_parallel_matmuls(graph)
-        pack_attention_inputs(graph)
-        fold_output_bias(graph)
-        fold_embedding_scale(graph, keep=projections)
-        transposed_projection_as_gemm(graph, projections)
-        if role == "decoder":  # its packed projections, in query-key-value order, before they become Gemms
-            step_blocks = packed_blocks([graph])
-        elif role == "decoder_forced":  # comes after the decoder (the order of GraphSet.graphs)
-            align_packed_blocks(graph, step_blocks)
-        if role in ("decoder", "decoder_attention"):
-            if model.arch == "transformer":  # its step graphs project [rows, 1, d] (the Bahdanau decoder's: 2-D)
-                one_position_gemms(graph)
-            add_logits(graph)
-            add_top_k(graph, model.config.eos_id)
-        store.externalize(graph)
-        save_graph(graph, fp32_dir / files[role])
-        del graph
-    store.close()
+    projections: set[bytes] = set()  # the output projections' weights: a tied embedding stays one tensor
+    step_blocks: set[tuple[bytes, ...]] = set()  # the step decoder's packed projections, block by block
+    with WeightStore(fp32_dir / WEIGHTS_FILE) as store:
+        for role in sorted(graphs, key=EDIT_ORDER.index):  # one graph's weights in memory at a time
+            graph = graphs.pop(role)
+            onnx.external_data_helper.load_external_data_for_model(graph, str(traced))
+            projections |= gemm_weights([graph])
+            pack_parallel_matmuls(graph)
+            pack_attention_inputs(graph)
+            fold_output_bias(graph)
+            fold_embedding_scale(graph, keep=projections)
+            transposed_projection_as_gemm(graph, projections)
+            if role == "decoder":  # its packed projections, in query-key-value order, before they become Gemms
+                step_blocks = packed_blocks([graph])
+            elif role == "decoder_forced":
+                align_packed_blocks(graph, step_blocks)
+            if role in ("decoder", "decoder_attention"):
+                if model.arch == "transformer":  # its step graphs project [rows, 1, d] (Bahdanau's are 2-D)
+                    one_position_gemms(graph)
+                add_logits(graph)
+                add_top_k(graph, model.config.eos_id)
+            save_graph(store.externalize(graph), fp32_dir / files[role])
+            del graph
+    shutil.rmtree(traced)
 
     stage("verify parity")
     sources, targets = parity_pairs(inputs, options.parity_sentences)

@@ -13,7 +13,7 @@ from export.graphs import GraphSet
 from export.transformer_graphs import export_transformer
 from nmt.errors import NmtError
 
-GraphExporter = Callable[..., GraphSet]  # (model, opset) -> GraphSet
+GraphExporter = Callable[..., GraphSet]  # (model, opset, store=None) -> GraphSet
 EXPORTERS: dict[str, GraphExporter] = {"transformer": export_transformer, "bahdanau": export_bahdanau}
 
 

@@ -56,6 +56,7 @@ from export.graphs import GraphSet
 from export.tracing import example_source, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
+from nmt.model_format.weights import WeightStore
 from training.models.transformer import Transformer
 
 MHA = "MultiHeadAttention"
@@ -370,8 +371,15 @@ def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list
     return forced
 
 
-def export_transformer(model: Transformer, opset: int) -> GraphSet:
-    """The fused encoder and decoder step graphs of ``model`` (see the module docstring for their I/O)."""
+def _stored(graph: onnx.ModelProto, store: WeightStore | None) -> onnx.ModelProto:
+    """``graph`` with its weights in ``store`` (without one: as it is): a model's weights are then held once,
+    by PyTorch, while the next graph is traced."""
+    return store.externalize(graph) if store is not None else graph
+
+
+def export_transformer(model: Transformer, opset: int, store: WeightStore | None = None) -> GraphSet:
+    """The fused encoder and decoder step graphs of ``model`` (see the module docstring for their I/O).
+    With ``store``, each graph's weights go there as soon as the graph is made (:func:`_stored`)."""
     cfg = model.config
     layers, heads = cfg.decoder_layers, cfg.heads
     head_dim = cfg.d_model // heads
@@ -411,12 +419,14 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
     shapes.update({name: ["batch", heads, "capacity", head_dim] for name in [*past_names, *present_names]})
     set_io_shapes(encoder, shapes)
     set_io_shapes(decoder, shapes)
+    encoder, decoder = _stored(encoder, store), _stored(decoder, store)
 
     alignment_layer = cfg.alignment_layer % layers
     if alignment_layer in cross_layers:  # standard operators beside the fused node give the attention
         decoder_attention = onnx.ModelProto()
         decoder_attention.CopyFrom(decoder)
         add_attention_output(decoder_attention, cross_attention_node(decoder_attention, alignment_layer), head_dim)
+        decoder_attention = _stored(decoder_attention, store)
     else:  # fallback (--allow-unfused): export the step again with the alignment layer unfused
         decoder_attention = torch_to_onnx(
             StepGraph(model, need_attention=True), step_inputs, output_names=["log_probs", *present_names, "attention"],
@@ -427,12 +437,13 @@ def export_transformer(model: Transformer, opset: int) -> GraphSet:
         cancel_transposes(decoder_attention)
         use_key_padding_mask(decoder_attention)
         set_io_shapes(decoder_attention, shapes)
+        decoder_attention = _stored(decoder_attention, store)
 
     return GraphSet(
         encoder=encoder,
         decoder=decoder,
         decoder_attention=decoder_attention,
-        decoder_forced=_forced_graph(model, src, src_mask, cross, opset, shapes),
+        decoder_forced=_stored(_forced_graph(model, src, src_mask, cross, opset, shapes), store),
         decoder_static=["src_mask", *cross_names],
         decoder_state=[
             StateTensor(input=name, output=name.replace("past_", "present_"), init="buffer",

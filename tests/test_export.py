@@ -324,7 +324,7 @@ def test_pack_parallel_matmuls_leaves_mixed_bias_groups_alone():
 def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
     real = graph_exporter("transformer")
 
-    def partly_fused(model, opset):
+    def partly_fused(model, opset, store=None):
         graphs = GraphSet(onnx.ModelProto(), onnx.ModelProto(), onnx.ModelProto(), [], [], {},
                           attention_total=6, attention_fused=5)
         return graphs
@@ -451,7 +451,7 @@ def test_checkpoint_problems_are_clear_errors(tiny_runs, tmp_path):
 
 
 def test_failed_export_leaves_nothing(tiny_runs, tiny_repository, monkeypatch):
-    def broken(model, opset):
+    def broken(model, opset, store=None):
         raise NmtError("exporting the graph failed: boom")
 
     monkeypatch.setitem(EXPORTERS, "bahdanau", broken)

@@ -44,11 +44,13 @@ class WeightStore:
     def close(self) -> None:
         self.file.close()
 
-    def externalize(self, model: onnx.ModelProto) -> None:
-        """Point ``model``'s large initializers (in place) at their ranges of the store, writing new contents."""
+    def externalize(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """``model`` with its large initializers pointing at their ranges of the store (new contents written),
+        as a new message: protobuf frees a message's memory only with the message, so the old one (with
+        every weight) goes when the caller drops it."""
         for tensor in model.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                raise ValueError(f"initializer {tensor.name} is external data already: load it first")
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:  # stored here already (a graph copied from
+                continue  # a stored one)
             data = numpy_helper.to_array(tensor)
             if data.nbytes < MIN_BYTES or data.dtype == object:
                 continue
@@ -60,6 +62,7 @@ class WeightStore:
                 self.file.write(raw)
                 self.ranges[key] = (offset, len(raw))
             _point_to(tensor, *self.ranges[key])
+        return onnx.ModelProto.FromString(model.SerializeToString())
 
 
 def store_once(directory: Path, graph_files: Sequence[str]) -> None:
@@ -68,9 +71,7 @@ def store_once(directory: Path, graph_files: Sequence[str]) -> None:
     memory at a time."""
     with WeightStore(directory / WEIGHTS_FILE) as store:
         for filename in graph_files:
-            model = onnx.load(str(directory / filename))
-            store.externalize(model)
-            onnx.save(model, str(directory / filename))
+            onnx.save(store.externalize(onnx.load(str(directory / filename))), str(directory / filename))
 
 
 def _point_to(tensor: onnx.TensorProto, offset: int, length: int) -> None:
