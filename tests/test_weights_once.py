@@ -6,6 +6,7 @@ buffer are measured by their process's RSS on graphs large enough to see (16 MiB
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import subprocess
@@ -72,7 +73,7 @@ def test_a_version_exported_before_still_loads(tiny_models, tmp_path):
     options = DecodingOptions(beam_size=4, return_attention=True)
     engines = [Engine.load(old, provider="cpu"), Engine.load(tiny_models["transformer"], provider="cpu"),
                Engine.load(tiny_models["transformer"], provider="cpu", prepack=False)]
-    assert engines[0].weights is None and engines[1].weights is not None
+    assert engines[0].model.weights is None and engines[1].model.weights is not None
     results = [[(h.token_ids, round(h.score, 4)) for t in engine.translate(TEXTS, options) for h in t.hypotheses]
                for engine in engines]
     assert results[0] == results[1] == results[2]
@@ -223,3 +224,15 @@ def test_packed_projection_blocks_follow_the_step_graphs_order():
     for old, new in zip(before, after, strict=True):
         np.testing.assert_array_equal(new, old)
     assert align_packed_blocks(forced, packed_blocks([step_model])) == 0  # aligned already
+
+
+def test_the_sessions_outlive_the_engine_that_loaded_them(tiny_models):
+    """The mapped weights belong to the step model, which holds the sessions: an engine built around the step
+    model of a dropped one (as tests and wrappers do) still reads valid memory."""
+    first = Engine.load(tiny_models["transformer"], provider="cpu")
+    expected = [t.hypotheses[0].token_ids for t in first.translate(TEXTS, DecodingOptions(beam_size=2))]
+    model, manifest, tokenizer = first.model, first.manifest, first.tokenizer
+    del first
+    gc.collect()
+    again = Engine(manifest, tokenizer, model, "CPUExecutionProvider")
+    assert [t.hypotheses[0].token_ids for t in again.translate(TEXTS, DecodingOptions(beam_size=2))] == expected

@@ -12,6 +12,7 @@ from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
+from server.engine.shared_weights import SharedWeights
 from server.engine.step_models import OnnxStepModel, extra_outputs, initial_shape
 
 
@@ -28,8 +29,9 @@ class DeviceStepModel(OnnxStepModel):
     The ``Gather`` sessions (one per element type of the static inputs and the state) are created
     here, at load, with the decoder's options and providers (device id and memory limit included)."""
 
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str) -> None:
-        super().__init__(manifest, sessions)
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str,
+                 weights: SharedWeights | None = None) -> None:
+        super().__init__(manifest, sessions, weights)
         self.device = device
         types = {o.type for o in sessions["encoder"].get_outputs()}
         types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}

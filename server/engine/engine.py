@@ -104,9 +104,8 @@ class Engine:
     """A loaded model version: tokenizer, ONNX Runtime sessions and batched search."""
 
     def __init__(self, manifest: Manifest, tokenizer: AnyTokenizer, model: OnnxStepModel, provider: str, *,
-                 device_id: int = 0, weights: SharedWeights | None = None) -> None:
+                 device_id: int = 0) -> None:
         self.manifest = manifest
-        self.weights = weights  # the buffers the sessions read (a version storing its weights once): kept alive
         self.tokenizer = tokenizer
         self.model = model
         self.provider = provider  # what the sessions really run on (``get_providers()[0]``)
@@ -177,10 +176,10 @@ class Engine:
                            "kernels); export with --precision fp16 for GPUs, or serve it with --provider cpu")
         tokenizer = load_tokenizer(version_dir, manifest.tokenizer_type)
         if device_state or (device_state is None and on_gpu):
-            model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu")
+            model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu", weights=weights)
         else:
-            model = OnnxStepModel(manifest, sessions)
-        return cls(manifest, tokenizer, model, got, device_id=device_id, weights=weights)
+            model = OnnxStepModel(manifest, sessions, weights=weights)
+        return cls(manifest, tokenizer, model, got, device_id=device_id)
 
     def tokenize(self, text: str) -> list[int]:
         """Subword ids of ``text`` (EOS excluded): :meth:`server.text.TextCodec.tokenize`."""

@@ -40,6 +40,7 @@ from nmt.model_format.manifest import (
 )
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput
+from server.engine.shared_weights import SharedWeights
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
@@ -52,9 +53,12 @@ class OnnxStepModel:
     and :meth:`concat_rows`; :meth:`step` feeds them (or the ``positions`` it is given), binds each
     ``present_*`` output to its ``past_*`` buffer and grows the buffers when a row reaches their capacity."""
 
-    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession]) -> None:
+    def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession],
+                 weights: SharedWeights | None = None) -> None:
         self.manifest = manifest
         self.sessions = sessions
+        self.weights = weights  # the buffers the sessions read (a version storing its weights once): they must
+        # live as long as the sessions, which hold no reference to them
         self.static_names = list(manifest.decoder_static)
         self.static_src_axes = dict(manifest.static_src_axes)  # static input -> its source-length axis
         self.state = list(manifest.decoder_state)
