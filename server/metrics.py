@@ -52,6 +52,20 @@ HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:T
 HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
 
 
+def current_versions_only(families: Iterable[Metric]) -> list[Metric]:
+    """``families`` without the series of model versions that are no longer loaded: those whose
+    ``nmt_model_info`` is absent or 0 (every series labelled with a ``version``; the info series at 0 too).
+    prometheus_client's multiprocess files keep a removed series with its last value, so ``/metrics`` of
+    ``nmt serve --frontends`` would report a removed version's series forever without this."""
+    families = list(families)
+    loaded = {(s.labels.get("model"), s.labels["version"]) for family in families if family.name == "nmt_model_info"
+              for s in family.samples if s.value > 0}
+    for family in families:
+        family.samples = [s for s in family.samples
+                          if "version" not in s.labels or (s.labels.get("model"), s.labels["version"]) in loaded]
+    return families
+
+
 class ServerMetrics:
     """The ``nmt_*`` and ``grpc_server_*`` metrics, registered in ``registry``."""
 
@@ -151,6 +165,13 @@ class ServerMetrics:
             family.labels(model, version)
         for stage in STAGES:
             self.inference_duration.labels(model, version, stage)
+
+    def retire_info(self, *labels: str) -> None:
+        """Remove a version's ``nmt_model_info`` series, set to 0 first: in prometheus_client's multiprocess
+        mode (``nmt serve --frontends``) a removed series stays in the process's file with its last value, and
+        :func:`current_versions_only` drops the series of versions whose info reads 0."""
+        self.model_info.labels(*labels).set(0)
+        self.model_info.remove(*labels)
 
     def remove_model(self, model: str, version: str) -> None:
         """Remove the series of a model version that is gone (the per-model request series stay: the

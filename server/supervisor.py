@@ -37,15 +37,18 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, multiprocess, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from nmt.errors import NmtError
 from server.config import ServerConfig, split_host_port
+from server.metrics import current_versions_only
 
 log = logging.getLogger("nmt.server")
 
@@ -91,6 +94,45 @@ def reserve_port(address: str) -> tuple[socket.socket, int]:
 
 def with_port(address: str, port: int) -> str:
     return f"{address.rpartition(':')[0]}:{port}"
+
+
+class WorkerMetrics(Collector):
+    """The workers' metrics (prometheus_client's multiprocess files, summed), without the series of model
+    versions that are no longer loaded (:func:`server.metrics.current_versions_only`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = multiprocess.MultiProcessCollector(None, path=str(directory))
+
+    def collect(self) -> Iterable[Metric]:
+        return current_versions_only(self.files.collect())
+
+
+class ServiceProcessMetrics(Collector):
+    """The standard ``process_*`` metrics of the whole service: CPU seconds, memory and open descriptors
+    summed over the supervisor and its workers (a worker's own collector cannot report through the
+    multiprocess files); start time and descriptor limit are the supervisor's."""
+
+    SUMMED = ("process_cpu_seconds_total", "process_virtual_memory_bytes", "process_resident_memory_bytes",
+              "process_open_fds")
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for index, pid in enumerate(self.pids()):
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                for sample in family.samples:
+                    if index and sample.name not in self.SUMMED:
+                        continue  # the supervisor's own: start time, descriptor limit
+                    kept = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                    same = [i for i, s in enumerate(kept.samples) if s.name == sample.name]
+                    if same:
+                        old = kept.samples[same[0]]
+                        kept.samples[same[0]] = old._replace(value=old.value + sample.value)
+                    else:
+                        kept.samples.append(sample)
+        return list(families.values())
 
 
 class Supervisor:
@@ -144,7 +186,9 @@ class Supervisor:
                              "frontend": replace(config, **changes, reload_interval=0).to_json()}  # not these
             if config.metrics_listen:
                 registry = CollectorRegistry()
-                multiprocess.MultiProcessCollector(registry, path=str(self._metrics_dir))
+                registry.register(WorkerMetrics(self._metrics_dir))
+                registry.register(ServiceProcessMetrics(lambda: [os.getpid(), *(w.process.pid for w in self.workers
+                                                                               if w.process is not None)]))
                 host, port = split_host_port(config.metrics_listen)
                 try:
                     self._metrics_http, _ = start_http_server(port, addr=host, registry=registry)

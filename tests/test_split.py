@@ -312,7 +312,8 @@ def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path:
 
 def test_hot_reload_reaches_the_frontends(repository: Path, tmp_path: Path) -> None:
     """SIGHUP to nmt serve makes the core scan; the front-ends take the new catalog (and the new version's
-    tokenizer) and route to the new version."""
+    tokenizer) and route to the new version; a removed version leaves the catalog and /metrics (whose
+    process_* metrics cover every process of the service)."""
     repo = tmp_path / "repo"
     shutil.copytree(repository / SERVED_MODEL / "1", repo / SERVED_MODEL / "1")
     server = SplitServer(repo, tmp_path, 1)
@@ -325,6 +326,19 @@ def test_hot_reload_reaches_the_frontends(repository: Path, tmp_path: Path) -> N
               60, "the new version listed by the front-end")
         response = stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
         assert response.model_version == "7" and response.translations[0].hypotheses
+
+        def versions_in_metrics() -> set[str]:
+            return {dict(labels)["version"] for _, labels in server.metrics() if "version" in dict(labels)}
+
+        assert versions_in_metrics() == {"1", "7"}
+        shutil.rmtree(repo / SERVED_MODEL / "1")
+        server.process.send_signal(signal.SIGHUP)
+        until(lambda: [m.version for m in stub.ListModels(pb2.ListModelsRequest(), timeout=10).models] == ["7"],
+              60, "the removed version gone from the front-end")
+        until(lambda: versions_in_metrics() == {"7"}, 60, "the removed version's series gone from /metrics")
+        # process_* of the whole service: more than the supervisor alone holds (the core has the engine)
+        core_rss = int(Path(f"/proc/{server.pids['core']}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+        assert server.metrics()[("process_resident_memory_bytes", ())] > core_rss
     finally:
         server.stop()
 

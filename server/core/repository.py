@@ -397,7 +397,7 @@ class ModelRepository(VersionIndex[ModelVersion]):
             new.scheduler.start()
         m = self.settings.metrics
         if m is not None and _info_labels(old) != _info_labels(new):
-            m.model_info.remove(*_info_labels(old))
+            m.retire_info(*_info_labels(old))
         self._publish(new)
         self._drain(old, unpublish=False)
 
@@ -467,7 +467,7 @@ class ModelRepository(VersionIndex[ModelVersion]):
         m = self.settings.metrics
         if m is None or self._find(mv.name, mv.version) is not None:
             return
-        m.model_info.remove(*_info_labels(mv))
+        m.retire_info(*_info_labels(mv))
         m.remove_model(mv.name, mv.version)
 
 
