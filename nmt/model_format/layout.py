@@ -4,7 +4,8 @@ A training run directory (``nmt train --out RUN``) holds :data:`TOKENIZER_FILE`,
 :data:`LAST_CHECKPOINT`, :data:`HISTORY_FILE`, :data:`CURVES_FILE`, :data:`SUMMARY_FILE` and the held-out
 split :data:`TEST_SPLIT_FILE`. A model repository is laid out like Triton's:
 ``<repository>/<name>/<version>/`` with :data:`MANIFEST_FILE` (written last), the graphs of
-:data:`GRAPH_FILES` and :data:`TOKENIZER_FILE`.
+:data:`GRAPH_FILES`, their weights in :data:`WEIGHTS_FILE` (:mod:`nmt.model_format.weights`) and
+:data:`TOKENIZER_FILE`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB = "source.spm", "target.spm",
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
 FORCED_GRAPH = "decoder_forced"  # optional role: the decoder over given target positions in one call
 OPTIONAL_GRAPH_FILES = {FORCED_GRAPH: "decoder_forced.onnx"}  # versions exported before it lack it
+WEIGHTS_FILE = "weights.bin"  # every graph's weights, each stored once (versions exported before: none)
 
 # a training run
 BEST_CHECKPOINT = "best.pt"
