@@ -52,10 +52,11 @@ class WeightStore:
         for tensor in model.graph.initializer:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:  # stored here already (a graph copied from
                 continue  # a stored one)
-            data = numpy_helper.to_array(tensor)
-            if data.nbytes < MIN_BYTES or data.dtype == object:
+            if tensor.data_type == onnx.TensorProto.STRING:
                 continue
-            raw = np.ascontiguousarray(data).tobytes()
+            raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+            if len(raw) < MIN_BYTES:
+                continue
             key = (tensor.data_type, hashlib.sha256(raw).digest())
             if key not in self.ranges:
                 offset = -self.file.tell() % ALIGNMENT + self.file.tell()
