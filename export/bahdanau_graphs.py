@@ -74,7 +74,7 @@ def export_bahdanau(model: Bahdanau, opset: int, store: WeightStore | None = Non
 
     encoder = torch_to_onnx(
         EncoderGraph(model), (src,), input_names=["src_ids"], output_names=[*STATIC, "hidden", "context"],
-        dynamic_shapes=({0: batch, 1: src_len},), opset=opset, what="Bahdanau encoder",
+        dynamic_shapes=({0: batch, 1: src_len},), opset=opset, what="Bahdanau encoder", store=store,
     )
     step_inputs = (src[:, 0], state["memory"], state["keys"], state["src_mask"].to(torch.int32),
                    state["hidden"], state["context"])
@@ -84,7 +84,7 @@ def export_bahdanau(model: Bahdanau, opset: int, store: WeightStore | None = Non
         output_names=["log_probs", "hidden_out", "context_out", "attention"],
         dynamic_shapes=({0: batch}, {0: batch, 1: src_len}, {0: batch, 1: src_len}, {0: batch, 1: src_len},
                         {0: batch}, {0: batch}),
-        opset=opset, what="Bahdanau decoder step",
+        opset=opset, what="Bahdanau decoder step", store=store,
     )
     decoder = remove_output(decoder_attention, "attention")
 

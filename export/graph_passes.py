@@ -393,8 +393,10 @@ def fold_output_bias(model: onnx.ModelProto) -> int:
 
 
 def digest(values: np.ndarray) -> bytes:
-    """What two equal tensors share: element type and bytes."""
-    return hashlib.sha256(values.dtype.str.encode() + np.ascontiguousarray(values).tobytes()).digest()
+    """What two equal tensors share: element type and bytes (hashed in place, no copy of a large tensor)."""
+    hashed = hashlib.sha256(values.dtype.str.encode())
+    hashed.update(memoryview(np.ascontiguousarray(values)).cast("B"))
+    return hashed.digest()
 
 
 def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = ()) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.errors import NmtError
+from nmt.model_format.weights import MIN_BYTES, WEIGHTS_FILE, WeightStore
 from training.models.interface import Seq2SeqModel
 
 MAX_IR_VERSION = 10  # what onnxruntime >= 1.20 reads; onnx 1.23 would write a newer one for edited graphs
@@ -80,10 +81,12 @@ def torch_to_onnx(
     opset: int,
     fuse: bool = False,
     what: str = "graph",
+    store: WeightStore | None = None,
 ) -> onnx.ModelProto:
     """``torch.onnx.export(dynamo=True)``, then (``fuse``) ONNX Runtime fusions via onnxscript's
     ``optimize_for_ort`` (attention -> ``com.microsoft.MultiHeadAttention``, residual + LayerNorm ->
-    ``SkipLayerNormalization``)."""
+    ``SkipLayerNormalization``). With ``store``, the weights are written there straight from the traced
+    tensors and the graph refers to them (external data): no serialized copy of the weights is made."""
     import onnx_ir as ir
 
     module.eval()
@@ -102,6 +105,16 @@ def torch_to_onnx(
             tail = printed.getvalue().strip().splitlines()[-5:]
             raise NmtError(f"exporting the {what} failed: {type(error).__name__}: {str(error)[:2000]}"
                            + ("\n" + "\n".join(tail) if tail else "")) from error
+    if store is not None:
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.dtype == ir.DataType.STRING:
+                continue
+            raw = tensor.tobytes()
+            if len(raw) >= MIN_BYTES:
+                offset, length = store.put(tensor.dtype.value, raw)
+                value.const_value = ir.ExternalTensor(WEIGHTS_FILE, offset, length, tensor.dtype, shape=tensor.shape,
+                                                      name=value.name)
     proto = ir.serde.serialize_model(model)
     proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
     return proto

@@ -340,7 +340,7 @@ def add_attention_output(model: onnx.ModelProto, node: onnx.NodeProto, head_dim:
 
 
 def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list[Tensor], opset: int,
-                  shapes: dict[str, list]) -> onnx.ModelProto:
+                  shapes: dict[str, list], store: WeightStore | None) -> onnx.ModelProto:
     """``decoder_forced.onnx``: :class:`ForcedGraph`, fused like the step decoder (the alignment layer's
     cross-attention stays unfused: its weights are an output)."""
     cfg = model.config
@@ -358,7 +358,7 @@ def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list
         output_names=["target_log_probs", "last_log_probs", "attention", *present_names],
         dynamic_shapes=({0: batch, 1: tgt_len}, {0: batch, 1: tgt_len}, {0: batch, 1: src_len},
                         tuple([{0: batch, 2: src_len}] * len(cross))),
-        opset=opset, fuse=True, what="Transformer decoder forced pass",
+        opset=opset, fuse=True, what="Transformer decoder forced pass", store=store,
     )
     feed_cross_kv_directly(forced)
     cancel_transposes(forced)
@@ -372,8 +372,8 @@ def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list
 
 
 def _stored(graph: onnx.ModelProto, store: WeightStore | None) -> onnx.ModelProto:
-    """``graph`` with its weights in ``store`` (without one: as it is): a model's weights are then held once,
-    by PyTorch, while the next graph is traced."""
+    """``graph`` with every weight in ``store`` (without one: as it is): :func:`torch_to_onnx` wrote the traced
+    ones there already; this takes those the edits after tracing added, and rebuilds the message small."""
     return store.externalize(graph) if store is not None else graph
 
 
@@ -392,7 +392,7 @@ def export_transformer(model: Transformer, opset: int, store: WeightStore | None
 
     encoder = torch_to_onnx(
         EncoderGraph(model), (src,), input_names=["src_ids"], output_names=["src_mask", *cross_names],
-        dynamic_shapes=({0: batch, 1: src_len},), opset=opset, fuse=True, what="Transformer encoder",
+        dynamic_shapes=({0: batch, 1: src_len},), opset=opset, fuse=True, what="Transformer encoder", store=store,
     )
     step_args = dict(
         input_names=["input_ids", POSITIONS, "src_mask", *cross_names, *past_names],
@@ -400,7 +400,7 @@ def export_transformer(model: Transformer, opset: int, store: WeightStore | None
             {0: batch}, {0: batch}, {0: batch, 1: src_len},
             tuple([{0: batch, 2: src_len}] * len(cross) + [{0: batch, 2: past_len}] * len(past)),
         ),
-        opset=opset, fuse=True,
+        opset=opset, fuse=True, store=store,
     )
     step_inputs = (src[:, 0], torch.tensor([2, 2, 2]), src_mask, *cross, *past)
     decoder = torch_to_onnx(StepGraph(model), step_inputs, output_names=["log_probs", *present_names],
@@ -443,7 +443,7 @@ def export_transformer(model: Transformer, opset: int, store: WeightStore | None
         encoder=encoder,
         decoder=decoder,
         decoder_attention=decoder_attention,
-        decoder_forced=_stored(_forced_graph(model, src, src_mask, cross, opset, shapes), store),
+        decoder_forced=_stored(_forced_graph(model, src, src_mask, cross, opset, shapes, store), store),
         decoder_static=["src_mask", *cross_names],
         decoder_state=[
             StateTensor(input=name, output=name.replace("past_", "present_"), init="buffer",

@@ -55,16 +55,20 @@ class WeightStore:
             if tensor.data_type == onnx.TensorProto.STRING:
                 continue
             raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
-            if len(raw) < MIN_BYTES:
-                continue
-            key = (tensor.data_type, hashlib.sha256(raw).digest())
-            if key not in self.ranges:
-                offset = -self.file.tell() % ALIGNMENT + self.file.tell()
-                self.file.seek(offset)
-                self.file.write(raw)
-                self.ranges[key] = (offset, len(raw))
-            _point_to(tensor, *self.ranges[key])
+            if len(raw) >= MIN_BYTES:
+                _point_to(tensor, *self.put(tensor.data_type, raw))
         return onnx.ModelProto.FromString(model.SerializeToString())
+
+    def put(self, data_type: int, raw: bytes) -> tuple[int, int]:
+        """The (offset, length) of ``raw`` (a tensor's little-endian bytes, ONNX element type ``data_type``) in
+        the store: written at the next aligned offset unless an equal tensor is there already."""
+        key = (data_type, hashlib.sha256(raw).digest())
+        if key not in self.ranges:
+            offset = -self.file.tell() % ALIGNMENT + self.file.tell()
+            self.file.seek(offset)
+            self.file.write(raw)
+            self.ranges[key] = (offset, len(raw))
+        return self.ranges[key]
 
 
 def store_once(directory: Path, graph_files: Sequence[str]) -> None:
