@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from export.graph_passes import count_ops, remove_output, set_io_shapes
 from export.graphs import GraphSet
-from export.tracing import example_source, torch_to_onnx, untie
+from export.tracing import example_source, stored, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
 from nmt.model_format.weights import WeightStore
@@ -104,8 +104,7 @@ def export_bahdanau(model: Bahdanau, opset: int, store: WeightStore | None = Non
     if count_ops(encoder)["GRU"] != 2 or count_ops(decoder)["GRU"] != 1:
         raise NmtError(f"expected 2 GRU nodes in the encoder and 1 in the decoder step, found "
                        f"{count_ops(encoder)['GRU']} and {count_ops(decoder)['GRU']}")
-    if store is not None:
-        encoder, decoder, decoder_attention = (store.externalize(g) for g in (encoder, decoder, decoder_attention))
+    encoder, decoder, decoder_attention = (stored(graph, store) for graph in (encoder, decoder, decoder_attention))
     return GraphSet(
         encoder=encoder,
         decoder=decoder,

@@ -71,6 +71,12 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def stored(graph: onnx.ModelProto, store: WeightStore | None) -> onnx.ModelProto:
+    """``graph`` with every weight in ``store`` (without one: as it is): :func:`torch_to_onnx` wrote the traced
+    ones there already; this takes those the edits after tracing added, and rebuilds the message small."""
+    return store.externalize(graph) if store is not None else graph
+
+
 def torch_to_onnx(
     module: nn.Module,
     args: tuple[Any, ...],

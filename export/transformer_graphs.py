@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
 from export.graphs import GraphSet
-from export.tracing import example_source, torch_to_onnx, untie
+from export.tracing import example_source, stored, torch_to_onnx, untie
 from nmt.errors import NmtError
 from nmt.model_format.manifest import StateTensor
 from nmt.model_format.weights import WeightStore
@@ -371,15 +371,9 @@ def _forced_graph(model: Transformer, src: Tensor, src_mask: Tensor, cross: list
     return forced
 
 
-def _stored(graph: onnx.ModelProto, store: WeightStore | None) -> onnx.ModelProto:
-    """``graph`` with every weight in ``store`` (without one: as it is): :func:`torch_to_onnx` wrote the traced
-    ones there already; this takes those the edits after tracing added, and rebuilds the message small."""
-    return store.externalize(graph) if store is not None else graph
-
-
 def export_transformer(model: Transformer, opset: int, store: WeightStore | None = None) -> GraphSet:
     """The fused encoder and decoder step graphs of ``model`` (see the module docstring for their I/O).
-    With ``store``, each graph's weights go there as soon as the graph is made (:func:`_stored`)."""
+    With ``store``, each graph's weights go there as soon as the graph is made (:func:`export.tracing.stored`)."""
     cfg = model.config
     layers, heads = cfg.decoder_layers, cfg.heads
     head_dim = cfg.d_model // heads
@@ -419,14 +413,14 @@ def export_transformer(model: Transformer, opset: int, store: WeightStore | None
     shapes.update({name: ["batch", heads, "capacity", head_dim] for name in [*past_names, *present_names]})
     set_io_shapes(encoder, shapes)
     set_io_shapes(decoder, shapes)
-    encoder, decoder = _stored(encoder, store), _stored(decoder, store)
+    encoder, decoder = stored(encoder, store), stored(decoder, store)
 
     alignment_layer = cfg.alignment_layer % layers
     if alignment_layer in cross_layers:  # standard operators beside the fused node give the attention
         decoder_attention = onnx.ModelProto()
         decoder_attention.CopyFrom(decoder)
         add_attention_output(decoder_attention, cross_attention_node(decoder_attention, alignment_layer), head_dim)
-        decoder_attention = _stored(decoder_attention, store)
+        decoder_attention = stored(decoder_attention, store)
     else:  # fallback (--allow-unfused): export the step again with the alignment layer unfused
         decoder_attention = torch_to_onnx(
             StepGraph(model, need_attention=True), step_inputs, output_names=["log_probs", *present_names, "attention"],
@@ -437,13 +431,13 @@ def export_transformer(model: Transformer, opset: int, store: WeightStore | None
         cancel_transposes(decoder_attention)
         use_key_padding_mask(decoder_attention)
         set_io_shapes(decoder_attention, shapes)
-        decoder_attention = _stored(decoder_attention, store)
+        decoder_attention = stored(decoder_attention, store)
 
     return GraphSet(
         encoder=encoder,
         decoder=decoder,
         decoder_attention=decoder_attention,
-        decoder_forced=_stored(_forced_graph(model, src, src_mask, cross, opset, shapes, store), store),
+        decoder_forced=stored(_forced_graph(model, src, src_mask, cross, opset, shapes, store), store),
         decoder_static=["src_mask", *cross_names],
         decoder_state=[
             StateTensor(input=name, output=name.replace("past_", "present_"), init="buffer",

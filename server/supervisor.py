@@ -119,20 +119,17 @@ class ServiceProcessMetrics(Collector):
         self.pids = pids
 
     def collect(self) -> Iterable[Metric]:
-        families: dict[str, Metric] = {}
-        for index, pid in enumerate(self.pids()):
+        supervisor, *workers = self.pids()
+        added = dict.fromkeys(self.SUMMED, 0.0)
+        for pid in workers:
             for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
                 for sample in family.samples:
-                    if index and sample.name not in self.SUMMED:
-                        continue  # the supervisor's own: start time, descriptor limit
-                    kept = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                    same = [i for i, s in enumerate(kept.samples) if s.name == sample.name]
-                    if same:
-                        old = kept.samples[same[0]]
-                        kept.samples[same[0]] = old._replace(value=old.value + sample.value)
-                    else:
-                        kept.samples.append(sample)
-        return list(families.values())
+                    if sample.name in added:
+                        added[sample.name] += sample.value
+        families = list(ProcessCollector(pid=lambda: supervisor, registry=None).collect())
+        for family in families:
+            family.samples = [s._replace(value=s.value + added.get(s.name, 0.0)) for s in family.samples]
+        return families
 
 
 class Supervisor:
