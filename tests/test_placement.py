@@ -13,12 +13,14 @@ import tomllib
 from pathlib import Path
 
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from nmt.cli import main as nmt_main
 from nmt.model_format.manifest import read_manifest
 from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
+from server.engine.portable_attention import needs_portable_attention, session_graph
 from tests.conftest import PARITY_SENTENCES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,17 +61,31 @@ def test_the_table_stands_for_the_pinned_onnxruntime_gpu():
 def test_fp16_every_node_has_a_cuda_kernel(arch, fp16_models):
     assert read_manifest(fp16_models[arch]).precision == "fp16"
     assert unplaced_by_graph(fp16_models[arch]) == dict.fromkeys(sorted(GRAPH_FILES[arch]), [])
+    for name in GRAPH_FILES[arch]:  # so CUDA sessions open the files as exported
+        assert not needs_portable_attention(onnx.load(fp16_models[arch] / name, load_external_data=False))
 
 
 def test_fp32_transformer_decoder_group_query_attention_has_no_cuda_kernel(tiny_models):
-    """The open defect of issue 32 item 1, asserted exactly so that this fails when it changes: ONNX Runtime's
-    CUDA GroupQueryAttention takes fp16/bf16 only, so in an fp32 version the self-attention of every decoder
-    layer (the tiny model has 2) runs on the CPU provider and its KV cache crosses the bus each step (seen on
-    an H200 with onnxruntime-gpu 1.31.1). The forced decoder (MultiHeadAttention) and the encoder are placed."""
+    """As exported, an fp32 version's decoder self-attention is GroupQueryAttention (the CPU's fastest form),
+    which has no fp32 CUDA kernel (the CUDA kernel takes fp16/bf16 only: seen on an H200 with onnxruntime-gpu
+    1.31.1, where every layer's self-attention ran on the CPU provider). Asserted exactly: the tiny model's
+    2 layers, in the two step graphs; the forced decoder (MultiHeadAttention) and the encoder are placed."""
     unplaced = unplaced_by_graph(tiny_models["transformer"])
     layers = [(GQA, "self_attention_0"), (GQA, "self_attention_1")]
     assert unplaced == {"decoder.onnx": layers, "decoder_attention.onnx": layers, "decoder_forced.onnx": [],
                         "encoder.onnx": []}
+
+
+def test_fp32_transformer_is_placed_once_its_self_attention_is_portable(tiny_models):
+    """What an fp32 version's sessions open on CUDA (``Engine.load``'s default there): the step graphs with
+    their self-attention in standard operators (:mod:`server.engine.portable_attention`). Every node of
+    every graph then has a CUDA kernel."""
+    version = tiny_models["transformer"]
+    for name in sorted(GRAPH_FILES["transformer"]):
+        graph = session_graph(version / name, ort.SessionOptions(), None, on_cuda=True)
+        model = onnx.load(graph) if isinstance(graph, str) else onnx.load_from_string(graph)
+        assert nodes_without_cuda_kernel(model) == [], name
+        assert isinstance(graph, bytes) == (name in ("decoder.onnx", "decoder_attention.onnx"))
 
 
 def test_fp32_bahdanau_every_node_has_a_cuda_kernel(tiny_models):

@@ -27,6 +27,7 @@ from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
 from server.engine.device import (
+    CPU,
     CUDA,
     DeviceSettings,
     check_provider,
@@ -37,6 +38,7 @@ from server.engine.device import (
 )
 from server.engine.device_step_model import DeviceStepModel
 from server.engine.forced import decode
+from server.engine.portable_attention import session_graph
 from server.engine.search import Alternatives, BeamSentence
 from server.engine.shared_weights import SharedWeights
 from server.engine.step_models import OnnxStepModel
@@ -132,6 +134,7 @@ class Engine:
         gpu_mem_limit: int = 0,
         cuda_tf32: bool = False,
         prepack: bool = True,
+        portable_attention: bool | None = None,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
@@ -154,6 +157,11 @@ class Engine:
         (:class:`SharedWeights`); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session
         (faster steps; the mapped pages only packing read are then released); without it the loaded
         version holds each weight once.
+
+        ``portable_attention``: run the decoder's self-attention over the in-place cache in standard operators
+        (:mod:`server.engine.portable_attention`) instead of ``GroupQueryAttention``. Default: where CUDA is
+        the first provider and that operator's CUDA kernel does not take the cache's type (fp32 versions);
+        the CPU keeps the fused operator, its fastest.
         """
         version_dir = Path(version_dir)
         manifest = read_manifest(version_dir)
@@ -165,7 +173,8 @@ class Engine:
             options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack)
             if weights is not None:
                 weights.add_to(options, version_dir / filename)
-            sessions[role] = ort.InferenceSession(str(version_dir / filename), options, providers=providers)
+            graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=providers[0] != CPU)
+            sessions[role] = ort.InferenceSession(graph, options, providers=providers)
         if weights is not None and prepack:  # the kernels hold packed copies: the pages only the packing read go
             weights.release_pages()
         got = session_provider(sessions)
