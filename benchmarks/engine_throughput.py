@@ -64,7 +64,8 @@ SOURCE_TOKENS = 20
 THREADS = 2
 EOS, UNK = 0, 1  # Marian's layout; pad is the last id
 WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
-RUNTIMES = ("project", "ctranslate2", "pytorch")
+RUNTIMES = ("project", "ctranslate2", "pytorch", "generate")
+DEFAULT_RUNTIMES = {"cpu": ["project", "ctranslate2", "pytorch"], "cuda": ["project", "generate"]}
 WITHOUT_TORCH = ("project", "ctranslate2", "baseline")
 
 
@@ -104,12 +105,18 @@ class _Vocabulary:
         return {token: i for i, token in enumerate(self.tokens)}
 
 
-def convert_ctranslate2(model, work: Path, quantization: str | None) -> Path:
-    import ctranslate2
-
+def save_marian(model, work: Path) -> Path:
+    """The Marian model saved as a Hugging Face directory (what ``generate`` and CTranslate2 read)."""
     hf_dir = work / "hf"
     if not hf_dir.exists():
         model.save_pretrained(hf_dir)
+    return hf_dir
+
+
+def convert_ctranslate2(model, work: Path, quantization: str | None) -> Path:
+    import ctranslate2
+
+    hf_dir = save_marian(model, work)
     vocabulary = _Vocabulary(model.config.vocab_size)
 
     class Converter(ctranslate2.converters.TransformersConverter):
@@ -143,7 +150,7 @@ def placeholder_tokenizer(size: int):
     return Tokenizer(proto.SerializeToString())
 
 
-def export_project(model, work: Path, quantize: str | None) -> tuple[Path, Path]:
+def export_project(model, work: Path, quantize: str | None, precision: str = "fp32") -> tuple[Path, Path]:
     """Load the Marian weights into this project's Transformer and export a model version; returns the
     version directory and the PyTorch checkpoint."""
     from export.options import ExportOptions
@@ -169,8 +176,8 @@ def export_project(model, work: Path, quantize: str | None) -> tuple[Path, Path]
     rng = np.random.default_rng(0)
     lines = [" ".join(f"t{i}" for i in rng.integers(2, c.vocab_size - 1, 8)) for _ in range(20)]
     (run / TEST_SPLIT_FILE).write_text("".join(f"{line}\t{line}\n" for line in lines))
-    options = ExportOptions(checkpoint=str(run), name=f"bench-{quantize or 'fp32'}",
-                            model_repository=str(work / "models"), quantize=quantize,
+    options = ExportOptions(checkpoint=str(run), name=f"bench-{quantize or precision}",
+                            model_repository=str(work / "models"), quantize=quantize, precision=precision,
                             force=True, progress=False, threads=THREADS,
                             parity_tolerance=1e-2)  # random weights: logits in the hundreds
     return export_model(options).version_dir, run / BEST_CHECKPOINT
@@ -179,9 +186,7 @@ def export_project(model, work: Path, quantize: str | None) -> tuple[Path, Path]
 def export_baseline(checkout: Path, model, work: Path, quantize: str | None) -> Path:
     """The same weights exported by another checkout's code (its own ``export_project``); returns the
     model version directory."""
-    hf_dir = work / "hf"
-    if not hf_dir.exists():
-        model.save_pretrained(hf_dir)
+    hf_dir = save_marian(model, work)
     code = (f"import sys; sys.path[:0] = [{str(checkout)!r}, {str(checkout / 'benchmarks')!r}]\n"
             "from pathlib import Path\nfrom transformers import MarianMTModel\nimport engine_throughput as bench\n"
             f"model = MarianMTModel.from_pretrained({str(hf_dir)!r})\n"
@@ -261,11 +266,12 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     jobs = {}
     for runtime in models:
         wanted = [(c.batch, c.beam) for c in cells if runtime != "pytorch" or c.beam == 1]
-        job = {"threads": THREADS, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS, "precision": precision,
+        job = {"threads": THREADS, "provider": args.provider, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS,
+               "precision": precision,
                "ort_spinning": args.ort_spinning, "anatomy_tokens": ANATOMY_TOKENS if args.anatomy else None,
                "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
                "check": sources(8, vocab, seed=7),
-               "attention_cell": max(args.batches) if precision == "fp32" and 1 in args.beams else None}
+               "attention_cell": max(args.batches) if attention_cell(args, precision) else None}
         jobs[runtime] = work / f"job-{runtime}.json"
         jobs[runtime].write_text(json.dumps(job))
     order, reports, gemm = list(models), {runtime: [] for runtime in models}, []
@@ -295,7 +301,7 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     if agree:
         print(f"{size} {precision}: greedy outputs agree with the project's on "
               + ", ".join(f"{runtime} {n}/{len(check['project'])}" for runtime, n in agree.items()), flush=True)
-    if "project" in reports and precision == "fp32" and 1 in args.beams:
+    if "project" in reports and attention_cell(args, precision):
         key = f"{max(args.batches)}x1"
         plain = statistics.median(run["tok_s"][key] for run in reports["project"])
         attention = statistics.median(run["tok_s"][key + "+attention"] for run in reports["project"])
@@ -304,14 +310,24 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     return cells, gemm
 
 
+def attention_cell(args: argparse.Namespace, precision: str) -> bool:
+    """Whether the project's worker also times the largest greedy batch with attention output (and the CPU's
+    GEMM rate): fp32 on the CPU."""
+    return precision == "fp32" and 1 in args.beams and args.provider == "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["SMALL", "BASE"], choices=list(SIZES))
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu",
+                        help="where the project's engine, generate and CTranslate2 run (cuda: the first GPU)")
+    parser.add_argument("--precisions", nargs="+", choices=["fp32", "fp16", "int8"],
+                        help="default: fp32 int8 on the CPU, fp32 fp16 on CUDA")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES,
-                        help="which runtimes to measure (the project's is always included)")
+    parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES,
+                        help="which runtimes to measure (the project's is always included; default: ctranslate2 and "
+                             "pytorch on the CPU, generate on CUDA)")
     parser.add_argument("--repeats", type=int, default=5, help="worker runs per runtime, alternating")
     parser.add_argument("--seconds", type=float, default=1.5, help="sustained timing per cell and worker run")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between worker runs")
@@ -324,9 +340,15 @@ def main() -> None:
     parser.add_argument("--ort-spinning", action=argparse.BooleanOptionalAction, default=True,
                         help="the project's ONNX Runtime threads busy-wait within a run (the engine's default)")
     args = parser.parse_args()
-    runtimes = ["project"] + [r for r in args.runtimes if r != "project"]
+    args.precisions = args.precisions or (["fp32", "int8"] if args.provider == "cpu" else ["fp32", "fp16"])
+    if args.provider == "cuda" and "int8" in args.precisions:
+        raise SystemExit("int8 versions do not run on CUDA (their MatMulInteger nodes have no CUDA kernel)")
+    runtimes = ["project"] + [r for r in args.runtimes or DEFAULT_RUNTIMES[args.provider] if r != "project"]
+    if args.provider == "cuda" and "pytorch" in runtimes:
+        raise SystemExit("the pytorch runtime (this project's greedy decoder) runs on the CPU only; use generate")
 
-    print(f"host: {host()}; {THREADS} threads per runtime, each runtime in its own process", flush=True)
+    print(f"host: {host()}; {THREADS} threads per runtime, each runtime in its own process; provider "
+          f"{args.provider}", flush=True)
     cells: list[Cell] = []
     gemm: list[float] = []
     notes: dict[str, str] = {}
@@ -337,12 +359,14 @@ def main() -> None:
             hf = marian_model(size)
             for precision in args.precisions:
                 quantize = "int8" if precision == "int8" else None
-                version_dir, checkpoint = export_project(hf, work, quantize)
+                version_dir, checkpoint = export_project(hf, work, quantize, "fp16" if precision == "fp16" else "fp32")
                 models = {"project": version_dir}
                 if "ctranslate2" in runtimes:
                     models["ctranslate2"] = convert_ctranslate2(hf, work, quantize)
                 if "pytorch" in runtimes and precision == "fp32":
                     models["pytorch"] = checkpoint
+                if "generate" in runtimes and precision != "int8":
+                    models["generate"] = save_marian(hf, work)
                 if args.baseline:
                     models["baseline"] = export_baseline(args.baseline.resolve(), hf, work, quantize)
                 measured, rates = measure(size, precision, models, args, work, notes, torch_loaded)
@@ -394,22 +418,25 @@ def _share(cell: Cell, gflops: float) -> str:
 def format_cell(cell: Cell, gflops: float) -> str:
     parts = [f"{cell.size:<5} {cell.precision:<4} B={cell.batch:<3} beam={cell.beam}",
              *(f"{runtime} {_stat(runs)}" for runtime, runs in cell.runs.items()), f"ratio {_ratio(cell)}"]
-    if "baseline" in cell.runs:
-        parts.append(f"project/baseline {_ratio(cell, 'baseline')}")
+    for other in ("generate", "baseline"):
+        if other in cell.runs:
+            parts.append(f"project/{other} {_ratio(cell, other)}")
     return " | ".join(parts) + (f" | ceiling share {_share(cell, gflops)}" if _share(cell, gflops) != "-" else "")
 
 
 def table(cells: list[Cell], gflops: float) -> str:
-    baseline = any("baseline" in c.runs for c in cells)
+    extras = [(other, title) for other, title in (("generate", "generate"), ("baseline", "baseline"))
+              if any(other in c.runs for c in cells)]
     lines = [
         "| size | precision | batch | beam | project tok/s | CTranslate2 tok/s | project/CT2 | PyTorch tok/s "
-        "| % of fp32 ceiling |" + (" baseline tok/s | project/baseline |" if baseline else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else ""),
+        "| % of fp32 ceiling |" + "".join(f" {title} tok/s | project/{title} |" for _, title in extras),
+        "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(extras),
     ]
     for c in cells:
         ct2 = _stat(c.runs["ctranslate2"]) if "ctranslate2" in c.runs else "-"
         torch_cell = _stat(c.runs["pytorch"]) if "pytorch" in c.runs else "-"
-        extra = f" {_stat(c.runs['baseline'])} | {_ratio(c, 'baseline')} |" if "baseline" in c.runs else ""
+        extra = "".join(f" {_stat(c.runs[other]) if other in c.runs else '-'} | {_ratio(c, other)} |"
+                        for other, _ in extras)
         lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | {_stat(c.runs['project'])} | {ct2} | "
                      f"{_ratio(c)} | {torch_cell} | {_share(c, gflops)} |{extra}")
     return "\n".join(lines)

@@ -3,13 +3,14 @@
     python benchmarks/runtime_worker.py RUNTIME MODEL JOB.json [--load-torch]
 
 RUNTIME is ``project`` (this project's ONNX Runtime engine; MODEL is a model version directory),
-``ctranslate2`` (MODEL is a converted CTranslate2 directory) or ``pytorch`` (MODEL is a checkpoint;
-greedy only). The worker imports only what its runtime needs, so no other runtime's thread pool or
-OpenMP library shares the process. For each (batch, beam) cell of the job it warms up, then decodes
-the same batch back to back for the job's fixed wall time and reports target tokens/s. With the job's
-``anatomy_tokens`` it also times each cell at that shorter output length and reports the seconds per
-call at both lengths (the benchmark splits them into a fixed cost per call and a cost per step); the
-project's worker then also reports the seconds per call spent inside its ONNX Runtime sessions (the
+``ctranslate2`` (MODEL is a converted CTranslate2 directory), ``pytorch`` (MODEL is a checkpoint; greedy only)
+or ``generate`` (Hugging Face ``generate``; MODEL is the saved Marian directory). The job's ``provider`` (cpu
+or cuda) places the project's engine, ``generate`` and CTranslate2. The worker imports only what its runtime
+needs, so no other runtime's thread pool or OpenMP library shares the process. For each (batch, beam) cell of
+the job it warms up, then decodes the same batch back to back for the job's fixed wall time and reports target
+tokens/s. With the job's ``anatomy_tokens`` it also times each cell at that shorter output length and reports
+the seconds per call at both lengths (the benchmark splits them into a fixed cost per call and a cost per
+step); the project's worker then also reports the seconds per call spent inside its ONNX Runtime sessions (the
 encoder's and the step decoders'), timed by wrappers around their ``run`` methods (~0.5 us a call).
 
 It prints one JSON object on its last stdout line: tokens/s per cell, the greedy outputs of the
@@ -53,8 +54,8 @@ def project(model: str, job: dict) -> Runtime:
 
     retain_mb = ServerConfig().malloc_retain_mb
     retained = retain_freed_memory(retain_mb << 20)  # as nmt serve sets malloc
-    engine = Engine.load(model, provider="cpu", intra_op_threads=job["threads"], inter_op_threads=1,
-                         spinning=job.get("ort_spinning", True))
+    engine = Engine.load(model, provider=job.get("provider", "cpu"), intra_op_threads=job["threads"],
+                         inter_op_threads=1, spinning=job.get("ort_spinning", True))
     clock = SessionClock(engine.model.sessions) if job.get("anatomy_tokens") else None
 
     def decode(sources: list[list[int]], beam: int, length: int | None = None,
@@ -66,16 +67,17 @@ def project(model: str, job: dict) -> Runtime:
 
     spinning = "on" if job.get("ort_spinning", True) else "off"
     malloc = f"malloc keeps {retain_mb} MiB freed" if retained else "malloc as it is"
-    return Runtime(decode, f"onnxruntime {ort.__version__}, {engine.provider}, MLAS, spinning within a run {spinning}, "
-                   f"{malloc}", clock)
+    kernels = "MLAS" if engine.device == "cpu" else engine.device
+    return Runtime(decode, f"onnxruntime {ort.__version__}, {engine.provider}, {kernels}, spinning within a run "
+                   f"{spinning}, {malloc}", clock)
 
 
 def ctranslate2(model: str, job: dict) -> Runtime:
     """CTranslate2's Translator on the converted model; tokens are its ``t<id>`` pieces."""
     import ctranslate2 as ct2
 
-    compute_type = {"fp32": "float32", "int8": "int8"}[job["precision"]]
-    translator = ct2.Translator(model, device="cpu", compute_type=compute_type, inter_threads=1,
+    compute_type = {"fp32": "float32", "fp16": "float16", "int8": "int8"}[job["precision"]]
+    translator = ct2.Translator(model, device=job.get("provider", "cpu"), compute_type=compute_type, inter_threads=1,
                                 intra_threads=job["threads"])
 
     def decode(sources: list[list[int]], beam: int, length: int | None = None) -> list[list[int]]:
@@ -107,7 +109,33 @@ def pytorch(model: str, job: dict) -> Runtime:
     return Runtime(decode, f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
-RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch}
+def generate(model: str, job: dict) -> Runtime:
+    """Hugging Face ``MarianMTModel.generate`` on the same weights (MODEL is the saved Marian directory), on
+    the job's device (``cuda`` for the CUDA provider) in the job's precision (fp32 or fp16), greedy or beam."""
+    import torch
+    import transformers
+    from transformers import MarianMTModel
+
+    device = "cuda" if job.get("provider") == "cuda" else "cpu"
+    dtype = torch.float16 if job["precision"] == "fp16" else torch.float32
+    torch.set_num_threads(job["threads"])
+    net = MarianMTModel.from_pretrained(model, torch_dtype=dtype).to(device).eval()
+    eos = net.config.eos_token_id
+
+    def decode(sources: list[list[int]], beam: int, length: int | None = None) -> list[list[int]]:
+        length = length or job["output_tokens"]
+        src = torch.tensor([ids + [eos] for ids in sources], device=device)
+        with torch.inference_mode():
+            out = net.generate(src, attention_mask=torch.ones_like(src), num_beams=beam, do_sample=False,
+                               max_new_tokens=length, min_new_tokens=length, forced_eos_token_id=None)
+        return [row[1:].tolist() for row in out]  # without the decoder start
+
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
+    return Runtime(decode, f"transformers {transformers.__version__} generate, torch {torch.__version__}, {name}, "
+                   f"{str(dtype).removeprefix('torch.')}")
+
+
+RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch, "generate": generate}
 
 
 class SessionClock:
