@@ -257,6 +257,10 @@ def main() -> None:
                         help="ONNX Runtime threads busy-wait within a run (both sides; the server's default)")
     parser.add_argument("--marian", choices=["SMALL", "BASE"],
                         help="serve a random-weight Marian model of this size instead of --model")
+    parser.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                        help="--marian: the precision the model is exported in (fp16 for GPUs)")
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu",
+                        help="where the bare engine and the server run (both sides)")
     parser.add_argument("--capacity", action="store_true",
                         help="serving-layer capacity: --engine null as one process and with --frontends, and the "
                         "grpc.aio echo floor (see above)")
@@ -289,8 +293,8 @@ def main() -> None:
         if args.marian:
             from engine_throughput import SIZES, export_project, marian_model
 
-            export_project(marian_model(args.marian), Path(work), None)  # -> work/models/bench-fp32/1
-            args.model_repository, args.model = str(Path(work, "models")), "bench-fp32"
+            export_project(marian_model(args.marian), Path(work), None, args.precision)  # work/models/bench-fp32/1
+            args.model_repository, args.model = str(Path(work, "models")), f"bench-{args.precision}"
             make_texts = placeholder_sentences(SIZES[args.marian]["vocab"])
         else:
             make_texts = sentences
@@ -307,12 +311,12 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     if args.frontends and len(args.frontends) > 1:
         raise SystemExit("--frontends takes one value here (several only with --capacity)")
     frontends = args.frontends[0] if args.frontends else 0
-    engine = Engine.load(versions[-1].parent, provider="cpu", intra_op_threads=args.threads,
+    engine = Engine.load(versions[-1].parent, provider=args.provider, intra_op_threads=args.threads,
                          spinning=args.ort_spinning)
     process, address, metrics = start_server(args.model_repository, [
         "--intra-op-threads", str(args.threads), "--max-batch-sentences", "128", "--queue-size", "4096",
         "--max-wait-ms", str(args.max_wait_ms), "--ort-spinning" if args.ort_spinning else "--no-ort-spinning",
-        "--frontends", str(frontends), "--batching", args.batching])
+        "--frontends", str(frontends), "--batching", args.batching, "--provider", args.provider])
     rows = []
     try:
         for callers in args.callers:

@@ -14,6 +14,7 @@ The provider an :class:`Engine` reports is the one its sessions really got (:mod
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,8 @@ from server.engine.step_models import OnnxStepModel
 from server.errors import DeviceMemoryExhausted
 from server.text import TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
+
+log = logging.getLogger("nmt.server")
 
 ENCODER_CALL_TOKENS = 64  # the cost of one more encoder call, in padded source tokens (length_runs; the
 # demo models measured 8-128 alike from 8 sentences up, and 64 no slower than one call for 2 sentences)
@@ -154,9 +157,9 @@ class Engine:
         nodes run on the CPU, copying every step between host and device): export fp16 for GPUs.
 
         A version that stores its weights once (``weights.bin``) gives every session the same buffers
-        (:class:`SharedWeights`); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session
-        (faster steps; the mapped pages only packing read are then released); without it the loaded
-        version holds each weight once.
+        (:class:`SharedWeights`; on CUDA, buffers in device memory, or host buffers where the sessions refuse
+        those); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session (faster steps; the mapped
+        pages only packing read are then released); without it the loaded version holds each weight once.
 
         ``portable_attention``: run the decoder's self-attention over the in-place cache in standard operators
         (:mod:`server.engine.portable_attention`) instead of ``GroupQueryAttention``. Default: where CUDA is
@@ -167,14 +170,28 @@ class Engine:
         manifest = read_manifest(version_dir)
         settings = DeviceSettings(provider, device_id, gpu_mem_limit, cuda_tf32)
         providers = provider_list(settings)
-        weights = SharedWeights(version_dir) if SharedWeights.present(version_dir) else None
-        sessions = {}
-        for role, filename in manifest.graphs.items():
-            options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack)
-            if weights is not None:
-                weights.add_to(options, version_dir / filename)
-            graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=providers[0] != CPU)
-            sessions[role] = ort.InferenceSession(graph, options, providers=providers)
+        on_cuda = providers[0] != CPU
+        weights = (SharedWeights(version_dir, "cuda" if on_cuda else "cpu", device_id)
+                   if SharedWeights.present(version_dir) else None)
+
+        def open_sessions() -> dict[str, ort.InferenceSession]:
+            sessions = {}
+            for role, filename in manifest.graphs.items():
+                options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack)
+                if weights is not None:
+                    weights.add_to(options, version_dir / filename)
+                graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
+                sessions[role] = ort.InferenceSession(graph, options, providers=providers)
+            return sessions
+
+        try:
+            sessions = open_sessions()
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+            if weights is None or weights.device == "cpu":
+                raise
+            log.warning("the sessions did not take weights in device memory (%s); each keeps its own copy", error)
+            weights = SharedWeights(version_dir)
+            sessions = open_sessions()
         if weights is not None and prepack:  # the kernels hold packed copies: the pages only the packing read go
             weights.release_pages()
         got = session_provider(sessions)

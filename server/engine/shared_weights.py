@@ -9,12 +9,18 @@ the version holds each weight once, at the cost of slower steps (benchmarks/READ
 on, :meth:`SharedWeights.release_pages` gives the mapped pages that only the packing read back to the
 page cache once the sessions are built; the few the kernels read later come back on first touch.
 
+On CUDA the values are made once on the device (``device="cuda"``) and every session takes the same device
+buffers, so the version holds each weight once in device memory too; given host values, each CUDA session
+would copy every weight to the device for itself. Where a device value cannot be made (no usable GPU), the
+values stay on the host.
+
 The map reads the file as it is on disk: a version is replaced by writing a new directory and renaming it
 into place (as ``nmt export`` does), never by overwriting ``weights.bin`` while a server maps it.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from pathlib import Path
@@ -24,11 +30,14 @@ import onnxruntime as ort
 
 from nmt.model_format.weights import WEIGHTS_FILE, StoredTensor, stored_tensors
 
+log = logging.getLogger("nmt.server")
+
 
 class SharedWeights:
     """``weights.bin`` of one version, mapped once; :meth:`add_to` gives a session its ranges."""
 
-    def __init__(self, version_dir: Path) -> None:
+    def __init__(self, version_dir: Path, device: str = "cpu", device_id: int = 0) -> None:
+        self.device, self.device_id = device, device_id
         with open(version_dir / WEIGHTS_FILE, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -54,5 +63,14 @@ class SharedWeights:
         key = (tensor.offset, tensor.dtype.str, tensor.shape)
         if key not in self.values:
             data = self.map[tensor.offset : tensor.offset + tensor.length].view(tensor.dtype).reshape(tensor.shape)
-            self.values[key] = ort.OrtValue.ortvalue_from_numpy(data)
+            self.values[key] = self._place(data)
         return self.values[key]
+
+    def _place(self, data: np.ndarray) -> ort.OrtValue:
+        if self.device != "cpu":
+            try:
+                return ort.OrtValue.ortvalue_from_numpy(data, self.device, self.device_id)
+            except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors; any means no device
+                log.warning("weights stay in host memory: no %s value could be made (%s)", self.device, error)
+                self.device = "cpu"
+        return ort.OrtValue.ortvalue_from_numpy(data)
