@@ -69,6 +69,15 @@ def test_every_session_runs_on_cuda(arch, gpu):
     assert {role: s.get_providers()[0] for role, s in sessions.items()} == dict.fromkeys(sessions, CUDA)
 
 
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_weights_are_held_once_in_device_memory(arch, gpu):
+    """Every session of the version reads the same device buffers (``SessionOptions.add_initializer`` with
+    CUDA ``OrtValue``s), not a copy of its own made from host buffers."""
+    weights = gpu[arch].model.weights
+    assert weights is not None and weights.device == "cuda"
+    assert weights.values and {value.device_name() for value in weights.values.values()} == {"cuda"}
+
+
 def _off_cuda(version_dir: Path, tmp_path: Path) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
     """(node, op) of the nodes ONNX Runtime's profile saw run off CUDA, shape arithmetic left out, and of the
     nodes :func:`server.engine.placement.nodes_without_cuda_kernel` predicts from the kernel table, over every graph
