@@ -9,10 +9,11 @@ the version holds each weight once, at the cost of slower steps (benchmarks/READ
 on, :meth:`SharedWeights.release_pages` gives the mapped pages that only the packing read back to the
 page cache once the sessions are built; the few the kernels read later come back on first touch.
 
-On CUDA the values are made once on the device (``device="cuda"``) and every session takes the same device
-buffers, so the version holds each weight once in device memory too; given host values, each CUDA session
-would copy every weight to the device for itself. Where a device value cannot be made (no usable GPU), the
-values stay on the host.
+On CUDA the values are made once on the device (``device="cuda"``; what ``add_initializer`` is given is a
+non-owning view of each device buffer, which is all it takes) and every session takes the same device buffers,
+so the version holds each weight once in device memory too; given host values, each CUDA session would copy
+every weight to the device for itself. Where a device value cannot be made (no usable GPU), the values stay on
+the host.
 
 The map reads the file as it is on disk: a version is replaced by writing a new directory and renaming it
 into place (as ``nmt export`` does), never by overwriting ``weights.bin`` while a server maps it.
@@ -43,6 +44,7 @@ class SharedWeights:
             self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self.map = np.frombuffer(self.mapping, dtype=np.uint8) if self.mapping else np.empty(0, np.uint8)
         self.values: dict[tuple[int, str, tuple[int, ...]], ort.OrtValue] = {}
+        self.owned: list[ort.OrtValue] = []  # the device buffers the values view
 
     @staticmethod
     def present(version_dir: Path) -> bool:
@@ -69,8 +71,26 @@ class SharedWeights:
     def _place(self, data: np.ndarray) -> ort.OrtValue:
         if self.device != "cpu":
             try:
-                return ort.OrtValue.ortvalue_from_numpy(data, self.device, self.device_id)
+                owned = ort.OrtValue.ortvalue_from_numpy(data, self.device, self.device_id)
+                view = _view(owned)
             except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors; any means no device
                 log.warning("weights stay in host memory: no %s value could be made (%s)", self.device, error)
                 self.device = "cpu"
+            else:
+                self.owned.append(owned)
+                return view
         return ort.OrtValue.ortvalue_from_numpy(data)
+
+
+def _view(owned: ort.OrtValue) -> ort.OrtValue:
+    """An ``OrtValue`` over ``owned``'s memory that does not own it: ``add_initializer`` takes only buffers the
+    caller owns (a NumPy array's, or this view's; ``owned`` must outlive the sessions). Through DLPack, whose
+    Python entry point changed across onnxruntime releases."""
+    if hasattr(ort.OrtValue, "from_dlpack"):
+        try:
+            return ort.OrtValue.from_dlpack(owned)
+        except TypeError:
+            pass
+    from onnxruntime.capi import _pybind_state
+
+    return ort.OrtValue(_pybind_state.OrtValue.from_dlpack(owned._ortvalue.to_dlpack(), False))
