@@ -19,6 +19,7 @@ SCRIPTS = {
     "interactive": "interactive.py",
     "controls": "controls_cost.py",
     "export": "export_size.py",
+    "device-memory": "device_memory.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -34,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "vs continuous batching under a mix of short and long sentences; interactive: completing a sentence "
         "from a target prefix vs from scratch, Score vs Translate; controls: what the decoders' logits output "
         "and the decoding controls cost; export: an OPUS-MT-sized model through nmt export and nmt serve (time, "
-        "peak memory, bytes written, server memory, outputs against transformers).",
+        "peak memory, bytes written, server memory, outputs against transformers); device-memory: a version's "
+        "device memory on CUDA with its weights shared on the device or copied by each session (needs a GPU).",
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
