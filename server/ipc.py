@@ -12,7 +12,8 @@ enter (the socket itself 0600):
   its running ones the decode at the next step).
 * core -> front-end: :class:`Catalog` after a hello and after every change of the repository (hot
   reload, a version failing or recovering); :class:`Done` with a call's search results; :class:`Failed`
-  with a :class:`server.errors.ServingError`'s kind and message.
+  with a :class:`server.errors.ServingError`'s kind and message; :class:`Progress` with a streaming
+  sentence's stable prefix whenever it grew (``TranslateStreaming``).
 
 A message is one length-prefixed frame: a kind byte and a MessagePack body, encoded and decoded by
 msgspec into the very dataclasses both sides use (:class:`server.types.DecodingOptions`,
@@ -91,14 +92,17 @@ def catalog_of(repository: Any) -> Catalog:
 
 @dataclass
 class WireSentence:
-    """What the core needs of a sentence: token ids, options and target prefix (no text, no callback)."""
+    """What the core needs of a sentence: token ids, options and target prefix (no text, no callback), and
+    whether the front-end wants its stable prefix as the search goes (:class:`Progress`)."""
 
     source_ids: list[int]
     options: DecodingOptions
     target_prefix: TargetPrefix
+    stream: bool = False
 
-    def request(self, is_cancelled: Callable[[], bool] | None = None) -> SentenceRequest:
-        return SentenceRequest(self.source_ids, self.options, is_cancelled, target_prefix=self.target_prefix)
+    def request(self, on_stable: Callable[[list[int], list[float]], None] | None = None) -> SentenceRequest:
+        return SentenceRequest(self.source_ids, self.options, target_prefix=self.target_prefix,
+                               on_stable=on_stable if self.stream else None)
 
 
 @dataclass
@@ -129,6 +133,16 @@ class Done:
 
 
 @dataclass
+class Progress:
+    """A streaming sentence's stable prefix grew (:attr:`server.types.SentenceRequest.on_stable`)."""
+
+    call: int
+    sentence: int  # its index in the call's Submit
+    tokens: list[int]
+    scores: list[float]
+
+
+@dataclass
 class Failed:
     call: int
     kind: str  # the ServingError's class name
@@ -143,7 +157,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 _ERRORS = {cls.__name__: cls for cls in _subclasses(ServingError)}
-MESSAGES: tuple[type, ...] = (Hello, Submit, Cancel, Catalog, Done, Failed)  # a frame's kind byte: the index
+MESSAGES: tuple[type, ...] = (Hello, Submit, Cancel, Catalog, Done, Failed, Progress)  # a frame's kind byte: the index
 
 
 def _encode_hook(obj: Any) -> Any:
@@ -288,9 +302,15 @@ class CoreEndpoint:
             log.warning("front-end gone; its calls cancelled", extra={"fields": {"pid": pid, "calls": len(orphans)}})
 
     async def _submit(self, peer: Channel, handle: RequestHandle, submit: Submit) -> None:
+        loop = asyncio.get_running_loop()
+
+        def progress(sentence: int) -> Callable[[list[int], list[float]], None]:  # called on the engine's thread
+            return lambda tokens, scores: loop.call_soon_threadsafe(
+                peer.send, Progress(submit.call, sentence, tokens, scores))
+
         try:
             with self.repository.acquire(submit.name, submit.version) as model:
-                sentences = [s.request() for s in submit.sentences]
+                sentences = [s.request(progress(i)) for i, s in enumerate(submit.sentences)]
                 reply: Any = Done(submit.call, await model.submit(sentences, submit.work, handle))
         except asyncio.CancelledError:
             return  # the front-end withdrew the call: nobody waits for an answer
@@ -326,11 +346,13 @@ class CoreClient:
         self.catalog: Catalog | None = None
         self._channel: Channel | None = None
         self._calls: dict[int, asyncio.Future] = {}
+        self._progress: dict[int, list[Callable[[list[int], list[float]], None] | None]] = {}  # streaming calls
         self._ids = itertools.count()
         self._catalogs: asyncio.Queue[Catalog | None] = asyncio.Queue()  # taken in order by one task
         self._tasks: list[asyncio.Task] = []
         self._lost = asyncio.Event()
         self._first_catalog = asyncio.Event()
+        self._closing = False
 
     async def start(self, timeout: float) -> None:
         """Connect (and keep connecting) and wait (at most ``timeout`` seconds) for the core's first catalog."""
@@ -341,6 +363,7 @@ class CoreClient:
             await asyncio.wait_for(self._first_catalog.wait(), timeout)
 
     async def close(self) -> None:
+        self._closing = True  # the connection this closes is not the core going away
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -357,10 +380,12 @@ class CoreClient:
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
+        if any(s.on_stable is not None for s in sentences):
+            self._progress[call] = [s.on_stable for s in sentences]
         try:
             channel.send(Submit(call, name, version, request.request_id, request.deadline,
-                                [WireSentence(list(s.source_ids), s.options, s.target_prefix) for s in sentences],
-                                list(work)))
+                                [WireSentence(list(s.source_ids), s.options, s.target_prefix, s.on_stable is not None)
+                                 for s in sentences], list(work)))
             return await future
         except asyncio.CancelledError:
             request.cancel()
@@ -369,6 +394,7 @@ class CoreClient:
             raise
         finally:
             self._calls.pop(call, None)
+            self._progress.pop(call, None)
 
     async def _connect(self) -> None:
         """Connect, say hello, wait for the connection to end; again, for as long as the front-end runs."""
@@ -391,6 +417,10 @@ class CoreClient:
             self.catalog = message
             self.up = True
             self._catalogs.put_nowait(message)
+        elif isinstance(message, Progress):
+            report = self._progress.get(message.call, [None] * (message.sentence + 1))[message.sentence]
+            if report is not None:
+                report(message.tokens, message.scores)
         elif isinstance(message, Done | Failed):
             future = self._calls.get(message.call)
             if future is None or future.done():
@@ -406,7 +436,8 @@ class CoreClient:
         self._lost.set()
         if self.up:
             self.up = False
-            log.error("engine core gone; answering UNAVAILABLE until it is back")
+            if not self._closing:
+                log.error("engine core gone; answering UNAVAILABLE until it is back")
             self._catalogs.put_nowait(None)
         self._fail_all(Unavailable(CORE_DOWN))
 

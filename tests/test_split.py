@@ -306,6 +306,8 @@ def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path:
         order = [m for m, _ in messages]
         stops = [i for i, m in enumerate(order) if m == "stopped"]  # each front-end's, then the supervisor's
         assert len(stops) == 3 and stops[1] < order.index("engine core stopping") < stops[2]
+        assert not [e for e in server.logs() if e["level"] == "error"]  # a front-end closing its own connection
+        # to the core is not the core going away
     finally:
         server.stop()
 

@@ -41,6 +41,10 @@ requires those sentences to be all the decode holds (the static batch); ``first=
 Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
 sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
 so their rows are free for the next admission.
+
+Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
+prefix when it grew: the tokens all its live hypotheses and all its finished ones share
+(:meth:`RunningDecode._report_stable`), which its result is bound to begin with.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class _Sentence:
     step: int = 0  # tokens decoded so far
     joined_at: int = 0  # its step when it joined (> 0 after a forced pass): it holds 1 row until it expands
     finished: list[ScoredSequence] = field(default_factory=list)
+    stable: int = 0  # tokens of its stable prefix reported so far (spec.on_stable)
 
     @property
     def controls(self) -> Controls:
@@ -257,7 +262,28 @@ class RunningDecode:
                                     left, kept))
         self._advance(kept, parts, layout, attention)
         self._age += 1
+        self._report_stable()
         return left
+
+    def _report_stable(self) -> None:
+        """Give each streaming sentence (``on_stable``) its stable prefix when it grew: the tokens that every
+        live hypothesis and every finished one share. The sentence's result is one of those hypotheses or
+        a continuation of a live one, so no later step can change these tokens. With one row (greedy,
+        sampling) that is every token so far."""
+        for j, s in enumerate(self._sentences):
+            if s.spec.on_stable is None:
+                continue
+            rows = np.flatnonzero(self._row_sentence == j)
+            history = self._history[rows, : s.step]
+            agree = (history == history[0]).all(axis=0)
+            length = s.step if agree.all() else int(np.argmin(agree))
+            for done in s.finished:
+                n = min(length, len(done.tokens))
+                same = np.asarray(done.tokens[:n]) == history[0, :n]
+                length = n if same.all() else int(np.argmin(same))
+            if length > s.stable:
+                s.stable = length
+                s.spec.on_stable(history[0, :length].tolist(), self._history_scores[rows[0], :length].tolist())
 
     # ---- one step --------------------------------------------------------------------------------
 

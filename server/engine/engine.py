@@ -313,6 +313,7 @@ class Engine:
                 else None,
                 beam_size=r.options.beam_size,
                 need_attention=r.options.return_attention,
+                on_stable=r.on_stable,
             )
             for i, r in enumerate(requests)
         ]

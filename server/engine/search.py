@@ -136,6 +136,7 @@ class BeamSentence:
     beam_size: int = 1
     need_attention: bool = False  # keep the cross-attention of its hypotheses
     alternatives: Alternatives | None = None  # the next words after the forced prefix, instead of the n best
+    on_stable: Callable[[list[int], list[float]], None] | None = None  # the stable prefix, when it grew
 
     def limit(self) -> int:
         """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix and the

@@ -28,9 +28,10 @@ import grpc
 
 from nmt.model_format.decoding import normalized_score
 from server.config import ServerConfig
-from server.errors import ServingError, Unavailable, grpc_errors, status_of
+from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.frontend.interceptor import Undecodable, current_call
+from server.frontend.streaming import StableStream
 from server.frontend.translate import translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.policy import BatchPolicy, RequestHandle
@@ -43,7 +44,8 @@ STREAM_WINDOW = 32  # requests of one stream translated concurrently
 
 
 class TranslatorService:
-    """``Translate``, ``TranslateStream``, ``ListModels`` and ``Score`` over the repository's model versions."""
+    """``Translate``, ``TranslateStream``, ``TranslateStreaming``, ``ListModels`` and ``Score`` over the
+    repository's model versions."""
 
     def __init__(self, *, repository: VersionIndex, config: ServerConfig) -> None:
         self.repository = repository
@@ -97,6 +99,21 @@ class TranslatorService:
                     task.cancel()
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve the outcome
 
+    @grpc_errors
+    async def TranslateStreaming(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """One text as the search decides it (:mod:`server.frontend.streaming`); a client that goes away
+        cancels the translation, whose rows leave the decode at its next step."""
+        stream = StableStream()
+        translate = asyncio.ensure_future(self._run(request, from_pb, context, stream=stream))
+        try:
+            async for delta in stream.deltas(translate):
+                yield delta
+        finally:
+            translate.cancel()
+            translate.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve the outcome
+
     async def _stream_item(self, request: Any, context: grpc.aio.ServicerContext, index: int) -> Any:
         """One stream request's response: its translations, or its error (logged) when it failed."""
         try:
@@ -139,8 +156,10 @@ class TranslatorService:
         """One ``TranslateRequest`` -> its ``TranslateResponse``."""
         return await self._run(request, from_pb, context)
 
-    async def _run(self, request: Any, parse: Callable[[Any], TranslateCall], context: grpc.aio.ServicerContext) -> Any:
-        """One request, read by ``parse`` -> its ``TranslateResponse``."""
+    async def _run(self, request: Any, parse: Callable[[Any], TranslateCall], context: grpc.aio.ServicerContext,
+                   stream: StableStream | None = None) -> Any:
+        """One request, read by ``parse`` -> its ``TranslateResponse``; with ``stream``, its one text's stable
+        prefix is reported there as the search goes."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
         if isinstance(request, Undecodable):
@@ -151,6 +170,8 @@ class TranslatorService:
         if call.model:  # checked before resolving, so a restricted token cannot probe which models exist
             record.grant.check(call.model)
         check_texts(call.texts, self.config)
+        if stream is not None and len(call.texts) != 1:
+            raise InvalidArgument(f"TranslateStreaming translates exactly one text per request, not {len(call.texts)}")
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
             record.model, record.version = model.name, model.version
@@ -163,8 +184,11 @@ class TranslatorService:
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=codec.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
+            if stream is not None:
+                stream.bind(codec, scores=call.options.return_scores)
             translations = await translate_texts(codec, model.submit, call.texts, options, handle,
-                                                 policy=self.policy, prefix=prefix, target_prefixes=forced)
+                                                 policy=self.policy, prefix=prefix, target_prefixes=forced,
+                                                 on_stable=stream.on_stable if stream is not None else None)
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
             return to_pb(translations, model, call.options)

@@ -28,12 +28,14 @@ async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (),
+    on_stable: Callable[[list[int], list[float]], None] | None = None,
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
     ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
-    return their translations in order."""
+    return their translations in order. ``on_stable`` streams the (one) text's stable prefix
+    (:class:`server.types.SentenceRequest`)."""
     policy = policy or BatchPolicy()
 
     def tokenize(text: str) -> list[int]:
@@ -47,7 +49,7 @@ async def translate_texts(
     work = check_budget(texts, sources, options, piece_bytes=codec.tokenizer.max_piece_bytes,
                         max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
                         prefix_steps=[target.steps() for target in forced])
-    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target)
+    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target, on_stable=on_stable)
                  for ids, text, target in zip(sources, texts, forced, strict=True)]
     results = await submit(sentences, work, request or RequestHandle())
     return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
