@@ -159,8 +159,8 @@ def test_frontends_never_import_onnxruntime() -> None:
 
 
 def test_answers_equal_the_one_process_server(split: SplitServer, repository: Path) -> None:
-    """Translate (greedy, beam 4 with attention and n-best, a target prefix), Score, the stream and the
-    model list answer as the one-process server does."""
+    """Translate (greedy, beam 4 with attention and n-best, a target prefix), Score, the stream, the streamed
+    translation and the model list answer as the one-process server does."""
     requests = [
         pb2.TranslateRequest(texts=TEXTS[:3]),
         pb2.TranslateRequest(texts=TEXTS[:2], options=pb2.DecodingOptions(
@@ -176,6 +176,13 @@ def test_answers_equal_the_one_process_server(split: SplitServer, repository: Pa
         assert split_stub.Score(score, timeout=30) == one.stub.Score(score, timeout=30)
         streamed = list(split_stub.TranslateStream(iter(requests), timeout=30))
         assert streamed == [one.stub.Translate(r, timeout=30) for r in requests]
+        for request in (pb2.TranslateRequest(texts=TEXTS[1:2], options=pb2.DecodingOptions(beam_size=1)),
+                        pb2.TranslateRequest(
+                texts=TEXTS[3:4], target_prefixes=["drei"], options=pb2.DecodingOptions(beam_size=4))):
+            deltas = list(split_stub.TranslateStreaming(request, timeout=30))  # the core's Progress messages
+            assert deltas == list(one.stub.TranslateStreaming(request, timeout=30))
+            assert deltas[-1].final == one.stub.Translate(request, timeout=30)
+            assert len(deltas) > 1 or request.options.beam_size == 4  # greedy: one message per piece
         models = split_stub.ListModels(pb2.ListModelsRequest(), timeout=10)
         assert [(m.name, m.version) for m in models.models] == [
             (m.name, m.version) for m in one.stub.ListModels(pb2.ListModelsRequest(), timeout=10).models]

@@ -1,0 +1,135 @@
+"""``TranslateStreaming``: a text's stable prefix as the search goes (:mod:`server.frontend.streaming`,
+:meth:`server.engine.decode.RunningDecode._report_stable`).
+
+Against the real server in this process (both tiny architectures) and the engine underneath: the deltas join
+to what ``Translate`` returns for the same request (greedy, beam 4, n-best, target prefixes), greedy sends
+each piece as it is chosen, text comes in whole words, a stable prefix never retracts (every report on a
+random mix of sentences, beams and prefixes), and a client that cancels mid-stream frees the decode. The split
+server's streaming is tested in ``tests/test_split.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from server.engine.engine import Engine
+from server.protos import pb2
+from server.types import DecodingOptions, SentenceRequest
+from tests.harness import ServerHarness
+from tests.test_server import SlowEngine, default_loader, rpc_error, test_config, wait_for, wrapping_loader
+
+TEXTS = ["one two", "three four five six", "seven eight nine ten one two", "two two three four"]
+ARCHS = ("transformer", "bahdanau")
+
+
+@pytest.fixture(scope="module")
+def repository(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("streaming")
+    for arch, version in tiny_models.items():
+        shutil.copytree(version, root / arch / "1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def harness(repository: Path) -> Iterator[ServerHarness]:
+    h = ServerHarness(test_config(repository, default_model="transformer"), default_loader())
+    yield h
+    h.close()
+
+
+def request(arch: str, text: str, prefix: str = "", **options: Any) -> Any:
+    return pb2.TranslateRequest(texts=[text], model=arch, target_prefixes=[prefix] if prefix else [],
+                                options=pb2.DecodingOptions(return_scores=True, **options))
+
+
+def stream(h: ServerHarness, req: Any) -> list[Any]:
+    return list(h.stub.TranslateStreaming(req, timeout=30))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("beam,hypotheses", [(1, 1), (4, 1), (4, 3)])
+@pytest.mark.parametrize("prefix", ["", "drei"])
+def test_the_deltas_join_to_what_translate_returns(harness, arch, beam, hypotheses, prefix):
+    for text in TEXTS:
+        req = request(arch, text, prefix, beam_size=beam, num_hypotheses=hypotheses, return_attention=True)
+        deltas = stream(harness, req)
+        unary = harness.stub.Translate(req, timeout=30)
+        assert [d.HasField("final") for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        final = deltas[-1].final
+        assert [h.subword_tokens for h in final.translations[0].hypotheses] == \
+            [h.subword_tokens for h in unary.translations[0].hypotheses]
+        best = final.translations[0].hypotheses[0]
+        assert best.text == unary.translations[0].hypotheses[0].text
+        assert "".join(d.text for d in deltas) == best.text
+        assert [p for d in deltas for p in d.subword_tokens] == list(best.subword_tokens)
+        np.testing.assert_allclose([s for d in deltas for s in d.token_scores], best.token_scores[:-1], atol=1e-6)
+        sent = ""
+        for delta in deltas[:-1]:  # whole words only: what was sent ends where a word ends
+            sent += delta.text
+            assert best.text.startswith(sent)
+            assert sent == "" or best.text[len(sent):][:1] in ("", " ")
+        if beam == 1:  # every piece as it is chosen (the last message adds none: the end of the sentence)
+            assert [len(d.subword_tokens) for d in deltas] == [1] * len(best.subword_tokens) + [0]
+
+
+def test_one_text_per_request(harness):
+    error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one", "two"])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one text" in error.details()
+    error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one"], model="nope")))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_stable_prefix_never_retracts(tiny_models, arch):
+    """Every report of every sentence, on a random mix of beam sizes, lengths and target prefixes decoded
+    together: each extends the one before, and the sentence's best hypothesis begins with it."""
+    engine = Engine.load(tiny_models[arch], provider="cpu", intra_op_threads=1)
+    rng = random.Random(7)
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    reports: list[list[list[int]]] = []
+    requests = []
+    for i in range(40):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 9)))
+        beam = rng.choice([1, 2, 3, 4, 8])
+        options = DecodingOptions(beam_size=beam, num_hypotheses=rng.randint(1, beam), length_penalty=rng.choice(
+            [0.6, 1.0]), max_length=rng.choice([8, 40]))
+        prefix = engine.target_prefix(rng.choice(["", "", "eins", "zwei drei"]))
+        reports.append([])
+        requests.append(SentenceRequest(engine.tokenize(text), options, text=text, target_prefix=prefix,
+                                        on_stable=lambda tokens, scores, i=i: reports[i].append(tokens)))
+    results = engine.translate_batch(requests).translations
+    early = 0
+    for result, request_, seen in zip(results, requests, reports, strict=True):
+        best = result.hypotheses[0].token_ids
+        for before, after in zip([[], *seen], seen, strict=False):
+            assert len(after) > len(before) and after[: len(before)] == before
+        for tokens in seen:
+            assert best[: len(tokens)] == tokens
+        early += request_.options.beam_size > 1 and bool(seen)
+    assert early > 0  # beam search decided tokens before the end in some sentences
+
+
+def test_cancelling_mid_stream_frees_the_decode(repository):
+    h = ServerHarness(test_config(repository, default_model="transformer"),
+                      wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.02)))
+    try:
+        long = request("transformer", " ".join(TEXTS), max_length=200, min_length=190)
+        call = h.stub.TranslateStreaming(long, timeout=60)
+        first = next(call)  # greedy: the first piece, from the running decode
+        assert first.subword_tokens and not first.HasField("final")
+        call.cancel()
+        cancelled = {"model": "transformer", "version": "1"}
+        wait_for(lambda: h.metric("nmt_cancelled_sentences_total", cancelled) == 1)
+        assert h.engine("transformer").results[-1].results == [None]  # it left the decode before its end
+        assert h.metric("nmt_requests_total", {"model": "transformer", "method": "TranslateStreaming",
+                                               "code": "CANCELLED"}) == 1
+    finally:
+        h.close()
