@@ -26,6 +26,7 @@ _EXPORTS = {
     "Hypothesis": "clients.messages",
     "Attention": "clients.messages",
     "ModelInfo": "clients.messages",
+    "StreamDelta": "clients.messages",
     "alignment_grid": "clients.render",
     "save_heatmap": "clients.render",
 }

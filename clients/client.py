@@ -53,7 +53,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,10 +63,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.channel import DEFAULT_KEEPALIVE, channel_options, channel_target, credentials_for, split_addresses
 from clients.messages import (
     ModelInfo,
+    StreamDelta,
     Translation,
     TranslationError,
     build_request,
     build_score_request,
+    delta_from_pb,
     error_from_rpc,
     model_info_from_pb,
     translations_from_pb,
@@ -255,6 +257,32 @@ class TranslatorClient(_ClientBase):
                                 alternatives=alternatives)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
+
+    def translate_stream(self, text: str, *, model: str = "", version: str = "", beam_size: int = 0,
+                         num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
+                         attention: bool = False, scores: bool = False, target_language: str = "",
+                         target_prefix: str = "", timeout: float | None = None,
+                         request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Translate one ``text`` as the server decides it: :class:`StreamDelta` messages whose texts join to
+        the translation, the last one carrying the whole :class:`Translation` (options as :meth:`translate`).
+        Not retried once a message has arrived (the words shown cannot be taken back); closing the iterator
+        early cancels the call on the server."""
+        request = build_request(text, model=model, version=version, beam_size=beam_size,
+                                num_hypotheses=num_hypotheses, max_length=max_length, length_penalty=length_penalty,
+                                attention=attention, scores=scores, target_language=target_language,
+                                target_prefixes=[target_prefix] if target_prefix else ())
+        if len(request.texts) != 1:
+            raise ValueError("translate_stream translates one text")
+        request_id = self._request_id(request_id)
+        call = self.stub.TranslateStreaming(request, timeout=self._remaining(self._deadline(timeout), request_id, 0),
+                                            metadata=self._metadata(request_id))
+        try:
+            for message in call:
+                yield delta_from_pb(message, scores=scores)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, request_id) from None
+        finally:
+            call.cancel()
 
     def score(self, texts: str | list[str], targets: str | list[str], *, model: str = "", version: str = "",
               attention: bool = False, length_penalty: float = 0.0, target_language: str = "",

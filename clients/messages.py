@@ -72,6 +72,18 @@ class Translation:
 
 
 @dataclass(frozen=True)
+class StreamDelta:
+    """One message of a streamed translation (``TranslateStreaming``): the pieces its stable prefix added,
+    their log-probabilities (``scores``) and the text of the words they closed; the last one also carries
+    the whole translation, as ``translate`` returns it."""
+
+    text: str
+    pieces: list[str]
+    token_scores: list[float] | None = None
+    translation: Translation | None = None  # the last delta only
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """One loaded model version, as ``ListModels`` describes it."""
 
@@ -225,3 +237,10 @@ def error_from_rpc(error: grpc.RpcError, request_id: str | None, attempts: int =
     details = error.details() if callable(getattr(error, "details", None)) else None
     code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
     return TranslationError(code, details or code.name.lower().replace("_", " "), request_id, attempts=attempts)
+
+
+def delta_from_pb(message: Any, *, scores: bool) -> StreamDelta:
+    """``TranslationDelta`` -> :class:`StreamDelta`."""
+    translation = translations_from_pb(message.final, scores=scores)[0] if message.HasField("final") else None
+    return StreamDelta(text=message.text, pieces=list(message.subword_tokens),
+                       token_scores=list(message.token_scores) if scores else None, translation=translation)

@@ -37,6 +37,7 @@ examples:
   nmt translate "Tuesday, April 25, 2045" --model demo-transformer --beam-size 4 --num-hypotheses 3 --attention
   nmt translate --plot alignment.png "Tuesday, April 25, 2045"
   nmt translate --prefix "Dienstag, 25. Apr" --alternatives 5 "Tuesday, April 25, 2045"   # next-word suggestions
+  nmt translate --stream --beam-size 4 "Tuesday, April 25, 2045"        # words as they are decided
   nmt translate --json < sentences.txt > translations.jsonl
   nmt translate --list-models
   nmt translate --server 10.0.0.1:50051,10.0.0.2:50051 "one two"          # round robin over two replicas
@@ -139,6 +140,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                "SOURCE TARGET` is the command for it)")
     output = add_output_arguments(parser)
     output.add_argument("--scores", action="store_true", help="print the hypotheses' scores")
+    output.add_argument("--stream", action="store_true",
+                        help="print each translation's words as the server decides them (TranslateStreaming: "
+                             "greedy decoding shows every word as it is chosen, beam search the words all its "
+                             "beams agree on), then the rest of the output; one text per request")
     parser.set_defaults(func=run)
     return parser
 
@@ -284,13 +289,18 @@ def connect(args: argparse.Namespace) -> Any:
 def print_translation(args: argparse.Namespace, source: str, translation: Any, index: int, *, numbered: bool,
                       verbose: bool, stdout: TextIO, stderr: TextIO) -> None:
     """One text's result as ``--json``, text (``verbose``: numbered hypotheses, scores, grids) and ``--plot``."""
-    from clients.render import save_heatmap
-
     if args.json:
         print(json.dumps(translation_json(source, translation), ensure_ascii=False), file=stdout)
     else:
         print(format_translation(source, translation, verbose=verbose, attention=args.attention,
                                  ascii_only=not _unicode_ok(stdout), legend=index == 1), file=stdout)
+    save_plot(args, translation, index, numbered=numbered, stderr=stderr)
+
+
+def save_plot(args: argparse.Namespace, translation: Any, index: int, *, numbered: bool, stderr: TextIO) -> None:
+    """``--plot``: the best hypothesis' attention heatmap, when it has attention."""
+    from clients.render import save_heatmap
+
     if args.plot and translation.hypotheses and translation.hypotheses[0].attention is not None:
         path = save_heatmap(translation.hypotheses[0].attention, plot_path(args.plot, index, numbered))
         print(f"wrote {path}", file=stderr)
@@ -322,9 +332,13 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
         scores = args.scores or hypotheses > 1
         attention = args.attention or bool(args.plot)
         verbose = hypotheses > 1 or args.scores or args.attention or args.score is not None
+        if args.stream and (args.score is not None or args.alternatives or args.json):
+            raise NmtError("--stream prints words as they come: not with --score, --alternatives or --json")
         index = 0
-        for batch in _batches(texts, batch_size):
-            if args.score is not None:
+        for batch in _batches(texts, 1 if args.stream else batch_size):
+            if args.stream:
+                results = [stream_one(client, args, batch[0], hypotheses, scores, attention, stdout, verbose)]
+            elif args.score is not None:
                 results = client.score(batch, [args.score], model=args.model, version=args.model_version,
                                        attention=attention, length_penalty=args.length_penalty,
                                        target_language=args.target_language)
@@ -337,7 +351,28 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                                            alternatives=bool(args.alternatives))
             for source, translation in zip(batch, results, strict=True):
                 index += 1
+                if args.stream and not verbose:  # its words are printed already
+                    print(file=stdout)
+                    save_plot(args, translation, index, numbered=numbered, stderr=stderr)
+                    continue
                 print_translation(args, source, translation, index, numbered=numbered, verbose=verbose,
                                   stdout=stdout, stderr=stderr)
             stdout.flush()
     return 0
+
+
+def stream_one(client: Any, args: argparse.Namespace, text: str, hypotheses: int, scores: bool, attention: bool,
+               stdout: TextIO, verbose: bool) -> Any:
+    """Translate ``text`` with ``TranslateStreaming``, printing its words as they come (on a line of their
+    own when the full output follows); returns the translation."""
+    translation = None
+    for delta in client.translate_stream(text, model=args.model, version=args.model_version,
+                                         beam_size=args.beam_size, num_hypotheses=hypotheses,
+                                         max_length=args.max_length, length_penalty=args.length_penalty,
+                                         attention=attention, scores=scores, target_language=args.target_language,
+                                         target_prefix=args.prefix):
+        print(delta.text, end="", file=stdout, flush=True)
+        translation = delta.translation or translation
+    if verbose:
+        print(file=stdout)
+    return translation

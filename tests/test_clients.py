@@ -451,6 +451,32 @@ def test_cli_text_output(server: ServerHarness, client: TranslatorClient, capsys
     assert capsys.readouterr().out.splitlines() == expected
 
 
+def test_translate_stream(client: TranslatorClient) -> None:
+    for beam in (1, 4):
+        deltas = list(client.translate_stream("eight nine ten one", beam_size=beam, scores=True))
+        [expected] = client.translate("eight nine ten one", beam_size=beam, scores=True)
+        assert [d.translation is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert deltas[-1].translation == expected
+        assert "".join(d.text for d in deltas) == expected.best.text
+        assert [p for d in deltas for p in d.pieces] == expected.best.subword_tokens
+        assert [s for d in deltas for s in d.token_scores] == pytest.approx(expected.best.token_scores[:-1])
+        assert beam > 1 or len(deltas) == len(expected.best.subword_tokens) + 1  # greedy: a message per piece
+    with pytest.raises(TranslationError) as error:
+        list(client.translate_stream("one", model="nope"))
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_cli_stream(server: ServerHarness, client: TranslatorClient, capsys: pytest.CaptureFixture) -> None:
+    assert nmt_main(translate_cli(server, "--stream", "one two", "three four five")) == 0
+    expected = [r.best.text for r in client.translate(["one two", "three four five"])]
+    assert capsys.readouterr().out.splitlines() == expected
+    assert nmt_main(translate_cli(server, "--stream", "--beam", "4", "--n-best", "2", "one two")) == 0
+    [result] = client.translate("one two", beam_size=4, num_hypotheses=2, scores=True)
+    assert capsys.readouterr().out.splitlines() == [
+        result.best.text, "> one two", *(f"{i}. {h.text}  (score {h.score:.4f})" for i, h in
+                                         enumerate(result.hypotheses, 1)), ""]
+
+
 def test_cli_n_best_with_scores(server: ServerHarness, client: TranslatorClient,
                                 capsys: pytest.CaptureFixture) -> None:
     assert nmt_main(translate_cli(server, "one two", "--model", MODEL, "--version", "1", "--beam", "4",
