@@ -115,6 +115,12 @@ class ServerMetrics:
         self.admission_wait_steps = Histogram("nmt_admission_wait_steps", "Decoding steps the running decode ran "
                                               "while a sentence waited to join it (continuous batching)",
                                               ["model", "version"], buckets=STEP_BUCKETS, registry=r)
+        self.stream_first_word = Histogram("nmt_stream_first_word_seconds", "TranslateStreaming: time from the "
+                                           "request to the first message that carries text", ["model"],
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.stream_word_gap = Histogram("nmt_stream_word_gap_seconds", "TranslateStreaming: time between "
+                                         "consecutive messages that carry text", ["model"], buckets=LATENCY_BUCKETS,
+                                         registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r,
                                 multiprocess_mode="livemax")

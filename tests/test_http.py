@@ -60,7 +60,39 @@ def test_routes_come_from_the_proto_annotations() -> None:
     routes = {(r.verb, r.path): (r.method.name, r.body) for r in http_routes(translator_descriptor())}
     assert routes[("POST", "/v1/translate")] == ("Translate", "*")
     assert routes[("GET", "/v1/models")] == ("ListModels", "")
-    assert "TranslateStream" not in {name for name, _ in routes.values()}  # streaming: gRPC only
+    assert routes[("POST", "/v1/translate:stream")] == ("TranslateStreaming", "*")  # server-sent events
+    assert "TranslateStream" not in {name for name, _ in routes.values()}  # a request stream: gRPC only
+
+
+def events(raw: bytes) -> list[tuple[str, dict]]:
+    """A ``text/event-stream`` body: (event name, its JSON data) per event ("message" unless named)."""
+    found = []
+    for block in raw.decode().split("\n\n"):
+        if block.strip():
+            fields = dict(line.split(": ", 1) for line in block.splitlines())
+            found.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return found
+
+
+@pytest.mark.parametrize("model", ["tiny-transformer", "tiny-bahdanau"])
+def test_server_sent_events_equal_grpc_streaming(both: ServerHarness, model: str) -> None:
+    body = {"texts": ["three four five six"], "model": model, "options": {"beamSize": 1, "returnScores": True}}
+    status, headers, raw = call(both, "POST", "/v1/translate:stream", body, {"x-request-id": "sse-1"})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers["x-request-id"] == "sse-1"
+    got = [json_format.ParseDict(data, pb2.TranslationDelta()) for _, data in events(raw)]
+    expected = list(both.stub.TranslateStreaming(json_format.ParseDict(body, pb2.TranslateRequest()), timeout=30))
+    assert [name for name, _ in events(raw)] == ["message"] * len(expected) and len(expected) > 1
+    assert [d.subword_tokens for d in got] == [d.subword_tokens for d in expected]
+    assert [d.text for d in got] == [d.text for d in expected] and got[-1].final == expected[-1].final
+
+
+def test_server_sent_events_errors(both: ServerHarness) -> None:
+    status, headers, body = call(both, "POST", "/v1/translate:stream", {"texts": ["one", "two"]})
+    assert status == 400 and body["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # before any event: a status
+    assert "exactly one text" in body["message"]
+    status, _, body = call(both, "POST", "/v1/translate:stream", {"texts": ["one"], "model": "nope"})
+    assert status == 404 and body["code"] == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 @pytest.mark.parametrize("model", ["tiny-transformer", "tiny-bahdanau"])

@@ -80,6 +80,16 @@ def test_the_deltas_join_to_what_translate_returns(harness, arch, beam, hypothes
             assert [len(d.subword_tokens) for d in deltas] == [1] * len(best.subword_tokens) + [0]
 
 
+def test_word_timings_are_metrics(harness):
+    before = harness.metric("nmt_stream_first_word_seconds_count", {"model": "transformer"})
+    gaps = harness.metric("nmt_stream_word_gap_seconds_count", {"model": "transformer"})
+    deltas = stream(harness, request("transformer", "three four five six", beam_size=1))
+    worded = sum(bool(d.text) for d in deltas)
+    assert worded > 1
+    assert harness.metric("nmt_stream_first_word_seconds_count", {"model": "transformer"}) == before + 1
+    assert harness.metric("nmt_stream_word_gap_seconds_count", {"model": "transformer"}) == gaps + worded - 1
+
+
 def test_one_text_per_request(harness):
     error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one", "two"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one text" in error.details()

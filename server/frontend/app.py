@@ -129,7 +129,7 @@ class TranslationServer:
             self.repository = await self.opener(config, self.metrics)
         self.repository.start()
 
-        self.servicer = TranslatorService(repository=self.repository, config=config)
+        self.servicer = TranslatorService(repository=self.repository, config=config, metrics=self.metrics)
         self.server = grpc.aio.server(interceptors=[self.interceptor],
                                       options=server_options(config, reuse_port=self.reuse_port))
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)

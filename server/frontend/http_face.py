@@ -89,21 +89,27 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 
 @dataclass(frozen=True)
 class Route:
-    """One ``google.api.http`` rule: ``verb path`` -> the unary RPC ``method``."""
+    """One ``google.api.http`` rule: ``verb path`` -> the RPC ``method`` (unary, or server-streaming: its
+    messages go out as server-sent events)."""
 
     verb: str  # "GET", "POST", ...
     path: str
     method: MethodDescriptor
     body: str  # "*": the whole JSON body is the request; "": the query string is
 
+    @property
+    def streaming(self) -> bool:
+        return self.method.server_streaming
+
 
 def http_routes(service: ServiceDescriptor) -> list[Route]:
-    """The routes the proto declares for ``service``'s unary methods (streaming methods have none)."""
+    """The routes the proto declares for ``service``'s methods that take one request (client-streaming
+    methods have none)."""
     routes = []
     for method in service.methods:
         rule = method.GetOptions().Extensions[annotations_pb2.http]
         verb = rule.WhichOneof("pattern")
-        if verb is None or verb == "custom" or method.client_streaming or method.server_streaming:
+        if verb is None or verb == "custom" or method.client_streaming:
             continue
         path = getattr(rule, verb)
         if "{" in path:
@@ -180,11 +186,15 @@ class HttpContext:
         return {key: value for key, value in self._trailing if key == REQUEST_ID_KEY}
 
 
-def json_response(message: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+def _json(message: Any) -> str:
     """``message`` in the proto3 JSON mapping, every field printed (as grpc-gateway's default marshaler)."""
-    body = json.dumps(json_format.MessageToDict(message, always_print_fields_with_no_presence=True),
+    return json.dumps(json_format.MessageToDict(message, always_print_fields_with_no_presence=True),
                       separators=(",", ":"))
-    return web.Response(text=body, status=status, content_type="application/json", headers=headers)
+
+
+def json_response(message: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    """``message`` as the JSON body of a response (:func:`_json`)."""
+    return web.Response(text=_json(message), status=status, content_type="application/json", headers=headers)
 
 
 def error_response(code: grpc.StatusCode, message: str, headers: Mapping[str, str] | None = None, *,
@@ -269,9 +279,10 @@ class HttpFace:
         self.app = web.Application(middlewares=[self._cors, self._errors], client_max_size=MAX_BODY_BYTES)
         self.routes = http_routes(service)
         for route in self.routes:
-            behavior = interceptor.http_behavior(f"/{service.full_name}/{route.method.name}",
-                                                 getattr(servicer, route.method.name))
-            self.app.router.add_route(route.verb, route.path, self._endpoint(route, behavior))
+            method, handler = f"/{service.full_name}/{route.method.name}", getattr(servicer, route.method.name)
+            endpoint = (self._events_endpoint(route, interceptor.http_stream_behavior(method, handler))
+                        if route.streaming else self._endpoint(route, interceptor.http_behavior(method, handler)))
+            self.app.router.add_route(route.verb, route.path, endpoint)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
         self.app.router.add_get("/", self._page)
@@ -319,6 +330,48 @@ class HttpFace:
             except TimeoutError:
                 return error_response(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", context.headers())
             return json_response(response, headers=context.headers())
+
+        return endpoint
+
+    def _events_endpoint(self, route: Route, behavior: Callable[[Any, Any], Any]) -> Callable[[web.Request], Any]:
+        """A server-streaming RPC as server-sent events (``text/event-stream``): each message one ``data:``
+        event in the proto3 JSON mapping. A call that fails before its first message answers as a unary one
+        (the Status JSON and its HTTP status); after it, the stream ends with an ``event: error`` whose data
+        is that Status JSON."""
+        request_class = message_factory.GetMessageClass(route.method.input_type)
+
+        async def endpoint(request: web.Request) -> web.StreamResponse:
+            timeout = None
+            message: Any
+            try:
+                if TIMEOUT_HEADER in request.headers:
+                    timeout = parse_timeout(request.headers[TIMEOUT_HEADER])
+                message = await self._parse(request, request_class, route.body)
+            except InvalidArgument as error:
+                message = BadHttpRequest(request.content_length or 0, str(error))
+            context = HttpContext(request.headers, timeout)
+            events: web.StreamResponse | None = None
+            failure: tuple[grpc.StatusCode, str] | None = None
+            try:
+                async with asyncio.timeout(timeout):
+                    async for item in behavior(message, context):
+                        if events is None:
+                            events = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                                 "Cache-Control": "no-cache", **context.headers()})
+                            await events.prepare(request)
+                        await events.write(b"data: " + _json(item).encode() + b"\n\n")
+            except grpc.aio.AbortError:
+                failure = context.code() or grpc.StatusCode.UNKNOWN, context.details() or ""
+            except TimeoutError:
+                failure = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+            if events is None:
+                code, details = failure or (grpc.StatusCode.INTERNAL, "the call sent no message")
+                return error_response(code, details, context.headers())
+            if failure is not None:
+                status = status_pb2.Status(code=failure[0].value[0], message=failure[1])
+                await events.write(b"event: error\ndata: " + _json(status).encode() + b"\n\n")
+            await events.write_eof()
+            return events
 
         return endpoint
 

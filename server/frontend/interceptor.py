@@ -206,6 +206,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         call, under the method label ``http:<Method>``; the ``grpc_server_*`` family counts gRPC calls only."""
         return self._wrap(full_method, grpc.unary_unary_rpc_method_handler(behavior), http=True).unary_unary
 
+    def http_stream_behavior(self, full_method: str, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """A server-streaming servicer method wrapped for the HTTP face's server-sent events, as
+        :meth:`http_behavior` wraps a unary one."""
+        return self._wrap(full_method, grpc.unary_stream_rpc_method_handler(behavior), http=True).unary_stream
+
     def http_refused(self, context: Any, code: grpc.StatusCode, message: str) -> None:
         """Count and log an HTTP request that reached no method (an unknown path, a wrong verb, a request that is
         not valid HTTP) as a call of ``method=`` :data:`~server.metrics.HTTP_UNROUTED`, ``model=""``, ended with

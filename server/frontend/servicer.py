@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -34,6 +35,7 @@ from server.frontend.interceptor import Undecodable, current_call
 from server.frontend.streaming import StableStream
 from server.frontend.translate import translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
+from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
 from server.types import TranslateCall, Translation
 from server.versions import VersionIndex
@@ -47,9 +49,10 @@ class TranslatorService:
     """``Translate``, ``TranslateStream``, ``TranslateStreaming``, ``ListModels`` and ``Score`` over the
     repository's model versions."""
 
-    def __init__(self, *, repository: VersionIndex, config: ServerConfig) -> None:
+    def __init__(self, *, repository: VersionIndex, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.repository = repository
         self.config = config
+        self.metrics = metrics  # TranslateStreaming's word timings
         self.policy = BatchPolicy.from_config(config)  # the token, work and response limits of a request
         self.draining = False
         self._draining = asyncio.Event()
@@ -107,8 +110,16 @@ class TranslatorService:
         cancels the translation, whose rows leave the decode at its next step."""
         stream = StableStream()
         translate = asyncio.ensure_future(self._run(request, from_pb, context, stream=stream))
+        start, last = time.monotonic(), None
         try:
             async for delta in stream.deltas(translate):
+                if delta.text and self.metrics is not None:
+                    now, model = time.monotonic(), current_call().model
+                    if last is None:
+                        self.metrics.stream_first_word.labels(model).observe(now - start)
+                    else:
+                        self.metrics.stream_word_gap.labels(model).observe(now - last)
+                    last = now
                 yield delta
         finally:
             translate.cancel()
