@@ -20,6 +20,7 @@ SCRIPTS = {
     "controls": "controls_cost.py",
     "export": "export_size.py",
     "device-memory": "device_memory.py",
+    "stream": "streaming.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -28,15 +29,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
         help="run a benchmark (training quality, engine throughput, server load)",
-        description="Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows "
-        "its options. train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 "
-        "and PyTorch on the same weights; server: the gRPC server vs the bare engine under load (--capacity: the "
-        "serving layer alone, --engine null, as one process and with --frontends); batching: static "
-        "vs continuous batching under a mix of short and long sentences; interactive: completing a sentence "
-        "from a target prefix vs from scratch, Score vs Translate; controls: what the decoders' logits output "
-        "and the decoding controls cost; export: an OPUS-MT-sized model through nmt export and nmt serve (time, "
-        "peak memory, bytes written, server memory, outputs against transformers); device-memory: a version's "
-        "device memory on CUDA with its weights shared on the device or copied by each session (needs a GPU).",
+        description=(
+            "Run benchmarks/<script>.py with the remaining arguments; `nmt bench NAME --help` shows its options. "
+            "train: held-out BLEU and wall time of the presets; engine: this engine vs CTranslate2 and PyTorch on the "
+            "same weights; server: the gRPC server vs the bare engine under load (--capacity: the serving layer "
+            "alone, --engine null, as one process and with --frontends); batching: static vs continuous batching "
+            "under a mix of short and long sentences; interactive: completing a sentence from a target prefix vs from "
+            "scratch, Score vs Translate; controls: what the decoders' logits output and the decoding controls cost; "
+            "export: an OPUS-MT-sized model through nmt export and nmt serve (time, peak memory, bytes written, "
+            "server memory, outputs against transformers); stream: TranslateStreaming's time to the first word and "
+            "between words beside Translate's latency; device-memory: a version's device memory on CUDA with its "
+            "weights shared on the device or copied by each session (needs a GPU)."
+        ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

@@ -25,11 +25,13 @@ log = logging.getLogger("nmt.server")
 
 
 class StableStream:
-    """The deltas of one streamed text. :meth:`on_stable` may be called from any thread."""
+    """The deltas of one streamed text. :meth:`on_stable` may be called from any thread. Reports that arrive
+    while the last delta is still being sent are merged: the next delta carries everything since."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._prefixes: asyncio.Queue[tuple[list[int], list[float]]] = asyncio.Queue()
+        self._latest: tuple[list[int], list[float]] | None = None  # the newest report not yet sent
+        self._wake = asyncio.Event()
         self.codec: TextCodec | None = None
         self.scores = False  # return_scores: deltas carry token_scores
         self._sent = 0  # pieces sent
@@ -41,24 +43,26 @@ class StableStream:
 
     def on_stable(self, tokens: list[int], scores: list[float]) -> None:
         """The engine's report of the sentence's stable prefix (token ids and their log-probabilities)."""
-        self._loop.call_soon_threadsafe(self._prefixes.put_nowait, (tokens, scores))
+        self._loop.call_soon_threadsafe(self._arrive, tokens, scores)
+
+    def _arrive(self, tokens: list[int], scores: list[float]) -> None:
+        self._latest = (tokens, scores)
+        self._wake.set()
 
     async def deltas(self, translate: asyncio.Future) -> AsyncIterator[Any]:
         """The deltas as the prefix grows, then the last one with ``translate``'s response (its error, if it
-        failed, is raised)."""
-        while not translate.done():
-            prefix = asyncio.ensure_future(self._prefixes.get())
-            await asyncio.wait({prefix, translate}, return_when=asyncio.FIRST_COMPLETED)
-            if prefix.done():
-                if (delta := self._delta(*prefix.result())) is not None:
+        failed, is raised); a report still unsent when the translation ends goes out in that last one."""
+        translate.add_done_callback(lambda _: self._wake.set())
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if translate.done():
+                break
+            if self._latest is not None:
+                latest, self._latest = self._latest, None
+                if (delta := self._delta(*latest)) is not None:
                     yield delta
-            else:
-                prefix.cancel()
-        response = translate.result()
-        while not self._prefixes.empty():  # reported before the result came back
-            if (delta := self._delta(*self._prefixes.get_nowait())) is not None:
-                yield delta
-        yield self._last(response)
+        yield self._last(translate.result())
 
     def _delta(self, tokens: list[int], scores: list[float]) -> Any | None:
         assert self.codec is not None
