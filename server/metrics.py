@@ -200,6 +200,8 @@ class ServerMetrics:
                 self.request_duration.labels(model, label)
             for code in STATUS_CODES:
                 self.requests.labels(model, label, code)
+        self.stream_first_word.labels(model)
+        self.stream_word_gap.labels(model)
 
     def serve_http(self, address: str) -> Any:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the HTTP server (``.server_port``)."""

@@ -91,6 +91,13 @@ def test_word_timings_are_metrics(harness):
     assert harness.metric("nmt_stream_word_gap_seconds_count", {"model": "transformer"}) == gaps + worded - 1
 
 
+def test_a_translation_without_hypotheses_ends_the_stream_with_it(harness):
+    req = request("transformer", "one", beam_size=1, min_length=40)  # longer than the source allows (12)
+    deltas = stream(harness, req)
+    assert len(deltas) == 1 and deltas[0].final == harness.stub.Translate(req, timeout=30)
+    assert not deltas[0].final.translations[0].hypotheses and deltas[0].text == ""
+
+
 def test_one_text_per_request(harness):
     error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one", "two"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one text" in error.details()
@@ -135,7 +142,7 @@ def test_cancelling_mid_stream_frees_the_decode(repository):
     h = ServerHarness(test_config(repository, default_model="transformer"),
                       wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.02)))
     try:
-        long = request("transformer", " ".join(TEXTS), max_length=200, min_length=190)
+        long = request("transformer", " ".join(TEXTS * 8), max_length=200, min_length=190)  # within its limit
         call = h.stub.TranslateStreaming(long, timeout=60)
         first = next(call)  # greedy: the first piece, from the running decode
         assert first.subword_tokens and not first.HasField("final")

@@ -271,8 +271,8 @@ class RunningDecode:
         a continuation of a live one, so no later step can change these tokens. With one row (greedy,
         sampling) that is every token so far."""
         for j, s in enumerate(self._sentences):
-            if s.spec.on_stable is None:
-                continue
+            if s.spec.on_stable is None or s.controls.min_length >= s.limit:  # (then no hypothesis can end: the
+                continue  # result is empty, and nothing was stable)
             rows = np.flatnonzero(self._row_sentence == j)
             history = self._history[rows, : s.step]
             agree = (history == history[0]).all(axis=0)

@@ -1,14 +1,15 @@
 """``TranslateStreaming``: the stable prefix the engine reports, turned into ``TranslationDelta`` messages.
 
-The engine calls a streaming sentence's ``on_stable`` from its worker thread after each step that grew
-the sentence's stable prefix (:meth:`server.engine.decode.RunningDecode._report_stable`), with the whole
-prefix; in a split server the core forwards those calls to the front-end (:mod:`server.ipc`). A
-:class:`StableStream` hands them to the event loop and turns each into a delta: the pieces added, their
-log-probabilities and the text of the words they closed. A word is closed when a later piece starts a
-word (``TextCodec.words.starts``): until then its last piece may still be followed by more of the same
-word, so its text is held. The text of closed words is the tokenizer's own decoding of the pieces before
-the last word start, so the deltas' texts join to what ``Translate`` decodes for the whole hypothesis; the
-last message sends what is left of it and the whole response.
+The engine calls a streaming sentence's ``on_stable`` from its worker thread after each step that grew the
+sentence's stable prefix (:meth:`server.engine.decode.RunningDecode._report_stable`), with the whole prefix;
+in a split server the core forwards those calls to the front-end (:mod:`server.ipc`). A :class:`StableStream`
+hands them to the event loop and turns each that closes a word into a delta: the pieces added since the last
+delta, their log-probabilities and the text of the words they closed. A word is closed when a later piece
+starts a word (``TextCodec.words.starts``): until then its last piece may still be followed by more of the
+same word, so its text is held, and so are its pieces (a message that shows no new word would cost the server
+CPU and the reader nothing). The text of closed words is the tokenizer's own decoding of the pieces before the
+last word start, so the deltas' texts join to what ``Translate`` decodes for the whole hypothesis; the last
+message sends what is left of it and the whole response.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class StableStream:
         closed = max((i for i in range(1, len(tokens)) if starts[tokens[i]]), default=0)  # pieces of closed words
         text = self.codec.tokenizer.decode(tokens[:closed]) if closed else ""
         added = text[len(self._text):] if len(text) > len(self._text) and text.startswith(self._text) else ""
+        if not added:  # no word closed: its pieces wait for the message that closes one (a message costs the
+            return None  # server ~0.1 ms of CPU; words, not pieces, are what a reader sees)
         delta = pb2.TranslationDelta(subword_tokens=self.codec.tokenizer.pieces(tokens[self._sent:]), text=added)
         if self.scores:
             delta.token_scores.extend(scores[self._sent:])
@@ -79,6 +82,8 @@ class StableStream:
         return delta
 
     def _last(self, response: Any) -> Any:
+        if not response.translations[0].hypotheses:  # no hypothesis met the request's constraints
+            return pb2.TranslationDelta(final=response)
         best = response.translations[0].hypotheses[0]
         if not best.text.startswith(self._text):  # cannot happen with a tokenizer that decodes piece by piece
             log.error("streamed text is not a prefix of the translation", extra={"fields": {
