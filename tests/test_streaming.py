@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,22 @@ def test_the_deltas_join_to_what_translate_returns(harness, arch, beam, hypothes
         assert all(d.subword_tokens for d in deltas[:-1])  # a message only when the stable prefix grew
         if beam == 1:  # pieces go out as they are chosen (reports that arrive while one is sent are merged)
             assert len(deltas) > 1
+
+
+def test_continuous_batching_streams_sentences_that_join_a_running_decode(repository):
+    """Streams that join the running decode while others decode (``--batching continuous``) join to what
+    ``Translate`` returns, as in static batches."""
+    h = ServerHarness(test_config(repository, default_model="transformer", batching="continuous"), default_loader())
+    try:
+        requests = [request(arch, text, beam_size=beam) for arch in ARCHS[:1] for text in TEXTS for beam in (1, 3)]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            streams = list(pool.map(lambda r: stream(h, r), requests * 2))
+        for req, deltas in zip(requests * 2, streams, strict=True):
+            expected = h.stub.Translate(req, timeout=30).translations[0].hypotheses[0]
+            assert "".join(d.text for d in deltas) == expected.text
+            assert [p for d in deltas for p in d.subword_tokens] == list(expected.subword_tokens)
+    finally:
+        h.close()
 
 
 def test_word_timings_are_metrics(harness):

@@ -270,20 +270,27 @@ class RunningDecode:
         live hypothesis and every finished one share. The sentence's result is one of those hypotheses or
         a continuation of a live one, so no later step can change these tokens. With one row (greedy,
         sampling) that is every token so far."""
-        for j, s in enumerate(self._sentences):
-            if s.spec.on_stable is None or s.controls.min_length >= s.limit:  # (then no hypothesis can end: the
-                continue  # result is empty, and nothing was stable)
-            rows = np.flatnonzero(self._row_sentence == j)
-            history = self._history[rows, : s.step]
-            agree = (history == history[0]).all(axis=0)
-            length = s.step if agree.all() else int(np.argmin(agree))
+        streaming = [j for j, s in enumerate(self._sentences) if s.spec.on_stable is not None]
+        if not streaming:
+            return
+        ends = np.searchsorted(self._row_sentence, np.arange(len(self._sentences) + 1))  # a sentence's rows are
+        for j in streaming:  # one block, sentences in row order
+            s = self._sentences[j]
+            if s.controls.min_length >= s.limit:  # no hypothesis can end: the result is empty, nothing was stable
+                continue
+            first, last = int(ends[j]), int(ends[j + 1])
+            tokens = self._history[first, : s.step]  # the first live hypothesis
+            length = s.step  # one live hypothesis (greedy, sampling): all of it
+            if last - first > 1:
+                agree = (self._history[first:last, : s.step] == tokens).all(axis=0)
+                length = s.step if agree.all() else int(np.argmin(agree))
             for done in s.finished:
                 n = min(length, len(done.tokens))
-                same = np.asarray(done.tokens[:n]) == history[0, :n]
+                same = np.asarray(done.tokens[:n]) == tokens[:n]
                 length = n if same.all() else int(np.argmin(same))
             if length > s.stable:
                 s.stable = length
-                s.spec.on_stable(history[0, :length].tolist(), self._history_scores[rows[0], :length].tolist())
+                s.spec.on_stable(tokens[:length].tolist(), self._history_scores[first, :length].tolist())
 
     # ---- one step --------------------------------------------------------------------------------
 
