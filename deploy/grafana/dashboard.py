@@ -87,6 +87,8 @@ def build() -> dashboard.Dashboard:
         .with_panel(graph("In-flight requests", "short", query("nmt_inflight_requests", "in flight")))
         .with_row(dashboard.Row("Latency"))
         .with_panel(quantiles("nmt_request_duration_seconds", "model, method", "Request latency"))
+        .with_panel(quantiles("nmt_stream_first_word_seconds", "model", "Streaming: time to the first word"))
+        .with_panel(quantiles("nmt_stream_word_gap_seconds", "model", "Streaming: gap between words"))
         .with_panel(graph("Queue wait vs inference (mean per batch / sentence)", "s",
                           query(f"sum by (model) (rate(nmt_queue_duration_seconds_sum{{{SELECTED}}}[{RATE}])) / "
                                 f"sum by (model) (rate(nmt_queue_duration_seconds_count{{{SELECTED}}}[{RATE}]))",
