@@ -236,7 +236,8 @@ def test_missing_or_wrong_token_is_unauthenticated(tls_auth: ServerHarness, pki:
     request = pb2.TranslateRequest(texts=["one"], model="tiny-transformer")
     calls = [lambda: stub.Translate(request, metadata=metadata, timeout=10),
              lambda: stub.ListModels(pb2.ListModelsRequest(), metadata=metadata, timeout=10),
-             lambda: list(stub.TranslateStream(iter([request]), metadata=metadata, timeout=10))]
+             lambda: list(stub.TranslateStream(iter([request]), metadata=metadata, timeout=10)),
+             lambda: list(stub.TranslateStreaming(request, metadata=metadata, timeout=10))]
     try:
         for call in calls:
             with pytest.raises(grpc.RpcError) as info:

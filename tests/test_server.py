@@ -283,7 +283,8 @@ def test_reflection_lists_the_services(harness: ServerHarness) -> None:
     assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
     pool = DescriptorPool(database)
     service = pool.FindServiceByName(SERVICE_NAME)
-    assert [m.name for m in service.methods] == ["Translate", "TranslateStream", "ListModels", "Score"]
+    assert [m.name for m in service.methods] == ["Translate", "TranslateStream", "ListModels", "Score",
+                                                  "TranslateStreaming"]
     assert "subword_tokens" in pool.FindMessageTypeByName("translation.v1.Hypothesis").fields_by_name
 
 
