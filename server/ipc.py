@@ -49,7 +49,7 @@ import numpy as np
 
 from server.errors import Internal, ServingError, Unavailable
 from server.policy import RequestHandle
-from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix
+from server.types import DecodingOptions, SearchResult, SentenceRequest, StableReport, TargetPrefix
 
 log = logging.getLogger("nmt.server")
 
@@ -100,7 +100,7 @@ class WireSentence:
     target_prefix: TargetPrefix
     stream: bool = False
 
-    def request(self, on_stable: Callable[[list[int], list[float]], None] | None = None) -> SentenceRequest:
+    def request(self, on_stable: StableReport | None = None) -> SentenceRequest:
         return SentenceRequest(self.source_ids, self.options, target_prefix=self.target_prefix,
                                on_stable=on_stable if self.stream else None)
 
@@ -140,6 +140,7 @@ class Progress:
     sentence: int  # its index in the call's Submit
     tokens: list[int]
     scores: list[float]
+    attention: np.ndarray | None = None
 
 
 @dataclass
@@ -304,9 +305,9 @@ class CoreEndpoint:
     async def _submit(self, peer: Channel, handle: RequestHandle, submit: Submit) -> None:
         loop = asyncio.get_running_loop()
 
-        def progress(sentence: int) -> Callable[[list[int], list[float]], None]:  # called on the engine's thread
-            return lambda tokens, scores: loop.call_soon_threadsafe(
-                peer.send, Progress(submit.call, sentence, tokens, scores))
+        def progress(sentence: int) -> StableReport:  # called on the engine's thread
+            return lambda tokens, scores, attention: loop.call_soon_threadsafe(
+                peer.send, Progress(submit.call, sentence, tokens, scores, attention))
 
         try:
             with self.repository.acquire(submit.name, submit.version) as model:
@@ -346,7 +347,7 @@ class CoreClient:
         self.catalog: Catalog | None = None
         self._channel: Channel | None = None
         self._calls: dict[int, asyncio.Future] = {}
-        self._progress: dict[int, list[Callable[[list[int], list[float]], None] | None]] = {}  # streaming calls
+        self._progress: dict[int, list[StableReport | None]] = {}  # streaming calls
         self._ids = itertools.count()
         self._catalogs: asyncio.Queue[Catalog | None] = asyncio.Queue()  # taken in order by one task
         self._tasks: list[asyncio.Task] = []
@@ -420,7 +421,7 @@ class CoreClient:
         elif isinstance(message, Progress):
             report = self._progress.get(message.call, [None] * (message.sentence + 1))[message.sentence]
             if report is not None:
-                report(message.tokens, message.scores)
+                report(message.tokens, message.scores, message.attention)
         elif isinstance(message, Done | Failed):
             future = self._calls.get(message.call)
             if future is None or future.done():

@@ -116,14 +116,18 @@ class Translation:
     hypotheses: list[Hypothesis]
 
 
+# A streaming sentence's stable prefix, whole, each time it grows: token ids, their log-probabilities and,
+# when the sentence asked for attention, their cross-attention rows [tokens, source tokens incl. EOS] (else None).
+StableReport = Callable[[list[int], list[float], np.ndarray | None], None]
+
+
 @dataclass
 class SentenceRequest:
     """One sentence handed to :meth:`server.engine.engine.Engine.translate_batch`.
 
     ``is_cancelled`` is polled between decoding steps; once it returns True the sentence leaves
-    the running batch and its result is ``None``. ``on_stable`` (streaming) is called after a step that
-    grew the sentence's stable prefix, with that whole prefix (token ids, their log-probabilities); it is
-    called from the engine's worker thread.
+    the running batch and its result is ``None``. ``on_stable`` (streaming, :data:`StableReport`) is called
+    from the engine's worker thread after a step that grew the sentence's stable prefix.
     """
 
     source_ids: list[int]  # subword ids, EOS excluded (the engine appends it)
@@ -131,7 +135,7 @@ class SentenceRequest:
     is_cancelled: Callable[[], bool] | None = None
     text: str = ""  # the original text, for its words ("": words merged from the subword pieces)
     target_prefix: TargetPrefix = field(default_factory=TargetPrefix)  # what decoding is forced through first
-    on_stable: Callable[[list[int], list[float]], None] | None = None
+    on_stable: StableReport | None = None
 
 
 @dataclass

@@ -177,13 +177,16 @@ def test_answers_equal_the_one_process_server(split: SplitServer, repository: Pa
         streamed = list(split_stub.TranslateStream(iter(requests), timeout=30))
         assert streamed == [one.stub.Translate(r, timeout=30) for r in requests]
         for request in (pb2.TranslateRequest(texts=LONG.texts[:1], options=pb2.DecodingOptions(  # long enough to
-                beam_size=1, min_length=60, max_length=64)),  # stream words before the end
+                beam_size=1, min_length=60, max_length=64, return_attention=True)),  # stream words before the end
                         pb2.TranslateRequest(
                 texts=TEXTS[3:4], target_prefixes=["drei"], options=pb2.DecodingOptions(beam_size=4))):
             deltas = list(split_stub.TranslateStreaming(request, timeout=30))  # the core's Progress messages
             best = deltas[-1].final.translations[0].hypotheses[0]
             assert "".join(d.text for d in deltas) == best.text  # (message boundaries depend on timing)
             assert [p for d in deltas for p in d.subword_tokens] == list(best.subword_tokens)
+            rows = [w for d in deltas for w in d.attention.weights]  # attention rows crossed in Progress messages
+            assert rows == pytest.approx(list(best.attention.weights[: len(rows)]), abs=1e-5)
+            assert len(rows) > 0 or request.options.beam_size == 4
             assert deltas[-1].final == one.stub.Translate(request, timeout=30)
             assert len(deltas) > 1 or request.options.beam_size == 4  # greedy: words before the end
         models = split_stub.ListModels(pb2.ListModelsRequest(), timeout=10)

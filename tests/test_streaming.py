@@ -78,6 +78,14 @@ def test_the_deltas_join_to_what_translate_returns(harness, arch, beam, hypothes
             assert best.text.startswith(sent)
             assert sent == "" or best.text[len(sent):][:1] in ("", " ")
         assert all(d.subword_tokens for d in deltas[:-1])  # a message only when the stable prefix grew
+        streamed = sum(d.attention.target_length for d in deltas)  # attention rows of the closed words
+        assert streamed == sum(len(d.text.split()) for d in deltas[:-1]) and not deltas[-1].HasField("attention")
+        matrix = best.attention
+        assert all(d.attention.source_length == matrix.source_length for d in deltas[:-1])
+        np.testing.assert_allclose([w for d in deltas for w in d.attention.weights],
+                                   matrix.weights[: streamed * matrix.source_length], atol=1e-5)
+        assert [(a.source_index, a.target_index) for d in deltas for a in d.attention.word_alignments] == [
+            (a.source_index, a.target_index) for a in matrix.word_alignments[:streamed]]
         if beam == 1:  # pieces go out as they are chosen (reports that arrive while one is sent are merged)
             assert len(deltas) > 1
 
@@ -139,7 +147,7 @@ def test_a_stable_prefix_never_retracts(tiny_models, arch):
         prefix = engine.target_prefix(rng.choice(["", "", "eins", "zwei drei"]))
         reports.append([])
         requests.append(SentenceRequest(engine.tokenize(text), options, text=text, target_prefix=prefix,
-                                        on_stable=lambda tokens, scores, i=i: reports[i].append(tokens)))
+                                        on_stable=lambda tokens, scores, rows, i=i: reports[i].append(tokens)))
     results = engine.translate_batch(requests).translations
     early = 0
     for result, request_, seen in zip(results, requests, reports, strict=True):

@@ -290,7 +290,9 @@ class RunningDecode:
                 length = n if same.all() else int(np.argmin(same))
             if length > s.stable:
                 s.stable = length
-                s.spec.on_stable(tokens[:length].tolist(), self._history_scores[first, :length].tolist())
+                rows = self._attention[first, :length, : s.spec.source_length].copy() if (
+                    s.attention and self._attention is not None) else None
+                s.spec.on_stable(tokens[:length].tolist(), self._history_scores[first, :length].tolist(), rows)
 
     # ---- one step --------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import numpy as np
 from nmt.model_format.decoding import max_target_length
 from server.completion import WordPieces
 from server.controls import Controls
+from server.types import StableReport
 
 NEG_INF = -np.inf
 
@@ -136,7 +137,7 @@ class BeamSentence:
     beam_size: int = 1
     need_attention: bool = False  # keep the cross-attention of its hypotheses
     alternatives: Alternatives | None = None  # the next words after the forced prefix, instead of the n best
-    on_stable: Callable[[list[int], list[float]], None] | None = None  # the stable prefix, when it grew
+    on_stable: StableReport | None = None  # the stable prefix, when it grew
 
     def limit(self) -> int:
         """Longest output (EOS included): :func:`max_target_length`, and room for a forced prefix and the

@@ -19,8 +19,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from server.protos import pb2
 from server.text import TextCodec
+from server.types import ScoredSequence, SearchResult, SentenceRequest
 
 log = logging.getLogger("nmt.server")
 
@@ -31,23 +34,26 @@ class StableStream:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._latest: tuple[list[int], list[float]] | None = None  # the newest report not yet sent
+        self._latest: tuple[list[int], list[float], np.ndarray | None] | None = None  # the newest report unsent
         self._wake = asyncio.Event()
         self.codec: TextCodec | None = None
         self.scores = False  # return_scores: deltas carry token_scores
+        self.source: SentenceRequest | None = None  # return_attention: its source, for the words of the rows
         self._sent = 0  # pieces sent
         self._text = ""  # text sent
+        self._words = 0  # target words whose attention rows were sent
 
-    def bind(self, codec: TextCodec, *, scores: bool) -> None:
-        """The model version the request resolved to (its tokenizer and word starts) and its options."""
-        self.codec, self.scores = codec, scores
+    def bind(self, codec: TextCodec, *, scores: bool, attention_of: SentenceRequest | None = None) -> None:
+        """The model version the request resolved to (its tokenizer and word starts) and its options;
+        ``attention_of``: the source (ids and text) whose attention rows the deltas carry."""
+        self.codec, self.scores, self.source = codec, scores, attention_of
 
-    def on_stable(self, tokens: list[int], scores: list[float]) -> None:
-        """The engine's report of the sentence's stable prefix (token ids and their log-probabilities)."""
-        self._loop.call_soon_threadsafe(self._arrive, tokens, scores)
+    def on_stable(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:
+        """The engine's report of the sentence's stable prefix (:data:`server.types.StableReport`)."""
+        self._loop.call_soon_threadsafe(self._arrive, tokens, scores, attention)
 
-    def _arrive(self, tokens: list[int], scores: list[float]) -> None:
-        self._latest = (tokens, scores)
+    def _arrive(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:
+        self._latest = (tokens, scores, attention)
         self._wake.set()
 
     async def deltas(self, translate: asyncio.Future) -> AsyncIterator[Any]:
@@ -65,7 +71,7 @@ class StableStream:
                     yield delta
         yield self._last(translate.result())
 
-    def _delta(self, tokens: list[int], scores: list[float]) -> Any | None:
+    def _delta(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> Any | None:
         assert self.codec is not None
         if len(tokens) <= self._sent:
             return None
@@ -78,8 +84,26 @@ class StableStream:
         delta = pb2.TranslationDelta(subword_tokens=self.codec.tokenizer.pieces(tokens[self._sent:]), text=added)
         if self.scores:
             delta.token_scores.extend(scores[self._sent:])
+        if attention is not None and self.source is not None:
+            self._add_attention(delta.attention, tokens[:closed], attention[:closed], text)
         self._sent, self._text = len(tokens), self._text + added
         return delta
+
+    def _add_attention(self, message: Any, closed: list[int], rows: np.ndarray, text: str) -> None:
+        """The word-level attention rows of the words closed since the last delta (the merge of
+        :meth:`TextCodec.to_translation`, over the closed pieces), into ``message``."""
+        assert self.codec is not None and self.source is not None
+        sequence = ScoredSequence(tokens=closed, score=0.0, token_scores=[], attention=rows)
+        attention = self.codec.to_translation(self.source, SearchResult([sequence])).hypotheses[0].attention
+        assert attention is not None
+        new = attention.weights[self._words:]
+        message.target_length, message.source_length = int(new.shape[0]), int(new.shape[1])
+        message.weights.extend(new.astype(float).ravel(order="C").tolist())
+        pairs = [a for a in attention.alignments if a.target_index >= self._words]
+        message.word_alignments.extend(pb2.WordAlignment(source_index=a.source_index, target_index=a.target_index)
+                                       for a in pairs)
+        message.pharaoh = " ".join(f"{a.source_index}-{a.target_index}" for a in pairs)
+        self._words = int(attention.weights.shape[0])
 
     def _last(self, response: Any) -> Any:
         if not response.translations[0].hypotheses:  # no hypothesis met the request's constraints

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
-from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
+from server.types import DecodingOptions, SearchResult, SentenceRequest, StableReport, TargetPrefix, Translation
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
@@ -28,7 +28,7 @@ async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (),
-    on_stable: Callable[[list[int], list[float]], None] | None = None,
+    on_stable: StableReport | None = None,
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
