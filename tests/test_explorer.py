@@ -18,7 +18,7 @@ from export.options import ExportOptions
 from export.pipeline import export_model
 from server.config import ServerConfig
 from tests.harness import ServerHarness
-from tests.test_server import default_loader
+from tests.test_server import SlowEngine, default_loader, wrapping_loader
 from training.config import TrainConfig
 from training.presets import PRESETS
 from training.train import train
@@ -243,3 +243,44 @@ def test_explorer_hint_fits_and_an_error_clears_the_results(server: ServerHarnes
     run_translation(browser, "Monday, May 1, 2000", model=DATES_MODEL, beam=2, hypotheses=1)
     assert not browser.find_element(By.ID, "error").is_displayed()
     assert len(browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis")) == 1
+
+
+# Every change of the streaming section, as the page saw it: the words so far and the heatmap's rows.
+RECORD_STREAM = """
+window.snapshots = [];
+new MutationObserver(() => {
+  const live = document.querySelector('#results .live');
+  const rows = document.querySelectorAll('#results table.heatmap tbody tr').length;
+  if (live) window.snapshots.push([live.textContent, rows]);
+}).observe(document.getElementById('results'), {childList: true, subtree: true, characterData: true});
+"""
+
+
+def test_explorer_streams_words_and_grows_the_heatmap(dates_repository: Path, browser: webdriver.Chrome,
+                                                       tmp_path: Path) -> None:
+    """With Stream on, words appear as the search decides them and the heatmap grows a row per word (decoding
+    slowed to 40 ms a step, so the page can be watched between steps); the whole result then replaces them,
+    equal to the one a plain translation shows."""
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
+                          model_repository=str(dates_repository), default_model=DATES_MODEL, provider="cpu",
+                          intra_op_threads=1).validate()
+    h = ServerHarness(config, wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.04)))
+    try:
+        browser.get(f"http://127.0.0.1:{h.server.http_port}/")
+        browser.find_element(By.ID, "stream").click()
+        browser.execute_script(RECORD_STREAM)
+        run_translation(browser, "Tuesday, April 25, 2045", model=DATES_MODEL, beam=1, hypotheses=1)
+        best = browser.find_element(By.CSS_SELECTOR, "#results .hypothesis")
+        assert best.find_element(By.CSS_SELECTOR, ".hyp-text").text == "Dienstag, 25. April 2045"
+        assert len(best.find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")) == 4
+        seen = [(text, rows) for text, rows in browser.execute_script("return window.snapshots") if text]
+        texts = list(dict.fromkeys(text for text, _ in seen))
+        assert texts[-1] == "Dienstag, 25. April 2045" and len(texts) >= 3  # word by word, not all at once
+        for before, after in zip(texts, texts[1:], strict=False):
+            assert after.startswith(before)  # words are only ever added
+        grown = [rows for _, rows in seen]
+        assert grown == sorted(grown) and len(set(grown)) >= 3 and max(grown) < 4  # the heatmap grew row by row
+        assert not browser.find_element(By.ID, "error").is_displayed()
+        browser.save_screenshot(str(tmp_path / "explorer-stream.png"))
+    finally:
+        h.close()

@@ -1,6 +1,8 @@
 // The alignment explorer: GET /v1/models, POST /v1/translate (proto3 JSON), and two views of each hypothesis's
 // alignment: a target x source heatmap of the attention weights, and source/target words linked by the hard
-// word alignments. No dependencies, no build step.
+// word alignments. With "Stream", each sentence goes to POST /v1/translate:stream (server-sent events): its
+// words appear as the search decides them and its heatmap grows row by row, then the whole result replaces
+// them. No dependencies, no build step.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -32,18 +34,75 @@ function showError(message) {
 
 // A failed call's body is google.rpc.Status in JSON: {code, message, details}.
 async function call(method, path, body) {
+  const response = await send(method, path, body);
+  return response.json();
+}
+
+async function send(method, path, body) {
   const response = await fetch(path, {
     method, headers: body ? { "content-type": "application/json" } : {}, body: body ? JSON.stringify(body) : undefined,
   });
-  let payload = null;
-  try { payload = await response.json(); } catch (_) { /* not JSON: reported below */ }
   if (!response.ok) {
-    const code = payload && Number.isInteger(payload.code) ? CODES[payload.code] || payload.code : "HTTP error";
-    const message = payload && payload.message ? payload.message : response.statusText;
-    const id = response.headers.get("x-request-id");
-    throw new Error(`${response.status} ${code}: ${message}` + (id ? `\n(request id ${id})` : ""));
+    let payload = null;
+    try { payload = await response.json(); } catch (_) { /* not JSON: reported below */ }
+    throw statusError(payload, `${response.status} `, response.statusText, response.headers.get("x-request-id"));
   }
-  return payload;
+  return response;
+}
+
+function statusError(status, prefix, fallback, id) {
+  const code = status && Number.isInteger(status.code) ? CODES[status.code] || status.code : "HTTP error";
+  const message = status && status.message ? status.message : fallback;
+  return new Error(`${prefix}${code}: ${message}` + (id ? `\n(request id ${id})` : ""));
+}
+
+// The events of a text/event-stream body: [name, parsed data] for each, as they arrive.
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message", data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) name = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      yield [name, JSON.parse(data)];
+    }
+  }
+}
+
+// One sentence through TranslateStreaming into ``section``: the words so far and their heatmap rows as they
+// come; returns the final TranslateResponse.
+async function streamOne(text, request, section) {
+  const response = await send("POST", "v1/translate:stream", { ...request, texts: [text] });
+  const source = text.split(/\s+/);  // the source words: Attention's columns
+  const live = el("p", { class: "live", "aria-live": "polite", "aria-label": "translation so far" });
+  const view = el("div", { class: "views" });
+  section.append(live, view);
+  let sofar = "", weights = [], alignments = [], rows = 0;
+  for await (const [name, delta] of events(response)) {
+    if (name === "error") throw statusError(delta, "", "the stream failed", response.headers.get("x-request-id"));
+    sofar += delta.text || "";
+    live.textContent = sofar;
+    const attention = delta.attention;
+    if (attention && attention.targetLength) {
+      weights = weights.concat(attention.weights);
+      alignments = alignments.concat(attention.wordAlignments || []);
+      rows += attention.targetLength;
+      const grown = { targetLength: rows, sourceLength: attention.sourceLength, weights, wordAlignments: alignments };
+      view.replaceChildren(heatmap(grown, source, sofar.trim().split(/\s+/)));
+    }
+    if (delta.final) return delta.final;
+  }
+  throw new Error("the stream ended without its translation");
 }
 
 async function loadModels() {
@@ -96,7 +155,7 @@ async function translate(event) {
   $("status").textContent = "Translating…";
   const started = performance.now();
   try {
-    const response = await call("POST", "v1/translate", request);
+    const response = $("stream").checked ? await streamAll(texts, request) : await call("POST", "v1/translate", request);
     $("status").textContent = `${response.model} version ${response.modelVersion}, ` +
       `${Math.round(performance.now() - started)} ms`;
     render(response, texts);
@@ -105,6 +164,20 @@ async function translate(event) {
   } finally {
     $("translate").disabled = false;
   }
+}
+
+// Every sentence streamed at once, each in a section of its own; the responses joined as one.
+async function streamAll(texts, request) {
+  const results = $("results");
+  results.replaceChildren();
+  const sections = texts.map((text) => {
+    const section = el("section", { class: "translation streaming" });
+    section.append(el("h2", {}, text));
+    results.append(section);
+    return section;
+  });
+  const finals = await Promise.all(texts.map((text, i) => streamOne(text, request, sections[i])));
+  return { ...finals[0], translations: finals.flatMap((f) => f.translations) };
 }
 
 function render(response, texts) {
