@@ -123,6 +123,34 @@ def test_a_translation_without_hypotheses_ends_the_stream_with_it(harness):
     assert not deltas[0].final.translations[0].hypotheses and deltas[0].text == ""
 
 
+def test_sampling_streams_every_word_as_it_is_drawn(harness):
+    """Sampling (beam 1) decides each piece as it is drawn, like greedy decoding; with a seed the stream and
+    Translate draw the same translation."""
+    for arch in ARCHS:
+        req = request(arch, "eight nine ten one two three", beam_size=1, sampling_topk=5, sampling_temperature=1.5,
+                      sampling_seed=11)
+        deltas = stream(harness, req)
+        best = harness.stub.Translate(req, timeout=30).translations[0].hypotheses[0]
+        assert deltas[-1].final.translations[0].hypotheses[0] == best
+        assert "".join(d.text for d in deltas) == best.text and len(deltas) > 1
+
+
+def test_a_deadline_ends_the_stream(repository):
+    h = ServerHarness(test_config(repository, default_model="transformer"),
+                      wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.05)))
+    try:
+        long = request("transformer", " ".join(TEXTS * 8), max_length=200, min_length=190)
+        deltas = []
+        with pytest.raises(grpc.RpcError) as error:
+            for delta in h.stub.TranslateStreaming(long, timeout=1.0):
+                deltas.append(delta)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert deltas and not any(d.HasField("final") for d in deltas)  # words came before the deadline
+        wait_for(lambda: h.metric("nmt_cancelled_sentences_total", {"model": "transformer", "version": "1"}) == 1)
+    finally:
+        h.close()
+
+
 def test_one_text_per_request(harness):
     error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one", "two"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one text" in error.details()
