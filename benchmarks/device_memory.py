@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(*args.child)))
         return
+    if shutil.which("nvidia-smi") is None:
+        raise SystemExit("device_memory.py needs an NVIDIA GPU and nvidia-smi (it reads each process's device memory)")
     from engine_throughput import export_project, marian_model
 
     with tempfile.TemporaryDirectory() as work:
