@@ -151,6 +151,13 @@ def test_a_deadline_ends_the_stream(repository):
         h.close()
 
 
+def test_alternatives_come_whole_in_the_last_message(harness):
+    req = request("transformer", "one two three", "eins", return_alternatives=True, num_hypotheses=3, beam_size=2)
+    deltas = stream(harness, req)
+    assert len(deltas) == 1 and deltas[0].final == harness.stub.Translate(req, timeout=30)
+    assert deltas[0].text == deltas[0].final.translations[0].hypotheses[0].text
+
+
 def test_one_text_per_request(harness):
     error = rpc_error(lambda: stream(harness, pb2.TranslateRequest(texts=["one", "two"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one text" in error.details()

@@ -313,7 +313,8 @@ class Engine:
                 else None,
                 beam_size=r.options.beam_size,
                 need_attention=r.options.return_attention,
-                on_stable=r.on_stable,
+                on_stable=None if r.options.return_alternatives else r.on_stable,  # several continuations:
+                # none is "the" translation until they are ranked at the end
             )
             for i, r in enumerate(requests)
         ]
