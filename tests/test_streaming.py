@@ -116,11 +116,11 @@ def test_word_timings_are_metrics(harness):
     assert harness.metric("nmt_stream_word_gap_seconds_count", {"model": "transformer"}) == gaps + worded - 1
 
 
-def test_a_translation_without_hypotheses_ends_the_stream_with_it(harness):
-    req = request("transformer", "one", beam_size=1, min_length=40)  # longer than the source allows (12)
-    deltas = stream(harness, req)
-    assert len(deltas) == 1 and deltas[0].final == harness.stub.Translate(req, timeout=30)
-    assert not deltas[0].final.translations[0].hypotheses and deltas[0].text == ""
+def test_a_min_length_no_translation_can_meet_is_refused(harness):
+    req = request("transformer", "one", beam_size=1, min_length=40)  # longer than the source allows (2 x 2 + 10)
+    for call in (lambda: stream(harness, req), lambda: harness.stub.Translate(req, timeout=30)):
+        error = rpc_error(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_length 40 cannot be met" in error.details()
 
 
 def test_sampling_streams_every_word_as_it_is_drawn(harness):

@@ -178,10 +178,17 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
 def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options: DecodingOptions, *,
                  piece_bytes: int, max_work: int, max_response_bytes: int,
                  prefix_steps: Sequence[int] = ()) -> list[int]:
-    """Refuse a request whose decoder work or response size could exceed the limits, before any compute;
-    return each sentence's work (:func:`sentence_work`; ``prefix_steps``: each text's target prefix steps,
-    which may go past the usual output limit)."""
+    """Refuse a request whose decoder work or response size could exceed the limits, or whose min_length no
+    translation of a text could meet, before any compute; return each sentence's work (:func:`sentence_work`;
+    ``prefix_steps``: each text's target prefix steps, which may go past the usual output limit)."""
     steps = list(prefix_steps) or [0] * len(sources)
+    for i, (ids, n) in enumerate(zip(sources, steps, strict=True)):
+        longest = longest_output(len(ids) + 1, options, n)
+        if options.controls.min_length >= longest:
+            raise InvalidArgument(
+                f"min_length {options.controls.min_length} cannot be met for text {i}: its translation may have at "
+                f"most {longest - 1} pieces before the end of sentence (twice its {len(ids) + 1} source tokens + 10, "
+                f"and at most max_length); lower min_length")
     work = [sentence_work(len(ids) + 1, options, n) for ids, n in zip(sources, steps, strict=True)]
     if sum(work) > max_work:
         raise InvalidArgument(
