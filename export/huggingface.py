@@ -23,7 +23,13 @@ import torch
 from nmt.errors import NmtError
 from nmt.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
 from nmt.model_format.tokenizer import MarianTokenizer, Tokenizer
-from training.models.transformer import ACTIVATIONS, Transformer, TransformerConfig, marian_state_dict
+from training.models.transformer import (
+    ACTIVATIONS,
+    Transformer,
+    TransformerConfig,
+    marian_state_dict,
+    sinusoidal_positions,
+)
 
 CONFIG_FILE, GENERATION_FILE = "config.json", "generation_config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -120,17 +126,24 @@ def load_marian(directory: str | Path) -> MarianImport:
     directory = Path(directory)
     where = str(directory / CONFIG_FILE)
     config = read_config(directory)
-    model = Transformer(transformer_config(config, where))
+    cfg = transformer_config(config, where)
+    with torch.device("meta"):  # no storage: the model takes the loaded tensors themselves (one copy, not two)
+        model = Transformer(cfg)
     tokenizer = MarianTokenizer.load(directory)
-    if tokenizer.vocab_size != model.config.vocab_size:
+    if tokenizer.vocab_size != cfg.vocab_size:
         raise NmtError(f"{directory / MARIAN_VOCAB} has {tokenizer.vocab_size} ids but {where} says "
-                       f"vocab_size={model.config.vocab_size}")
+                       f"vocab_size={cfg.vocab_size}")
     state = marian_state_dict(load_weights(directory))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if not (name == "lm_head.weight" and model.config.tie_embeddings)]
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [name for name in missing if not (name == "lm_head.weight" and cfg.tie_embeddings)]
     if missing or unexpected:
         raise NmtError(f"weights of {directory} do not match {where}: missing {missing[:5]}, unexpected "
                        f"{unexpected[:5]}")
+    del state
+    if cfg.tie_embeddings:  # assign replaced the shared table: the output projection is it again
+        model.lm_head.weight = model.shared.weight
+    model.positions = sinusoidal_positions(cfg.max_positions, cfg.d_model)  # not stored: computed
+    model.float()  # a checkpoint stored in half precision is exported from fp32, as before (no copy when fp32)
     suppressed = _suppressed_ids(config.get("bad_words_ids"), where)
     with torch.no_grad():
         model.final_logits_bias[0, suppressed] = SUPPRESSED_LOGIT
