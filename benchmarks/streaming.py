@@ -23,7 +23,9 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,53 +35,60 @@ from engine_throughput import host  # noqa: E402
 from server_load import sentences, start_server  # noqa: E402
 
 
-async def streamed(address: str, model: str, texts: list[str], callers: int, beam: int) -> list[dict]:
-    """Each text through TranslateStreaming, ``callers`` at a time: per request its word timings (seconds)."""
+async def closed_loop(address: str, texts: list[str], callers: int, one: Callable) -> None:
+    """``callers`` callers on one channel, each calling ``await one(stub, text)`` for its next text until
+    none is left."""
     import grpc
 
-    from server.protos import pb2, pb2_grpc
+    from server.protos import pb2_grpc
 
-    queue, records = list(reversed(texts)), []
+    queue = list(reversed(texts))
 
     async def caller(stub) -> None:
         while queue:
-            request = pb2.TranslateRequest(texts=[queue.pop()], model=model,
-                                           options=pb2.DecodingOptions(beam_size=beam))
-            start, times, early_words = time.perf_counter(), [], 0
-            async for delta in stub.TranslateStreaming(request, timeout=120):
-                now = time.perf_counter()
-                if delta.text:
-                    times.append(now - start)
-                if not delta.HasField("final"):
-                    early_words += len(delta.text.split())
-                else:
-                    words = len(delta.final.translations[0].hypotheses[0].text.split())
-            records.append({"first": times[0] if times else now - start, "gaps": list(np.diff(times)),
-                            "end": now - start, "early_share": early_words / max(words, 1)})
+            await one(stub, queue.pop())
 
     async with grpc.aio.insecure_channel(address) as channel:
         await asyncio.gather(*(caller(pb2_grpc.TranslatorStub(channel)) for _ in range(callers)))
+
+
+def request(text: str, model: str, beam: int) -> Any:
+    from server.protos import pb2
+
+    return pb2.TranslateRequest(texts=[text], model=model, options=pb2.DecodingOptions(beam_size=beam))
+
+
+async def streamed(address: str, model: str, texts: list[str], callers: int, beam: int) -> list[dict]:
+    """Each text through TranslateStreaming, ``callers`` at a time: per request its word timings (seconds)."""
+    records = []
+
+    async def one(stub, text: str) -> None:
+        start, times, early_words, words = time.perf_counter(), [], 0, 0
+        async for delta in stub.TranslateStreaming(request(text, model, beam), timeout=120):
+            now = time.perf_counter()
+            if delta.text:
+                times.append(now - start)
+            if not delta.HasField("final"):
+                early_words += len(delta.text.split())
+            else:
+                words = len(delta.final.translations[0].hypotheses[0].text.split())
+        records.append({"first": times[0] if times else now - start, "gaps": list(np.diff(times)),
+                        "end": now - start, "early_share": early_words / max(words, 1)})
+
+    await closed_loop(address, texts, callers, one)
     return records
 
 
 async def unary(address: str, model: str, texts: list[str], callers: int, beam: int) -> list[float]:
     """Each text through Translate, ``callers`` at a time: per request its latency (seconds)."""
-    import grpc
+    latencies = []
 
-    from server.protos import pb2, pb2_grpc
+    async def one(stub, text: str) -> None:
+        start = time.perf_counter()
+        await stub.Translate(request(text, model, beam), timeout=120)
+        latencies.append(time.perf_counter() - start)
 
-    queue, latencies = list(reversed(texts)), []
-
-    async def caller(stub) -> None:
-        while queue:
-            request = pb2.TranslateRequest(texts=[queue.pop()], model=model,
-                                           options=pb2.DecodingOptions(beam_size=beam))
-            start = time.perf_counter()
-            await stub.Translate(request, timeout=120)
-            latencies.append(time.perf_counter() - start)
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        await asyncio.gather(*(caller(pb2_grpc.TranslatorStub(channel)) for _ in range(callers)))
+    await closed_loop(address, texts, callers, one)
     return latencies
 
 

@@ -419,8 +419,8 @@ class CoreClient:
             self.up = True
             self._catalogs.put_nowait(message)
         elif isinstance(message, Progress):
-            report = self._progress.get(message.call, [None] * (message.sentence + 1))[message.sentence]
-            if report is not None:
+            reports = self._progress.get(message.call)  # None: the call ended meanwhile
+            if reports is not None and (report := reports[message.sentence]) is not None:
                 report(message.tokens, message.scores, message.attention)
         elif isinstance(message, Done | Failed):
             future = self._calls.get(message.call)

@@ -43,8 +43,7 @@ sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` fo
 so their rows are free for the next admission.
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
-prefix when it grew: the tokens all its live hypotheses and all its finished ones share
-(:meth:`RunningDecode._report_stable`), which its result is bound to begin with.
+prefix when it grew (:mod:`server.engine.stable_prefix`).
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
 from server.engine.row_layout import Layout, fill_holes, lay_out
 from server.engine.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
+from server.engine.stable_prefix import stable_length
 from server.types import ScoredSequence, SearchResult
 
 
@@ -266,10 +266,8 @@ class RunningDecode:
         return left
 
     def _report_stable(self) -> None:
-        """Give each streaming sentence (``on_stable``) its stable prefix when it grew: the tokens that every
-        live hypothesis and every finished one share. The sentence's result is one of those hypotheses or
-        a continuation of a live one, so no later step can change these tokens. With one row (greedy,
-        sampling) that is every token so far."""
+        """Give each streaming sentence (``on_stable``) its stable prefix when it grew
+        (:func:`server.engine.stable_prefix.stable_length`)."""
         streaming = [j for j, s in enumerate(self._sentences) if s.spec.on_stable is not None]
         if not streaming:
             return
@@ -278,21 +276,14 @@ class RunningDecode:
             s = self._sentences[j]
             if s.controls.min_length >= s.limit:  # no hypothesis can end: the result is empty, nothing was stable
                 continue
-            first, last = int(ends[j]), int(ends[j + 1])
-            tokens = self._history[first, : s.step]  # the first live hypothesis
-            length = s.step  # one live hypothesis (greedy, sampling): all of it
-            if last - first > 1:
-                agree = (self._history[first:last, : s.step] == tokens).all(axis=0)
-                length = s.step if agree.all() else int(np.argmin(agree))
-            for done in s.finished:
-                n = min(length, len(done.tokens))
-                same = np.asarray(done.tokens[:n]) == tokens[:n]
-                length = n if same.all() else int(np.argmin(same))
+            first = int(ends[j])
+            length = stable_length(self._history[first:int(ends[j + 1]), : s.step], s.finished)
             if length > s.stable:
                 s.stable = length
                 rows = self._attention[first, :length, : s.spec.source_length].copy() if (
                     s.attention and self._attention is not None) else None
-                s.spec.on_stable(tokens[:length].tolist(), self._history_scores[first, :length].tolist(), rows)
+                s.spec.on_stable(self._history[first, :length].tolist(), self._history_scores[first, :length].tolist(),
+                                 rows)
 
     # ---- one step --------------------------------------------------------------------------------
 

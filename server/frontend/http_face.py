@@ -313,15 +313,7 @@ class HttpFace:
         request_class = message_factory.GetMessageClass(route.method.input_type)
 
         async def endpoint(request: web.Request) -> web.Response:
-            timeout = None
-            message: Any
-            try:
-                if TIMEOUT_HEADER in request.headers:
-                    timeout = parse_timeout(request.headers[TIMEOUT_HEADER])
-                message = await self._parse(request, request_class, route.body)
-            except InvalidArgument as error:
-                message = BadHttpRequest(request.content_length or 0, str(error))
-            context = HttpContext(request.headers, timeout)
+            message, context, timeout = await self._read(request, request_class, route.body)
             try:
                 response = await asyncio.wait_for(behavior(message, context), timeout)
             except grpc.aio.AbortError:
@@ -341,15 +333,7 @@ class HttpFace:
         request_class = message_factory.GetMessageClass(route.method.input_type)
 
         async def endpoint(request: web.Request) -> web.StreamResponse:
-            timeout = None
-            message: Any
-            try:
-                if TIMEOUT_HEADER in request.headers:
-                    timeout = parse_timeout(request.headers[TIMEOUT_HEADER])
-                message = await self._parse(request, request_class, route.body)
-            except InvalidArgument as error:
-                message = BadHttpRequest(request.content_length or 0, str(error))
-            context = HttpContext(request.headers, timeout)
+            message, context, timeout = await self._read(request, request_class, route.body)
             events: web.StreamResponse | None = None
             failure: tuple[grpc.StatusCode, str] | None = None
             try:
@@ -374,6 +358,20 @@ class HttpFace:
             return events
 
         return endpoint
+
+    async def _read(self, request: web.Request, request_class: type, body: str) -> tuple[Any, HttpContext,
+                                                                                       float | None]:
+        """The call's request message (or the :class:`BadHttpRequest` the RPC answers with INVALID_ARGUMENT),
+        its context and its deadline in seconds (``grpc-timeout``; None: none)."""
+        timeout = None
+        message: Any
+        try:
+            if TIMEOUT_HEADER in request.headers:
+                timeout = parse_timeout(request.headers[TIMEOUT_HEADER])
+            message = await self._parse(request, request_class, body)
+        except InvalidArgument as error:
+            message = BadHttpRequest(request.content_length or 0, str(error))
+        return message, HttpContext(request.headers, timeout), timeout
 
     @staticmethod
     async def _parse(request: web.Request, request_class: type, body: str) -> Any:

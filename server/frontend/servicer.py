@@ -37,7 +37,7 @@ from server.frontend.translate import translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
-from server.types import SentenceRequest, TranslateCall, Translation
+from server.types import TranslateCall, Translation
 from server.versions import VersionIndex
 
 log = logging.getLogger("nmt.server")
@@ -196,12 +196,10 @@ class TranslatorService:
                                      options.max_length, end_id=codec.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             if stream is not None:
-                source = SentenceRequest([*prefix, *codec.tokenize(call.texts[0])], text=call.texts[0])
-                stream.bind(codec, scores=call.options.return_scores,
-                            attention_of=source if options.return_attention else None)
+                stream.bind(codec, scores=call.options.return_scores, attention=options.return_attention)
             translations = await translate_texts(codec, model.submit, call.texts, options, handle,
                                                  policy=self.policy, prefix=prefix, target_prefixes=forced,
-                                                 on_stable=stream.on_stable if stream is not None else None)
+                                                 stream=stream)
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
             return to_pb(translations, model, call.options)

@@ -23,7 +23,7 @@ import numpy as np
 
 from server.protos import pb2
 from server.text import TextCodec
-from server.types import ScoredSequence, SearchResult, SentenceRequest
+from server.types import ScoredSequence, SearchResult, SentenceRequest, StableReport
 
 log = logging.getLogger("nmt.server")
 
@@ -38,15 +38,20 @@ class StableStream:
         self._wake = asyncio.Event()
         self.codec: TextCodec | None = None
         self.scores = False  # return_scores: deltas carry token_scores
-        self.source: SentenceRequest | None = None  # return_attention: its source, for the words of the rows
+        self.attention = False  # return_attention: deltas carry the closed words' attention rows
+        self.source: SentenceRequest | None = None  # the sentence followed (its source words label the rows)
         self._sent = 0  # pieces sent
         self._text = ""  # text sent
         self._words = 0  # target words whose attention rows were sent
 
-    def bind(self, codec: TextCodec, *, scores: bool, attention_of: SentenceRequest | None = None) -> None:
-        """The model version the request resolved to (its tokenizer and word starts) and its options;
-        ``attention_of``: the source (ids and text) whose attention rows the deltas carry."""
-        self.codec, self.scores, self.source = codec, scores, attention_of
+    def bind(self, codec: TextCodec, *, scores: bool, attention: bool) -> None:
+        """The model version the request resolved to (its tokenizer and word starts) and its options."""
+        self.codec, self.scores, self.attention = codec, scores, attention
+
+    def follow(self, sentence: SentenceRequest) -> StableReport:
+        """The sentence whose stable prefix this streams; returns its ``on_stable``."""
+        self.source = sentence
+        return self.on_stable
 
     def on_stable(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:
         """The engine's report of the sentence's stable prefix (:data:`server.types.StableReport`)."""
@@ -84,7 +89,7 @@ class StableStream:
         delta = pb2.TranslationDelta(subword_tokens=self.codec.tokenizer.pieces(tokens[self._sent:]), text=added)
         if self.scores:
             delta.token_scores.extend(scores[self._sent:])
-        if attention is not None and self.source is not None:
+        if attention is not None and self.attention and self.source is not None:
             self._add_attention(delta.attention, tokens[:closed], attention[:closed], text)
         self._sent, self._text = len(tokens), self._text + added
         return delta

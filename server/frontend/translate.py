@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
+from server.frontend.streaming import StableStream
 from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
-from server.types import DecodingOptions, SearchResult, SentenceRequest, StableReport, TargetPrefix, Translation
+from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
@@ -28,14 +30,14 @@ async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (),
-    on_stable: StableReport | None = None,
+    stream: StableStream | None = None,
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
     ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
-    return their translations in order. ``on_stable`` streams the (one) text's stable prefix
-    (:class:`server.types.SentenceRequest`)."""
+    return their translations in order. ``stream`` follows the (one) text's stable prefix
+    (:mod:`server.frontend.streaming`)."""
     policy = policy or BatchPolicy()
 
     def tokenize(text: str) -> list[int]:
@@ -49,7 +51,9 @@ async def translate_texts(
     work = check_budget(texts, sources, options, piece_bytes=codec.tokenizer.max_piece_bytes,
                         max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
                         prefix_steps=[target.steps() for target in forced])
-    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target, on_stable=on_stable)
+    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target)
                  for ids, text, target in zip(sources, texts, forced, strict=True)]
+    if stream is not None:
+        sentences[0] = replace(sentences[0], on_stable=stream.follow(sentences[0]))
     results = await submit(sentences, work, request or RequestHandle())
     return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
