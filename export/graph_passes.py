@@ -1,7 +1,11 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
 projections (and feeding the packed Q/K/V to the attention operator), folding the output bias and the
 embedding scale into constants, a one-position step's biased projections into ``Gemm``, the decoder's
-in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts."""
+in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts.
+
+A pass that reads weights takes ``base_dir``, the directory of the graph's external data: the export edits
+graphs whose weights stay in the traced graphs' file, each read when a pass needs it (the graph's weights
+are never all in memory)."""
 
 from __future__ import annotations
 
@@ -97,7 +101,7 @@ def cancel_transposes(model: onnx.ModelProto) -> int:
     return len(rename)
 
 
-def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
+def pack_parallel_matmuls(model: onnx.ModelProto, base_dir: str | Path = "") -> int:
     """Merge the projections that read the same input into one (in place): ``MatMul(x, W_i) [+ b_i]``
     for i = 1..n with constant 2-D ``W_i`` becomes ``Split(MatMul(x, [W_1 ... W_n]) [+ [b_1 ... b_n]])``,
     whose pieces keep the original output names. Attention's query/key/value projections and the
@@ -134,7 +138,7 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
         if len(members) < 2 or any(biases) != all(biases):
             continue
         name = f"packed_{index}"
-        weights = [onnx.numpy_helper.to_array(initializers[member.input[1]]) for member in members]
+        weights = [onnx.numpy_helper.to_array(initializers[member.input[1]], str(base_dir)) for member in members]
         graph.initializer.extend([
             onnx.numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight"),
             onnx.numpy_helper.from_array(np.array([w.shape[1] for w in weights], dtype=np.int64), f"{name}_split"),
@@ -143,7 +147,8 @@ def pack_parallel_matmuls(model: onnx.ModelProto) -> int:
         ends = members
         if all(biases):
             adds = [add for add, _ in biases]
-            packed_bias = np.concatenate([onnx.numpy_helper.to_array(initializers[b]) for _, b in biases])
+            packed_bias = np.concatenate([onnx.numpy_helper.to_array(initializers[b], str(base_dir))
+                                          for _, b in biases])
             graph.initializer.append(onnx.numpy_helper.from_array(packed_bias, f"{name}_bias"))
             nodes.append(helper.make_node("Add", [f"{name}_product", f"{name}_bias"], [f"{name}_biased"],
                                           name=f"{name}_add"))
@@ -304,7 +309,7 @@ def save_graph(model: onnx.ModelProto, path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def pack_attention_inputs(model: onnx.ModelProto) -> int:
+def pack_attention_inputs(model: onnx.ModelProto, base_dir: str | Path = "") -> int:
     """Feed each ``GroupQueryAttention`` whose query, key and value are the pieces of one ``Split`` (a
     projection packed by :func:`pack_parallel_matmuls`) the packed tensor itself, as the operator's packed
     QKV input (in place): the Split goes, and the packed weight's and bias's column blocks are put in
@@ -321,7 +326,8 @@ def pack_attention_inputs(model: onnx.ModelProto) -> int:
         if (split is None or split.op_type != "Split" or sorted(split.output) != sorted(node.input[:3])
                 or any(readers[name] != 1 for name in split.output)):
             continue
-        blocks = onnx.numpy_helper.to_array(initializers[split.input[1]]) if len(split.input) > 1 else None
+        blocks = (onnx.numpy_helper.to_array(initializers[split.input[1]], str(base_dir)) if len(split.input) > 1
+                  else None)
         if blocks is None or len(set(blocks.tolist())) != 1:
             continue
         order = [list(split.output).index(name) for name in node.input[:3]]  # q, k, v among the pieces
@@ -334,7 +340,7 @@ def pack_attention_inputs(model: onnx.ModelProto) -> int:
         if any(name not in initializers or readers[name] != 1 for name in targets):
             continue
         for name in targets:
-            array = onnx.numpy_helper.to_array(initializers[name])
+            array = onnx.numpy_helper.to_array(initializers[name], str(base_dir))
             pieces = np.split(array, 3, axis=-1)
             initializers[name].CopyFrom(onnx.numpy_helper.from_array(
                 np.concatenate([pieces[i] for i in order], axis=-1), name))
@@ -372,13 +378,13 @@ def _bypass(model: onnx.ModelProto, node: onnx.NodeProto, producer: onnx.NodePro
     model.graph.node.remove(node)
 
 
-def fold_output_bias(model: onnx.ModelProto) -> int:
+def fold_output_bias(model: onnx.ModelProto, base_dir: str | Path = "") -> int:
     """``Add(Gemm(x, W), b)`` with constant ``b`` of one row (the output layer's ``final_logits_bias``) becomes
     ``Gemm(x, W, b)`` (in place): one operator less per step. Returns the number folded."""
     folded = 0
     for add, gemm, bias in _fed_by_one(model, "Add", "Gemm"):
         attributes = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
-        values = onnx.numpy_helper.to_array(bias)
+        values = onnx.numpy_helper.to_array(bias, str(base_dir))
         if (len(gemm.input) > 2 or attributes.get("beta", 1.0) != 1.0 or values.ndim > 2
                 or (values.ndim == 2 and values.shape[0] != 1)):
             continue
@@ -399,7 +405,7 @@ def digest(values: np.ndarray) -> bytes:
     return hashed.digest()
 
 
-def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = ()) -> int:
+def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = (), base_dir: str | Path = "") -> int:
     """``Mul(Gather(table, ids), s)`` with constant scalar ``s`` and a table only that Gather reads becomes
     ``Gather(table · s, ids)`` (in place): the same products, computed once at export instead of every step.
     A table whose :func:`digest` is in ``keep`` (a tied embedding, equal to the output projection's weight:
@@ -411,7 +417,7 @@ def fold_embedding_scale(model: onnx.ModelProto, keep: Collection[bytes] = ()) -
         table = initializers.get(gather.input[0])
         if table is None or readers[table.name] != 1:
             continue
-        factor, values = onnx.numpy_helper.to_array(scale), onnx.numpy_helper.to_array(table)
+        factor, values = (onnx.numpy_helper.to_array(tensor, str(base_dir)) for tensor in (scale, table))
         if factor.size != 1 or factor.dtype != values.dtype or (keep and digest(values) in keep):
             continue
         table.CopyFrom(onnx.numpy_helper.from_array(values * factor.reshape(()), table.name))

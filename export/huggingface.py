@@ -49,6 +49,7 @@ class MarianImport:
     tokenizer: MarianTokenizer
     defaults: dict[str, Any]  # beam_size, length_penalty, max_length from the model's generation settings
     origin: dict[str, Any]  # recorded in the manifest
+    state: dict[str, torch.Tensor]  # the weights as the files name them; the model holds these same tensors
 
 
 def is_huggingface_dir(path: str | Path) -> bool:
@@ -114,7 +115,9 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file
 
-                return load_file(path)
+                # read into memory of its own (not mapped): the export frees it in place when done with the
+                # model (export.sources.ExportInputs.release_model), which a mapping of the file cannot be
+                return load_file(path, backend="pread")
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
             raise NmtError(f"cannot read weights {path}: {error}") from error
@@ -133,7 +136,8 @@ def load_marian(directory: str | Path) -> MarianImport:
     if tokenizer.vocab_size != cfg.vocab_size:
         raise NmtError(f"{directory / MARIAN_VOCAB} has {tokenizer.vocab_size} ids but {where} says "
                        f"vocab_size={cfg.vocab_size}")
-    state = marian_state_dict(load_weights(directory))
+    weights = load_weights(directory)
+    state = marian_state_dict(weights)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [name for name in missing if not (name == "lm_head.weight" and cfg.tie_embeddings)]
     if missing or unexpected:
@@ -153,7 +157,7 @@ def load_marian(directory: str | Path) -> MarianImport:
     origin = {"format": "huggingface-marian", "path": str(directory.resolve()),
               "weights": next(name for name in WEIGHT_FILES if (directory / name).is_file()),
               "suppressed_ids": suppressed, "target_languages": tokenizer.target_languages}
-    return MarianImport(model, tokenizer, defaults, origin)
+    return MarianImport(model, tokenizer, defaults, origin, weights)
 
 
 def _suppressed_ids(bad_words_ids: Any, where: str) -> list[int]:
@@ -166,12 +170,21 @@ def _suppressed_ids(bad_words_ids: Any, where: str) -> list[int]:
 
 
 def compare_with_transformers(model: Transformer, directory: Path, sources: list[list[int]],
-                              targets: list[list[int]], suppressed: list[int]) -> float:
-    """Max |logit difference| between ``model`` and ``MarianMTModel.from_pretrained(directory)``, teacher
-    forced on ``sources`` (EOS included) and ``targets`` (logits of suppressed ids left out)."""
-    from transformers import MarianMTModel
+                              targets: list[list[int]], suppressed: list[int],
+                              state: dict[str, torch.Tensor] | None = None) -> float:
+    """Max |logit difference| between ``model`` and ``MarianMTModel`` loading ``directory``, teacher forced on
+    ``sources`` (EOS included) and ``targets`` (logits of suppressed ids left out). With ``state`` (the
+    directory's weights under its own names, already loaded: :attr:`MarianImport.state`), ``MarianMTModel``
+    takes those tensors with the directory's ``config.json`` instead of reading the files again: the check
+    costs no second copy of the weights, and transformers still maps every name itself."""
+    from transformers import MarianConfig, MarianMTModel
 
-    reference = MarianMTModel.from_pretrained(directory).eval()
+    if state is None:
+        reference = MarianMTModel.from_pretrained(directory)
+    else:
+        config = MarianConfig.from_pretrained(directory)
+        reference = MarianMTModel.from_pretrained(None, config=config, state_dict=state)
+    reference = reference.float().eval()
     cfg = model.config
     worst = 0.0
     keep = torch.ones(cfg.vocab_size, dtype=torch.bool)

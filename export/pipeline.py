@@ -5,18 +5,27 @@
 1. **validate** the inputs before writing anything: the source, loaded by its loader
    (:data:`export.sources.SOURCE_LOADERS`): a training run's checkpoint (``weights_only=True``) and the
    tokenizer beside it, or a Hugging Face Marian directory (:mod:`export.huggingface`, checked against
-   ``transformers.MarianMTModel`` itself); the target directory (refused if it exists, unless ``force``);
+   ``transformers.MarianMTModel`` itself, on the same tensors); the target directory (refused if it
+   exists, unless ``force``);
 2. **export graphs**: the architecture's exporter (:mod:`export.registry`) traces ``encoder.onnx``,
    ``decoder.onnx`` (one step), ``decoder_attention.onnx`` (the same step plus ``attention``) and, for the
-   Transformer, ``decoder_forced.onnx`` (every given target position in one call) with fused attention;
-   graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
-   decoder's in-graph top-k. The I/O contract is described in :mod:`nmt.model_format.manifest`;
-3. **verify parity**: the version is written and loaded with the serving engine, which must match
-   PyTorch (:mod:`export.verify`);
-4. optionally **reduce precision** (dynamic int8 for CPUs or fp16 for GPUs, :mod:`export.quantize`),
+   Transformer, ``decoder_forced.onnx`` (every given target position in one call) with fused attention,
+   their weights written to a scratch store as they are traced. The I/O contract is described in
+   :mod:`nmt.model_format.manifest`;
+3. **PyTorch reference**: what the parity check compares a version with (:func:`export.verify.torch_reference`);
+   then the PyTorch model is freed: the later stages read only graphs, so the model and a loaded version
+   (each the size of the checkpoint) are never in memory together;
+4. **edit graphs**: graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
+   decoder's in-graph top-k, one graph at a time, reading each weight from the scratch store when a pass
+   needs it, and store every weight once (:class:`nmt.model_format.weights.WeightStore`);
+5. **verify parity**: the version is written and loaded with the serving engine, which must match
+   PyTorch's reference (:mod:`export.verify`);
+6. optionally **reduce precision** (dynamic int8 for CPUs or fp16 for GPUs, :mod:`export.quantize`),
    verify again and score held-out BLEU of fp32 vs the reduced version;
-5. **write**: the manifest records the parity figures; the version is renamed into place from a hidden
+7. **write**: the manifest records the parity figures; the version is renamed into place from a hidden
    temporary directory, so a failed export leaves nothing half-written.
+
+``nmt bench export`` (:mod:`benchmarks.export_size`) measures the export's peak memory and what it writes.
 """
 
 from __future__ import annotations
@@ -53,10 +62,10 @@ from export.huggingface import compare_with_transformers, write_marian
 from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
-from export.shared_tensors import align_packed_blocks, gemm_weights, packed_blocks, transposed_projection_as_gemm
+from export.shared_tensors import align_packed_blocks, gemm_weights, packed_blocks
 from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
 from export.tracing import torch_threads
-from export.verify import ParityReport, check_parity, greedy_texts
+from export.verify import ParityReport, TorchReference, check_parity, greedy_texts, torch_reference
 from nmt.errors import NmtError
 from nmt.model_format.layout import (
     GRAPH_FILES,
@@ -127,7 +136,8 @@ def export_model(options: ExportOptions) -> ExportResult:
     """Run the whole export (see the module docstring); returns the new version and its manifest."""
     _validate_options(options)
     reduced = options.reduced_precision
-    names = ["validate", "export graphs", "verify parity"] + ([f"convert {reduced}"] if reduced else []) + ["write"]
+    names = (["validate", "export graphs", "PyTorch reference", "edit graphs", "verify parity"]
+             + ([f"convert {reduced}"] if reduced else []) + ["write"])
     stage = _Stages(names, options.progress)
     created: list[Path] = []
     try:
@@ -139,12 +149,15 @@ def export_model(options: ExportOptions) -> ExportResult:
             version_dir = model_dir / version
             if version_dir.exists() and not options.force:
                 raise NmtError(f"{version_dir} already exists; use --force to overwrite it or --version for another")
+            sources, targets = parity_pairs(inputs, options.parity_sentences)
+            if inputs.origin:
+                _check_against_source(inputs, options, sources, targets)
             for directory in reversed([model_dir, *model_dir.parents]):
                 if not directory.exists():
                     directory.mkdir()
                     created.append(directory)
             with tempfile.TemporaryDirectory(prefix=f".export-{version}-", dir=model_dir) as tmp:
-                result = _export(options, inputs, version, Path(tmp), stage)
+                result = _export(options, inputs, (sources, targets), version, Path(tmp), stage)
                 _move_into_place(result.version_dir, version_dir, Path(tmp))
                 result.version_dir = version_dir
             created.clear()
@@ -173,55 +186,66 @@ def export_huggingface(options: ExportOptions) -> tuple[Path, float]:
     return Path(options.out), diff
 
 
-def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Path, stage: _Stages) -> ExportResult:
+def _export(options: ExportOptions, inputs: ExportInputs, pairs: tuple[list[list[int]], list[list[int]]],
+            version: str, work: Path, stage: _Stages) -> ExportResult:
     """Export, verify (and quantize) into ``work``; returns the result with ``version_dir`` under ``work``."""
-    model = inputs.model
     stage("export graphs")
     traced = work / "traced"  # each graph's weights as traced, until its edits are done (a model's worth)
     traced.mkdir()
     with WeightStore(traced / WEIGHTS_FILE) as scratch:
-        graph_set = graph_exporter(model.arch)(model, options.opset, store=scratch)
+        graph_set = graph_exporter(inputs.arch)(inputs.model, options.opset, store=scratch)
     if graph_set.attention_fused < graph_set.attention_total and not options.allow_unfused:
         raise NmtError(
             f"only {graph_set.attention_fused} of {graph_set.attention_total} attention blocks were fused into "
             "com.microsoft.MultiHeadAttention; use --allow-unfused to export anyway"
         )
-    files = _graph_files(graph_set)
-    fp32_dir = work / "fp32"
-    fp32_dir.mkdir()
-    graphs = graph_set.release()
+    stage("PyTorch reference")
+    with torch_reference(inputs.model, *pairs, beam_size=4, directory=work) as reference:
+        inputs.release_model()
+        stage("edit graphs")
+        files = _graph_files(graph_set)
+        fp32_dir = work / "fp32"
+        fp32_dir.mkdir()
+        _edit_graphs(graph_set.release(), files, traced, fp32_dir, inputs)
+        shutil.rmtree(traced)
+        stage("verify parity")
+        return _verify(options, inputs, reference, graph_set, files, version, work, stage)
+
+
+def _edit_graphs(graphs: dict[str, onnx.ModelProto], files: dict[str, str], traced: Path, out: Path,
+                 inputs: ExportInputs) -> None:
+    """Apply the graph passes to each traced graph (whose weights are in ``traced``'s store, read one at a
+    time) and save it in ``out`` with its weights in ``out``'s store, each once."""
     projections: set[bytes] = set()  # the output projections' weights: a tied embedding stays one tensor
     step_blocks: set[tuple[bytes, ...]] = set()  # the step decoder's packed projections, block by block
-    with WeightStore(fp32_dir / WEIGHTS_FILE) as store:
-        for role in sorted(graphs, key=EDIT_ORDER.index):  # one graph's weights in memory at a time
+    with WeightStore(out / WEIGHTS_FILE) as store:
+        for role in sorted(graphs, key=EDIT_ORDER.index):  # one graph in memory at a time
             graph = graphs.pop(role)
-            onnx.external_data_helper.load_external_data_for_model(graph, str(traced))
-            projections |= gemm_weights([graph])
-            pack_parallel_matmuls(graph)
-            pack_attention_inputs(graph)
-            fold_output_bias(graph)
-            fold_embedding_scale(graph, keep=projections)
-            transposed_projection_as_gemm(graph, projections)
+            projections |= gemm_weights([graph], traced)
+            pack_parallel_matmuls(graph, traced)
+            pack_attention_inputs(graph, traced)
+            fold_output_bias(graph, traced)
+            fold_embedding_scale(graph, keep=projections, base_dir=traced)
             if role == "decoder":  # its packed projections, in query-key-value order, before they become Gemms
-                step_blocks = packed_blocks([graph])
+                step_blocks = packed_blocks([graph], base_dir=traced)
             elif role == "decoder_forced":
-                align_packed_blocks(graph, step_blocks)
+                align_packed_blocks(graph, step_blocks, traced)
             if role in ("decoder", "decoder_attention"):
-                if model.arch == "transformer":  # its step graphs project [rows, 1, d] (Bahdanau's are 2-D)
+                if inputs.arch == "transformer":  # its step graphs project [rows, 1, d] (Bahdanau's are 2-D)
                     one_position_gemms(graph)
                 add_logits(graph)
-                add_top_k(graph, model.config.eos_id)
-            save_graph(store.externalize(graph), fp32_dir / files[role])
+                add_top_k(graph, inputs.config.eos_id)
+            save_graph(store.externalize(graph, traced), out / files[role])
             del graph
-    shutil.rmtree(traced)
 
-    stage("verify parity")
-    sources, targets = parity_pairs(inputs, options.parity_sentences)
-    if inputs.origin:
-        _check_against_source(inputs, options, sources, targets)
+
+def _verify(options: ExportOptions, inputs: ExportInputs, reference: TorchReference, graph_set: GraphSet,
+            files: dict[str, str], version: str, work: Path, stage: _Stages) -> ExportResult:
+    """Write the fp32 version in ``work/fp32``, check it against ``reference`` (and the reduced-precision one)."""
+    fp32_dir = work / "fp32"
     manifest = _write_version(fp32_dir, options, inputs, graph_set, files, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
-    parity = check_parity(model, fp32_engine, sources, targets, beam_size=4)
+    parity = check_parity(reference, fp32_engine)
     if not parity.ok(options.parity_tolerance):
         details = "; ".join(parity.mismatches[:3])
         raise NmtError(
@@ -248,7 +272,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, version: str, work: Pa
         store_once(reduced_dir, list(files.values()))
         reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, files, version, precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
-        parity_reduced = check_parity(model, reduced_engine, sources, targets, beam_size=4)
+        parity_reduced = check_parity(reference, reduced_engine)
         reduced_manifest.parity = {"precision": reduced, "enforced": False, **parity_reduced.to_dict(),
                                    "fp32": manifest.parity}
         reduced_manifest.quantization = _bleu_comparison(inputs, options, fp32_engine, reduced_engine, reduced)
@@ -264,7 +288,8 @@ def _check_against_source(inputs: ExportInputs, options: ExportOptions, sources:
     """An imported model's logits against the library it came from (``MarianMTModel``), recorded in
     ``inputs.origin``; raises beyond the parity tolerance."""
     diff = compare_with_transformers(inputs.model, inputs.run_dir, sources, targets,
-                                     inputs.origin.get("suppressed_ids", []))
+                                     inputs.origin.get("suppressed_ids", []), inputs.source_state)
+    inputs.source_state = None  # the model holds what it needs
     inputs.origin["max_logit_diff_vs_transformers"] = float(f"{diff:.3g}")
     if diff > options.parity_tolerance:
         raise NmtError(f"the imported model's logits differ from transformers.MarianMTModel's by {diff:.2e} "
@@ -288,7 +313,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
                    graph_files: dict[str, str], version: str, *, precision: str) -> Manifest:
     """Complete the model version in ``directory`` (whose graphs ``graph_files`` are written): tokenizer and
     a manifest without parity figures yet. Returns the manifest."""
-    model, cfg = inputs.model, inputs.model.config
+    cfg = inputs.config
     inputs.tokenizer.save(directory)
     state = graph_set.decoder_state
     if precision == "fp16":  # the in-place KV cache is fp16 there (export.quantize.convert_fp16)
@@ -296,7 +321,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
     manifest = Manifest(
         name=options.name,
         version=version,
-        architecture=model.arch,
+        architecture=inputs.arch,
         source_language=options.source_language,
         target_language=options.target_language,
         vocab_size=cfg.vocab_size,
@@ -335,7 +360,7 @@ def _buffer_io(graph_set: GraphSet) -> set[str]:
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
     """The version as ``nmt serve --no-ort-prepack`` loads it (CPU, ``options.threads`` threads): each weight
-    held once, beside the PyTorch model the checks compare it with."""
+    held once."""
     return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1,
                        prepack=False)
 

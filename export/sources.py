@@ -5,7 +5,11 @@ parity check decodes and the run's training record."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +33,40 @@ class ExportInputs:
 
     checkpoint: Path
     run_dir: Path
-    model: Seq2SeqModel
+    model: Seq2SeqModel | None  # None once released (release_model)
     payload: dict[str, Any]
     tokenizer: AnyTokenizer
     summary: dict[str, Any]
     pairs: list[tuple[str, str]]  # held-out (source, target) texts; empty if the run has no test.tsv
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # the source's serving defaults
     origin: dict[str, Any] = dataclasses.field(default_factory=dict)  # an imported model's provenance
+    source_state: dict[str, torch.Tensor] | None = None  # an imported model's tensors under its files' names
+    # (the model holds the same tensors): what the check against the library it came from loads
+    arch: str = dataclasses.field(init=False)
+    config: Any = dataclasses.field(init=False)  # the model's configuration (kept when the model is released)
+
+    def __post_init__(self) -> None:
+        self.arch, self.config = self.model.arch, self.model.config
+
+    def release_model(self) -> None:
+        """Free the PyTorch model's weights: the export's later stages read only the graphs (and the reference
+        computed from the model), so the model and a loaded version are never in memory together.
+
+        Dropping the model is not enough: the exporter's libraries keep references to some of a traced
+        module's parameters (onnxscript's fusion rules are module-level objects that keep values of the last
+        graph they matched), so each parameter and buffer is given an empty tensor in place of its values."""
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+        self.model = self.source_state = None
+        gc.collect()
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): tracing leaves the heap
+    fragmented, and without this about a third of the model's size stays counted in the process's memory."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -72,7 +103,7 @@ def _load_marian(options: ExportOptions) -> ExportInputs:
         raise NmtError(f"{options.reduced_precision} export scores held-out BLEU, which a Marian directory "
                        "does not carry; export it in fp32")
     return ExportInputs(directory / "config.json", directory, marian.model, {}, marian.tokenizer, {}, [],
-                   defaults=marian.defaults, origin=marian.origin)
+                        defaults=marian.defaults, origin=marian.origin, source_state=marian.state)
 
 
 def _load_checkpoint(options: ExportOptions) -> ExportInputs:
@@ -110,7 +141,7 @@ SOURCE_LOADERS = {"checkpoint": _load_checkpoint, "huggingface": _load_marian}  
 
 def parity_pairs(inputs: ExportInputs, count: int) -> tuple[list[list[int]], list[list[int]]]:
     """Held-out sentences as ids (sources end with EOS); random id strings if the run has no test.tsv."""
-    cfg = inputs.model.config
+    cfg = inputs.config
     if inputs.pairs:
         chosen = inputs.pairs[:count]
         sources = [ids + [cfg.eos_id] for ids in inputs.tokenizer.encode_batch([s for s, _ in chosen])]

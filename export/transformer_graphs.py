@@ -140,7 +140,10 @@ class ForcedGraph(nn.Module):
                                            i == alignment_layer)
             presents += [key, value]
             attention = weights if weights is not None else attention
-        log_probs = (model.lm_head(x) + model.final_logits_bias).log_softmax(-1)
+        # the positions as rows of one 2-D product: Gemm(x, W, transB=1) reads the projection as stored (a
+        # 3-D one traces MatMul(x, Wᵀ) with a transposed copy of W, as large as the vocabulary's embedding)
+        flat = model.lm_head(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], length, -1)
+        log_probs = (flat + model.final_logits_bias).log_softmax(-1)
         target = log_probs.gather(2, target_ids[:, :, None])[:, :, 0]
         return (target, log_probs[:, -1], attention, *presents)
 

@@ -20,7 +20,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from export.graph_passes import digest, fold_embedding_scale
-from export.shared_tensors import align_packed_blocks, packed_blocks, transposed_projection_as_gemm
+from export.shared_tensors import align_packed_blocks, packed_blocks
 from nmt.model_format.manifest import ManifestError, read_manifest, sha256_file
 from nmt.model_format.weights import ALIGNMENT, MIN_BYTES, WEIGHTS_FILE, store_once, stored_tensors
 from server.engine.engine import Engine
@@ -151,29 +151,6 @@ def test_sessions_given_the_shared_weights_hold_them_once(tmp_path):
         growth[name] = int(run.stdout.split()[-1])
     assert growth["shared"] < 2 * weight_bytes, growth  # one copy, plus the sessions' own few MiB
     assert growth["inline"] > growth["shared"] + 2 * weight_bytes, growth  # at least two copies more
-
-
-def test_a_transposed_projection_becomes_a_gemm_over_the_shared_weight():
-    """``MatMul(x [rows, positions, K], Wᵀ)`` with ``W`` a step graph's Gemm weight: the same values from
-    ``Gemm(x, W, transB=1)`` between two reshapes, ``W`` stored as it is there."""
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((7, 4)).astype(np.float32)  # [N, K], as the Gemm elsewhere reads it
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "wt"], ["y"], name="projection")], "forced",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", "positions", 4])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["rows", "positions", 7])],
-        [numpy_helper.from_array(np.ascontiguousarray(weight.T), "wt")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    x = rng.standard_normal((3, 5, 4)).astype(np.float32)
-    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    assert transposed_projection_as_gemm(model, {digest(np.ones((2, 2), np.float32))}) == 0  # not a shared weight
-    assert transposed_projection_as_gemm(model, {digest(weight)}) == 1
-    assert "Gemm" in [node.op_type for node in model.graph.node]
-    stored = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
-    np.testing.assert_array_equal(stored["wt"], weight)
-    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    assert after[0].shape == before[0].shape
-    np.testing.assert_allclose(after[0], before[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_tied_embedding_table_is_not_stored_scaled():

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from nmt.model_format.layout import WEIGHTS_FILE
 
@@ -45,16 +46,25 @@ class WeightStore:
     def close(self) -> None:
         self.file.close()
 
-    def externalize(self, model: onnx.ModelProto) -> onnx.ModelProto:
+    def externalize(self, model: onnx.ModelProto, base_dir: str | Path | None = None) -> onnx.ModelProto:
         """``model`` with its large initializers pointing at their ranges of the store (new contents written),
         as a new message: protobuf frees a message's memory only with the message, so the old one (with
-        every weight) goes when the caller drops it."""
+        every weight) goes when the caller drops it. With ``base_dir``, initializers that are external data
+        there (another store's: the export's traced graphs) are read from it, one at a time, and stored
+        here; without, external data is taken to be this store's already (a graph copied from a stored one)."""
         for tensor in model.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:  # stored here already (a graph copied from
-                continue  # a stored one)
             if tensor.data_type == onnx.TensorProto.STRING:
                 continue
-            raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                if base_dir is None:
+                    continue
+                # read, not loaded into the message (whose memory would hold every weight until it goes)
+                raw = numpy_helper.to_array(tensor, str(base_dir)).tobytes()
+                if len(raw) < MIN_BYTES:  # (never so: the other store took only large ones) inline
+                    load_external_data_for_tensor(tensor, str(base_dir))
+                    continue
+            else:
+                raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
             if len(raw) >= MIN_BYTES:
                 _point_to(tensor, *self.put(tensor.data_type, raw))
         return onnx.ModelProto.FromString(model.SerializeToString())
