@@ -63,7 +63,7 @@ from export.options import OPSETS, ExportOptions
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
 from export.shared_tensors import align_packed_blocks, gemm_weights, packed_blocks
-from export.sources import ExportInputs, load_inputs, parity_pairs, training_info
+from export.sources import ExportInputs, load_inputs, parity_pairs, return_freed_memory, training_info
 from export.tracing import torch_threads
 from export.verify import ParityReport, TorchReference, check_parity, greedy_texts, torch_reference
 from nmt.errors import NmtError
@@ -208,6 +208,7 @@ def _export(options: ExportOptions, inputs: ExportInputs, pairs: tuple[list[list
         fp32_dir.mkdir()
         _edit_graphs(graph_set.release(), files, traced, fp32_dir, inputs)
         shutil.rmtree(traced)
+        return_freed_memory()
         stage("verify parity")
         return _verify(options, inputs, reference, graph_set, files, version, work, stage)
 
@@ -360,9 +361,9 @@ def _buffer_io(graph_set: GraphSet) -> set[str]:
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
     """The version as ``nmt serve --no-ort-prepack`` loads it (CPU, ``options.threads`` threads): each weight
-    held once."""
+    held once, and without the CPU memory arena (the checks' largest calls give their memory back)."""
     return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1,
-                       prepack=False)
+                       prepack=False, cpu_arena=False)
 
 
 REDUCTION_METHODS = {

@@ -59,12 +59,13 @@ class ExportInputs:
             tensor.data = torch.empty(0, dtype=tensor.dtype)
         self.model = self.source_state = None
         gc.collect()
-        _return_freed_memory()
+        return_freed_memory()
 
 
-def _return_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): tracing leaves the heap
-    fragmented, and without this about a third of the model's size stays counted in the process's memory."""
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): tracing and graph edits leave
+    the heap fragmented (after tracing, about a third of the model's size stays counted in the process's
+    memory without this)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 

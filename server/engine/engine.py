@@ -87,13 +87,15 @@ def generated_tokens(result: SearchResult) -> int:
 
 
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool,
-                    prepack: bool = True) -> ort.SessionOptions:
+                    prepack: bool = True, cpu_arena: bool = True) -> ort.SessionOptions:
     """ONNX Runtime options of a model version's sessions. With ``spinning``, idle workers busy-wait for
     the next operator only while a ``run`` is in progress (``session.force_spinning_stop``): each session
     has its own thread pool, and pools left spinning between runs fight each other, the Python search
     and the gRPC event loop for the cores. Without ``prepack``, the CPU kernels read the weights as stored
-    instead of a re-laid-out copy of their own (``session.disable_prepacking``)."""
+    instead of a re-laid-out copy of their own (``session.disable_prepacking``). Without ``cpu_arena``, a run's
+    host memory goes back when it returns instead of staying in the session's arena."""
     options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = cpu_arena
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -137,6 +139,7 @@ class Engine:
         gpu_mem_limit: int = 0,
         cuda_tf32: bool = False,
         prepack: bool = True,
+        cpu_arena: bool = True,
         portable_attention: bool | None = None,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
@@ -160,6 +163,8 @@ class Engine:
         (:class:`SharedWeights`; on CUDA, buffers in device memory, or host buffers where the sessions refuse
         those); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session (faster steps; the mapped
         pages only packing read are then released); without it the loaded version holds each weight once.
+        ``cpu_arena``: ONNX Runtime's CPU memory arena, which keeps the most host memory any run of a session
+        has needed, for the next (off: the export's checks, a few large calls, give it back after each).
 
         ``portable_attention``: run the decoder's self-attention over the in-place cache in standard operators
         (:mod:`server.engine.portable_attention`) instead of ``GroupQueryAttention``. Default: where CUDA is
@@ -177,7 +182,8 @@ class Engine:
         def open_sessions() -> dict[str, ort.InferenceSession]:
             sessions = {}
             for role, filename in manifest.graphs.items():
-                options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack)
+                options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack,
+                                          cpu_arena=cpu_arena)
                 if weights is not None:
                     weights.add_to(options, version_dir / filename)
                 graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
