@@ -206,22 +206,25 @@ def _export(options: ExportOptions, inputs: ExportInputs, pairs: tuple[list[list
         files = _graph_files(graph_set)
         fp32_dir = work / "fp32"
         fp32_dir.mkdir()
-        _edit_graphs(graph_set.release(), files, traced, fp32_dir, inputs)
+        traced_nodes = _edit_graphs(graph_set.release(), files, traced, fp32_dir, inputs)
         shutil.rmtree(traced)
         return_freed_memory()
         stage("verify parity")
-        return _verify(options, inputs, reference, graph_set, files, version, work, stage)
+        return _verify(options, inputs, reference, graph_set, files, traced_nodes, version, work, stage)
 
 
 def _edit_graphs(graphs: dict[str, onnx.ModelProto], files: dict[str, str], traced: Path, out: Path,
-                 inputs: ExportInputs) -> None:
+                 inputs: ExportInputs) -> dict[str, int]:
     """Apply the graph passes to each traced graph (whose weights are in ``traced``'s store, read one at a
-    time) and save it in ``out`` with its weights in ``out``'s store, each once."""
+    time) and save it in ``out`` with its weights in ``out``'s store, each once. Returns each graph's node
+    count as traced (and fused)."""
+    traced_nodes = {}
     projections: set[bytes] = set()  # the output projections' weights: a tied embedding stays one tensor
     step_blocks: set[tuple[bytes, ...]] = set()  # the step decoder's packed projections, block by block
     with WeightStore(out / WEIGHTS_FILE) as store:
         for role in sorted(graphs, key=EDIT_ORDER.index):  # one graph in memory at a time
             graph = graphs.pop(role)
+            traced_nodes[role] = len(graph.graph.node)
             projections |= gemm_weights([graph], traced)
             pack_parallel_matmuls(graph, traced)
             pack_attention_inputs(graph, traced)
@@ -238,13 +241,15 @@ def _edit_graphs(graphs: dict[str, onnx.ModelProto], files: dict[str, str], trac
                 add_top_k(graph, inputs.config.eos_id)
             save_graph(store.externalize(graph, traced), out / files[role])
             del graph
+    return traced_nodes
 
 
 def _verify(options: ExportOptions, inputs: ExportInputs, reference: TorchReference, graph_set: GraphSet,
-            files: dict[str, str], version: str, work: Path, stage: _Stages) -> ExportResult:
+            files: dict[str, str], traced_nodes: dict[str, int], version: str, work: Path,
+            stage: _Stages) -> ExportResult:
     """Write the fp32 version in ``work/fp32``, check it against ``reference`` (and the reduced-precision one)."""
     fp32_dir = work / "fp32"
-    manifest = _write_version(fp32_dir, options, inputs, graph_set, files, version, precision="fp32")
+    manifest = _write_version(fp32_dir, options, inputs, graph_set, files, traced_nodes, version, precision="fp32")
     fp32_engine = _load_engine(fp32_dir, options)
     parity = check_parity(reference, fp32_engine)
     if not parity.ok(options.parity_tolerance):
@@ -271,7 +276,8 @@ def _verify(options: ExportOptions, inputs: ExportInputs, reference: TorchRefere
             else:
                 convert_fp16(fp32_dir / filename, reduced_dir / filename, _buffer_io(graph_set))
         store_once(reduced_dir, list(files.values()))
-        reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, files, version, precision=reduced)
+        reduced_manifest = _write_version(reduced_dir, options, inputs, graph_set, files, traced_nodes, version,
+                                          precision=reduced)
         reduced_engine = _load_engine(reduced_dir, options)
         parity_reduced = check_parity(reference, reduced_engine)
         reduced_manifest.parity = {"precision": reduced, "enforced": False, **parity_reduced.to_dict(),
@@ -311,9 +317,12 @@ def _graph_files(graph_set: GraphSet) -> dict[str, str]:
 
 
 def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs, graph_set: GraphSet,
-                   graph_files: dict[str, str], version: str, *, precision: str) -> Manifest:
+                   graph_files: dict[str, str], traced_nodes: dict[str, int], version: str, *,
+                   precision: str) -> Manifest:
     """Complete the model version in ``directory`` (whose graphs ``graph_files`` are written): tokenizer and
-    a manifest without parity figures yet. Returns the manifest."""
+    a manifest without parity figures yet (with each graph's node count as traced and as written). Returns
+    the manifest."""
+    graphs = {role: onnx.load(str(directory / name), load_external_data=False) for role, name in graph_files.items()}
     cfg = inputs.config
     inputs.tokenizer.save(directory)
     state = graph_set.decoder_state
@@ -341,8 +350,9 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
         tokenizer_type=inputs.tokenizer.kind,
         target_languages=inputs.tokenizer.target_languages,
         origin=inputs.origin,
-        fused_ops={role: fused_op_counts(onnx.load(str(directory / name), load_external_data=False))
-                   for role, name in graph_files.items()},
+        fused_ops={role: fused_op_counts(graph) for role, graph in graphs.items()},
+        node_counts={role: {"traced": traced_nodes[role], "written": len(graph.graph.node)}
+                     for role, graph in graphs.items()},
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
         training=training_info(inputs),
         defaults=_serving_defaults(options, inputs),
@@ -419,6 +429,8 @@ def manifest_summary(manifest: Manifest) -> str:
         f"  parity: max log-prob diff {parity.get('max_logit_diff')}, max attention diff "
         f"{parity.get('max_attention_diff')}, greedy {parity.get('greedy_match')}, beam-4 {parity.get('beam4_match')}"
         + (f", forced pass {parity['max_forced_diff']}" if "max_forced_diff" in parity else ""),
+        "  nodes (traced -> written): " + ", ".join(f"{role} {counts['traced']} -> {counts['written']}"
+                                                    for role, counts in manifest.node_counts.items()),
     ]
     if manifest.quantization:
         q = manifest.quantization

@@ -339,6 +339,16 @@ def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
     assert real is not partly_fused
 
 
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_the_manifest_records_each_graphs_node_count(tiny_models, arch):
+    manifest = read_manifest(tiny_models[arch])
+    assert set(manifest.node_counts) == set(manifest.graphs)
+    for role, name in manifest.graphs.items():
+        graph = onnx.load(str(tiny_models[arch] / name), load_external_data=False).graph
+        assert manifest.node_counts[role]["written"] == len(graph.node)
+        assert manifest.node_counts[role]["traced"] > 0
+
+
 def test_bahdanau_uses_gru_nodes(tiny_models):
     manifest = read_manifest(tiny_models["bahdanau"])
     assert manifest.fused_ops["encoder"]["GRU"] == 2

@@ -108,6 +108,7 @@ class Manifest:
     decoder_positions: str = ""  # int64 [batch] input of each row's target position ("buffer" state), else ""
     fused_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> op type -> count
     attention_blocks: dict[str, int] = field(default_factory=dict)  # {"fused": n, "total": n}
+    node_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # graph role -> {"traced": n, "written": n}
     parity: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)  # corpus, valid_bleu, test_bleu, steps
     quantization: dict[str, Any] | None = None  # method, bleu_fp32, bleu_<precision>, delta, test_sentences
