@@ -123,8 +123,4 @@ def torch_to_onnx(
                                                       name=value.name)
     proto = ir.serde.serialize_model(model)
     proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
-    # onnxscript's fusion rules are module-level objects that keep the last graph they matched; its values
-    # would hold the module's parameters (every weight of the model) after the export has let them go
-    for value in (*model.graph.inputs, *model.graph.initializers.values()):
-        value.const_value = None
     return proto

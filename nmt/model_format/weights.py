@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from onnx.external_data_helper import load_external_data_for_tensor
 
 from nmt.model_format.layout import WEIGHTS_FILE
 
@@ -58,15 +57,13 @@ class WeightStore:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 if base_dir is None:
                     continue
-                # read, not loaded into the message (whose memory would hold every weight until it goes)
+                # read, not loaded into the message (which would then hold every weight until it goes)
                 raw = numpy_helper.to_array(tensor, str(base_dir)).tobytes()
-                if len(raw) < MIN_BYTES:  # (never so: the other store took only large ones) inline
-                    load_external_data_for_tensor(tensor, str(base_dir))
-                    continue
             else:
                 raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
-            if len(raw) >= MIN_BYTES:
-                _point_to(tensor, *self.put(tensor.data_type, raw))
+                if len(raw) < MIN_BYTES:
+                    continue
+            _point_to(tensor, *self.put(tensor.data_type, raw))
         return onnx.ModelProto.FromString(model.SerializeToString())
 
     def put(self, data_type: int, raw: bytes) -> tuple[int, int]:
