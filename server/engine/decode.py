@@ -87,7 +87,7 @@ def beam_search(
     decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
     results: list[SearchResult | None] = [None] * len(sentences)
     while decode.rows:
-        for index, result in decode.step():
+        for index, result in decode.step(until_leave=True):
             results[index] = result
     return results
 
@@ -227,9 +227,10 @@ class RunningDecode:
             s.step = s.joined_at = t
         self._given = resume.first
 
-    def step(self) -> list[tuple[Any, SearchResult | None]]:
-        """One decoding step of every row; returns the sentences that left: (tag, result), result None
-        for a cancelled sentence."""
+    def step(self, until_leave: bool = False) -> list[tuple[Any, SearchResult | None]]:
+        """One decoding step of every row (``until_leave``: steps until a sentence leaves, for a decode that
+        nobody joins between steps); returns the sentences that left: (tag, result), result None for a
+        cancelled sentence."""
         sentences = self._sentences
         if not sentences:
             return []
@@ -238,7 +239,13 @@ class RunningDecode:
         layout, age, steps = self._layout, self._age, self._steps
         if not layout.attention:
             self._attention = None
-        out, processed = self._model_step(steps, layout, age)
+        if self._plain(layout):
+            out, processed = self._plain_greedy(layout, until_leave), None
+            if out is None:  # every step was quiet
+                return []
+            age, steps = self._age, self._steps
+        else:
+            out, processed = self._model_step(steps, layout, age)
         self._state = out.state
         row_tokens, row_scores = np.asarray(out.top_ids, dtype=np.int64), out.top_log_probs.astype(np.float64)
         if age >= layout.room and (forced := layout.limits - 1 == steps).any():  # out of room: only EOS may follow
@@ -264,6 +271,53 @@ class RunningDecode:
         self._age += 1
         self._report_stable()
         return left
+
+    def _plain(self, layout: Layout) -> bool:
+        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs: beam-1 sentences on
+        the lean path without controls, forced prefixes, attention or streaming, none at its last step,
+        on a model with :meth:`server.engine.step_models.OnnxStepModel.greedy_steps`."""
+        age = self._age
+        return (not layout.groups and layout.k == 1 and not layout.attention and not layout.penalised
+                and age < layout.room and age >= layout.full_for and age >= layout.given_for
+                and self._given is None and getattr(self.model, "plain_greedy", False)
+                and all(s.rng is None and s.spec.on_stable is None for s in self._sentences))
+
+    def _plain_greedy(self, layout: Layout, until_leave: bool) -> StepOutput | None:
+        """Plain arg-max steps (:meth:`_plain`) with the host's work cut to a few array operations per step
+        (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing) and no
+        sentence was cancelled only writes its tokens and scores into the books. Runs one step, or with
+        ``until_leave`` steps until one that is not quiet or the step before some row's last. Returns the
+        output of the step that was not quiet, for :meth:`step` to select from as any other; None when
+        every step was quiet."""
+        run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps)
+        ids, scores = run.ids, run.scores
+        rows = np.arange(self.rows)
+        steps = self._steps.copy()
+        checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
+        quiet = 0
+        for _ in range(layout.room - self._age if until_leave else 1):
+            run.run()
+            if (ids == self.eos_id).any() or (scores == NEG_INF).any() or any(check() for check in checks):
+                self._quiet_steps(quiet, steps)
+                return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,
+                                  run.state())
+            self._history[rows, steps] = ids
+            self._history_scores[rows, steps] = scores
+            self._totals += scores
+            steps += 1
+            quiet += 1
+        self._quiet_steps(quiet, steps)
+        self._tokens, self._state = ids.copy(), run.state()
+        return None
+
+    def _quiet_steps(self, count: int, steps: np.ndarray) -> None:
+        """Move the books on by ``count`` quiet steps of :meth:`_plain_greedy` (``steps``: each row's step
+        after them)."""
+        if count:
+            self._steps = steps
+            self._age += count
+            for s in self._sentences:
+                s.step += count
 
     def _report_stable(self) -> None:
         """Give each streaming sentence (``on_stable``) its stable prefix when it grew

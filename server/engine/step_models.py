@@ -202,6 +202,21 @@ class OnnxStepModel:
         return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether :meth:`greedy_steps` can run: the in-place cache (a concatenating one is new every step)."""
+        return bool(self.positions)
+
+    def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
+                     positions: np.ndarray) -> GreedySteps:
+        """Arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]) with every array bound once
+        (:class:`GreedySteps`); needs :attr:`plain_greedy`."""
+        steps = self._bindings.__dict__.get("greedy")
+        if steps is None or steps.rows != len(tokens):
+            steps = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
+        steps.start(tokens, positions, static, state)
+        return steps
+
     def _binding(self, need_attention: bool, full: bool, logits: bool
                  ) -> tuple[ort.IOBinding, dict[str, Any], list[str], list[str]]:
         """This thread's I/O binding of the step graph with the outputs these flags ask for, what is bound to
@@ -306,6 +321,71 @@ class OnnxStepModel:
     @property
     def state_names(self) -> list[str]:
         return [entry.input for entry in self.state] + ([self.positions] if self.positions else [])
+
+
+class GreedySteps:
+    """Arg-max decoding steps of an in-place-cache decoder for a fixed set of rows, the host's work per step
+    cut to a few array operations (the plain greedy run of :class:`server.engine.decode.RunningDecode`).
+
+    Its own I/O binding of the step graph (top 1) writes each step's best token of every row (``top_ids``)
+    into the very array the next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input
+    before its last node writes the output, on the CPU and on a device's stream alike. Each row's position
+    moves on in its bound array, and the KV cache is written in place as in :meth:`OnnxStepModel.step`. The
+    host reads :attr:`ids` and :attr:`scores` (the tokens' log-probabilities) after each :meth:`run`:
+    ``R`` ids and scores, nothing of the [R, V] distribution."""
+
+    def __init__(self, model: OnnxStepModel, rows: int) -> None:
+        self.model, self.rows = model, rows
+        self.ids = np.zeros(rows, dtype=np.int64)
+        self.scores = np.zeros(rows, dtype=np.float32)
+        self.eos_log_prob = np.zeros(rows, dtype=np.float32)
+        self.positions = np.zeros(rows, dtype=np.int64)
+        self._session = model.sessions["decoder"]
+        self._binding = self._session.io_binding()
+        self._bound: dict[str, Any] = {}
+        self._state: dict[str, Any] = {}
+        self._capacity = 0
+        ids, scores, eos = TOP_K_OUTPUTS
+        for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
+            self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self._binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(self.ids))
+        self._binding.bind_ortvalue_input(model.positions, ort.OrtValue.ortvalue_from_numpy(self.positions))
+        self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(1))
+
+    def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, np.ndarray],
+              state: dict[str, Any]) -> None:
+        """Continue from ``tokens`` at ``positions`` with ``state`` (binding again only the arrays that changed)."""
+        np.copyto(self.ids, tokens)
+        np.copyto(self.positions, positions)
+        for name, value in static.items():
+            if self._bound.get(name) is not value:
+                _bind_input(self._binding, self._bound, name, value)
+        self._state = dict(state)
+        self._bind_buffers()
+
+    def run(self) -> None:
+        """One step: :attr:`ids` and :attr:`scores` then hold each row's best next token and its
+        log-probability (the KV cache grows first when a row reaches its capacity)."""
+        if int(self.positions.max()) >= self._capacity:
+            self._state = self.model._reserve(self._state, int(self.positions.max()) + 1)
+            self._bind_buffers()
+        self._session.run_with_iobinding(self._binding)
+        self.positions += 1
+
+    def state(self) -> dict[str, Any]:
+        """The decoder state after the steps run (each row's position moved on)."""
+        return {**self._state, self.model.positions: self.positions.copy()}
+
+    def _bind_buffers(self) -> None:
+        for name, entry in self.model.buffers.items():
+            value = self._state[name]
+            if self._bound.get(name) is not value:
+                buffer = ort.OrtValue.ortvalue_from_numpy(value)
+                self._binding.bind_ortvalue_input(name, buffer)
+                self._binding.bind_ortvalue_output(entry.output, buffer)
+                self._bound[name] = value
+        name, entry = next(iter(self.model.buffers.items()))
+        self._capacity = self._state[name].shape[entry.capacity_axis]
 
 
 def _bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:
