@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from server.engine.decode import RunningDecode, beam_search
@@ -16,13 +17,14 @@ from server.engine.step_models import GreedySteps
 WORDS = "one two three four five six seven eight nine ten".split()
 
 
-@pytest.fixture(scope="module")
-def engine(model_version_dir):
-    return Engine.load(model_version_dir, provider="cpu", intra_op_threads=1)
+@pytest.fixture(scope="module", params=[False, True], ids=["host-state", "device-state"])
+def engine(model_version_dir, request):
+    """The tiny Transformer with its state in NumPy arrays, and as ``OrtValue`` buffers (the CUDA way)."""
+    return Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, device_state=request.param)
 
 
 @pytest.fixture
-def counted(monkeypatch):
+def counted(monkeypatch, engine):
     """How many times the decode ran the model through each way: plain steps and the general step."""
     counts = {"plain": 0, "general": 0}
 
@@ -33,12 +35,11 @@ def counted(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(GreedySteps, "run", count("plain", GreedySteps.run))
-    from server.engine.step_models import OnnxStepModel
-    monkeypatch.setattr(OnnxStepModel, "step", count("general", OnnxStepModel.step))
+    monkeypatch.setattr(type(engine.model), "step", count("general", type(engine.model).step))
     return counts
 
 
-def batch(engine: Engine, seed: int, n: int) -> tuple[dict, list[BeamSentence]]:
+def batch(engine: Engine, seed: int, n: int) -> tuple[np.ndarray, list[BeamSentence]]:
     """``n`` random sentences of 1-14 words, with random output limits, some of which cut a translation
     short."""
     rng = random.Random(seed)
@@ -47,20 +48,21 @@ def batch(engine: Engine, seed: int, n: int) -> tuple[dict, list[BeamSentence]]:
     for row, sentence in zip(src, ids, strict=True):
         row[: len(sentence)] = sentence
     specs = [BeamSentence(len(sentence), max_length=rng.choice([3, 6, 40, 256])) for sentence in ids]
-    return engine.model.encode(src), specs
+    return src, specs
 
 
-def search(engine: Engine, encoded: dict, specs: list[BeamSentence], lean: bool) -> list:
-    return beam_search(engine.model, {name: value.copy() for name, value in encoded.items()}, specs, beam_size=1,
-                       start_id=engine.start_id, eos_id=engine.eos_id, lean_greedy=lean)
+def search(engine: Engine, src: np.ndarray, specs: list[BeamSentence], lean: bool) -> list:
+    """Greedy search of ``src`` (encoded anew: the search writes its cache in place)."""
+    return beam_search(engine.model, engine.model.encode(src), specs, beam_size=1, start_id=engine.start_id,
+                       eos_id=engine.eos_id, lean_greedy=lean)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_greedy_equals_the_general_search(engine, counted, seed):
-    encoded, specs = batch(engine, seed, n=1 + 3 * seed)
-    plain = search(engine, encoded, specs, lean=True)
+    src, specs = batch(engine, seed, n=1 + 3 * seed)
+    plain = search(engine, src, specs, lean=True)
     plain_counts = dict(counted)
-    general = search(engine, encoded, specs, lean=False)
+    general = search(engine, src, specs, lean=False)
     lengths = set()
     for ours, reference in zip(plain, general, strict=True):
         [a], [b] = ours.hypotheses, reference.hypotheses
@@ -76,9 +78,9 @@ def test_plain_greedy_equals_the_general_search(engine, counted, seed):
 
 
 def test_a_sentence_cancelled_during_plain_steps_leaves_at_the_next_step(engine, counted):
-    encoded, specs = batch(engine, seed=7, n=3)
+    src, specs = batch(engine, seed=7, n=3)
     specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
-    reference = search(engine, encoded, specs, lean=False)
+    reference = search(engine, src, specs, lean=False)
     polls = 0
 
     def cancelled() -> bool:
@@ -87,7 +89,7 @@ def test_a_sentence_cancelled_during_plain_steps_leaves_at_the_next_step(engine,
         return polls > 4
 
     specs[1] = BeamSentence(specs[1].source_length, max_length=256, is_cancelled=cancelled)
-    results = search(engine, encoded, specs, lean=True)
+    results = search(engine, src, specs, lean=True)
     assert results[1] is None
     assert polls == 6, "polled once per step (the plain step that saw it, then its selection)"
     for i in (0, 2):
@@ -96,16 +98,16 @@ def test_a_sentence_cancelled_during_plain_steps_leaves_at_the_next_step(engine,
 
 def test_single_steps_for_a_decode_that_others_join(engine, counted):
     """Without ``until_leave`` (continuous batching) a plain step is one step: sentences join between them."""
-    encoded, specs = batch(engine, seed=3, n=2)
+    src, specs = batch(engine, seed=3, n=2)
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
-    decode.admit({name: value[:1].copy() for name, value in encoded.items()}, specs[:1], ["first"])
+    decode.admit(engine.model.encode(src[:1]), specs[:1], ["first"])
     decode.step()
     assert counted["plain"] == 1 and decode.steps() == [1]
-    decode.admit({name: value[1:].copy() for name, value in encoded.items()}, specs[1:], ["second"])
+    decode.admit(engine.model.encode(src[1:]), specs[1:], ["second"])
     results = {}
     while decode.rows:
         results.update(decode.step())
-    reference = search(engine, encoded, specs, lean=False)
+    reference = search(engine, src, specs, lean=False)
     # the joined sentence decodes as alone (rows at their own positions)
     assert results["second"].hypotheses[0].tokens == reference[1].hypotheses[0].tokens
     assert results["first"].hypotheses[0].tokens == reference[0].hypotheses[0].tokens
@@ -114,12 +116,13 @@ def test_single_steps_for_a_decode_that_others_join(engine, counted):
 def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
     """40 plain steps (the cache grows from 16 positions twice) give each row the tokens and scores of
     :meth:`OnnxStepModel.step` fed the same tokens, and leave the same state behind."""
-    encoded, _ = batch(engine, seed=5, n=3)
+    src, _ = batch(engine, seed=5, n=3)
     model = engine.model
+    encoded, reference = model.encode(src), model.encode(src)  # the two runs write their caches in place
     static = {name: encoded[name] for name in model.static_names}
     state = {name: encoded[name] for name in model.state_names}
     tokens, positions = np.full(3, engine.start_id), np.zeros(3, dtype=np.int64)
-    reference_state = {name: value.copy() for name, value in state.items()}
+    reference_state = {name: reference[name] for name in model.state_names}
     run = model.greedy_steps(tokens, static, state, positions)
     for step in range(40):
         fed = run.ids.copy()
@@ -132,5 +135,7 @@ def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
     after = run.state()
     np.testing.assert_array_equal(after[model.positions], np.full(3, 40))
     for name, entry in model.buffers.items():
-        assert after[name].shape[entry.capacity_axis] >= 40
-        np.testing.assert_array_equal(after[name], reference_state[name])
+        ours, theirs = (value.numpy() if isinstance(value, ort.OrtValue) else value
+                        for value in (after[name], reference_state[name]))
+        assert ours.shape[entry.capacity_axis] >= 40
+        np.testing.assert_array_equal(ours, theirs)

@@ -377,15 +377,16 @@ class GreedySteps:
         return {**self._state, self.model.positions: self.positions.copy()}
 
     def _bind_buffers(self) -> None:
+        """Bind each cache buffer (a host array, or a device's ``OrtValue``) as its input and its output."""
         for name, entry in self.model.buffers.items():
             value = self._state[name]
             if self._bound.get(name) is not value:
-                buffer = ort.OrtValue.ortvalue_from_numpy(value)
+                buffer = value if isinstance(value, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(value)
                 self._binding.bind_ortvalue_input(name, buffer)
                 self._binding.bind_ortvalue_output(entry.output, buffer)
                 self._bound[name] = value
         name, entry = next(iter(self.model.buffers.items()))
-        self._capacity = self._state[name].shape[entry.capacity_axis]
+        self._capacity = _shape(self._state[name])[entry.capacity_axis]
 
 
 def _bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:
