@@ -14,7 +14,7 @@ from server.engine.engine import Engine
 from server.engine.search import BeamSentence
 from server.engine.step_models import GreedySteps
 
-WORDS = "one two three four five six seven eight nine ten".split()
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-state", "device-state"])
