@@ -32,9 +32,9 @@ lengths (time = fixed + steps x per step): it shows whether a gap lies in the st
 The fit is a straight line: a step's cost that grows with its position (attention over more entries,
 the KV cache's one growth past 16 positions) lands partly in the fixed part. For the project the table
 also splits the measured call at the full length into the time inside ONNX Runtime (the encoder's
-session, the step decoders' sessions) and the rest (Python: the search, tokens, I/O binding), and fits
-the rest through the two lengths too: "host us/step" is the host's time per decoding step, without the
-call's fixed part.
+session, the step decoders' sessions) and the rest (Python: the search, tokens, I/O binding, the call's
+own set-up), and times the host's work per decoding step directly: "host us between steps" is the median
+time from the end of one step-graph run to the start of the next within a call.
 """
 
 from __future__ import annotations
@@ -233,17 +233,8 @@ class Cell:
     # call at ANATOMY_TOKENS and at OUTPUT_TOKENS (--anatomy)
     ort: list[list[float]] = field(default_factory=list)  # the project's per repeat: seconds per call inside
     # the encoder's and the step decoders' ONNX Runtime sessions, at OUTPUT_TOKENS (--anatomy)
-    ort_short: list[list[float]] = field(default_factory=list)  # the same at ANATOMY_TOKENS
-
-    def host_per_step(self) -> float | None:
-        """The project's seconds per decoding step outside ONNX Runtime (the search, the books, I/O
-        binding): its time outside the sessions per call, fitted through the two lengths like
-        :meth:`anatomy` (median over the repeats); None without both lengths' session clocks."""
-        if not self.ort_short or "project" not in self.calls:
-            return None
-        steps = [((full - sum(long)) - (short - sum(brief))) / (OUTPUT_TOKENS - ANATOMY_TOKENS)
-                 for (short, full), long, brief in zip(self.calls["project"], self.ort, self.ort_short, strict=True)]
-        return statistics.median(steps)
+    step_gaps: list[float] = field(default_factory=list)  # the project's per repeat: median seconds between two
+    # step-graph runs of one call, at OUTPUT_TOKENS (--anatomy)
 
     def anatomy(self, runtime: str) -> tuple[float, float] | None:
         """``runtime``'s fixed seconds per call and seconds per decoding step (medians over the repeats)."""
@@ -307,8 +298,8 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
                 cell.calls[runtime] = [run["call_s"][key] for run in runs]
             if runtime == "project" and key in runs[0].get("ort_s", {}):
                 cell.ort = [run["ort_s"][key] for run in runs]
-            if runtime == "project" and key in runs[0].get("ort_short_s", {}):
-                cell.ort_short = [run["ort_short_s"][key] for run in runs]
+            if runtime == "project" and key in runs[0].get("step_gap_s", {}):
+                cell.step_gaps = [run["step_gap_s"][key] for run in runs]
     check = {runtime: runs[0]["check"] for runtime, runs in reports.items()}
     agree = {runtime: sum(a[: OUTPUT_TOKENS - 1] == b[: OUTPUT_TOKENS - 1]
                           for a, b in zip(check["project"], outputs, strict=True))
@@ -462,14 +453,14 @@ def anatomy_table(cells: list[Cell]) -> str:
     the two lengths), the project's speed relative to CTranslate2 on each part (above 1: the project's
     part is faster), the project's measured call at the full length split into the encoder's and the
     step graphs' ONNX Runtime time and the rest (Python: the search, tokens, I/O binding, and the call's
-    own set-up and results), per step, and the host's time per step (the rest fitted through the two
-    lengths: the call's fixed part taken out)."""
+    own set-up and results), per step, and the host's time per step: the median time between two step-graph
+    runs of one call."""
     runtimes = [r for r in ("project", "ctranslate2", "baseline") if any(r in c.calls for c in cells)]
     names = {"project": "project", "ctranslate2": "CT2", "baseline": "baseline"}
     columns = [f"{names[r]} fixed ms | {names[r]} us/step" for r in runtimes] + [
         "project/CT2 per step | project/CT2 fixed",
         f"project at {OUTPUT_TOKENS} tokens: encoder ms | step graphs us/step | rest us/step",
-        "project host us/step"]
+        "host us between steps"]
     lines = ["| size | precision | batch | beam | " + " | ".join(columns) + " |",
              "|---|---|---|---|" + "---|---|" * (len(runtimes) + 1) + "---|---|---|---|"]
     for c in cells:
@@ -484,8 +475,7 @@ def anatomy_table(cells: list[Cell]) -> str:
                        f"{(call - encoder - graphs) / OUTPUT_TOKENS * 1e6:,.0f}")
         else:
             row.append("- | - | -")
-        host = c.host_per_step()
-        row.append("-" if host is None else f"{host * 1e6:,.0f}")
+        row.append(f"{statistics.median(c.step_gaps) * 1e6:,.0f}" if c.step_gaps else "-")
         lines.append(f"| {c.size} | {c.precision} | {c.batch} | {c.beam} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -140,10 +141,13 @@ RUNTIMES = {"project": project, "ctranslate2": ctranslate2, "pytorch": pytorch, 
 
 class SessionClock:
     """Seconds spent inside ONNX Runtime sessions ("encoder", and "decoder" for the step graphs), timed by
-    wrappers installed on the sessions' ``run`` and ``run_with_iobinding``."""
+    wrappers installed on the sessions' ``run`` and ``run_with_iobinding``, and the host's time between two
+    step-graph runs of one call (``gaps``: the search's work per step; an encoder run starts a call)."""
 
     def __init__(self, sessions: dict) -> None:
         self.seconds = {"encoder": 0.0, "decoder": 0.0}
+        self.gaps: list[float] = []
+        self._last_step: float | None = None  # when the last step-graph run of this call ended
         for role, session in sessions.items():
             for method in ("run", "run_with_iobinding"):
                 setattr(session, method, self._timed(getattr(session, method), "encoder" if role == "encoder"
@@ -152,14 +156,19 @@ class SessionClock:
     def _timed(self, call: Callable, graph: str) -> Callable:
         def timed(*args, **kwargs):
             start = time.perf_counter()
+            if graph == "decoder" and self._last_step is not None:
+                self.gaps.append(start - self._last_step)
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds[graph] += time.perf_counter() - start
+                end = time.perf_counter()
+                self.seconds[graph] += end - start
+                self._last_step = end if graph == "decoder" else None
         return timed
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.gaps, self._last_step = [], None
 
 
 def load_torch() -> None:
@@ -221,7 +230,7 @@ def main() -> None:
         load_torch()
     decode, backend, clock = RUNTIMES[args.runtime](args.model, job)
     report: dict = {"runtime": args.runtime, "backend": backend, "tok_s": {}, "call_s": {}, "ort_s": {},
-                    "ort_short_s": {}}
+                    "step_gap_s": {}}
     report["check"] = decode(job["check"], 1)
     for batch, beam in job["cells"]:
         sources = job["sources"][str(batch)]
@@ -232,16 +241,12 @@ def main() -> None:
         if clock:  # per call, over the warm-up call too
             report["ort_s"][f"{batch}x{beam}"] = [clock.seconds["encoder"] / (calls + 1),
                                                   clock.seconds["decoder"] / (calls + 1)]
+            report["step_gap_s"][f"{batch}x{beam}"] = statistics.median(clock.gaps)
         if job.get("anatomy_tokens"):
             short = job["anatomy_tokens"]
-            if clock:
-                clock.reset()
             short_calls, short_elapsed = sustained(
                 lambda sources=sources, beam=beam, short=short: decode(sources, beam, short), job["seconds"])
             report["call_s"][f"{batch}x{beam}"] = [short_elapsed / short_calls, elapsed / calls]
-            if clock:  # the sessions' time per call at the short length: the host's time per step is a fit too
-                report["ort_short_s"][f"{batch}x{beam}"] = [clock.seconds["encoder"] / (short_calls + 1),
-                                                           clock.seconds["decoder"] / (short_calls + 1)]
     if args.runtime == "project" and job.get("attention_cell"):
         batch = job["attention_cell"]
         sources = job["sources"][str(batch)]

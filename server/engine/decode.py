@@ -291,30 +291,29 @@ class RunningDecode:
         every step was quiet."""
         run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps)
         ids, scores = run.ids, run.scores
-        rows = np.arange(self.rows)
-        steps = self._steps.copy()
+        count = layout.room - self._age if until_leave else 1
+        tokens, token_scores = np.empty((count, self.rows), dtype=np.int64), np.empty((count, self.rows))
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        quiet = 0
-        for _ in range(layout.room - self._age if until_leave else 1):
+        for quiet in range(count):
             run.run()
-            if (ids == self.eos_id).any() or (scores == NEG_INF).any() or any(check() for check in checks):
-                self._quiet_steps(quiet, steps)
+            if (ids == self.eos_id).any() or scores.min() == NEG_INF or any(check() for check in checks):
+                self._quiet_steps(tokens[:quiet], token_scores[:quiet])
                 return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,
                                   run.state())
-            self._history[rows, steps] = ids
-            self._history_scores[rows, steps] = scores
+            tokens[quiet] = ids
+            token_scores[quiet] = scores
             self._totals += scores
-            steps += 1
-            quiet += 1
-        self._quiet_steps(quiet, steps)
+        self._quiet_steps(tokens, token_scores)
         self._tokens, self._state = ids.copy(), run.state()
         return None
 
-    def _quiet_steps(self, count: int, steps: np.ndarray) -> None:
-        """Move the books on by ``count`` quiet steps of :meth:`_plain_greedy` (``steps``: each row's step
-        after them)."""
+    def _quiet_steps(self, tokens: np.ndarray, scores: np.ndarray) -> None:
+        """Write the quiet steps of :meth:`_plain_greedy` into the books: ``tokens`` and ``scores`` [steps, R]."""
+        count = len(tokens)
         if count:
-            self._steps = steps
+            at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
+            self._history[at], self._history_scores[at] = tokens.T, scores.T
+            self._steps = self._steps + count
             self._age += count
             for s in self._sentences:
                 s.step += count

@@ -344,7 +344,7 @@ class GreedySteps:
         self._binding = self._session.io_binding()
         self._bound: dict[str, Any] = {}
         self._state: dict[str, Any] = {}
-        self._capacity = 0
+        self._capacity = self._last = 0
         ids, scores, eos = TOP_K_OUTPUTS
         for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
@@ -357,6 +357,7 @@ class GreedySteps:
         """Continue from ``tokens`` at ``positions`` with ``state`` (binding again only the arrays that changed)."""
         np.copyto(self.ids, tokens)
         np.copyto(self.positions, positions)
+        self._last = int(positions.max())  # the furthest position a row writes next
         for name, value in static.items():
             if self._bound.get(name) is not value:
                 _bind_input(self._binding, self._bound, name, value)
@@ -366,11 +367,12 @@ class GreedySteps:
     def run(self) -> None:
         """One step: :attr:`ids` and :attr:`scores` then hold each row's best next token and its
         log-probability (the KV cache grows first when a row reaches its capacity)."""
-        if int(self.positions.max()) >= self._capacity:
-            self._state = self.model._reserve(self._state, int(self.positions.max()) + 1)
+        if self._last >= self._capacity:
+            self._state = self.model._reserve(self._state, self._last + 1)
             self._bind_buffers()
         self._session.run_with_iobinding(self._binding)
         self.positions += 1
+        self._last += 1
 
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps run (each row's position moved on)."""
