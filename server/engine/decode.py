@@ -291,28 +291,33 @@ class RunningDecode:
         every step was quiet."""
         run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps)
         ids, scores = run.ids, run.scores
-        count = layout.room - self._age if until_leave else 1
-        tokens, token_scores = np.empty((count, self.rows), dtype=np.int64), np.empty((count, self.rows))
+        # a step's tokens and scores are read as Python lists: after a step graph's run the caches are cold,
+        # and each NumPy call then costs 10-20 us (the BASE model), a list's test a fraction of that
+        tokens: list[list[int]] = []
+        token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        for quiet in range(count):
+        for _ in range(layout.room - self._age if until_leave else 1):
             run.run()
-            if (ids == self.eos_id).any() or scores.min() == NEG_INF or any(check() for check in checks):
-                self._quiet_steps(tokens[:quiet], token_scores[:quiet])
+            chosen, chosen_scores = ids.tolist(), scores.tolist()
+            if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
+                self._quiet_steps(tokens, token_scores)
                 return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,
                                   run.state())
-            tokens[quiet] = ids
-            token_scores[quiet] = scores
-            self._totals += scores
+            tokens.append(chosen)
+            token_scores.append(chosen_scores)
         self._quiet_steps(tokens, token_scores)
         self._tokens, self._state = ids.copy(), run.state()
         return None
 
-    def _quiet_steps(self, tokens: np.ndarray, scores: np.ndarray) -> None:
-        """Write the quiet steps of :meth:`_plain_greedy` into the books: ``tokens`` and ``scores`` [steps, R]."""
+    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:
+        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores."""
         count = len(tokens)
         if count:
             at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-            self._history[at], self._history_scores[at] = tokens.T, scores.T
+            steps = np.array(scores)
+            self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, steps.T
+            # summed step by step, as the general step adds them
+            self._totals = np.cumsum(np.concatenate([self._totals[None], steps]), axis=0)[-1]
             self._steps = self._steps + count
             self._age += count
             for s in self._sentences:
