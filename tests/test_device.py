@@ -148,15 +148,17 @@ class OutOfMemoryOverTwoRows:
     """The real engine whose decoder step fails like ONNX Runtime's arena when a batch has over two rows."""
 
     def __init__(self, engine: Engine) -> None:
-        step = engine.model.step
+        for entry in ("step", "greedy_steps"):  # the general step and the plain greedy one
+            setattr(engine.model, entry, self._limited(getattr(engine.model, entry)))
+        self.engine = engine
 
+    @staticmethod
+    def _limited(step: Any) -> Any:
         def limited(tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
             if tokens.shape[0] > 2:
                 raise RuntimeError(ORT_OUT_OF_MEMORY)
             return step(tokens, *args, **kwargs)
-
-        engine.model.step = limited  # type: ignore[method-assign]
-        self.engine = engine
+        return limited
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
