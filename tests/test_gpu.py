@@ -26,6 +26,7 @@ from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, 
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
 from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.engine.portable_attention import inline_self_attention, needs_portable_attention
+from server.engine.step_models import GreedySteps
 from server.types import DecodingOptions
 from tests.test_engine import TEXTS
 
@@ -133,6 +134,26 @@ def test_cuda_decodes_like_the_cpu_with_finite_attention(arch, beam, cpu, gpu):
             assert a.score == pytest.approx(b.score, abs=TOLERANCE)
             assert np.isfinite(a.attention.weights).all()
             np.testing.assert_allclose(a.attention.weights, b.attention.weights, atol=TOLERANCE)
+
+
+def test_plain_greedy_steps_on_cuda_decode_like_the_cpu(cpu, gpu, monkeypatch):
+    """Plain arg-max steps on CUDA (:class:`GreedySteps`: the cache on the device, the ids and positions bound
+    on the host, the top-1 output written into the next step's input) give the CPU's tokens and scores."""
+    models = []
+    step = GreedySteps.run
+
+    def counted(self: GreedySteps) -> None:
+        models.append(type(self.model))
+        step(self)
+
+    monkeypatch.setattr(GreedySteps, "run", counted)
+    options = DecodingOptions(beam_size=1, num_hypotheses=1)
+    engine = gpu["transformer"]
+    for on_cpu, on_gpu in zip(cpu["transformer"].translate(TEXTS, options), engine.translate(TEXTS, options),
+                              strict=True):
+        assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
+        assert on_gpu.hypotheses[0].score == pytest.approx(on_cpu.hypotheses[0].score, abs=TOLERANCE)
+    assert type(engine.model) in models, "the CUDA decode took the plain steps"
 
 
 def _device_memory_mib() -> int:
