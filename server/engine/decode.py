@@ -283,12 +283,12 @@ class RunningDecode:
                 and all(s.rng is None and s.spec.on_stable is None for s in self._sentences))
 
     def _plain_greedy(self, layout: Layout, until_leave: bool) -> StepOutput | None:
-        """Plain arg-max steps (:meth:`_plain`) with the host's work cut to a few array operations per step
-        (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing) and no
-        sentence was cancelled only writes its tokens and scores into the books. Runs one step, or with
-        ``until_leave`` steps until one that is not quiet or the step before some row's last. Returns the
-        output of the step that was not quiet, for :meth:`step` to select from as any other; None when
-        every step was quiet."""
+        """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
+        score (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing)
+        and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
+        step, or with ``until_leave`` steps until one that is not quiet or the step before some row's last.
+        Returns the output of the step that was not quiet, for :meth:`step` to select from as any other;
+        None when every step was quiet."""
         run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps)
         ids, scores = run.ids, run.scores
         # a step's tokens and scores are read as Python lists: after a step graph's run the caches are cold,

@@ -325,7 +325,7 @@ class OnnxStepModel:
 
 class GreedySteps:
     """Arg-max decoding steps of an in-place-cache decoder for a fixed set of rows, the host's work per step
-    cut to a few array operations (the plain greedy run of :class:`server.engine.decode.RunningDecode`).
+    cut to an increment and what it reads (the plain greedy steps of :class:`server.engine.decode.RunningDecode`).
 
     Its own I/O binding of the step graph (top 1) writes each step's best token of every row (``top_ids``)
     into the very array the next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input
