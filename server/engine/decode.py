@@ -22,7 +22,10 @@ Search rules. The selection is :mod:`server.engine.beam_select` (which continuat
 when a sentence is done; a sentence's quota of finished hypotheses is ``round(beam x patience)``); this
 module keeps the books around it. With ``beam_size == 1`` the rules reduce to arg-max decoding (the best
 token is kept; when it is EOS the sentence is done), which runs through a lean path of a few array
-operations per step instead of the general candidate bookkeeping.
+operations per step instead of the general candidate bookkeeping. When every sentence decodes that way
+without controls, prefix, attention or streaming, the model's own arg-max steps run instead
+(:meth:`RunningDecode._plain_greedy`): the host reads each row's token and score, and only the step in
+which a sentence may leave goes through the selection.
 
 Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
 when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).

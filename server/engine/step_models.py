@@ -16,6 +16,9 @@ within the same arrays reaches the next step without binding them again.
 Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
+:class:`GreedySteps` runs plain arg-max steps on the in-place cache with a binding of its own, the step
+graph's top-1 output bound to the next step's ``input_ids``.
+
 ``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
 those positions go into the step decoder's buffers (:meth:`OnnxStepModel.state_from_forced`).
 """
