@@ -122,7 +122,7 @@ def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
     state = {name: encoded[name] for name in model.state_names}
     tokens, positions = np.full(3, engine.start_id), np.zeros(3, dtype=np.int64)
     reference_state = {name: reference[name] for name in model.state_names}
-    run = model.greedy_steps(tokens, static, state, positions)
+    run = model.greedy_steps(tokens, static, state, positions, 40)
     for step in range(40):
         fed = run.ids.copy()
         run.run()

@@ -292,16 +292,15 @@ class RunningDecode:
         step, or with ``until_leave`` steps until one that is not quiet or the step before some row's last.
         Returns the output of the step that was not quiet, for :meth:`step` to select from as any other;
         None when every step was quiet."""
-        run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps)
+        count = layout.room - self._age if until_leave else 1
+        run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count)
         ids, scores = run.ids, run.scores
-        # a step's tokens and scores are read as Python lists: after a step graph's run the caches are cold,
-        # and each NumPy call then costs 10-20 us (the BASE model), a list's test a fraction of that
-        tokens: list[list[int]] = []
+        tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        for _ in range(layout.room - self._age if until_leave else 1):
+        for _ in range(count):
             run.run()
-            chosen, chosen_scores = ids.tolist(), scores.tolist()
+            chosen, chosen_scores = run.read()
             if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
                 self._quiet_steps(tokens, token_scores)
                 return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,

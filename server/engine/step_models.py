@@ -211,14 +211,14 @@ class OnnxStepModel:
         return bool(self.positions)
 
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
-                     positions: np.ndarray) -> GreedySteps:
-        """Arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]) with every array bound once
-        (:class:`GreedySteps`); needs :attr:`plain_greedy`."""
-        steps = self._bindings.__dict__.get("greedy")
-        if steps is None or steps.rows != len(tokens):
-            steps = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
-        steps.start(tokens, positions, static, state)
-        return steps
+                     positions: np.ndarray, steps: int) -> GreedySteps:
+        """Up to ``steps`` arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]) with every
+        array bound once (:class:`GreedySteps`); needs :attr:`plain_greedy`."""
+        run = self._bindings.__dict__.get("greedy")
+        if run is None or run.rows != len(tokens):
+            run = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
+        run.start(tokens, positions, static, state, steps)
+        return run
 
     def _binding(self, need_attention: bool, full: bool, logits: bool
                  ) -> tuple[ort.IOBinding, dict[str, Any], list[str], list[str]]:
@@ -328,14 +328,17 @@ class OnnxStepModel:
 
 class GreedySteps:
     """Arg-max decoding steps of an in-place-cache decoder for a fixed set of rows, the host's work per step
-    cut to an increment and what it reads (the plain greedy steps of :class:`server.engine.decode.RunningDecode`).
+    cut to moving the positions on and reading the tokens (the plain greedy steps of
+    :class:`server.engine.decode.RunningDecode`).
 
     Its own I/O binding of the step graph (top 1) writes each step's best token of every row (``top_ids``)
     into the very array the next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input
-    before its last node writes the output, on the CPU and on a device's stream alike. Each row's position
-    moves on in its bound array, and the KV cache is written in place as in :meth:`OnnxStepModel.step`. The
-    host reads :attr:`ids` and :attr:`scores` (the tokens' log-probabilities) after each :meth:`run`:
-    ``R`` ids and scores, nothing of the [R, V] distribution."""
+    before its last node writes the output, on the CPU and on a device's stream alike. The KV cache is
+    written in place as in :meth:`OnnxStepModel.step`. After a step graph's run the CPU's caches hold the
+    graph's weights and every NumPy call is slow (10-20 us on a 6-layer model), so a step touches its
+    arrays through memoryviews: the rows' next positions are copied from a table made at :meth:`start`, and
+    :meth:`read` gives the tokens and their log-probabilities as lists (``R`` ids and scores, nothing of the
+    [R, V] distribution)."""
 
     def __init__(self, model: OnnxStepModel, rows: int) -> None:
         self.model, self.rows = model, rows
@@ -343,11 +346,13 @@ class GreedySteps:
         self.scores = np.zeros(rows, dtype=np.float32)
         self.eos_log_prob = np.zeros(rows, dtype=np.float32)
         self.positions = np.zeros(rows, dtype=np.int64)
+        self._views = memoryview(self.ids), memoryview(self.scores), memoryview(self.positions)
         self._session = model.sessions["decoder"]
         self._binding = self._session.io_binding()
         self._bound: dict[str, Any] = {}
         self._state: dict[str, Any] = {}
-        self._capacity = self._last = 0
+        self._capacity = self._last = self._done = 0
+        self._next = memoryview(np.zeros(0, dtype=np.int64))  # each step's next positions, row after row
         ids, scores, eos = TOP_K_OUTPUTS
         for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
@@ -356,11 +361,13 @@ class GreedySteps:
         self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(1))
 
     def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, np.ndarray],
-              state: dict[str, Any]) -> None:
-        """Continue from ``tokens`` at ``positions`` with ``state`` (binding again only the arrays that changed)."""
+              state: dict[str, Any], steps: int) -> None:
+        """Continue from ``tokens`` at ``positions`` with ``state`` for up to ``steps`` steps (binding again
+        only the arrays that changed)."""
         np.copyto(self.ids, tokens)
         np.copyto(self.positions, positions)
-        self._last = int(positions.max())  # the furthest position a row writes next
+        self._next = memoryview((positions + np.arange(1, steps + 1)[:, None]).ravel())
+        self._last, self._done = int(positions.max()), 0  # the furthest position a row writes next; steps run
         for name, value in static.items():
             if self._bound.get(name) is not value:
                 _bind_input(self._binding, self._bound, name, value)
@@ -374,8 +381,14 @@ class GreedySteps:
             self._state = self.model._reserve(self._state, self._last + 1)
             self._bind_buffers()
         self._session.run_with_iobinding(self._binding)
-        self.positions += 1
+        first = self._done * self.rows
+        self._views[2][:] = self._next[first:first + self.rows]
+        self._done += 1
         self._last += 1
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The last step's token of each row and its log-probability."""
+        return self._views[0].tolist(), self._views[1].tolist()
 
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps run (each row's position moved on)."""
