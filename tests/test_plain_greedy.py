@@ -1,5 +1,5 @@
 """Plain arg-max decoding on the in-place cache (:class:`server.engine.step_models.GreedySteps`): the same
-tokens and scores as the general search, with one model run and a few array operations per step."""
+tokens and scores as the general search, with one model run per step and each row's token and score read."""
 
 from __future__ import annotations
 
@@ -131,6 +131,10 @@ def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
         np.testing.assert_array_equal(run.ids, out.top_ids[:, 0])
         np.testing.assert_array_equal(run.scores, out.top_log_probs[:, 0])
         np.testing.assert_array_equal(run.eos_log_prob, out.eos_log_prob)
+    # a step's outputs: the cache, written in place, and for the host each row's id, score and EOS log-prob
+    outputs = [value.shape() for value in run._binding.get_outputs()]
+    assert len(outputs) == len(model.buffers) + 3 and sorted(outputs)[:3] == [[3], [3, 1], [3, 1]]
+    assert not any(model.manifest.vocab_size in shape for shape in outputs), "nothing of the [R, V] distribution"
     after = run.state()
     np.testing.assert_array_equal(after[model.positions], np.full(3, 40))
     for name, entry in model.buffers.items():
