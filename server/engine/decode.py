@@ -316,10 +316,10 @@ class RunningDecode:
         count = len(tokens)
         if count:
             at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-            steps = np.array(scores)
-            self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, steps.T
+            step_scores = np.array(scores)  # [steps, R]
+            self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
             # summed step by step, as the general step adds them
-            self._totals = np.cumsum(np.concatenate([self._totals[None], steps]), axis=0)[-1]
+            self._totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
             self._steps = self._steps + count
             self._age += count
             for s in self._sentences:
