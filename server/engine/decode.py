@@ -276,14 +276,12 @@ class RunningDecode:
         return left
 
     def _plain(self, layout: Layout) -> bool:
-        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs: beam-1 sentences on
-        the lean path without controls, forced prefixes, attention or streaming, none at its last step,
-        on a model with :meth:`server.engine.step_models.OnnxStepModel.greedy_steps`."""
+        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs: a plain layout
+        (:attr:`Layout.plain`) past its controls' and prefixes' steps, no row at its last step, on a model with
+        :meth:`server.engine.step_models.OnnxStepModel.greedy_steps`."""
         age = self._age
-        return (not layout.groups and layout.k == 1 and not layout.attention and not layout.penalised
-                and age < layout.room and age >= layout.full_for and age >= layout.given_for
-                and self._given is None and getattr(self.model, "plain_greedy", False)
-                and all(s.rng is None and s.spec.on_stable is None for s in self._sentences))
+        return (layout.plain and layout.full_for <= age < layout.room and age >= layout.given_for
+                and self._given is None and getattr(self.model, "plain_greedy", False))
 
     def _plain_greedy(self, layout: Layout, until_leave: bool) -> StepOutput | None:
         """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and

@@ -34,12 +34,14 @@ class Layout:
     full_for: float  # steps during which some sentence needs the whole distribution (its ``full_until``)
     given_for: int  # steps during which some sentence decodes its forced prefix
     penalised: bool  # some sentence has a repetition penalty
+    plain: bool  # every sentence is beam 1 on the lean path, without sampling, attention, penalty or streaming:
+    # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
     """The layout of ``sentences`` (each with ``step``, ``joined_at``, ``beam``, ``limit``, ``attention``,
-    ``full_until``, ``forced_length`` and ``penalised``) on rows whose sentences are ``row_sentence``;
-    ``lean_greedy``: beam-1 sentences take the lean path."""
+    ``full_until``, ``forced_length``, ``penalised``, ``rng`` and ``spec.on_stable``) on rows whose sentences
+    are ``row_sentence``; ``lean_greedy``: beam-1 sentences take the lean path."""
     n = len(sentences)
     expanded = np.array([s.step > s.joined_at for s in sentences])
     beams = np.array([s.beam for s in sentences])
@@ -52,13 +54,15 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
     pairs = sorted(set(zip(beams[~lean].tolist(), widths[~lean].tolist(), strict=True)))
     groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
                np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
+    attention, penalised = any(s.attention for s in sentences), any(s.penalised for s in sentences)
     return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
                   k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
-                  attention=any(s.attention for s in sentences), lean=np.flatnonzero(lean), groups=groups,
+                  attention=attention, lean=np.flatnonzero(lean), groups=groups,
                   settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
                   full_for=max(s.full_until - s.step for s in sentences),
-                  given_for=max(s.forced_length - s.step for s in sentences),
-                  penalised=any(s.penalised for s in sentences))
+                  given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
+                  plain=bool(lean.all()) and not attention and not penalised
+                  and all(s.rng is None and s.spec.on_stable is None for s in sentences))
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
