@@ -269,6 +269,8 @@ def main() -> None:
                              "--frontends (one value, default 0)")
     parser.add_argument("--batching", choices=["static", "continuous"], default="static",
                         help="the server's --batching (not --capacity: the null engine batches statically)")
+    parser.add_argument("--max-batch-rows", type=int, default=0,
+                        help="the server's --max-batch-rows (continuous batching; 0: by device)")
     parser.add_argument("--clients", type=int, default=2, help="--capacity: load-generator processes")
     parser.add_argument("--client-threads", type=int, default=8,
                         help="--capacity: threads (blocking calls, a channel each) per load-generator process")
@@ -316,7 +318,8 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     process, address, metrics = start_server(args.model_repository, [
         "--intra-op-threads", str(args.threads), "--max-batch-sentences", "128", "--queue-size", "4096",
         "--max-wait-ms", str(args.max_wait_ms), "--ort-spinning" if args.ort_spinning else "--no-ort-spinning",
-        "--frontends", str(frontends), "--batching", args.batching, "--provider", args.provider])
+        "--frontends", str(frontends), "--batching", args.batching, "--provider", args.provider,
+        "--max-batch-rows", str(args.max_batch_rows)])
     rows = []
     try:
         for callers in args.callers:

@@ -112,6 +112,32 @@ def test_single_steps_for_a_decode_that_others_join(engine, counted):
     assert results["first"].hypotheses[0].tokens == reference[0].hypotheses[0].tokens
 
 
+def test_plain_steps_run_on_until_the_caller_stops_them(engine, counted):
+    """Continuous batching's way: ``until_leave`` with ``stop`` runs plain steps back to back, asks ``stop``
+    after each, and sentences that join when it returns decode as they would alone."""
+    src, specs = batch(engine, seed=3, n=2)
+    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    decode.admit(engine.model.encode(src[:1]), specs[:1], ["first"])
+    asked = []
+
+    def stop() -> bool:
+        asked.append(decode.steps_run)
+        return decode.steps_run >= 3
+
+    assert decode.step(until_leave=True, stop=stop) == []
+    assert asked == [1, 2, 3] and counted["plain"] == 3 and decode.steps() == [3]
+    decode.admit(engine.model.encode(src[1:]), specs[1:], ["second"])
+    results = {}
+    while decode.rows:
+        results.update(decode.step(until_leave=True, stop=lambda: False))
+    assert decode.steps_run == counted["plain"] + counted["general"]
+    reference = search(engine, src, specs, lean=False)
+    for i, tag in enumerate(["first", "second"]):
+        [ours], [expected] = results[tag].hypotheses, reference[i].hypotheses
+        assert (ours.tokens, ours.token_scores) == (expected.tokens, expected.token_scores)
+
+
 def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
     """40 plain steps (the cache grows from 16 positions twice) give each row the tokens and scores of
     :meth:`OnnxStepModel.step` fed the same tokens, and leave the same state behind."""

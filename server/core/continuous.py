@@ -19,7 +19,8 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    then decode steps until the decode is empty or the oldest queued sentence fits in the free rows and
    has waited ``max_wait`` (``--max-wait-ms``, 5 ms: about a step), so that sentences arriving close
    together join in one encoder call instead of one each. Every step polls each sentence's
-   cancellation: a cancelled or expired sentence leaves at once and frees its rows.
+   cancellation: a cancelled or expired sentence leaves at once and frees its rows. Plain greedy steps
+   run back to back within :meth:`RunningDecode.step` (``stop`` asked after each), as in a static batch.
 4. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding (it never waits for the event loop, which on 2 cores left it idle a third
@@ -89,8 +90,12 @@ class RunningBatch:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
-        self.steps = 0  # decoding steps run so far
         self.left = 0  # sentences that left so far
+
+    @property
+    def steps(self) -> int:
+        """Decoding steps run so far."""
+        return self.decode.steps_run
 
     def load(self) -> DecodeLoad:
         """What the decode holds now (read on the event loop while the worker is idle)."""
@@ -113,17 +118,15 @@ class RunningBatch:
                     encoded, sentences, tagged = self._run_apart(encoded, sentences, tagged, apart, deliver)
                 admit(self.decode, encoded, sentences, tagged, start_id=engine.start_id)
                 progress.encode_seconds = time.perf_counter() - start
-            start = time.perf_counter()
+            start, steps = time.perf_counter(), self.steps
             while self.decode.rows:
-                left = self.decode.step()
-                self.steps += 1
-                progress.steps += 1
+                left = self.decode.step(until_leave=True, stop=until)
                 if left:
                     self.left += len(left)
                     deliver([(tag, result) for (tag, _request), result in left])
                 if until():
                     break
-            progress.decode_seconds = time.perf_counter() - start
+            progress.decode_seconds, progress.steps = time.perf_counter() - start, self.steps - steps
         except Exception as error:
             exhausted = engine.memory_error(error, self.decode.sentences + len(requests))
             if exhausted is None:

@@ -52,7 +52,7 @@ prefix when it grew (:mod:`server.engine.stable_prefix`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -146,6 +146,7 @@ class RunningDecode:
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
         self._layout: Layout | None = None  # None: work it out at the next step (server.engine.row_layout)
         self._age = 0  # steps run since the layout was worked out
+        self.steps_run = 0  # decoding steps run so far
 
     @property
     def rows(self) -> int:
@@ -230,10 +231,11 @@ class RunningDecode:
             s.step = s.joined_at = t
         self._given = resume.first
 
-    def step(self, until_leave: bool = False) -> list[tuple[Any, SearchResult | None]]:
-        """One decoding step of every row (``until_leave``: steps until a sentence leaves, for a decode that
-        nobody joins between steps); returns the sentences that left: (tag, result), result None for a
-        cancelled sentence."""
+    def step(self, until_leave: bool = False, stop: Callable[[], bool] | None = None,
+             ) -> list[tuple[Any, SearchResult | None]]:
+        """One decoding step of every row; with ``until_leave``, plain greedy steps (:meth:`_plain_greedy`) go
+        on until a sentence leaves or ``stop()`` (asked after each step) is true. Returns the sentences that
+        left: (tag, result), result None for a cancelled sentence. :attr:`steps_run` counts the steps."""
         sentences = self._sentences
         if not sentences:
             return []
@@ -243,12 +245,13 @@ class RunningDecode:
         if not layout.attention:
             self._attention = None
         if self._plain(layout):
-            out, processed = self._plain_greedy(layout, until_leave), None
+            out, processed = self._plain_greedy(layout, until_leave, stop), None
             if out is None:  # every step was quiet
                 return []
             age, steps = self._age, self._steps
         else:
             out, processed = self._model_step(steps, layout, age)
+            self.steps_run += 1
         self._state = out.state
         row_tokens, row_scores = np.asarray(out.top_ids, dtype=np.int64), out.top_log_probs.astype(np.float64)
         if age >= layout.room and (forced := layout.limits - 1 == steps).any():  # out of room: only EOS may follow
@@ -283,13 +286,14 @@ class RunningDecode:
         return (layout.plain and layout.full_for <= age < layout.room and age >= layout.given_for
                 and self._given is None and getattr(self.model, "plain_greedy", False))
 
-    def _plain_greedy(self, layout: Layout, until_leave: bool) -> StepOutput | None:
+    def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
+                      ) -> StepOutput | None:
         """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
         score (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing)
         and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
-        step, or with ``until_leave`` steps until one that is not quiet or the step before some row's last.
-        Returns the output of the step that was not quiet, for :meth:`step` to select from as any other;
-        None when every step was quiet."""
+        step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
+        ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
+        select from as any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
         run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count)
         ids, scores = run.ids, run.scores
@@ -298,6 +302,7 @@ class RunningDecode:
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         for _ in range(count):
             run.run()
+            self.steps_run += 1
             chosen, chosen_scores = run.read()
             if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
                 self._quiet_steps(tokens, token_scores)
@@ -305,6 +310,8 @@ class RunningDecode:
                                   run.state())
             tokens.append(chosen)
             token_scores.append(chosen_scores)
+            if stop is not None and stop():
+                break
         self._quiet_steps(tokens, token_scores)
         self._tokens, self._state = ids.copy(), run.state()
         return None
