@@ -402,3 +402,54 @@ def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models) -> None:
     assert result["static"]["encodes"] >= 3  # 12 sentences, 4 at a time
     assert result["continuous"]["encodes"] >= 3  # admitted as others left
     assert 0 < result["continuous"]["rows"] <= 8
+
+
+@pytest.mark.parametrize("arch", CONTINUOUS)
+def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arch, engines):
+    """The continuous scheduler's hand-off (RunningBatch.advance with ``ask``): once ``until()`` holds, the
+    worker asks once, with the decode's load, and goes on decoding; the sentences offered from another
+    thread join at the next step; an emptied decode waits for the answer instead of returning, and returns
+    once it is empty with nothing asked. Everyone gets what they get alone."""
+    import threading
+
+    from server.core.continuous import RunningBatch
+
+    engine = engines[arch]
+    first = [request(engine, " ".join(WORDS * 2), beam_size=beam) for beam in (1, 4)]
+    later = [request(engine, "six seven eight", beam_size=4, num_hypotheses=2), request(engine, "one two")]
+    batch, delivered, asks, reports = RunningBatch(engine), {}, [], []
+    requests = dict(zip(["first-1", "first-4", "later-4", "later-1"], [*first, *later], strict=True))
+
+    def deliver(finished):
+        delivered.update({tag: result for tag, result in finished})
+
+    def ask(load):  # answered from another thread after a while, as the event loop would
+        asks.append((load, batch.steps))
+        timer = threading.Timer(0.05, batch.offer, (later, ["later-4", "later-1"]) if len(asks) == 1 else ([], []))
+        timer.start()
+
+    batch.advance(first, ["first-1", "first-4"], lambda: batch.steps >= 2, deliver, ask, reports.append)
+    assert batch.decode.rows == 0 and not batch.awaiting
+    assert len(asks) >= 1 and asks[0][0].rows == 5 and asks[0][1] == 2, "asked once at step 2, with its load"
+    assert asks[0][0].source_width == len(first[0].source_ids) + 1
+    # the first stretch is the admission of the two first sentences; the offer opened a second one
+    assert [r.sentences for r in reports][:2] == [2, 2] and sum(r.steps for r in reports) == batch.steps
+    for tag, r in requests.items():
+        assert_same(delivered[tag], alone(engine, r))
+
+
+def test_an_emptied_decode_waits_for_the_answer_and_a_late_one_is_taken_next_time(engines, monkeypatch):
+    import server.core.continuous as continuous
+
+    engine = engines["transformer"]
+    monkeypatch.setattr(continuous, "OFFER_WAIT_SECONDS", 0.05)
+    batch, delivered = continuous.RunningBatch(engine), {}
+    short = request(engine, "one")
+    batch.advance([short], ["short"], lambda: True, lambda finished: delivered.update(finished),
+                  lambda load: None)  # asked after the first step; no answer comes in time
+    assert "short" in delivered and batch.decode.rows == 0 and batch.awaiting, "returned, the ask still out"
+    late = request(engine, "two three")
+    batch.offer([late], ["late"])  # the answer comes after the return: the next advance takes it first
+    batch.advance([], [], lambda: False, lambda finished: delivered.update(finished))
+    assert not batch.awaiting
+    assert_same(delivered["late"], alone(engine, late))
