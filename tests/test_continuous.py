@@ -382,10 +382,11 @@ def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
         assert_same(results[tag], alone(engine, r))
 
 
-def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models) -> None:
+@pytest.mark.parametrize("beam", [1, 2])
+def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models, beam) -> None:
     """``benchmarks/batching.py``'s ceiling (the bare engine under callers that never wait) on the tiny
     Transformer: both modes decode every sentence, the running decode within its rows, and the decoder
-    and encoder calls are counted."""
+    and encoder calls are counted (greedy's plain steps too)."""
     import importlib.util
     from pathlib import Path
 
@@ -395,7 +396,7 @@ def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models) -> None:
     spec.loader.exec_module(batching)
     version = tiny_models["transformer"]
     texts = batching.workload(12, 0, 0.25, 2)
-    result = batching.bare_closed_loop(str(version.parent.parent), version.parent.name, texts, beam=2, callers=4,
+    result = batching.bare_closed_loop(str(version.parent.parent), version.parent.name, texts, beam=beam, callers=4,
                                        max_rows=8, threads=1, repeats=1)
     for mode in ("static", "continuous"):
         assert result[mode]["sentences_s"] > 0 and result[mode]["steps"] > 0

@@ -26,7 +26,8 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    (step 2) and offers it (:meth:`RunningBatch.offer`, a thread-safe queue); the worker takes the offer
    before its next step and encodes it in. So the worker never stops for the event loop while it has
    rows (returning to the loop for every admission left it idle for as long as the busy loop took to
-   come back to it: at 128 callers on 2 cores the server serves 1.16x the sentences/s with the ask).
+   come back to it: on 2 cores the server serves 1.04-1.16x the sentences/s at 128 callers with the
+   ask, 1.12x at 32, in paired runs).
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
 5. The sentences that leave are handed to the event loop right after their step
