@@ -135,7 +135,7 @@ class RunningBatch:
         ``ask(load)`` instead (once, until the answer, :meth:`offer`, is taken) and the decode goes on; the
         sentences offered join at the next step, and the decode returns only once it is empty and no answer
         is due within ``OFFER_WAIT_SECONDS``. ``report`` gets each stretch's :class:`Progress`."""
-        engine = self.engine
+        engine, stop = self.engine, self._stop(until)
         try:
             progress = self._join(requests, tags, deliver)
             while True:
@@ -144,7 +144,7 @@ class RunningBatch:
                     progress = self._join(*self._take(), deliver)
                 start, steps = time.perf_counter(), self.steps
                 while self.decode.rows:
-                    left = self.decode.step(until_leave=True, stop=self._stop(until))
+                    left = self.decode.step(until_leave=True, stop=stop)
                     if left:
                         self.left += len(left)
                         deliver([(tag, result) for (tag, _request), result in left])
