@@ -99,7 +99,7 @@ def default_ports_taken() -> Iterator[list[str]]:
             sock.close()
             continue
         held.append(sock)
-    yield addresses
+    yield [f"{host}:{port}" for host, port in (sock.getsockname() for sock in held)]
     for sock in held:
         sock.close()
 
