@@ -25,7 +25,10 @@ token is kept; when it is EOS the sentence is done), which runs through a lean p
 operations per step instead of the general candidate bookkeeping. When every sentence decodes that way
 without controls, prefix, attention or streaming, the model's own arg-max steps run instead
 (:meth:`RunningDecode._plain_greedy`): the host reads each row's token and score, and only the step in
-which a sentence may leave goes through the selection.
+which a sentence may leave goes through the selection. When every sentence searches a beam of 2 or more
+without those, and has expanded, its quiet steps are plain beam steps (:meth:`RunningDecode._plain_beam`,
+:mod:`server.engine.beam_steps`): the same selection in plain Python lists while no EOS is among a
+sentence's best, and only the others go through :func:`server.engine.beam_select.select_beam`.
 
 Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
 when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).
@@ -61,6 +64,7 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
+from server.engine.beam_steps import quiet_selection
 from server.engine.row_layout import Layout, fill_holes, lay_out
 from server.engine.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
 from server.engine.stable_prefix import stable_length
@@ -77,6 +81,7 @@ def beam_search(
     beam_size: int | None = None,
     need_attention: bool | None = None,
     lean_greedy: bool = True,
+    plain_beam: bool = True,
     resume: Resume | None = None,
 ) -> list[SearchResult | None]:
     """Decode ``len(sentences)`` sentences together (the static batch: a running decode that admits them
@@ -84,7 +89,7 @@ def beam_search(
     ``encoded`` holds every static input and the initial value of every state entry, batch first
     (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
     sentence whose ``is_cancelled`` turned true."""
-    decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy)
+    decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy, plain_beam=plain_beam)
     overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
         {} if need_attention is None else {"need_attention": need_attention})
     decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
@@ -127,10 +132,13 @@ class RunningDecode:
     """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
     :attr:`rows` is 0 (see the module docstring)."""
 
-    def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True) -> None:
+    def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True,
+                 plain_beam: bool = True) -> None:
         self.model = model
         self.start_id, self.eos_id = start_id, eos_id
         self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
+        self.plain_beam = plain_beam and bool(getattr(model, "plain_beam", False))  # False: beam sentences
+        # take the general step every step (tests compare both)
         self.per_row_positions = bool(getattr(model, "per_row_positions", False))
         self._sentences: list[_Sentence] = []  # one per row block, in row order
         self._row_sentence = np.zeros(0, dtype=np.int64)  # index into _sentences of each row
@@ -245,7 +253,8 @@ class RunningDecode:
         if not layout.attention:
             self._attention = None
         if self._plain(layout):
-            out, processed = self._plain_greedy(layout, until_leave, stop), None
+            plain_steps = self._plain_greedy if layout.plain else self._plain_beam
+            out, processed = plain_steps(layout, until_leave, stop), None
             if out is None:  # every step was quiet
                 return []
             age, steps = self._age, self._steps
@@ -279,12 +288,13 @@ class RunningDecode:
         return left
 
     def _plain(self, layout: Layout) -> bool:
-        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs: a plain layout
-        (:attr:`Layout.plain`) past its controls' and prefixes' steps, no row at its last step, on a model with
-        :meth:`server.engine.step_models.OnnxStepModel.greedy_steps`."""
+        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs, or a plain beam step
+        that :meth:`_plain_beam` runs: a plain layout (:attr:`Layout.plain`, :attr:`Layout.plain_beam`) past its
+        controls' and prefixes' steps, no row at its last step, on a model with
+        :meth:`server.engine.step_models.OnnxStepModel.greedy_steps` (``beam_steps``)."""
         age = self._age
-        return (layout.plain and layout.full_for <= age < layout.room and age >= layout.given_for
-                and self._given is None and getattr(self.model, "plain_greedy", False))
+        kind = (layout.plain and getattr(self.model, "plain_greedy", False)) or (layout.plain_beam and self.plain_beam)
+        return kind and layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None
 
     def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                       ) -> StepOutput | None:
@@ -329,6 +339,63 @@ class RunningDecode:
             self._age += count
             for s in self._sentences:
                 s.step += count
+
+    def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
+                    ) -> StepOutput | None:
+        """Plain beam steps (:meth:`_plain`, :mod:`server.engine.beam_steps`): each step's hypotheses are chosen
+        in plain Python while the step is *quiet* (no EOS among a sentence's ``beam`` best candidates, no
+        sentence done or cancelled), and the quiet steps go into the books together. Runs one step, or with
+        ``until_leave`` steps until one that is not quiet, the step before some row's last, or ``stop()`` after
+        a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to select from as
+        any other; None when every step was quiet."""
+        count = layout.room - self._age if until_leave else 1
+        run = self.model.beam_steps(self._tokens, self._static, self._state, self._steps, layout.k, count)
+        sentences = self._sentences
+        blocks = list(zip(layout.starts.tolist(), [s.beam for s in sentences], strict=True))
+        ending = [(first, s) for first, s in zip(layout.starts.tolist(), sentences, strict=True) if s.finished]
+        checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
+        totals = self._totals.tolist()
+        steps: list[tuple[list[int], list[int], list[float]]] = []  # each quiet step's origins, tokens, scores
+        for _ in range(count):
+            run.run()
+            self.steps_run += 1
+            ids, scores = run.read()
+            choice = quiet_selection(ids, scores, totals, blocks, run.width, self.eos_id, run.places)
+            if (choice is None or (checks and any(check() for check in checks))
+                    or (ending and any(sentence_done(choice[3][first], s.finished, s.quota, s.step + len(steps) + 1,
+                                         s.spec.length_penalty) for first, s in ending))):
+                self._quiet_beam_steps(steps, totals)
+                return StepOutput(*run.outputs(), None, run.state())
+            origin, tokens, token_scores, totals = choice
+            run.advance(tokens, origin)
+            steps.append((origin, tokens, token_scores))
+            if stop is not None and stop():
+                break
+        self._quiet_beam_steps(steps, totals)
+        self._state = run.state()
+        self._tokens = run.ids.copy()
+        return None
+
+    def _quiet_beam_steps(self, steps: list[tuple[list[int], list[int], list[float]]], totals: list[float]) -> None:
+        """Write the quiet steps of :meth:`_plain_beam` into the books: each step's origins, tokens and scores
+        (a row's history follows its origins back), and each row's summed log-probability after them."""
+        count = len(steps)
+        if not count:
+            return
+        origins, tokens, scores = (np.array(part) for part in zip(*steps, strict=True))  # [steps, R] each
+        lineage = np.arange(self.rows)  # the row each final row came from, step by step back
+        step_tokens, step_scores = np.empty((self.rows, count), dtype=np.int64), np.empty((self.rows, count))
+        for t in range(count - 1, -1, -1):
+            step_tokens[:, t], step_scores[:, t] = tokens[t, lineage], scores[t, lineage]
+            lineage = origins[t, lineage]
+        self._history, self._history_scores = self._history[lineage], self._history_scores[lineage]
+        at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
+        self._history[at], self._history_scores[at] = step_tokens, step_scores
+        self._totals = np.array(totals)
+        self._steps = self._steps + count
+        self._age += count
+        for s in self._sentences:
+            s.step += count
 
     def _report_stable(self) -> None:
         """Give each streaming sentence (``on_stable``) its stable prefix when it grew

@@ -121,6 +121,11 @@ class DeviceStepModel(OnnxStepModel):
                             self.state_from_forced(outputs, inputs.shape[1]))
 
 
+    @property
+    def plain_beam(self) -> bool:
+        """No plain beam steps: their reorder moves host rows (a device keeps the general step's ``Gather``)."""
+        return False
+
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
         """Rows by a ``Gather`` on the device (the whole tensor, ``in_place`` or not; positions are gathered
         on the host)."""

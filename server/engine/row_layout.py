@@ -36,6 +36,8 @@ class Layout:
     penalised: bool  # some sentence has a repetition penalty
     plain: bool  # every sentence is beam 1 on the lean path, without sampling, attention, penalty or streaming:
     # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
+    plain_beam: bool  # every sentence searches a beam > 1, has expanded, without attention, penalty or streaming:
+    # past its controls' and prefix's margins, its quiet steps can be plain beam steps (server.engine.beam_steps)
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
@@ -55,14 +57,14 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
     groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
                np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
     attention, penalised = any(s.attention for s in sentences), any(s.penalised for s in sentences)
+    bare = not attention and not penalised and all(s.rng is None and s.spec.on_stable is None for s in sentences)
     return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
                   k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
                   attention=attention, lean=np.flatnonzero(lean), groups=groups,
                   settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
                   full_for=max(s.full_until - s.step for s in sentences),
                   given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
-                  plain=bool(lean.all()) and not attention and not penalised
-                  and all(s.rng is None and s.spec.on_stable is None for s in sentences))
+                  plain=bool(lean.all()) and bare, plain_beam=bool((beams > 1).all() and expanded.all()) and bare)
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:

@@ -41,6 +41,7 @@ from nmt.model_format.manifest import (
     ManifestError,
     StateTensor,
 )
+from server.engine.beam_steps import BeamSteps
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput
 from server.engine.shared_weights import SharedWeights
@@ -217,6 +218,23 @@ class OnnxStepModel:
         run = self._bindings.__dict__.get("greedy")
         if run is None or run.rows != len(tokens):
             run = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
+        run.start(tokens, positions, static, state, steps)
+        return run
+
+    @property
+    def plain_beam(self) -> bool:
+        """Whether :meth:`beam_steps` can run: the in-place cache in host arrays, its buffers all of one shape
+        and type (they share one block: :class:`server.engine.beam_steps.CacheBlock`)."""
+        return bool(self.positions) and len({(tuple(e.shape or ()), e.dtype, e.capacity_axis)
+                                             for e in self.buffers.values()}) == 1
+
+    def beam_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
+                   positions: np.ndarray, k: int, steps: int) -> BeamSteps:
+        """Up to ``steps`` beam steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]), each row's ``k``
+        best tokens read (:class:`server.engine.beam_steps.BeamSteps`); needs :attr:`plain_beam`."""
+        run = self._bindings.__dict__.get("beam")
+        if run is None or (run.rows, run.k) != (len(tokens), k):
+            run = self._bindings.__dict__["beam"] = BeamSteps(self, len(tokens), k)
         run.start(tokens, positions, static, state, steps)
         return run
 

@@ -1,0 +1,221 @@
+"""Plain beam steps: beam search on the in-place cache with the host's work per step cut to a few list operations.
+
+The general step (:mod:`server.engine.decode`, :func:`server.engine.beam_select.select_beam`) makes some
+hundred NumPy calls a step, and after a step graph's run each one is slow: the graph's weights have pushed the
+interpreter's and NumPy's code out of the CPU's caches (see :class:`server.engine.step_models.GreedySteps`).
+:class:`BeamSteps` runs the steps of a decode whose sentences all search a beam without decoding controls,
+target prefix, attention or streaming, and :func:`quiet_selection` picks each step's hypotheses in plain
+Python over each row's ``2 x beam`` best tokens:
+
+* its own I/O binding of the step graph: token ids and positions in arrays of its own, each row's best
+  tokens and their log-probabilities into arrays read through memoryviews;
+* the selection is that of :func:`server.engine.beam_select.select_beam` (the same candidates, summed in the
+  same order, ranked by a stable sort), for the steps it can decide alone: a step is *quiet* when no
+  sentence's ``beam`` best candidates include EOS (or nothing left to choose) and no sentence is done. A
+  step that is not quiet goes through the general selection, which finishes hypotheses;
+* a beam reorder copies the cache rows whose source differs, up to the positions in use, as
+  :meth:`server.engine.step_models.OnnxStepModel.select_rows` does, but with one NumPy call for every layer's
+  keys and values: the steps keep the cache buffers as the leading rows of one block
+  [buffers, rows, ...] (:class:`CacheBlock`), whose views the decode's state holds between the steps.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, StateTensor
+from server.engine.search import NEG_INF
+
+_SCORE = itemgetter(0)
+
+
+def quiet_selection(ids: list[int], scores: list[float], totals: list[float], sentences: list[tuple[int, int]],
+                    width: int, eos_id: int, places: list[int]) -> tuple[list[int], list[int], list[float],
+                                                                        list[float]] | None:
+    """The next hypotheses of a quiet step, or None when the step is not quiet (see the module docstring).
+
+    Rows are the decode's (a sentence's rows best first), held in the model's rows ``places``: ``ids``/
+    ``scores`` give each model row's ``width`` best tokens and their log-probabilities, row after row;
+    ``totals``: each row's summed log-probability; ``sentences``: (first row, beam) of each sentence, every
+    one expanded to its beam. Returns each new row's origin row, token, token log-probability and summed
+    log-probability."""
+    rows = len(totals)
+    origin, token, token_score, total = [0] * rows, [0] * rows, [0.0] * rows, [0.0] * rows
+    for first, beam in sentences:
+        per_row = min(beam, width)  # a row's later tokens rank behind its first ``beam``: they never live
+        candidates = []
+        for row in range(first, first + beam):
+            base, summed = places[row] * width, totals[row]
+            candidates += [(summed + scores[at], at, row) for at in range(base, base + per_row)]
+        candidates.sort(key=_SCORE, reverse=True)  # stable: ties keep their order, as np.argsort(kind="stable")
+        for slot, (summed, at, row) in enumerate(candidates[:beam], first):
+            if ids[at] == eos_id or summed == NEG_INF:
+                return None
+            origin[slot], token[slot], token_score[slot], total[slot] = row, ids[at], scores[at], summed
+    return origin, token, token_score, total
+
+
+class BeamSteps:
+    """Beam steps of an in-place-cache decoder for a fixed set of rows (the plain beam steps of
+    :class:`server.engine.decode.RunningDecode`): :meth:`run` a step, :meth:`read` its best tokens, then
+    :meth:`advance` with the hypotheses chosen (their tokens become the next step's input).
+
+    Between :meth:`start` and :meth:`state` the decode's row ``i`` lives in the model's row
+    :attr:`places` ``[i]``: a hypothesis that is its origin's only continuation stays in its origin's model
+    row, so a reorder copies cache rows only for an origin's second and later continuations (into the model
+    rows whose hypotheses died), not for every row whose origin differs. :meth:`state` puts the rows back in
+    the decode's order."""
+
+    def __init__(self, model: Any, rows: int, k: int) -> None:
+        self.model, self.rows, self.k = model, rows, k
+        width = int(model._top_k(k)[0])
+        self.width = width
+        self.ids = np.zeros(rows, dtype=np.int64)  # the next step's input
+        self.top_ids = np.zeros((rows, width), dtype=np.int64)
+        self.top_scores = np.zeros((rows, width), dtype=np.float32)
+        self.eos_log_prob = np.zeros(rows, dtype=np.float32)
+        self.positions = np.zeros(rows, dtype=np.int64)
+        self._views = memoryview(self.top_ids.ravel()), memoryview(self.top_scores.ravel()), memoryview(self.ids)
+        self._position_view = memoryview(self.positions)
+        self._session = model.sessions["decoder"]
+        self._binding = self._session.io_binding()
+        self._bound: dict[str, Any] = {}
+        self._state: dict[str, Any] = {}
+        self._capacity = self._last = self._done = 0
+        self._next = memoryview(np.zeros(0, dtype=np.int64))
+        ids, scores, eos = TOP_K_OUTPUTS
+        for name, array in ((ids, self.top_ids), (scores, self.top_scores), (eos, self.eos_log_prob)):
+            self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self._binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(self.ids))
+        self._binding.bind_ortvalue_input(model.positions, ort.OrtValue.ortvalue_from_numpy(self.positions))
+        self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(k))
+        self._block = CacheBlock(model.buffers)
+        self.places = list(range(rows))
+
+    def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, np.ndarray],
+              state: dict[str, np.ndarray], steps: int) -> None:
+        """Continue from ``tokens`` at ``positions`` with ``state`` for up to ``steps`` steps (binding again
+        only the arrays that changed)."""
+        np.copyto(self.ids, tokens)
+        np.copyto(self.positions, positions)
+        self.places = list(range(self.rows))
+        self._next = memoryview((positions + np.arange(1, steps + 1)[:, None]).ravel())
+        self._last, self._done = int(positions.max()), 0
+        for name, value in static.items():
+            if self._bound.get(name) is not value:
+                self._binding.bind_cpu_input(name, value)
+                self._bound[name] = value
+        self._state = dict(state)
+        self._bind_buffers()
+
+    def run(self) -> None:
+        """One step: :attr:`top_ids` and :attr:`top_scores` then hold each row's best tokens (the KV cache
+        grows first when a row reaches its capacity)."""
+        if self._last >= self._capacity:
+            self._state = self._block.grow(self._state, self._last + 1)
+            self._bind_buffers()
+        self._session.run_with_iobinding(self._binding)
+        first = self._done * self.rows
+        self._position_view[:] = self._next[first:first + self.rows]
+        self._done += 1
+        self._last += 1
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The last step's best tokens of every row and their log-probabilities, row after row."""
+        return self._views[0].tolist(), self._views[1].tolist()
+
+    def advance(self, tokens: list[int], origin: list[int]) -> None:
+        """Take the chosen hypotheses: the decode's row ``i`` extends its row ``origin[i]`` with ``tokens[i]``
+        (within one sentence's rows)."""
+        places, taken = self.places, [False] * self.rows
+        new, again = [0] * self.rows, []
+        for row, source in enumerate(origin):
+            place = places[source]
+            if taken[place]:
+                again.append(row)
+            else:
+                taken[place], new[row] = True, place
+        if again:  # in row order, as the free model rows are: each sentence's pair within its own rows
+            free = [place for place, used in enumerate(taken) if not used]
+            self._block.move(free, [places[origin[row]] for row in again], self._last)
+            for row, place in zip(again, free, strict=True):
+                new[row] = place
+        ids = self._views[2]
+        for row, value in enumerate(tokens):
+            ids[new[row]] = value
+        self.places = new
+
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The last step's top ids, their log-probabilities and the EOS log-probability, in the decode's rows."""
+        places = self.places
+        return self.top_ids[places], self.top_scores[places], self.eos_log_prob[places]
+
+    def state(self) -> dict[str, Any]:
+        """The decoder state after the steps run (each row's position moved on), with the rows back in the
+        decode's order."""
+        places = self.places
+        moved = [row for row, place in enumerate(places) if place != row]
+        if moved:
+            self._block.move(moved, [places[row] for row in moved], self._last)
+            self.ids[:] = self.ids[places]  # the right side is copied first
+            self.places = list(range(self.rows))
+        return {**self._state, self.model.positions: self.positions.copy()}
+
+    def _bind_buffers(self) -> None:
+        self._state = self._block.adopt(self._state, self.rows)
+        for name, entry in self.model.buffers.items():
+            value = self._state[name]
+            if self._bound.get(name) is not value:
+                buffer = ort.OrtValue.ortvalue_from_numpy(value)
+                self._binding.bind_ortvalue_input(name, buffer)
+                self._binding.bind_ortvalue_output(entry.output, buffer)
+                self._bound[name] = value
+        name, entry = next(iter(self.model.buffers.items()))
+        self._capacity = self._state[name].shape[entry.capacity_axis]
+
+
+class CacheBlock:
+    """The in-place cache buffers of :class:`BeamSteps` as the leading rows of one array
+    [buffers, rows, *shape]: a beam reorder moves a row of every layer's keys and values in one NumPy call,
+    not one per buffer (the calls are what costs after a step graph's run: ~10 us each)."""
+
+    def __init__(self, buffers: dict[str, StateTensor]) -> None:
+        self.names = list(buffers)
+        self.axis = next(iter(buffers.values())).capacity_axis + 1  # the capacity axis in the block
+        self.array = np.zeros((0, 0), dtype=np.float32)
+
+    def adopt(self, state: dict[str, Any], rows: int) -> dict[str, Any]:
+        """``state`` whose buffers are views of the block: as they are when they already are (the general
+        step moves rows within them), else copied into a new block."""
+        buffers = [state[name] for name in self.names]
+        block = self.array
+        if block.ndim == buffers[0].ndim + 1 and block.shape[1] >= rows and all(
+                b.shape == (rows, *block.shape[2:]) and b.dtype == block.dtype
+                and b.ctypes.data == block[i].ctypes.data for i, b in enumerate(buffers)):
+            return state
+        self.array = np.empty((len(buffers), rows, *buffers[0].shape[1:]), dtype=buffers[0].dtype)
+        for i, buffer in enumerate(buffers):
+            self.array[i] = buffer
+        return {**state, **dict(zip(self.names, self.array, strict=True))}
+
+    def grow(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
+        """``state`` whose buffers hold at least ``needed`` positions: a new block of twice the capacity or
+        more, the positions held copied in one call."""
+        rows, capacity = state[self.names[0]].shape[0], self.array.shape[self.axis]
+        shape = list(self.array.shape)
+        shape[1], shape[self.axis] = rows, max(2 * capacity, needed)
+        grown = np.zeros(shape, dtype=self.array.dtype)
+        held = (slice(None), slice(0, rows)) + (slice(None),) * (self.axis - 2) + (slice(0, capacity),)
+        grown[held] = self.array[held]
+        self.array = grown
+        return {**state, **dict(zip(self.names, grown, strict=True))}
+
+    def move(self, rows: list[int], sources: list[int], used: int) -> None:
+        """Row ``rows[i]`` of every buffer receives row ``sources[i]``, up to position ``used``."""
+        span = (slice(None),) * (self.axis - 2) + (slice(0, used),)
+        self.array[(slice(None), rows, *span)] = self.array[(slice(None), sources, *span)]  # the right side is
+        # copied first
