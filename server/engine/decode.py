@@ -64,7 +64,7 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
-from server.engine.beam_steps import quiet_selection
+from server.engine.plain_steps import PlainSteps
 from server.engine.row_layout import Layout, fill_holes, lay_out
 from server.engine.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
 from server.engine.stable_prefix import stable_length
@@ -128,7 +128,7 @@ class _Sentence:
         return self.spec.is_cancelled is not None and self.spec.is_cancelled()
 
 
-class RunningDecode:
+class RunningDecode(PlainSteps):
     """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
     :attr:`rows` is 0 (see the module docstring)."""
 
@@ -286,116 +286,6 @@ class RunningDecode:
         self._age += 1
         self._report_stable()
         return left
-
-    def _plain(self, layout: Layout) -> bool:
-        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs, or a plain beam step
-        that :meth:`_plain_beam` runs: a plain layout (:attr:`Layout.plain`, :attr:`Layout.plain_beam`) past its
-        controls' and prefixes' steps, no row at its last step, on a model with
-        :meth:`server.engine.step_models.OnnxStepModel.greedy_steps` (``beam_steps``)."""
-        age = self._age
-        kind = (layout.plain and getattr(self.model, "plain_greedy", False)) or (layout.plain_beam and self.plain_beam)
-        return kind and layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None
-
-    def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
-                      ) -> StepOutput | None:
-        """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
-        score (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing)
-        and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
-        step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
-        ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
-        select from as any other; None when every step was quiet."""
-        count = layout.room - self._age if until_leave else 1
-        run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count)
-        ids, scores = run.ids, run.scores
-        tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
-        token_scores: list[list[float]] = []
-        checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        for _ in range(count):
-            run.run()
-            self.steps_run += 1
-            chosen, chosen_scores = run.read()
-            if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
-                self._quiet_steps(tokens, token_scores)
-                return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,
-                                  run.state())
-            tokens.append(chosen)
-            token_scores.append(chosen_scores)
-            if stop is not None and stop():
-                break
-        self._quiet_steps(tokens, token_scores)
-        self._tokens, self._state = ids.copy(), run.state()
-        return None
-
-    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:
-        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores."""
-        count = len(tokens)
-        if count:
-            at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-            step_scores = np.array(scores)  # [steps, R]
-            self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
-            # summed step by step, as the general step adds them
-            self._totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
-            self._steps = self._steps + count
-            self._age += count
-            for s in self._sentences:
-                s.step += count
-
-    def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
-                    ) -> StepOutput | None:
-        """Plain beam steps (:meth:`_plain`, :mod:`server.engine.beam_steps`): each step's hypotheses are chosen
-        in plain Python while the step is *quiet* (no EOS among a sentence's ``beam`` best candidates, no
-        sentence done or cancelled), and the quiet steps go into the books together. Runs one step, or with
-        ``until_leave`` steps until one that is not quiet, the step before some row's last, or ``stop()`` after
-        a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to select from as
-        any other; None when every step was quiet."""
-        count = layout.room - self._age if until_leave else 1
-        run = self.model.beam_steps(self._tokens, self._static, self._state, self._steps, layout.k, count)
-        sentences = self._sentences
-        blocks = list(zip(layout.starts.tolist(), [s.beam for s in sentences], strict=True))
-        ending = [(first, s) for first, s in zip(layout.starts.tolist(), sentences, strict=True) if s.finished]
-        checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
-        totals = self._totals.tolist()
-        steps: list[tuple[list[int], list[int], list[float]]] = []  # each quiet step's origins, tokens, scores
-        for _ in range(count):
-            run.run()
-            self.steps_run += 1
-            ids, scores = run.read()
-            choice = quiet_selection(ids, scores, totals, blocks, run.width, self.eos_id, run.places)
-            if (choice is None or (checks and any(check() for check in checks))
-                    or (ending and any(sentence_done(choice[3][first], s.finished, s.quota, s.step + len(steps) + 1,
-                                         s.spec.length_penalty) for first, s in ending))):
-                self._quiet_beam_steps(steps, totals)
-                return StepOutput(*run.outputs(), None, run.state())
-            origin, tokens, token_scores, totals = choice
-            run.advance(tokens, origin)
-            steps.append((origin, tokens, token_scores))
-            if stop is not None and stop():
-                break
-        self._quiet_beam_steps(steps, totals)
-        self._state = run.state()
-        self._tokens = run.ids.copy()
-        return None
-
-    def _quiet_beam_steps(self, steps: list[tuple[list[int], list[int], list[float]]], totals: list[float]) -> None:
-        """Write the quiet steps of :meth:`_plain_beam` into the books: each step's origins, tokens and scores
-        (a row's history follows its origins back), and each row's summed log-probability after them."""
-        count = len(steps)
-        if not count:
-            return
-        origins, tokens, scores = (np.array(part) for part in zip(*steps, strict=True))  # [steps, R] each
-        lineage = np.arange(self.rows)  # the row each final row came from, step by step back
-        step_tokens, step_scores = np.empty((self.rows, count), dtype=np.int64), np.empty((self.rows, count))
-        for t in range(count - 1, -1, -1):
-            step_tokens[:, t], step_scores[:, t] = tokens[t, lineage], scores[t, lineage]
-            lineage = origins[t, lineage]
-        self._history, self._history_scores = self._history[lineage], self._history_scores[lineage]
-        at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-        self._history[at], self._history_scores[at] = step_tokens, step_scores
-        self._totals = np.array(totals)
-        self._steps = self._steps + count
-        self._age += count
-        for s in self._sentences:
-            s.step += count
 
     def _report_stable(self) -> None:
         """Give each streaming sentence (``on_stable``) its stable prefix when it grew
