@@ -13,6 +13,7 @@ from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.search import BeamSentence
+from server.engine.step_models import GreedySteps
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -24,8 +25,9 @@ def engine(model_version_dir):
 
 @pytest.fixture
 def counted(monkeypatch, engine):
-    """How many times the decode ran the model through each way: plain beam steps and the general step."""
-    counts = {"plain": 0, "general": 0}
+    """How many times the decode ran the model through each way: plain beam steps, plain arg-max steps (once
+    only beam-1 sentences are left) and the general step."""
+    counts = {"plain": 0, "greedy": 0, "general": 0}
 
     def count(name, method):
         def wrapper(*args, **kwargs):
@@ -34,13 +36,14 @@ def counted(monkeypatch, engine):
         return wrapper
 
     monkeypatch.setattr(BeamSteps, "run", count("plain", BeamSteps.run))
+    monkeypatch.setattr(GreedySteps, "run", count("greedy", GreedySteps.run))
     monkeypatch.setattr(type(engine.model), "step", count("general", type(engine.model).step))
     return counts
 
 
 def batch(engine: Engine, seed: int, n: int) -> tuple[np.ndarray, list[BeamSentence]]:
-    """``n`` random sentences of 1-14 words with random beams (2-8), hypotheses, length penalties, patience
-    and output limits."""
+    """``n`` random sentences of 1-14 words with random beams (1-8, the first wider than 1), hypotheses,
+    length penalties, patience and output limits."""
     rng = random.Random(seed)
     ids = [engine.tokenize(" ".join(rng.choices(WORDS, k=rng.randint(1, 14)))) + [engine.eos_id] for _ in range(n)]
     src = np.zeros((n, max(map(len, ids))), dtype=np.int64)
@@ -48,7 +51,7 @@ def batch(engine: Engine, seed: int, n: int) -> tuple[np.ndarray, list[BeamSente
         row[: len(sentence)] = sentence
     specs = []
     for sentence in ids:
-        beam = rng.choice([2, 3, 4, 5, 8])
+        beam = rng.choice([1, 2, 3, 4, 5, 8] if specs else [2, 4])
         specs.append(BeamSentence(len(sentence), num_hypotheses=rng.randint(1, beam),
                                   max_length=rng.choice([3, 6, 40, 256]), length_penalty=rng.choice([0.0, 0.6, 1.0]),
                                   patience=rng.choice([1.0, 2.0]), beam_size=beam))
@@ -78,7 +81,7 @@ def test_plain_beam_equals_the_general_search(engine, counted, seed):
     general, _ = decode_all(engine, src, specs, plain=False)
     for ours, reference in zip(plain, general, strict=True):
         assert hypotheses(ours) == hypotheses(reference), "the same hypotheses, scores summed in the same order"
-    assert plain_counts["plain"] + plain_counts["general"] == steps, "the model ran once a step"
+    assert sum(plain_counts.values()) == steps, "the model ran once a step"
     assert plain_counts["plain"] > 0
 
 
@@ -91,6 +94,18 @@ def test_the_plain_beam_steps_decide_most_steps(engine, counted):
     _, steps = decode_all(engine, src, specs, plain=True)
     assert counted["plain"] + counted["general"] == steps
     assert counted["plain"] > steps / 2
+
+
+def test_a_beam_1_sentence_beside_a_wider_beam_takes_the_plain_beam_steps(engine, counted):
+    """Continuous batching mixes beam sizes: a beam-1 sentence decodes in the plain beam steps as a beam of
+    one row, with the arg-max path's tokens and scores."""
+    src, specs = batch(engine, seed=9, n=2)
+    specs = [BeamSentence(s.source_length, max_length=256, beam_size=beam) for s, beam in zip(specs, (4, 1),
+                                                                                               strict=True)]
+    plain, _ = decode_all(engine, src, specs, plain=True)
+    assert counted["plain"] > 1
+    general, _ = decode_all(engine, src, specs, plain=False)
+    assert [hypotheses(r) for r in plain] == [hypotheses(r) for r in general]
 
 
 def test_a_sentence_cancelled_during_plain_beam_steps_leaves_at_the_next_step(engine):

@@ -25,10 +25,11 @@ token is kept; when it is EOS the sentence is done), which runs through a lean p
 operations per step instead of the general candidate bookkeeping. When every sentence decodes that way
 without controls, prefix, attention or streaming, the model's own arg-max steps run instead
 (:meth:`RunningDecode._plain_greedy`): the host reads each row's token and score, and only the step in
-which a sentence may leave goes through the selection. When every sentence searches a beam of 2 or more
-without those, and has expanded, its quiet steps are plain beam steps (:meth:`RunningDecode._plain_beam`,
-:mod:`server.engine.beam_steps`): the same selection in plain Python lists while no EOS is among a
-sentence's best, and only the others go through :func:`server.engine.beam_select.select_beam`.
+which a sentence may leave goes through the selection. When some sentence searches a beam of 2 or more,
+none has those, and the wider beams have expanded, the quiet steps are plain beam steps
+(:meth:`RunningDecode._plain_beam`, :mod:`server.engine.beam_steps`): the same selection in plain Python
+lists while no EOS is among a sentence's best, and only the others go through
+:func:`server.engine.beam_select.select_beam`.
 
 Source width. Joining sentences pad every row's encoder outputs to the widest source in the decode;
 when the widest sentences leave, the padding is cut again (:meth:`RunningDecode._trim_sources`).

@@ -4,8 +4,9 @@ is cut to reading each row's best tokens, chosen when nothing in the decode need
 * Plain arg-max steps (:meth:`PlainSteps._plain_greedy`): every sentence at beam 1; the model's own arg-max
   feeds the next step (:class:`server.engine.step_models.GreedySteps`) and the host reads each row's token
   and score.
-* Plain beam steps (:meth:`PlainSteps._plain_beam`): every sentence at a beam of 2 or more, expanded; the
-  selection runs in plain Python lists (:mod:`server.engine.beam_steps`).
+* Plain beam steps (:meth:`PlainSteps._plain_beam`): some sentence at a beam of 2 or more, every such sentence
+  expanded (a beam-1 sentence is a beam of one row there); the selection runs in plain Python lists
+  (:mod:`server.engine.beam_steps`).
 
 Both run while their steps are *quiet* (no sentence ends, is done or is cancelled), write the quiet steps
 into the decode's books together, and hand the first step that is not quiet back to the general selection,

@@ -36,8 +36,9 @@ class Layout:
     penalised: bool  # some sentence has a repetition penalty
     plain: bool  # every sentence is beam 1 on the lean path, without sampling, attention, penalty or streaming:
     # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
-    plain_beam: bool  # every sentence searches a beam > 1, has expanded, without attention, penalty or streaming:
-    # past its controls' and prefix's margins, its quiet steps can be plain beam steps (server.engine.beam_steps)
+    plain_beam: bool  # some sentence searches a beam > 1, every such sentence has expanded, and none asks for
+    # attention, a penalty, sampling or streaming: past the controls' and prefixes' margins, the quiet steps can be
+    # plain beam steps (server.engine.beam_steps; a beam-1 sentence there is a beam of one row)
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
@@ -64,7 +65,8 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
                   settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
                   full_for=max(s.full_until - s.step for s in sentences),
                   given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
-                  plain=bool(lean.all()) and bare, plain_beam=bool((beams > 1).all() and expanded.all()) and bare)
+                  plain=bool(lean.all()) and bare,
+                  plain_beam=bool((beams > 1).any() and ((beams == 1) | expanded).all()) and bare)
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
