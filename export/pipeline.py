@@ -46,6 +46,7 @@ import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
+from export.flat_rows import flatten_rows
 from export.graph_passes import (
     add_logits,
     add_top_k,
@@ -239,6 +240,8 @@ def _edit_graphs(graphs: dict[str, onnx.ModelProto], files: dict[str, str], trac
                     one_position_gemms(graph)
                 add_logits(graph)
                 add_top_k(graph, inputs.config.eos_id)
+                if inputs.arch == "transformer":
+                    flatten_rows(graph)
             save_graph(store.externalize(graph, traced), out / files[role])
             del graph
     return traced_nodes
