@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from server.engine import plain_steps
 from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
@@ -94,6 +95,27 @@ def test_the_plain_beam_steps_decide_most_steps(engine, counted):
     _, steps = decode_all(engine, src, specs, plain=True)
     assert counted["plain"] + counted["general"] == steps
     assert counted["plain"] > steps / 2
+
+
+def test_hypotheses_finish_within_the_plain_beam_steps(engine, monkeypatch):
+    """A step where some hypotheses end in EOS stays a plain step while their sentences go on: the finished
+    hypotheses are written with their tokens when the steps end, equal to the general search's."""
+    finishing = []
+    select = plain_steps.quiet_selection
+
+    def counted(*args):
+        choice = select(*args)
+        finishing.append(choice is not None and bool(choice.finished))
+        return choice
+
+    monkeypatch.setattr(plain_steps, "quiet_selection", counted)
+    src, specs = batch(engine, seed=4, n=6)
+    specs = [BeamSentence(s.source_length, num_hypotheses=4, max_length=256, beam_size=4, patience=2.0)
+             for s in specs]
+    plain, _ = decode_all(engine, src, specs, plain=True)
+    general, _ = decode_all(engine, src, specs, plain=False)
+    assert any(finishing)
+    assert [hypotheses(r) for r in plain] == [hypotheses(r) for r in general]
 
 
 def test_a_beam_1_sentence_beside_a_wider_beam_takes_the_plain_beam_steps(engine, counted):
@@ -191,19 +213,25 @@ def test_plain_beam_steps_move_the_cache_like_select_rows(engine, monkeypatch):
     assert not any(model.manifest.vocab_size in shape for shape in outputs), "nothing of the [R, V] distribution"
 
 
-def test_a_step_is_quiet_only_without_eos_among_a_sentences_best():
-    """:func:`quiet_selection` picks each sentence's ``beam`` best continuations over its rows (summed scores,
-    ties in row order), and declines a step where EOS (or nothing) is among them."""
+def test_the_quiet_selection_walks_candidates_as_the_general_one():
+    """:func:`quiet_selection` walks each sentence's candidates over its rows best first (summed scores, ties
+    in row order): EOS finishes, the others live until the beam is full; it declines a step where a beam-1
+    sentence chooses EOS or a sentence has fewer live continuations than its beam."""
     eos = 2
     # two rows of one beam-2 sentence, each with its 4 best tokens; row 1 sits in model row 0
     ids = [10, 11, 12, 13, 20, 21, 22, 23]
     scores = [-0.1, -0.5, -0.9, -1.0, -0.2, -0.3, -2.0, -3.0]
     totals = [-1.0, -0.5]  # the decode's rows 0 and 1
     places = [1, 0]
-    origin, token, token_score, total = quiet_selection(ids, scores, totals, [(0, 2)], 4, eos, places)
-    assert origin == [1, 1] and token == [10, 11] and token_score == [-0.1, -0.5]
-    assert total == [-0.6, -1.0]
-    assert quiet_selection([eos, *ids[1:]], scores, totals, [(0, 2)], 4, eos, places) is None
+    choice = quiet_selection(ids, scores, totals, [(0, 2)], 4, eos, places)
+    assert choice.origin == [1, 1] and choice.token == [10, 11] and choice.token_score == [-0.1, -0.5]
+    assert choice.total == [-0.6, -1.0] and choice.finished == []
+    ending = quiet_selection([eos, *ids[1:]], scores, totals, [(0, 2)], 4, eos, places)
+    assert ending.finished == [(0, 1, -0.1, -0.6)], "the best candidate ends: it finishes"
+    assert ending.origin == [1, 0] and ending.token == [11, 20] and ending.total == [-1.0, -1.2]
+    assert quiet_selection([eos, 20], [-0.1, -0.2], [0.0], [(0, 1)], 2, eos, [0]) is None, "beam 1 ends at EOS"
+    assert quiet_selection([eos, 20], [-0.1, -0.2], [0.0, 0.0], [(0, 2)], 1, eos, [0, 1]) is None, \
+        "one live continuation for a beam of 2"
     tied = [-0.5, -0.9, -1.0, -1.1, -0.5, -1.1, -2.0, -3.0]  # both rows' best sum to -1.0
     assert quiet_selection(ids, tied, [-0.5, -0.5], [(0, 2)], 4, eos, [0, 1])[:2] == ([0, 1], [10, 20])
     assert quiet_selection(ids, tied, [-0.5, -0.5], [(0, 2)], 4, eos, [1, 0])[:2] == ([0, 1], [20, 10]), \

@@ -3,9 +3,9 @@
 The general step (:mod:`server.engine.decode`, :func:`server.engine.beam_select.select_beam`) makes some
 hundred NumPy calls a step, and after a step graph's run each one is slow: the graph's weights have pushed the
 interpreter's and NumPy's code out of the CPU's caches (see :class:`server.engine.step_models.GreedySteps`).
-:class:`BeamSteps` runs the steps of a decode whose sentences all search a beam without decoding controls,
-target prefix, attention or streaming, and :func:`quiet_selection` picks each step's hypotheses in plain
-Python over each row's ``2 x beam`` best tokens:
+:class:`BeamSteps` runs the steps of a decode that searches beams (some sentence wider than 1) without decoding
+controls, target prefix, attention or streaming, and :func:`quiet_selection` picks each step's hypotheses in
+plain Python over each row's best tokens:
 
 * its own I/O binding of the step graph: token ids and positions in arrays of its own, each row's best
   tokens and their log-probabilities into arrays read through memoryviews;
@@ -13,16 +13,17 @@ Python over each row's ``2 x beam`` best tokens:
   same order, ranked by a stable sort), for the steps it can decide alone: a step is *quiet* when no
   sentence's ``beam`` best candidates include EOS (or nothing left to choose) and no sentence is done. A
   step that is not quiet goes through the general selection, which finishes hypotheses;
-* a beam reorder copies the cache rows whose source differs, up to the positions in use, as
-  :meth:`server.engine.step_models.OnnxStepModel.select_rows` does, but with one NumPy call for every layer's
-  keys and values: the steps keep the cache buffers as the leading rows of one block
-  [buffers, rows, ...] (:class:`CacheBlock`), whose views the decode's state holds between the steps.
+* a beam reorder copies cache rows only for an origin's second and later continuations (a hypothesis that
+  is its origin's only continuation stays in its origin's row: :attr:`BeamSteps.places`), up to the
+  positions in use, with one NumPy call for every layer's keys and values: the steps keep the cache
+  buffers as the leading rows of one block [buffers, rows, ...] (:class:`CacheBlock`), whose views the
+  decode's state holds between the steps.
 """
 
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -30,33 +31,61 @@ import onnxruntime as ort
 from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, StateTensor
 from server.engine.search import NEG_INF
 
+if TYPE_CHECKING:
+    from server.engine.step_models import OnnxStepModel
+
 _SCORE = itemgetter(0)
 
 
+class QuietChoice(NamedTuple):
+    """The selection of a quiet step: per new row its origin row, token, token log-probability and summed
+    log-probability (a sentence's rows best first), and the hypotheses that end in EOS."""
+
+    origin: list[int]
+    token: list[int]
+    token_score: list[float]
+    total: list[float]
+    finished: list[tuple[int, int, float, float]]  # (sentence, row, EOS log-probability, summed log-probability)
+
+
 def quiet_selection(ids: list[int], scores: list[float], totals: list[float], sentences: list[tuple[int, int]],
-                    width: int, eos_id: int, places: list[int]) -> tuple[list[int], list[int], list[float],
-                                                                        list[float]] | None:
-    """The next hypotheses of a quiet step, or None when the step is not quiet (see the module docstring).
+                    width: int, eos_id: int, places: list[int]) -> QuietChoice | None:
+    """The selection of a step (:func:`server.engine.beam_select.select_beam`'s rules), or None when it is
+    not quiet here: a beam-1 sentence chose EOS, or a sentence has fewer than its beam of live continuations.
 
     Rows are the decode's (a sentence's rows best first), held in the model's rows ``places``: ``ids``/
     ``scores`` give each model row's ``width`` best tokens and their log-probabilities, row after row;
     ``totals``: each row's summed log-probability; ``sentences``: (first row, beam) of each sentence, every
-    one expanded to its beam. Returns each new row's origin row, token, token log-probability and summed
-    log-probability."""
+    one expanded to its beam (a beam-1 sentence: one row). The candidates are walked in order: those ending
+    in EOS finish, the others live until the beam is full."""
     rows = len(totals)
     origin, token, token_score, total = [0] * rows, [0] * rows, [0.0] * rows, [0.0] * rows
-    for first, beam in sentences:
-        per_row = min(beam, width)  # a row's later tokens rank behind its first ``beam``: they never live
+    finished: list[tuple[int, int, float, float]] = []
+    for sentence, (first, beam) in enumerate(sentences):
+        # a row holds EOS once at most, so its first beam + 1 tokens hold its beam of live ones: the walk never
+        # reaches a row's later tokens
+        per_row = min(beam + 1, width)
         candidates = []
         for row in range(first, first + beam):
             base, summed = places[row] * width, totals[row]
             candidates += [(summed + scores[at], at, row) for at in range(base, base + per_row)]
         candidates.sort(key=_SCORE, reverse=True)  # stable: ties keep their order, as np.argsort(kind="stable")
-        for slot, (summed, at, row) in enumerate(candidates[:beam], first):
-            if ids[at] == eos_id or summed == NEG_INF:
+        slot, last = first, first + beam
+        for summed, at, row in candidates:
+            if summed == NEG_INF:
                 return None
+            if ids[at] == eos_id:
+                if beam == 1:  # arg-max decoding ends there: the lean step's
+                    return None
+                finished.append((sentence, row, scores[at], summed))
+                continue
             origin[slot], token[slot], token_score[slot], total[slot] = row, ids[at], scores[at], summed
-    return origin, token, token_score, total
+            slot += 1
+            if slot == last:
+                break
+        if slot < last:
+            return None
+    return QuietChoice(origin, token, token_score, total, finished)
 
 
 class BeamSteps:
@@ -70,7 +99,7 @@ class BeamSteps:
     rows whose hypotheses died), not for every row whose origin differs. :meth:`state` puts the rows back in
     the decode's order."""
 
-    def __init__(self, model: Any, rows: int, k: int) -> None:
+    def __init__(self, model: OnnxStepModel, rows: int, k: int) -> None:
         self.model, self.rows, self.k = model, rows, k
         width = int(model._top_k(k)[0])
         self.width = width
@@ -187,11 +216,14 @@ class CacheBlock:
         self.names = list(buffers)
         self.axis = next(iter(buffers.values())).capacity_axis + 1  # the capacity axis in the block
         self.array = np.zeros((0, 0), dtype=np.float32)
+        self.views: list[np.ndarray] = []  # the buffers' views of the block, as handed out
 
     def adopt(self, state: dict[str, Any], rows: int) -> dict[str, Any]:
         """``state`` whose buffers are views of the block: as they are when they already are (the general
         step moves rows within them), else copied into a new block."""
         buffers = [state[name] for name in self.names]
+        if len(self.views) == len(buffers) and all(b is v for b, v in zip(buffers, self.views, strict=True)):
+            return state  # the views handed out, as the general step leaves them when no row count changed
         block = self.array
         if block.ndim == buffers[0].ndim + 1 and block.shape[1] >= rows and all(
                 b.shape == (rows, *block.shape[2:]) and b.dtype == block.dtype
@@ -200,7 +232,8 @@ class CacheBlock:
         self.array = np.empty((len(buffers), rows, *buffers[0].shape[1:]), dtype=buffers[0].dtype)
         for i, buffer in enumerate(buffers):
             self.array[i] = buffer
-        return {**state, **dict(zip(self.names, self.array, strict=True))}
+        self.views = list(self.array)
+        return {**state, **dict(zip(self.names, self.views, strict=True))}
 
     def grow(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
         """``state`` whose buffers hold at least ``needed`` positions: a new block of twice the capacity or
@@ -211,8 +244,8 @@ class CacheBlock:
         grown = np.zeros(shape, dtype=self.array.dtype)
         held = (slice(None), slice(0, rows)) + (slice(None),) * (self.axis - 2) + (slice(0, capacity),)
         grown[held] = self.array[held]
-        self.array = grown
-        return {**state, **dict(zip(self.names, grown, strict=True))}
+        self.array, self.views = grown, list(grown)
+        return {**state, **dict(zip(self.names, self.views, strict=True))}
 
     def move(self, rows: list[int], sources: list[int], used: int) -> None:
         """Row ``rows[i]`` of every buffer receives row ``sources[i]``, up to position ``used``."""

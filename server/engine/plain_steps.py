@@ -17,13 +17,17 @@ for decoding controls, target prefixes, attention or streaming.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from nmt.model_format.decoding import normalized_score
 from server.engine.beam_select import sentence_done
-from server.engine.beam_steps import quiet_selection
+from server.engine.beam_steps import QuietChoice, quiet_selection
 from server.engine.row_layout import Layout
 from server.engine.search import NEG_INF, StepOutput
+from server.types import ScoredSequence
 
 
 class PlainSteps:
@@ -86,17 +90,16 @@ class PlainSteps:
     def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                     ) -> StepOutput | None:
         """Plain beam steps (:meth:`_plain`, :mod:`server.engine.beam_steps`): each step's hypotheses are chosen
-        in plain Python while the step is *quiet* (no EOS among a sentence's ``beam`` best candidates, no
-        sentence done or cancelled), and the quiet steps go into the books together. Runs one step, or with
+        in plain Python while the step is *quiet*: no sentence leaves (done, cancelled) and no beam-1 sentence
+        chooses EOS. Hypotheses that end in EOS join their sentence's finished ones (:class:`_Finished` until
+        the books are written), and the quiet steps go into the books together. Runs one step, or with
         ``until_leave`` steps until one that is not quiet, the step before some row's last, or ``stop()`` after
         a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to select from as
         any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
         run = self.model.beam_steps(self._tokens, self._static, self._state, self._steps, layout.k, count)
-        sentences = self._sentences
-        blocks = list(zip(layout.starts.tolist(), [s.beam for s in sentences], strict=True))
-        ending = [(first, s) for first, s in zip(layout.starts.tolist(), sentences, strict=True) if s.finished]
-        checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
+        blocks = list(zip(layout.starts.tolist(), [s.beam for s in self._sentences], strict=True))
+        checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         totals = self._totals.tolist()
         steps: list[tuple[list[int], list[int], list[float]]] = []  # each quiet step's origins, tokens, scores
         for _ in range(count):
@@ -104,14 +107,15 @@ class PlainSteps:
             self.steps_run += 1
             ids, scores = run.read()
             choice = quiet_selection(ids, scores, totals, blocks, run.width, self.eos_id, run.places)
-            if (choice is None or (checks and any(check() for check in checks))
-                    or (ending and any(sentence_done(choice[3][first], s.finished, s.quota, s.step + len(steps) + 1,
-                                         s.spec.length_penalty) for first, s in ending))):
+            finished = None if choice is None else self._quiet_finished(choice, blocks, len(steps))
+            if finished is None or (checks and any(check() for check in checks)):
                 self._quiet_beam_steps(steps, totals)
                 return StepOutput(*run.outputs(), None, run.state())
-            origin, tokens, token_scores, totals = choice
-            run.advance(tokens, origin)
-            steps.append((origin, tokens, token_scores))
+            for j, kept in finished.items():
+                self._sentences[j].finished = kept
+            run.advance(choice.token, choice.origin)
+            steps.append((choice.origin, choice.token, choice.token_score))
+            totals = choice.total
             if stop is not None and stop():
                 break
         self._quiet_beam_steps(steps, totals)
@@ -119,9 +123,36 @@ class PlainSteps:
         self._tokens = run.ids.copy()
         return None
 
+    def _quiet_finished(self, choice: QuietChoice, blocks: list[tuple[int, int]], step: int,
+                        ) -> dict[int, list[Any]] | None:
+        """The finished hypotheses of each sentence that has some after the quiet step ``step`` (of the steps
+        :meth:`_plain_beam` runs) chose ``choice``, kept as the general step keeps them (appended in the order
+        they were walked, best first, the quota kept); None when a sentence is then done and leaves (the
+        general step takes that step)."""
+        new: dict[int, list[_Finished]] = {}
+        for j, row, eos_score, total in choice.finished:
+            s = self._sentences[j]
+            score = normalized_score(total, s.step + step + 1, s.spec.length_penalty)
+            new.setdefault(j, []).append(_Finished(score, step, row, eos_score))
+        kept = {}
+        for j, s in enumerate(self._sentences):
+            if not s.finished and j not in new:
+                continue
+            hypotheses = s.finished + new.get(j, [])
+            hypotheses.sort(key=_score, reverse=True)
+            del hypotheses[s.quota:]
+            if sentence_done(choice.total[blocks[j][0]], hypotheses, s.quota, s.step + step + 1,
+                             s.spec.length_penalty):
+                return None
+            kept[j] = hypotheses
+        return kept
+
     def _quiet_beam_steps(self, steps: list[tuple[list[int], list[int], list[float]]], totals: list[float]) -> None:
         """Write the quiet steps of :meth:`_plain_beam` into the books: each step's origins, tokens and scores
-        (a row's history follows its origins back), and each row's summed log-probability after them."""
+        (a row's history follows its origins back), each row's summed log-probability after them, and the
+        hypotheses that finished during them (:class:`_Finished` -> :class:`server.types.ScoredSequence`)."""
+        for s in self._sentences:
+            s.finished = [self._finished_hypothesis(h, steps) if isinstance(h, _Finished) else h for h in s.finished]
         count = len(steps)
         if not count:
             return
@@ -139,3 +170,33 @@ class PlainSteps:
         self._age += count
         for s in self._sentences:
             s.step += count
+
+    def _finished_hypothesis(self, finished: _Finished, steps: list[tuple[list[int], list[int], list[float]]],
+                             ) -> ScoredSequence:
+        """The hypothesis that ended in EOS at quiet step ``finished.step``: its row's history back through the
+        quiet steps before it, then the books' history of the row it came from (before they are written)."""
+        row, tokens, scores = finished.row, [], []
+        for origin, step_tokens, step_scores in reversed(steps[:finished.step]):
+            tokens.append(step_tokens[row])
+            scores.append(step_scores[row])
+            row = origin[row]
+        start = int(self._steps[row])
+        return ScoredSequence(tokens=self._history[row, :start].tolist() + tokens[::-1] + [self.eos_id],
+                              score=finished.score,
+                              token_scores=self._history_scores[row, :start].tolist() + scores[::-1]
+                              + [finished.eos_score])
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """A hypothesis that ended in EOS during quiet beam steps, until :meth:`PlainSteps._quiet_beam_steps` writes
+    its tokens (its row's history then runs through the steps' origins)."""
+
+    score: float  # normalised, as a ScoredSequence's
+    step: int  # the quiet step (of those in the books' write) whose selection finished it
+    row: int  # the row it extended at that step
+    eos_score: float  # EOS's log-probability
+
+
+def _score(hypothesis: Any) -> float:
+    return hypothesis.score
