@@ -13,6 +13,7 @@ from server.engine import plain_steps
 from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
+from server.engine.row_layout import PLAIN_BEAM_SENTENCES
 from server.engine.search import BeamSentence
 from server.engine.step_models import GreedySteps
 
@@ -87,14 +88,32 @@ def test_plain_beam_equals_the_general_search(engine, counted, seed):
 
 
 def test_the_plain_beam_steps_decide_most_steps(engine, counted):
-    """Across a batch of long sentences most steps are quiet: only those where some sentence's best
-    candidates hold EOS (or it is done) go through the general selection."""
+    """Across a batch of long sentences (as many as the plain beam steps take) most steps are plain: only a
+    beam's first expansion and the steps where a sentence leaves go through the general selection."""
     rng = random.Random(11)
-    src, specs = batch(engine, 11, n=6)
+    src, specs = batch(engine, 11, n=PLAIN_BEAM_SENTENCES)
     specs = [BeamSentence(s.source_length, max_length=256, beam_size=rng.choice([2, 4])) for s in specs]
     _, steps = decode_all(engine, src, specs, plain=True)
     assert counted["plain"] + counted["general"] == steps
     assert counted["plain"] > steps / 2
+
+
+def test_a_decode_of_more_sentences_keeps_the_general_step_until_some_leave(engine, counted):
+    """Past :data:`PLAIN_BEAM_SENTENCES` every sentence that leaves would end a run of plain steps, and the
+    runs no longer pay for their set-up: the general step decodes until enough sentences have left."""
+    src, specs = batch(engine, 12, n=PLAIN_BEAM_SENTENCES + 2)
+    specs = [BeamSentence(s.source_length, max_length=256, beam_size=4) for s in specs]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+    decode.admit(engine.model.encode(src), specs, range(len(specs)))
+    results = {}
+    while decode.rows:
+        plain_before = counted["plain"]
+        many = decode.sentences > PLAIN_BEAM_SENTENCES
+        results.update(decode.step())
+        if many:
+            assert counted["plain"] == plain_before
+    reference, _ = decode_all(engine, src, specs, plain=False)
+    assert [hypotheses(results[i]) for i in range(len(specs))] == [hypotheses(r) for r in reference]
 
 
 def test_hypotheses_finish_within_the_plain_beam_steps(engine, monkeypatch):

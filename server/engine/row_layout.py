@@ -15,6 +15,11 @@ from typing import Any
 
 import numpy as np
 
+# the plain beam steps pay for their set-up over runs of quiet steps; every sentence that leaves ends a run (the
+# general step takes that step), so past a few sentences of short outputs they cost more than they save
+# (benchmarks/README.md, "Plain beam steps": 1.05-1.21x at 1-4 sentences, 0.81-0.98x at 8-32 on the demo model)
+PLAIN_BEAM_SENTENCES = 4
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -36,9 +41,10 @@ class Layout:
     penalised: bool  # some sentence has a repetition penalty
     plain: bool  # every sentence is beam 1 on the lean path, without sampling, attention, penalty or streaming:
     # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
-    plain_beam: bool  # some sentence searches a beam > 1, every such sentence has expanded, and none asks for
-    # attention, a penalty, sampling or streaming: past the controls' and prefixes' margins, the quiet steps can be
-    # plain beam steps (server.engine.beam_steps; a beam-1 sentence there is a beam of one row)
+    plain_beam: bool  # some sentence searches a beam > 1, every such sentence has expanded, none asks for
+    # attention, a penalty, sampling or streaming, and the decode holds at most PLAIN_BEAM_SENTENCES: past the
+    # controls' and prefixes' margins, the quiet steps can be plain beam steps (server.engine.beam_steps; a beam-1
+    # sentence there is a beam of one row)
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
@@ -66,7 +72,8 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
                   full_for=max(s.full_until - s.step for s in sentences),
                   given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
                   plain=bool(lean.all()) and bare,
-                  plain_beam=bool((beams > 1).any() and ((beams == 1) | expanded).all()) and bare)
+                  plain_beam=bool((beams > 1).any() and ((beams == 1) | expanded).all()) and bare
+                  and n <= PLAIN_BEAM_SENTENCES)
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:
