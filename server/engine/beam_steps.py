@@ -23,16 +23,13 @@ plain Python over each row's best tokens:
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
 
 from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, StateTensor
 from server.engine.search import NEG_INF
-
-if TYPE_CHECKING:
-    from server.engine.step_models import OnnxStepModel
 
 _SCORE = itemgetter(0)
 
@@ -99,7 +96,9 @@ class BeamSteps:
     rows whose hypotheses died), not for every row whose origin differs. :meth:`state` puts the rows back in
     the decode's order."""
 
-    def __init__(self, model: OnnxStepModel, rows: int, k: int) -> None:
+    def __init__(self, model: Any, rows: int, k: int) -> None:
+        """``model``: the :class:`server.engine.step_models.OnnxStepModel` whose step graph runs (that module
+        makes these steps: it is not imported here)."""
         self.model, self.rows, self.k = model, rows, k
         width = int(model._top_k(k)[0])
         self.width = width
