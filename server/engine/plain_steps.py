@@ -101,13 +101,20 @@ class PlainSteps:
         blocks = list(zip(layout.starts.tolist(), [s.beam for s in self._sentences], strict=True))
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         totals = self._totals.tolist()
+        ending = any(s.finished for s in self._sentences)  # some sentence holds finished hypotheses
         steps: list[tuple[list[int], list[int], list[float]]] = []  # each quiet step's origins, tokens, scores
         for _ in range(count):
             run.run()
             self.steps_run += 1
             ids, scores = run.read()
             choice = quiet_selection(ids, scores, totals, blocks, run.width, self.eos_id, run.places)
-            finished = None if choice is None else self._quiet_finished(choice, blocks, len(steps))
+            if choice is None:
+                finished = None
+            elif choice.finished or ending:
+                finished = self._quiet_finished(choice, blocks, len(steps))
+                ending = ending or bool(finished)
+            else:  # nothing finished, before or now: no sentence can be done
+                finished = {}
             if finished is None or (checks and any(check() for check in checks)):
                 self._quiet_beam_steps(steps, totals)
                 return StepOutput(*run.outputs(), None, run.state())
