@@ -22,11 +22,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from server.engine.bound_steps import GreedySteps
 from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
 from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.engine.portable_attention import inline_self_attention, needs_portable_attention
-from server.engine.step_models import GreedySteps
 from server.types import DecodingOptions
 from tests.test_engine import TEXTS
 

@@ -11,11 +11,11 @@ import pytest
 
 from server.engine import plain_steps
 from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
+from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.row_layout import PLAIN_BEAM_SENTENCES
 from server.engine.search import BeamSentence
-from server.engine.step_models import GreedySteps
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 

@@ -2,7 +2,7 @@
 
 The general step (:mod:`server.engine.decode`, :func:`server.engine.beam_select.select_beam`) makes some
 hundred NumPy calls a step, and after a step graph's run each one is slow: the graph's weights have pushed the
-interpreter's and NumPy's code out of the CPU's caches (see :class:`server.engine.step_models.GreedySteps`).
+interpreter's and NumPy's code out of the CPU's caches (see :class:`server.engine.bound_steps.GreedySteps`).
 :class:`BeamSteps` runs the steps of a decode that searches beams (some sentence wider than 1) without decoding
 controls, target prefix, attention or streaming, and :func:`quiet_selection` picks each step's hypotheses in
 plain Python over each row's best tokens:
@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS, StateTensor
+from nmt.model_format.manifest import TOP_K_OUTPUTS, StateTensor
+from server.engine.bound_steps import BoundSteps
 from server.engine.search import NEG_INF
 
 _SCORE = itemgetter(0)
@@ -85,7 +86,7 @@ def quiet_selection(ids: list[int], scores: list[float], totals: list[float], se
     return QuietChoice(origin, token, token_score, total, finished)
 
 
-class BeamSteps:
+class BeamSteps(BoundSteps):
     """Beam steps of an in-place-cache decoder for a fixed set of rows (the plain beam steps of
     :class:`server.engine.decode.RunningDecode`): :meth:`run` a step, :meth:`read` its best tokens, then
     :meth:`advance` with the hypotheses chosen (their tokens become the next step's input).
@@ -97,60 +98,23 @@ class BeamSteps:
     the decode's order."""
 
     def __init__(self, model: Any, rows: int, k: int) -> None:
-        """``model``: the :class:`server.engine.step_models.OnnxStepModel` whose step graph runs (that module
-        makes these steps: it is not imported here)."""
-        self.model, self.rows, self.k = model, rows, k
+        super().__init__(model, rows, k)
         width = int(model._top_k(k)[0])
         self.width = width
-        self.ids = np.zeros(rows, dtype=np.int64)  # the next step's input
         self.top_ids = np.zeros((rows, width), dtype=np.int64)
         self.top_scores = np.zeros((rows, width), dtype=np.float32)
         self.eos_log_prob = np.zeros(rows, dtype=np.float32)
-        self.positions = np.zeros(rows, dtype=np.int64)
         self._views = memoryview(self.top_ids.ravel()), memoryview(self.top_scores.ravel()), memoryview(self.ids)
-        self._position_view = memoryview(self.positions)
-        self._session = model.sessions["decoder"]
-        self._binding = self._session.io_binding()
-        self._bound: dict[str, Any] = {}
-        self._state: dict[str, Any] = {}
-        self._capacity = self._last = self._done = 0
-        self._next = memoryview(np.zeros(0, dtype=np.int64))
         ids, scores, eos = TOP_K_OUTPUTS
         for name, array in ((ids, self.top_ids), (scores, self.top_scores), (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-        self._binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(self.ids))
-        self._binding.bind_ortvalue_input(model.positions, ort.OrtValue.ortvalue_from_numpy(self.positions))
-        self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(k))
         self._block = CacheBlock(model.buffers)
         self.places = list(range(rows))
 
-    def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, np.ndarray],
-              state: dict[str, np.ndarray], steps: int) -> None:
-        """Continue from ``tokens`` at ``positions`` with ``state`` for up to ``steps`` steps (binding again
-        only the arrays that changed)."""
-        np.copyto(self.ids, tokens)
-        np.copyto(self.positions, positions)
+    def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, Any], state: dict[str, Any],
+              steps: int) -> None:
         self.places = list(range(self.rows))
-        self._next = memoryview((positions + np.arange(1, steps + 1)[:, None]).ravel())
-        self._last, self._done = int(positions.max()), 0
-        for name, value in static.items():
-            if self._bound.get(name) is not value:
-                self._binding.bind_cpu_input(name, value)
-                self._bound[name] = value
-        self._state = dict(state)
-        self._bind_buffers()
-
-    def run(self) -> None:
-        """One step: :attr:`top_ids` and :attr:`top_scores` then hold each row's best tokens (the KV cache
-        grows first when a row reaches its capacity)."""
-        if self._last >= self._capacity:
-            self._state = self._block.grow(self._state, self._last + 1)
-            self._bind_buffers()
-        self._session.run_with_iobinding(self._binding)
-        first = self._done * self.rows
-        self._position_view[:] = self._next[first:first + self.rows]
-        self._done += 1
-        self._last += 1
+        super().start(tokens, positions, static, state, steps)
 
     def read(self) -> tuple[list[int], list[float]]:
         """The last step's best tokens of every row and their log-probabilities, row after row."""
@@ -191,19 +155,13 @@ class BeamSteps:
             self._block.move(moved, [places[row] for row in moved], self._last)
             self.ids[:] = self.ids[places]  # the right side is copied first
             self.places = list(range(self.rows))
-        return {**self._state, self.model.positions: self.positions.copy()}
+        return super().state()
 
-    def _bind_buffers(self) -> None:
-        self._state = self._block.adopt(self._state, self.rows)
-        for name, entry in self.model.buffers.items():
-            value = self._state[name]
-            if self._bound.get(name) is not value:
-                buffer = ort.OrtValue.ortvalue_from_numpy(value)
-                self._binding.bind_ortvalue_input(name, buffer)
-                self._binding.bind_ortvalue_output(entry.output, buffer)
-                self._bound[name] = value
-        name, entry = next(iter(self.model.buffers.items()))
-        self._capacity = self._state[name].shape[entry.capacity_axis]
+    def _grown(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
+        return self._block.grow(state, needed)
+
+    def _held(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self._block.adopt(state, self.rows)
 
 
 class CacheBlock:

@@ -2,7 +2,7 @@
 is cut to reading each row's best tokens, chosen when nothing in the decode needs the general step.
 
 * Plain arg-max steps (:meth:`PlainSteps._plain_greedy`): every sentence at beam 1; the model's own arg-max
-  feeds the next step (:class:`server.engine.step_models.GreedySteps`) and the host reads each row's token
+  feeds the next step (:class:`server.engine.bound_steps.GreedySteps`) and the host reads each row's token
   and score.
 * Plain beam steps (:meth:`PlainSteps._plain_beam`): some sentence at a beam of 2 or more, every such sentence
   expanded (a beam-1 sentence is a beam of one row there); the selection runs in plain Python lists
@@ -46,7 +46,7 @@ class PlainSteps:
     def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                       ) -> StepOutput | None:
         """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
-        score (:class:`server.engine.step_models.GreedySteps`): a step in which no row chose EOS (or nothing)
+        score (:class:`server.engine.bound_steps.GreedySteps`): a step in which no row chose EOS (or nothing)
         and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
         step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to

@@ -16,8 +16,8 @@ within the same arrays reaches the next step without binding them again.
 Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
-:class:`GreedySteps` runs plain arg-max steps on the in-place cache with a binding of its own, the step
-graph's top-1 output bound to the next step's ``input_ids``.
+:class:`server.engine.bound_steps.GreedySteps` runs plain arg-max steps on the in-place cache with a binding of
+its own, the step graph's top-1 output bound to the next step's ``input_ids``.
 
 ``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
 those positions go into the step decoder's buffers (:meth:`OnnxStepModel.state_from_forced`).
@@ -42,6 +42,7 @@ from nmt.model_format.manifest import (
     StateTensor,
 )
 from server.engine.beam_steps import BeamSteps
+from server.engine.bound_steps import GreedySteps, bind_input, shape_of
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput
 from server.engine.shared_weights import SharedWeights
@@ -154,7 +155,7 @@ class OnnxStepModel:
                 value = self._grow(value, entry, max(INITIAL_CAPACITY, 1 << (length - 1).bit_length()))
             state[entry.input] = value
         if self.positions:
-            state[self.positions] = np.full(_shape(outputs[self.state[0].output])[0], length, dtype=np.int64)
+            state[self.positions] = np.full(shape_of(outputs[self.state[0].output])[0], length, dtype=np.int64)
         return state
 
     def _step_in_place(
@@ -180,9 +181,9 @@ class OnnxStepModel:
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(held))
         for name, value in static.items():
             if bound.get(name) is not value:
-                _bind_input(binding, bound, name, value)
+                bind_input(binding, bound, name, value)
         if bound.get(TOP_K_INPUT) is not (top_k := self._top_k_value(k)):
-            _bind_input(binding, bound, TOP_K_INPUT, top_k)
+            bind_input(binding, bound, TOP_K_INPUT, top_k)
         for name, entry in self.buffers.items():
             value = state[name]
             if bound.get(name) is not value:
@@ -271,7 +272,7 @@ class OnnxStepModel:
             return
         for entry in self.state:
             if entry.init == "empty" and 0 in entry.shape:
-                length = _shape(state[entry.input])[1 + entry.shape.index(0)]
+                length = shape_of(state[entry.input])[1 + entry.shape.index(0)]
                 if (np.asarray(positions) != length).any():
                     raise ValueError(f"{self.manifest.name}/{self.manifest.version} keeps a concatenating KV "
                                      f"cache (format nmt-model/1): every row decodes at position {length}; "
@@ -282,11 +283,11 @@ class OnnxStepModel:
         """``state`` whose buffers hold at least ``needed`` positions (grown to twice their capacity or more;
         the buffers grow together, so the first one tells)."""
         name, entry = next(iter(self.buffers.items()))
-        if needed <= _shape(state[name])[entry.capacity_axis]:
+        if needed <= shape_of(state[name])[entry.capacity_axis]:
             return state
         grown = dict(state)
         for name, entry in self.buffers.items():
-            capacity = _shape(state[name])[entry.capacity_axis]
+            capacity = shape_of(state[name])[entry.capacity_axis]
             if needed > capacity:
                 grown[name] = self._grow(state[name], entry, max(2 * capacity, needed))
         return grown
@@ -344,97 +345,6 @@ class OnnxStepModel:
         return [entry.input for entry in self.state] + ([self.positions] if self.positions else [])
 
 
-class GreedySteps:
-    """Arg-max decoding steps of an in-place-cache decoder for a fixed set of rows, the host's work per step
-    cut to moving the positions on and reading the tokens (the plain greedy steps of
-    :class:`server.engine.decode.RunningDecode`).
-
-    Its own I/O binding of the step graph (top 1) writes each step's best token of every row (``top_ids``)
-    into the very array the next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input
-    before its last node writes the output, on the CPU and on a device's stream alike. The KV cache is
-    written in place as in :meth:`OnnxStepModel.step`. After a step graph's run the CPU's caches hold the
-    graph's weights and every NumPy call is slow (10-20 us on a 6-layer model), so a step touches its
-    arrays through memoryviews: the rows' next positions are copied from a table made at :meth:`start`, and
-    :meth:`read` gives the tokens and their log-probabilities as lists (``R`` ids and scores, nothing of the
-    [R, V] distribution)."""
-
-    def __init__(self, model: OnnxStepModel, rows: int) -> None:
-        self.model, self.rows = model, rows
-        self.ids = np.zeros(rows, dtype=np.int64)
-        self.scores = np.zeros(rows, dtype=np.float32)
-        self.eos_log_prob = np.zeros(rows, dtype=np.float32)
-        self.positions = np.zeros(rows, dtype=np.int64)
-        self._views = memoryview(self.ids), memoryview(self.scores), memoryview(self.positions)
-        self._session = model.sessions["decoder"]
-        self._binding = self._session.io_binding()
-        self._bound: dict[str, Any] = {}
-        self._state: dict[str, Any] = {}
-        self._capacity = self._last = self._done = 0
-        self._next = memoryview(np.zeros(0, dtype=np.int64))  # each step's next positions, row after row
-        ids, scores, eos = TOP_K_OUTPUTS
-        for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
-            self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-        self._binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(self.ids))
-        self._binding.bind_ortvalue_input(model.positions, ort.OrtValue.ortvalue_from_numpy(self.positions))
-        self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(1))
-
-    def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, np.ndarray],
-              state: dict[str, Any], steps: int) -> None:
-        """Continue from ``tokens`` at ``positions`` with ``state`` for up to ``steps`` steps (binding again
-        only the arrays that changed)."""
-        np.copyto(self.ids, tokens)
-        np.copyto(self.positions, positions)
-        self._next = memoryview((positions + np.arange(1, steps + 1)[:, None]).ravel())
-        self._last, self._done = int(positions.max()), 0  # the furthest position a row writes next; steps run
-        for name, value in static.items():
-            if self._bound.get(name) is not value:
-                _bind_input(self._binding, self._bound, name, value)
-        self._state = dict(state)
-        self._bind_buffers()
-
-    def run(self) -> None:
-        """One step: :attr:`ids` and :attr:`scores` then hold each row's best next token and its
-        log-probability (the KV cache grows first when a row reaches its capacity)."""
-        if self._last >= self._capacity:
-            self._state = self.model._reserve(self._state, self._last + 1)
-            self._bind_buffers()
-        self._session.run_with_iobinding(self._binding)
-        first = self._done * self.rows
-        self._views[2][:] = self._next[first:first + self.rows]
-        self._done += 1
-        self._last += 1
-
-    def read(self) -> tuple[list[int], list[float]]:
-        """The last step's token of each row and its log-probability."""
-        return self._views[0].tolist(), self._views[1].tolist()
-
-    def state(self) -> dict[str, Any]:
-        """The decoder state after the steps run (each row's position moved on)."""
-        return {**self._state, self.model.positions: self.positions.copy()}
-
-    def _bind_buffers(self) -> None:
-        """Bind each cache buffer (a host array, or a device's ``OrtValue``) as its input and its output."""
-        for name, entry in self.model.buffers.items():
-            value = self._state[name]
-            if self._bound.get(name) is not value:
-                buffer = value if isinstance(value, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(value)
-                self._binding.bind_ortvalue_input(name, buffer)
-                self._binding.bind_ortvalue_output(entry.output, buffer)
-                self._bound[name] = value
-        name, entry = next(iter(self.model.buffers.items()))
-        self._capacity = _shape(self._state[name])[entry.capacity_axis]
-
-
-def _bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:
-    """Bind input ``name`` to ``value`` (an OrtValue, or a host array whose memory is bound) and hold it in
-    ``bound``, so the memory bound stays valid (and an id is never reused)."""
-    if isinstance(value, ort.OrtValue):
-        binding.bind_ortvalue_input(name, value)
-    else:
-        binding.bind_cpu_input(name, value)
-    bound[name] = value
-
-
 def extra_outputs(full: bool, logits: bool) -> list[str]:
     """The [R, V] outputs a step fetches besides the top k: the distribution, and its logits."""
     return (["log_probs"] if full else []) + ([LOGITS_OUTPUT] if logits else [])
@@ -446,10 +356,6 @@ def initial_shape(entry: StateTensor, batch: int) -> tuple[int, ...]:
     if entry.capacity_axis is not None:
         shape[entry.capacity_axis] = INITIAL_CAPACITY
     return tuple(shape)
-
-
-def _shape(value: np.ndarray | ort.OrtValue) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
 
 
 def _move_rows(buffer: np.ndarray, rows: np.ndarray, moves: tuple[np.ndarray, np.ndarray],
