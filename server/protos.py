@@ -3,6 +3,9 @@
 The proto is the single source of truth and no generated file is committed. At import the proto is
 compiled by the protoc bundled with ``grpcio-tools`` into a temporary directory and run from there, so a
 read-only install, a fresh clone and concurrent processes all work, and the stubs can never be stale.
+protoc runs as a process of its own (``python -m grpc_tools.protoc``, about 0.1 s): a serving process
+never loads the compiler, which would stay mapped in it for nothing (8 MiB of every server, front-end
+and client process).
 protoc's include path is the proto root (``<repo>/proto``, or ``$NMT_PROTO_PATH``) and the
 ``google/protobuf`` well-known types alone: the server compiles the contract from ``proto/`` as a client
 in another language does, the imported ``google/api`` and ``google/rpc`` files included. The generated
@@ -20,6 +23,7 @@ For editors and type checkers, ``python -m server.protos --out DIR`` writes the 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from importlib.resources import files
@@ -27,7 +31,6 @@ from pathlib import Path
 from types import ModuleType
 
 from google.protobuf.descriptor import ServiceDescriptor
-from grpc_tools import protoc
 
 PROTO_FILE = "translation/v1/translation.proto"
 SERVICE_NAME = "translation.v1.Translator"
@@ -49,10 +52,12 @@ def _protoc(proto_file: str, out: Path, *outputs: str) -> None:
 
     The include path is the proto root and the well-known types bundled with grpcio-tools, nothing else.
     """
-    args = ["protoc", f"-I{proto_root()}", f"-I{files('grpc_tools') / '_proto'}",
+    args = [f"-I{proto_root()}", f"-I{files('grpc_tools') / '_proto'}",
             *(f"--{output}_out={out}" for output in outputs), proto_file]
-    if protoc.main(args) != 0:
-        raise ImportError(f"protoc failed: {' '.join(args)}")
+    result = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        raise ImportError(f"protoc failed: {' '.join(args)}: {result.stderr.strip()}")
 
 
 def _run(source_file: Path, module_name: str) -> ModuleType:

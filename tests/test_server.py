@@ -9,6 +9,7 @@ deadline and drain tests exercise the real "leave the batch" path.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import math
 import os
@@ -635,6 +636,12 @@ def test_config_flags_env_and_validation(tmp_path: Path) -> None:
         assert flag in help_text
 
 
+def mapped_packages(pid: int) -> set[str]:
+    """The site-packages distributions whose files (native libraries) the process ``pid`` maps."""
+    paths = (line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return {path.split("site-packages/")[1].split("/")[0] for path in paths if "site-packages/" in path}
+
+
 def test_nmt_serve_command_serves_and_stops_on_sigterm(repository: Path) -> None:
     command = [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository), "--listen",
                "127.0.0.1:0", "--provider", "cpu", "--intra-op-threads", "1", "--grace-seconds", "5"]
@@ -657,6 +664,11 @@ def test_nmt_serve_command_serves_and_stops_on_sigterm(repository: Path) -> None
                                                       metadata=(("x-request-id", "cli-test"),))
             assert len(response.translations) == 1
             assert {m.max_beam_size for m in stub.ListModels(pb2.ListModelsRequest(), timeout=10).models} == {3}
+        # the HTTP face is off and protoc runs in a process of its own: the server never loads the HTTP stack
+        # or the compiler (18 MiB of its memory); the probe sees such a library where one is loaded (aiohttp here)
+        assert not {"aiohttp", "grpc_tools"} & mapped_packages(process.pid)
+        importlib.import_module("aiohttp.http_parser")
+        assert "aiohttp" in mapped_packages(os.getpid())
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         logs = lines + [json.loads(line) for line in process.stderr if line.startswith("{")]

@@ -45,7 +45,6 @@ from prometheus_client import CollectorRegistry
 from nmt.errors import NmtError
 from server.config import ServerConfig, split_host_port
 from server.frontend.auth import Authenticator
-from server.frontend.http_face import HttpFace, http_routes
 from server.frontend.interceptor import RequestInterceptor
 from server.frontend.servicer import TranslatorService
 from server.frontend.tls import server_credentials, tls_mode
@@ -94,7 +93,9 @@ class TranslationServer:
         self.config = config.validate()
         self.metrics = ServerMetrics(registry)
         self.metrics.init_service(SERVICE_NAME, method_types())  # every series at 0 from the start: rate() works
-        if config.http_listen:
+        if config.http_listen:  # the HTTP stack (aiohttp, ~10 MiB) is loaded only when the face is on
+            from server.frontend.http_face import http_routes
+
             self.metrics.init_http(route.method.name for route in http_routes(translator_descriptor()))
         self.credentials = server_credentials(config)  # None: plaintext
         self.authenticator = Authenticator.from_file(config.auth_tokens_file) if config.auth_tokens_file else None
@@ -108,7 +109,7 @@ class TranslationServer:
         self.port: int | None = None
         self.metrics_http: Any = None
         self.metrics_port: int | None = None
-        self.http: HttpFace | None = None  # the HTTP/JSON face and the explorer page (--http-listen)
+        self.http: Any = None  # the HTTP/JSON face and the explorer page (--http-listen): an http_face.HttpFace
         self.http_port: int | None = None
         self._shutdown_task: asyncio.Task | None = None
         self._signal_task: asyncio.Task | None = None
@@ -173,6 +174,8 @@ class TranslationServer:
 
     async def _start_http(self, address: str) -> None:
         """The HTTP/JSON face on the same event loop, calling the same servicer through the same interceptor."""
+        from server.frontend.http_face import HttpFace
+
         self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
                              ready=self.readiness, cors=self.config.cors_origins)
         try:
