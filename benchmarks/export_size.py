@@ -7,9 +7,10 @@ trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..
 
 - ``nmt export`` in its own process: wall time, peak RSS (against the checkpoint's size; goal <= 3x);
 - the bytes the version holds against the checkpoint's (goal <= 1.1x);
-- ``nmt serve`` with the version loaded, after one translation, with and without ``--ort-prepack``: its
-  RSS, and its growth over the same server with ``--engine null`` (no weights), against the weights' fp32
-  bytes (goal <= 1.5x);
+- ``nmt serve`` with the version loaded, after one translation, with and without ``--ort-prepack`` (the HTTP
+  face off, as in the other server benchmarks; once more with it on, which loads aiohttp): its RSS, and its
+  growth over the same server with ``--engine null`` (no weights), against the weights' fp32 bytes (goal <=
+  1.5x);
 - greedy and beam-4 token ids of the serving engine against ``MarianMTModel.generate`` on 20 sentences;
 - what pre-packing buys: the engine with and without ``prepack`` (``--ort-prepack``), runs alternating,
   median time to translate one sentence and all 20, greedy and beam 4.
@@ -42,6 +43,7 @@ SIZES = {
 SENTENCES = 20
 MAX_LENGTH = 32
 NAME = "opus-like"
+HTTP_ON = "--no-ort-prepack --http-listen 127.0.0.1:0"  # the servers above run without the HTTP face (its aiohttp)
 
 
 def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
@@ -183,8 +185,10 @@ def main() -> None:
                                       "--version", "1"])
         version = repository / NAME / "1"
         written = sum(path.stat().st_size for path in version.iterdir() if path.is_file())
-        idle = server_rss(repository, texts[0], ["--engine", "null"])
-        loaded = {flag: server_rss(repository, texts[0], [flag]) for flag in ("--ort-prepack", "--no-ort-prepack")}
+        idle = {http: server_rss(repository, texts[0], ["--engine", "null", *(HTTP_ON.split()[1:] if http else [])])
+                for http in (False, True)}  # the server without weights, HTTP face off and on
+        loaded = {flags: server_rss(repository, texts[0], flags.split())
+                  for flags in ("--ort-prepack", "--no-ort-prepack", HTTP_ON)}
         matches = {beam: sum(a == b for a, b in zip(engine_ids(version, texts, beam), generate_ids(marian, texts, beam),
                                                     strict=True))
                    for beam in (1, 4)}
@@ -196,9 +200,10 @@ def main() -> None:
         print(f"| export wall time | {seconds:.0f} s | | |")
         print(f"| export peak RSS | {peak / mib:,.0f} MiB | {peak / checkpoint:.2f}x | <= 3x |")
         print(f"| version bytes | {written / mib:,.0f} MiB | {written / checkpoint:.2f}x | <= 1.1x |")
-        for flag, size in loaded.items():
-            print(f"| server RSS, one version loaded, {flag} | {size / mib:,.0f} MiB (--engine null: "
-                  f"{idle / mib:,.0f}) | {size / checkpoint:.2f}x (growth {(size - idle) / checkpoint:.2f}x) "
+        for flags, size in loaded.items():
+            empty = idle[flags == HTTP_ON]
+            print(f"| server RSS, one version loaded, {flags} | {size / mib:,.0f} MiB (--engine null: "
+                  f"{empty / mib:,.0f}) | {size / checkpoint:.2f}x (growth {(size - empty) / checkpoint:.2f}x) "
                   "| <= 1.5x |")
         print(f"| greedy / beam 4 equal to generate | {matches[1]}/{len(texts)}, {matches[4]}/{len(texts)} | | all |")
         print(f"parity recorded by the export: {manifest['parity']}")
