@@ -20,6 +20,15 @@ flight nearly all the time), and the server's mean decoder rows: for continuous 
 are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
 sentences (one at a time, alternating).
 
+``--emulate-device STEP_MS ENCODER_MS`` runs both servers and the bare engine on an emulated device whose
+decoder step takes at least STEP_MS and encoder call at least ENCODER_MS, at any row count
+(:mod:`emulated_device.sitecustomize`): the regime of a GPU, where a step of a few hundred rows costs what a
+step of one does, which a CPU cannot show. The work still runs on the CPU, so the floor must exceed what
+the CPU's own largest step costs for the steps to be flat:
+
+    python benchmarks/batching.py --model demo-transformer --callers 32 128 --rates --max-batch-rows 512 \
+        --emulate-device 10 3
+
 Last, the ceiling: the bare engine in this process under the most callers, each sending its next sentence
 the moment the last returns (:func:`bare_closed_loop`): static batches of that many sentences against one
 running decode of that many, with the decoding steps, the decoder's time per step and per row-step and
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -283,6 +293,17 @@ def bare_closed_loop(repository: str, model: str, texts: list, beam: int, caller
             for mode, values in runs.items()}
 
 
+def emulate_device(step_ms: float, encoder_ms: float) -> None:
+    """Run the servers started from now on, and the bare engine in this process, on the emulated device of
+    :mod:`emulated_device.sitecustomize` (its folder on the servers' ``PYTHONPATH``)."""
+    from emulated_device.sitecustomize import emulate
+
+    folder = str(Path(__file__).resolve().parent / "emulated_device")
+    os.environ.update(NMT_EMULATED_STEP_MS=str(step_ms), NMT_EMULATED_ENCODER_MS=str(encoder_ms),
+                      PYTHONPATH=os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
+    emulate(step_ms, encoder_ms)
+
+
 def row(label: str, cells: dict[str, dict]) -> str:
     s, c = cells["static"], cells["continuous"]
     return (f"| {label} | {s['sentences_s']:.1f} / {c['sentences_s']:.1f} ({c['sentences_s'] / s['sentences_s']:.2f}x) "
@@ -308,7 +329,12 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=40, help="sentences of the single-caller comparison")
     parser.add_argument("--max-batch-rows", type=int, help="the continuous server's --max-batch-rows (default: its "
                         "default)")
+    parser.add_argument("--emulate-device", nargs=2, type=float, metavar=("STEP_MS", "ENCODER_MS"),
+                        help="servers and bare engine on an emulated device whose decoder step takes at least STEP_MS "
+                        "and encoder call at least ENCODER_MS at any row count, as a GPU's (emulated_device/)")
     args = parser.parse_args()
+    if args.emulate_device:
+        emulate_device(*args.emulate_device)
 
     flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128"]
     if args.max_batch_rows:
@@ -355,6 +381,9 @@ def main() -> None:
                             callers, args.max_batch_rows or 128, args.threads, args.repeats)
 
     print(f"\nhost: {host()}")
+    if args.emulate_device:
+        print(f"emulated device: a decoder step takes at least {args.emulate_device[0]:g} ms and an encoder call "
+              f"{args.emulate_device[1]:g} ms at any row count (benchmarks/emulated_device)")
     print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads per server, {args.requests} requests "
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
