@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -293,17 +292,6 @@ def bare_closed_loop(repository: str, model: str, texts: list, beam: int, caller
             for mode, values in runs.items()}
 
 
-def emulate_device(step_ms: float, encoder_ms: float) -> None:
-    """Run the servers started from now on, and the bare engine in this process, on the emulated device of
-    :mod:`emulated_device.sitecustomize` (its folder on the servers' ``PYTHONPATH``)."""
-    from emulated_device.sitecustomize import emulate
-
-    folder = str(Path(__file__).resolve().parent / "emulated_device")
-    os.environ.update(NMT_EMULATED_STEP_MS=str(step_ms), NMT_EMULATED_ENCODER_MS=str(encoder_ms),
-                      PYTHONPATH=os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
-    emulate(step_ms, encoder_ms)
-
-
 def row(label: str, cells: dict[str, dict]) -> str:
     s, c = cells["static"], cells["continuous"]
     return (f"| {label} | {s['sentences_s']:.1f} / {c['sentences_s']:.1f} ({c['sentences_s'] / s['sentences_s']:.2f}x) "
@@ -334,7 +322,9 @@ def main() -> None:
                         "and encoder call at least ENCODER_MS at any row count, as a GPU's (emulated_device/)")
     args = parser.parse_args()
     if args.emulate_device:
-        emulate_device(*args.emulate_device)
+        from emulated_device.sitecustomize import activate
+
+        activate(*args.emulate_device)
 
     flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128"]
     if args.max_batch_rows:

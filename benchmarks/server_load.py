@@ -275,6 +275,10 @@ def main() -> None:
     parser.add_argument("--client-threads", type=int, default=8,
                         help="--capacity: threads (blocking calls, a channel each) per load-generator process")
     parser.add_argument("--rounds", type=int, default=3, help="--capacity: times the configurations alternate")
+    parser.add_argument("--emulate-device", nargs=2, type=float, metavar=("STEP_MS", "ENCODER_MS"),
+                        help="the server and the bare engine on an emulated device whose decoder step takes at least "
+                        "STEP_MS and encoder call at least ENCODER_MS at any row count, as a GPU's "
+                        "(emulated_device/; CPU provider)")
     parser.add_argument("--echo-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # internal
     parser.add_argument("--load-worker", metavar="ADDRESS", help=argparse.SUPPRESS)  # internal
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal, --load-worker
@@ -291,6 +295,10 @@ def main() -> None:
             capacity(args)
         return
     args.requests = args.requests or 1024
+    if args.emulate_device:
+        from emulated_device.sitecustomize import activate
+
+        activate(*args.emulate_device)
     with tempfile.TemporaryDirectory() as work:
         if args.marian:
             from engine_throughput import SIZES, export_project, marian_model
@@ -339,7 +347,9 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -
     print()
     print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads, {args.requests} sentences per level, "
           f"server max wait {args.max_wait_ms} ms, ORT spinning {'on' if args.ort_spinning else 'off'}, "
-          f"{args.batching} batching, {frontends} front-ends")
+          f"{args.batching} batching, {frontends} front-ends"
+          + (f", emulated device: steps >= {args.emulate_device[0]:g} ms, encoder calls >= {args.emulate_device[1]:g} "
+             "ms" if args.emulate_device else ""))
     print("| callers | engine sent/s | server sent/s | ratio | server tok/s | engine p50/p95/p99 ms "
           "| server p50/p95/p99 ms | server batch | server CPU ms/req | client CPU ms/req |")
     print("|---|---|---|---|---|---|---|---|---|---|")

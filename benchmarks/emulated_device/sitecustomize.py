@@ -12,7 +12,7 @@ work exceeds the floor.
 
 Python imports this module at start-up wherever this folder is on ``PYTHONPATH``: every process of a server
 started with ``NMT_EMULATED_STEP_MS`` (and ``NMT_EMULATED_ENCODER_MS``) set runs on the emulated device, the
-engine core of ``--frontends`` too. A benchmark's own process calls :func:`emulate`.
+engine core of ``--frontends`` too. A benchmark calls :func:`activate` before it starts them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ def emulate(step_ms: float, encoder_ms: float) -> None:
     floors = {"input_ids": step_ms / 1000, "src_ids": encoder_ms / 1000}
     collection.Session.run_with_iobinding = floored(collection.Session.run_with_iobinding, floors)
     collection.Session.run = floored(collection.Session.run, floors)
+
+
+def activate(step_ms: float, encoder_ms: float) -> None:
+    """This process, and every process it starts from now on (the servers of a benchmark), on the emulated
+    device: the floors in the environment with this folder on ``PYTHONPATH``, and :func:`emulate` here."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    os.environ.update(NMT_EMULATED_STEP_MS=str(step_ms), NMT_EMULATED_ENCODER_MS=str(encoder_ms),
+                      PYTHONPATH=os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
+    emulate(step_ms, encoder_ms)
 
 
 if os.environ.get("NMT_EMULATED_STEP_MS"):
