@@ -24,6 +24,21 @@ from server.frontend.app import TranslationServer
 from server.protos import pb2_grpc
 
 
+def count_calls(monkeypatch: Any, methods: dict[str, tuple[type, str]]) -> dict[str, int]:
+    """Count the calls of each method ``(class, name)`` under its key, patched for the test's duration."""
+    counts = dict.fromkeys(methods, 0)
+
+    def counting(key: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return method(*args, **kwargs)
+        return wrapper
+
+    for key, (owner, name) in methods.items():
+        monkeypatch.setattr(owner, name, counting(key, getattr(owner, name)))
+    return counts
+
+
 def refuse_fixed_ports(config: ServerConfig) -> None:
     """A test server takes free ports (port 0) or none: a fixed one (a default such as 8080 included)
     collides with a server a developer runs beside the suite, and with parallel test runs."""

@@ -16,6 +16,7 @@ from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.row_layout import PLAIN_BEAM_SENTENCES
 from server.engine.search import BeamSentence
+from tests.harness import count_calls
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -29,18 +30,8 @@ def engine(model_version_dir):
 def counted(monkeypatch, engine):
     """How many times the decode ran the model through each way: plain beam steps, plain arg-max steps (once
     only beam-1 sentences are left) and the general step."""
-    counts = {"plain": 0, "greedy": 0, "general": 0}
-
-    def count(name, method):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return method(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(BeamSteps, "run", count("plain", BeamSteps.run))
-    monkeypatch.setattr(GreedySteps, "run", count("greedy", GreedySteps.run))
-    monkeypatch.setattr(type(engine.model), "step", count("general", type(engine.model).step))
-    return counts
+    return count_calls(monkeypatch, {"plain": (BeamSteps, "run"), "greedy": (GreedySteps, "run"),
+                                     "general": (type(engine.model), "step")})
 
 
 def batch(engine: Engine, seed: int, n: int) -> tuple[np.ndarray, list[BeamSentence]]:

@@ -13,6 +13,7 @@ from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode, beam_search
 from server.engine.engine import Engine
 from server.engine.search import BeamSentence
+from tests.harness import count_calls
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -26,17 +27,7 @@ def engine(model_version_dir, request):
 @pytest.fixture
 def counted(monkeypatch, engine):
     """How many times the decode ran the model through each way: plain steps and the general step."""
-    counts = {"plain": 0, "general": 0}
-
-    def count(name, method):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return method(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(GreedySteps, "run", count("plain", GreedySteps.run))
-    monkeypatch.setattr(type(engine.model), "step", count("general", type(engine.model).step))
-    return counts
+    return count_calls(monkeypatch, {"plain": (GreedySteps, "run"), "general": (type(engine.model), "step")})
 
 
 def batch(engine: Engine, seed: int, n: int) -> tuple[np.ndarray, list[BeamSentence]]:
