@@ -43,9 +43,11 @@ import asyncio
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,19 +56,21 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
 
 from engine_throughput import host  # noqa: E402
-from server_load import sentences, start_server  # noqa: E402
+from server_load import placeholder_sentences, sentences, start_server  # noqa: E402
 
 MODES = ("static", "continuous")
 
 
-def workload(count: int, seed: int, long_share: float, long_dates: int) -> list[tuple[str, bool]]:
-    """``count`` (text, is_long) pairs: date sentences, ``long_share`` of them ``long_dates`` dates long."""
+def workload(count: int, seed: int, long_share: float, long_dates: int,
+             make_texts: Callable[[int, int], list[str]] = sentences, joiner: str = " and ") -> list[tuple[str, bool]]:
+    """``count`` (text, is_long) pairs: date sentences (or ``make_texts``'), ``long_share`` of them
+    ``long_dates`` sentences joined by ``joiner``."""
     rng = random.Random(seed)
-    dates = sentences(count * long_dates, seed)
+    dates = make_texts(count * long_dates, seed)
     texts = []
     for i in range(count):
         is_long = rng.random() < long_share
-        texts.append((" and ".join(dates[i * long_dates: (i + 1) * long_dates]) if is_long else dates[i], is_long))
+        texts.append((joiner.join(dates[i * long_dates: (i + 1) * long_dates]) if is_long else dates[i], is_long))
     return texts
 
 
@@ -179,7 +183,7 @@ def measure(server: tuple, mode: str, model: str, texts: list, beam: int, caller
 
 
 def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads: int,
-                    servers: dict[str, tuple]) -> dict[str, float]:
+                    servers: dict[str, tuple], provider: str = "cpu") -> dict[str, float]:
     """p50 of one sentence at a time: the bare engine, then each server, alternating per sentence."""
     import grpc
 
@@ -188,7 +192,7 @@ def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads
     from server.types import DecodingOptions, SentenceRequest
 
     version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent
-    engine = Engine.load(version, provider="cpu", intra_op_threads=threads)
+    engine = Engine.load(version, provider=provider, intra_op_threads=threads)
     options = DecodingOptions(beam_size=beam)
     times: dict[str, list[float]] = {"engine": [], **{mode: [] for mode in servers}}
     channels = {mode: grpc.insecure_channel(address) for mode, (_, address, _) in servers.items()}
@@ -208,7 +212,7 @@ def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads
 
 
 def bare_closed_loop(repository: str, model: str, texts: list, beam: int, callers: int, max_rows: int,
-                     threads: int, repeats: int) -> dict[str, dict[str, float]]:
+                     threads: int, repeats: int, provider: str = "cpu") -> dict[str, dict[str, float]]:
     """The bare engine in this process under ``callers`` callers that never wait: static batching decodes
     the sentences ``callers`` at a time, each batch to its end (the ideal static batch); continuous
     batching keeps ``callers`` sentences in one running decode of at most ``max_rows`` rows, admitting the
@@ -223,7 +227,7 @@ def bare_closed_loop(repository: str, model: str, texts: list, beam: int, caller
     from server.types import DecodingOptions, SentenceRequest
 
     version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent
-    engine = Engine.load(version, provider="cpu", intra_op_threads=threads)
+    engine = Engine.load(version, provider=provider, intra_op_threads=threads)
     requests = [SentenceRequest(engine.tokenize(text), DecodingOptions(beam_size=beam), text=text)
                 for text, _ in texts]
     counts: dict[str, float] = dict(steps=0, step_s=0.0, rows=0, encodes=0, encode_s=0.0)
@@ -320,26 +324,55 @@ def main() -> None:
     parser.add_argument("--emulate-device", nargs=2, type=float, metavar=("STEP_MS", "ENCODER_MS"),
                         help="servers and bare engine on an emulated device whose decoder step takes at least STEP_MS "
                         "and encoder call at least ENCODER_MS at any row count, as a GPU's (emulated_device/)")
+    parser.add_argument("--max-wait-ms", type=float, help="both servers' --max-wait-ms (default: theirs)")
+    parser.add_argument("--frontends", type=int, default=0, help="both servers' --frontends")
+    parser.add_argument("--marian", choices=["SMALL", "BASE"],
+                        help="serve a random-weight Marian model of this size instead of --model (placeholder "
+                        "sentences of 20 pieces, a long one --long-dates of them; every output runs to the length "
+                        "limit)")
+    parser.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                        help="--marian: the precision the model is exported in (fp16 for GPUs)")
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu",
+                        help="where the servers and the bare engine run")
     args = parser.parse_args()
     if args.emulate_device:
         from emulated_device.sitecustomize import activate
 
         activate(*args.emulate_device)
+    with tempfile.TemporaryDirectory() as work:
+        if args.marian:
+            from engine_throughput import SIZES, export_project, marian_model
 
-    flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128"]
+            export_project(marian_model(args.marian), Path(work), None, args.precision)  # work/models/bench-fp32/1
+            args.model_repository, args.model = str(Path(work, "models")), f"bench-{args.precision}"
+            run(args, placeholder_sentences(SIZES[args.marian]["vocab"]), " ")
+        else:
+            run(args, sentences, " and ")
+
+
+def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], joiner: str) -> None:
+    """Every cell on both servers, the single-caller comparison and the bare engine's ceiling; then the tables."""
+
+    def texts_of(count: int, seed: int) -> list[tuple[str, bool]]:
+        return workload(count, seed, args.long_share, args.long_dates, make_texts, joiner)
+
+    flags = ["--intra-op-threads", str(args.threads), "--queue-size", "4096", "--max-batch-sentences", "128",
+             "--provider", args.provider, "--frontends", str(args.frontends)]
+    if args.max_wait_ms is not None:
+        flags += ["--max-wait-ms", str(args.max_wait_ms)]
     if args.max_batch_rows:
         flags += ["--max-batch-rows", str(args.max_batch_rows)]
     servers = {mode: start_server(args.model_repository, [*flags, "--batching", mode]) for mode in MODES}
     results: list[tuple[str, dict[str, dict]]] = []
     try:
         for mode in MODES:  # warm up
-            measure(servers[mode], mode, args.model, workload(32, 99, args.long_share, args.long_dates),
+            measure(servers[mode], mode, args.model, texts_of(32, 99),
                     args.beam_size, 8, None, 0)
         cell = 0
 
         def run_cell(label: str, callers: int | None, rate: float | None) -> dict[str, dict]:
             nonlocal cell
-            texts = workload(args.requests, cell, args.long_share, args.long_dates)
+            texts = texts_of(args.requests, cell)
             runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
             for repeat in range(args.repeats):
                 for mode in (MODES if (cell + repeat) % 2 == 0 else MODES[::-1]):
@@ -358,23 +391,22 @@ def main() -> None:
             round(closed["static"]["sentences_s"] * f, 1) for f in (0.5, 0.9, 1.2)]
         for rate in rates:
             run_cell(f"Poisson {rate:g}/s", None, rate)
-        single = bare_engine_p50(args.model_repository, args.model,
-                                 workload(args.single, 1000, args.long_share, args.long_dates), args.beam_size,
-                                 args.threads, servers)
+        single = bare_engine_p50(args.model_repository, args.model, texts_of(args.single, 1000), args.beam_size,
+                                 args.threads, servers, args.provider)
     finally:
         for process, _, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
     callers = max(args.callers)
-    bare = bare_closed_loop(args.model_repository, args.model,
-                            workload(args.requests, 2000, args.long_share, args.long_dates), args.beam_size,
-                            callers, args.max_batch_rows or 128, args.threads, args.repeats)
+    bare = bare_closed_loop(args.model_repository, args.model, texts_of(args.requests, 2000), args.beam_size,
+                            callers, args.max_batch_rows or 128, args.threads, args.repeats, args.provider)
 
     print(f"\nhost: {host()}")
     if args.emulate_device:
         print(f"emulated device: a decoder step takes at least {args.emulate_device[0]:g} ms and an encoder call "
               f"{args.emulate_device[1]:g} ms at any row count (benchmarks/emulated_device)")
-    print(f"model {args.model}, beam {args.beam_size}, {args.threads} threads per server, {args.requests} requests "
+    print(f"model {args.model} ({args.provider}), beam {args.beam_size}, {args.threads} threads per server, "
+          f"{args.frontends} front-ends, {args.requests} requests "
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
     print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
