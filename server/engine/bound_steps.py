@@ -35,8 +35,13 @@ class BoundSteps:
         self._state: dict[str, Any] = {}
         self._capacity = self._last = self._done = 0
         self._next = memoryview(np.zeros(0, dtype=np.int64))  # each step's next positions, row after row
-        self._binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(self.ids))
-        self._binding.bind_ortvalue_input(model.positions, ort.OrtValue.ortvalue_from_numpy(self.positions))
+        self._step_inputs = {"input_ids": ort.OrtValue.ortvalue_from_numpy(self.ids),  # the arrays' memory
+                             model.positions: ort.OrtValue.ortvalue_from_numpy(self.positions)}
+        # A binding copies a host value to the device whose nodes read it when it is bound, not at each run
+        # (ONNX Runtime's IOBinding::BindInput), so on a device the ids and positions are bound again each step;
+        # on the CPU the step reads the arrays themselves.
+        self._bind_each_step = getattr(model, "device", "cpu") != "cpu"
+        self._bind_step_inputs()
         self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(k))
 
     def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, Any], state: dict[str, Any],
@@ -58,6 +63,8 @@ class BoundSteps:
         if self._last >= self._capacity:
             self._state = self._grown(self._state, self._last + 1)
             self._bind_buffers()
+        if self._bind_each_step:
+            self._bind_step_inputs()
         self._session.run_with_iobinding(self._binding)
         first = self._done * self.rows
         self._position_view[:] = self._next[first:first + self.rows]
@@ -67,6 +74,10 @@ class BoundSteps:
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps run (each row's position moved on)."""
         return {**self._state, self.model.positions: self.positions.copy()}
+
+    def _bind_step_inputs(self) -> None:
+        for name, value in self._step_inputs.items():
+            self._binding.bind_ortvalue_input(name, value)
 
     def _grown(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
         """``state`` whose cache holds ``needed`` positions."""
