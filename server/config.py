@@ -30,7 +30,7 @@ from nmt.options import (
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-BATCHING = ("static", "continuous")
+BATCHING = ("auto", "static", "continuous")
 ENGINES = ("onnx", "null")
 
 
@@ -91,10 +91,11 @@ class ServerConfig:
         "(hot reload; SIGHUP scans at once); 0 disables polling")
     # batching
     batching: str = option(
-        "static", "static: a batch is formed and decoded to its end while later sentences wait; continuous: "
+        "auto", "static: a batch is formed and decoded to its end while later sentences wait; continuous: "
         "one running decode per model version that sentences join between decoding steps and leave as soon as "
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
-        "falls back to static, with a log line)", choices=BATCHING)
+        "falls back to static, with a log line); auto: continuous on CUDA, static on the CPU (where each "
+        "measured ahead)", choices=BATCHING)
     max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
                                  "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "

@@ -12,6 +12,8 @@ from server.errors import Cancelled, DeadlineExceeded, ServingError
 
 DEVICE_ROWS = {"cpu": 32, "cuda": 512}  # max_batch_rows 0: a CPU computes a few dozen rows in parallel, a GPU
 # hundreds (512: 128 beam-4 sentences, what the static batches of the first GPU run held)
+DEVICE_BATCHING = {"cpu": "static", "cuda": "continuous"}  # batching "auto": where each measured no worse
+# (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores)
 
 
 @dataclass(frozen=True)
@@ -26,15 +28,16 @@ class BatchPolicy:
     batch_work: int = 16384  # decoder row-steps of one batch (beam x longest allowed output, summed)
     max_request_work: int = 65536  # decoder row-steps of one request
     max_response_bytes: int = 4 * 1024 * 1024  # bound on one response's serialized size
-    batching: str = "static"  # or "continuous" (server.core.continuous)
+    batching: str = "auto"  # "static", "continuous" (server.core.continuous) or "auto": by device
     max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
 
     def for_device(self, device: str) -> BatchPolicy:
-        """This policy with ``max_batch_rows`` 0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
-        if self.max_batch_rows:
-            return self
-        return replace(self, max_batch_rows=DEVICE_ROWS["cuda" if device.startswith("cuda") else "cpu"])
+        """This policy with ``batching`` "auto" and ``max_batch_rows`` 0 resolved for ``device`` ("cpu",
+        "cuda:0", ...)."""
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        return replace(self, batching=DEVICE_BATCHING[kind] if self.batching == "auto" else self.batching,
+                       max_batch_rows=self.max_batch_rows or DEVICE_ROWS[kind])
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:

@@ -277,7 +277,8 @@ def test_admission_is_oldest_first_within_rows_and_token_budgets() -> None:
 
 
 def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
-    assert ServerConfig().batching == "static"
+    assert ServerConfig().batching == "auto"
+    assert ServerConfig.from_env({"NMT_BATCHING": "static"}).batching == "static"
     assert ServerConfig.from_env({"NMT_BATCHING": "Continuous"}).batching == "continuous"
     with pytest.raises(Exception, match="batching must be one of"):
         ServerConfig(batching="dynamic").validate()
@@ -285,6 +286,19 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
         ServerConfig(max_batch_rows=4, max_beam=8).validate()
     with pytest.raises(Exception, match="decode_tokens"):
         ServerConfig(decode_tokens=100).validate()
+
+
+def test_auto_batching_and_rows_follow_the_device() -> None:
+    """``--batching auto`` (the default) is continuous on CUDA and static on the CPU, as measured
+    (benchmarks/README.md); an explicit mode and row limit stay as given on every device."""
+    policy = BatchPolicy.from_config(ServerConfig())
+    assert (policy.batching, policy.max_batch_rows) == ("auto", 0)
+    on_cpu, on_cuda = policy.for_device("cpu"), policy.for_device("cuda:1")
+    assert (on_cpu.batching, on_cpu.max_batch_rows) == ("static", 32)
+    assert (on_cuda.batching, on_cuda.max_batch_rows) == ("continuous", 512)
+    assert on_cuda.for_device("cpu") == on_cuda  # resolved once, for good
+    explicit = BatchPolicy(batching="static", max_batch_rows=64).for_device("cuda:0")
+    assert (explicit.batching, explicit.max_batch_rows) == ("static", 64)
 
 
 def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
