@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,8 @@ from nmt.model_format.weights import MIN_BYTES, WEIGHTS_FILE, WeightStore
 from training.models.interface import Seq2SeqModel
 
 MAX_IR_VERSION = 10  # what onnxruntime >= 1.20 reads; onnx 1.23 would write a newer one for edited graphs
+PLAIN_DTYPES = frozenset(map(np.dtype, ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8",
+                                        "bool")))  # laid out in ONNX's raw data as NumPy lays them out
 
 
 def example_source(config: Any) -> Tensor:
@@ -77,6 +80,18 @@ def stored(graph: onnx.ModelProto, store: WeightStore | None) -> onnx.ModelProto
     return store.externalize(graph) if store is not None else graph
 
 
+def raw_bytes(tensor: Any) -> bytes | memoryview:
+    """An ``onnx_ir`` tensor's raw data (little-endian bytes): a view of its memory where that is laid out
+    as ONNX lays it out (no copy of a 119 MiB embedding while it is written), else ``tobytes()``."""
+    try:
+        array = tensor.numpy()
+    except (TypeError, ValueError, RuntimeError):  # a type NumPy cannot hold
+        return tensor.tobytes()
+    if array.dtype not in PLAIN_DTYPES or array.dtype.byteorder == ">" or not array.flags.c_contiguous:
+        return tensor.tobytes()
+    return memoryview(array.reshape(-1)).cast("B")
+
+
 def torch_to_onnx(
     module: nn.Module,
     args: tuple[Any, ...],
@@ -116,7 +131,7 @@ def torch_to_onnx(
             tensor = value.const_value
             if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.dtype == ir.DataType.STRING:
                 continue
-            raw = tensor.tobytes()
+            raw = raw_bytes(tensor)
             if len(raw) >= MIN_BYTES:
                 offset, length = store.put(tensor.dtype.value, raw)
                 value.const_value = ir.ExternalTensor(WEIGHTS_FILE, offset, length, tensor.dtype, shape=tensor.shape,

@@ -623,3 +623,22 @@ def test_a_refused_export_names_the_measure_and_the_way_out(tiny_runs, tmp_path)
     message = str(refused.value)
     assert "|onnx - torch| / max(1, |torch|)" in message and "--parity-tolerance relaxes it" in message
     assert not (tmp_path / "strict").exists() or not any((tmp_path / "strict").iterdir())
+
+
+def test_traced_weights_are_written_from_their_own_memory_byte_for_byte() -> None:
+    """``raw_bytes`` (what the tracer writes into the weight store) equals ``tobytes()`` for every tensor, and
+    is a view of the tensor's memory where its layout is ONNX's (no copy of a large embedding)."""
+    import ml_dtypes
+    import onnx_ir as ir
+
+    from export.tracing import raw_bytes
+
+    weights = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tensors = {"contiguous": ir.Tensor(weights), "transposed": ir.Tensor(weights.T),
+               "bfloat16": ir.Tensor(weights.astype(ml_dtypes.bfloat16)), "bool": ir.Tensor(weights > 5),
+               "torch": ir.Tensor(torch.arange(6, dtype=torch.float32).reshape(2, 3), dtype=ir.DataType.FLOAT)}
+    for name, tensor in tensors.items():
+        assert bytes(raw_bytes(tensor)) == tensor.tobytes(), name
+    view = raw_bytes(tensors["contiguous"])
+    assert isinstance(view, memoryview) and np.shares_memory(np.asarray(view), weights)
+    assert isinstance(raw_bytes(tensors["transposed"]), bytes)  # not laid out as ONNX lays it out: a copy
