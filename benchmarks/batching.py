@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -326,6 +327,8 @@ def main() -> None:
                         "and encoder call at least ENCODER_MS at any row count, as a GPU's (emulated_device/)")
     parser.add_argument("--max-wait-ms", type=float, help="both servers' --max-wait-ms (default: theirs)")
     parser.add_argument("--frontends", type=int, default=0, help="both servers' --frontends")
+    parser.add_argument("--serve-args", default="", help="more `nmt serve` flags for both servers, e.g. "
+                        "\"--decode-tokens 262144 --batch-work 65536\"")
     parser.add_argument("--marian", choices=["SMALL", "BASE"],
                         help="serve a random-weight Marian model of this size instead of --model (placeholder "
                         "sentences of 20 pieces, a long one --long-dates of them; every output runs to the length "
@@ -362,6 +365,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
         flags += ["--max-wait-ms", str(args.max_wait_ms)]
     if args.max_batch_rows:
         flags += ["--max-batch-rows", str(args.max_batch_rows)]
+    flags += shlex.split(args.serve_args)
     servers = {mode: start_server(args.model_repository, [*flags, "--batching", mode]) for mode in MODES}
     results: list[tuple[str, dict[str, dict]]] = []
     try:
@@ -406,7 +410,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
         print(f"emulated device: a decoder step takes at least {args.emulate_device[0]:g} ms and an encoder call "
               f"{args.emulate_device[1]:g} ms at any row count (benchmarks/emulated_device)")
     print(f"model {args.model} ({args.provider}), beam {args.beam_size}, {args.threads} threads per server, "
-          f"{args.frontends} front-ends, {args.requests} requests "
+          f"{args.frontends} front-ends{', ' + args.serve_args if args.serve_args else ''}, {args.requests} requests "
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
     print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
