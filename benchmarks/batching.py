@@ -29,6 +29,14 @@ the CPU's own largest step costs for the steps to be flat:
     python benchmarks/batching.py --model demo-transformer --callers 32 128 --rates --max-batch-rows 512 \
         --emulate-device 10 3
 
+``--marian SMALL`` (or BASE) serves a random-weight Marian model of that size instead (exported as in
+``engine_throughput.py``, EOS suppressed: every output runs to the length limit; short sentences of 20
+placeholder pieces, long ones ``--long-dates`` of them), e.g. on a GPU (``--provider cuda``, both servers and
+the bare engine; ``--serve-args`` passes more ``nmt serve`` flags to both servers):
+
+    python benchmarks/batching.py --marian SMALL --precision fp16 --provider cuda --callers 32 128 --rates \
+        --max-batch-rows 512 --frontends 2
+
 Last, the ceiling: the bare engine in this process under the most callers, each sending its next sentence
 the moment the last returns (:func:`bare_closed_loop`): static batches of that many sentences against one
 running decode of that many, with the decoding steps, the decoder's time per step and per row-step and
