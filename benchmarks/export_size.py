@@ -5,7 +5,8 @@ Builds a random-weight Hugging Face Marian directory shaped like ``Helsinki-NLP/
 58,101 pieces, of which most are in neither SentencePiece model, as in the real one), made confident as a
 trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..-4,000), then measures:
 
-- ``nmt export`` in its own process: wall time, peak RSS (against the checkpoint's size; goal <= 3x);
+- ``nmt export`` in its own process: wall time, peak RSS of its processes summed (sampled; against the
+  checkpoint's size; goal <= 3x) and of the largest alone;
 - the bytes the version holds against the checkpoint's (goal <= 1.1x);
 - ``nmt serve`` with the version loaded, after one translation, with and without ``--ort-prepack`` (the HTTP
   face off, as in the other server benchmarks; once more with it on, which loads aiohttp): its RSS, and its
@@ -21,12 +22,14 @@ trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -83,15 +86,47 @@ def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
     return directory, [source for source, _ in dates_split()[1]][:SENTENCES]
 
 
-def peak_rss_run(command: list[str]) -> tuple[float, int]:
-    """Run ``command``; (wall seconds, its peak RSS in bytes) -- os.wait4 reports this child alone."""
+def peak_rss_run(command: list[str]) -> tuple[float, int, int]:
+    """Run ``command``; (wall seconds, the peak RSS of its largest process, the peak of the sum over it and its
+    child processes) in bytes. ``os.wait4`` reports the first (the process, or the largest of the children it
+    waited for); the second is sampled every 20 ms (:func:`tree_rss`)."""
     start = time.perf_counter()
     process = subprocess.Popen(command)
+    peak_sum, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak_sum
+        while not done.wait(0.02):
+            peak_sum = max(peak_sum, tree_rss(process.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     _, status, usage = os.wait4(process.pid, 0)
+    done.set()
+    sampler.join()
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed with {process.returncode}")
-    return time.perf_counter() - start, usage.ru_maxrss * 1024
+    return time.perf_counter() - start, usage.ru_maxrss * 1024, peak_sum
+
+
+def tree_rss(pid: int) -> int:
+    """The resident sets of process ``pid`` and all its descendants now, summed, in bytes (0 once it is gone)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    tree, grown = {pid}, True
+    while grown:
+        children = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grown = bool(children)
+    total = 0
+    for member in tree:
+        with contextlib.suppress(OSError, StopIteration):
+            total += rss(member)
+    return total
 
 
 def rss(pid: int) -> int:
@@ -180,7 +215,7 @@ def main() -> None:
         marian, texts = build_marian(work / "marian", args.size)
         checkpoint = (marian / "model.safetensors").stat().st_size
         repository = work / "models"
-        seconds, peak = peak_rss_run([sys.executable, "-m", "nmt", "export", str(marian), "--name", NAME,
+        seconds, peak, peak_sum = peak_rss_run([sys.executable, "-m", "nmt", "export", str(marian), "--name", NAME,
                                       "--model-repository", str(repository), "--no-progress", "--force",
                                       "--version", "1"])
         version = repository / NAME / "1"
@@ -198,7 +233,9 @@ def main() -> None:
         print(f"\n{host()}; model {args.size} {SIZES[args.size]}, checkpoint {checkpoint / mib:.0f} MiB")
         print("| measure | value | against the checkpoint | goal |\n|---|---|---|---|")
         print(f"| export wall time | {seconds:.0f} s | | |")
-        print(f"| export peak RSS | {peak / mib:,.0f} MiB | {peak / checkpoint:.2f}x | <= 3x |")
+        print(f"| export peak RSS, its processes summed (sampled every 20 ms) | {peak_sum / mib:,.0f} MiB | "
+              f"{peak_sum / checkpoint:.2f}x | <= 3x |")
+        print(f"| export peak RSS, its largest process (wait4) | {peak / mib:,.0f} MiB | {peak / checkpoint:.2f}x | |")
         print(f"| version bytes | {written / mib:,.0f} MiB | {written / checkpoint:.2f}x | <= 1.1x |")
         for flags, size in loaded.items():
             empty = idle[flags == HTTP_ON]

@@ -21,7 +21,9 @@ The export checks itself before anything is written: every Transformer attention
 into com.microsoft.MultiHeadAttention, and on held-out sentences (the run's test.tsv) the version,
 loaded by the serving engine, must match PyTorch (log-probabilities and attention within 1e-4,
 identical greedy and beam-4 outputs). It writes into a hidden temporary directory and renames it at
-the end: a failed export leaves nothing.
+the end: a failed export leaves nothing. Its stages run in three processes one after another (the
+check against transformers, the PyTorch stages, the verification), so that the memory each leaves
+behind does not add to the next's; --no-stage-processes runs them in this process.
 
 SOURCE may also be a Hugging Face Marian directory (the OPUS-MT models: config.json,
 model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json); it is detected from
@@ -46,12 +48,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from export.pipeline import export_huggingface, export_model, manifest_summary
+        from export.pipeline import export_model, manifest_summary
     except ImportError as error:
         raise NmtError(f"export needs the train extra ({error}); run: pip install -e '.[train]'") from error
 
     options = ExportOptions(**values_from_args(ExportOptions, args))
     if options.to == "huggingface":
+        from export.stages import export_huggingface
+
         out, diff = export_huggingface(options)
         print(f"wrote {out} (transformers.MarianMTModel loads it; max logit difference {diff:.2e})")
         return 0

@@ -52,11 +52,6 @@ class MarianImport:
     state: dict[str, torch.Tensor]  # the weights as the files name them; the model holds these same tensors
 
 
-def is_huggingface_dir(path: str | Path) -> bool:
-    """Whether ``path`` looks like a Hugging Face model directory (it holds ``config.json``)."""
-    return (Path(path) / CONFIG_FILE).is_file()
-
-
 def read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` with ``generation_config.json``'s values over it (where transformers 5 keeps them)."""
     config: dict[str, Any] = {}

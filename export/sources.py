@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from export.huggingface import is_huggingface_dir, load_marian
-from export.options import ExportOptions
+from export.huggingface import load_marian
+from export.options import ExportOptions, source_format
 from nmt.errors import NmtError
 from nmt.model_format.layout import BEST_CHECKPOINT, SUMMARY_FILE, TEST_SPLIT_FILE, TOKENIZER_FILE
 from nmt.model_format.tokenizer import AnyTokenizer, Tokenizer
@@ -81,13 +81,6 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     if not path.exists():
         raise NmtError(f"checkpoint not found: {path}")
     return path, path.parent
-
-
-def source_format(options: ExportOptions) -> str:
-    """``--from``, else huggingface for a directory holding ``config.json``, else checkpoint."""
-    if options.from_format:
-        return options.from_format
-    return "huggingface" if is_huggingface_dir(options.checkpoint) else "checkpoint"
 
 
 def load_inputs(options: ExportOptions) -> ExportInputs:

@@ -29,7 +29,9 @@ absolute tolerance refused correct exports of it. Attention and the cache are co
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,6 +114,10 @@ def engine_step_log_probs(engine: Engine, tokens: np.ndarray, static: dict[str, 
     return log_probs, out.attention, out.state
 
 
+DISTRIBUTIONS_FILE, ARRAYS_FILE, LISTS_FILE = "distributions.f32", "reference.npz", "reference.json"  # save()
+STATE_PREFIX = "state."  # the K/V arrays' names in ARRAYS_FILE
+
+
 @dataclass
 class TorchReference:
     """PyTorch's side of :func:`check_parity`, computed once by :func:`torch_reference` so that the model can be
@@ -144,6 +150,35 @@ class TorchReference:
                            for i, p in enumerate(positions))
         return np.frombuffer(raw, dtype=np.float32).reshape(rows, self.vocab)
 
+    def save(self, directory: str | Path) -> None:
+        """Keep this reference in ``directory`` for :meth:`load` (another process checks parity): its arrays,
+        its token lists and the spilled distributions (copied there unless spilled there already)."""
+        directory = Path(directory)
+        np.savez(directory / ARRAYS_FILE, src=self.src, tgt=self.tgt, tgt_next=self.tgt_next, lengths=self.lengths,
+                 scores=self.scores, attention=self.attention, next_log_probs=self.next_log_probs,
+                 **{STATE_PREFIX + name: value for name, value in self.state.items()})
+        lists = {"sources": self.sources, "vocab": self.vocab,
+                 "searches": {str(size): hypotheses for size, hypotheses in self.searches.items()}}
+        (directory / LISTS_FILE).write_text(json.dumps(lists))
+        spilled = directory / DISTRIBUTIONS_FILE
+        if not spilled.exists():
+            self.distributions.seek(0)
+            with spilled.open("wb") as out:
+                shutil.copyfileobj(self.distributions, out, 1 << 20)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TorchReference:
+        """The reference :meth:`save` kept in ``directory``."""
+        directory = Path(directory)
+        lists = json.loads((directory / LISTS_FILE).read_text())
+        with np.load(directory / ARRAYS_FILE) as arrays:
+            values = {name: arrays[name] for name in arrays.files}
+        state = {name.removeprefix(STATE_PREFIX): values.pop(name) for name in list(values)
+                 if name.startswith(STATE_PREFIX)}
+        return cls(sources=lists["sources"], state=state, vocab=lists["vocab"],
+                   searches={int(size): hypotheses for size, hypotheses in lists["searches"].items()},
+                   distributions=(directory / DISTRIBUTIONS_FILE).open("rb"), **values)
+
     def close(self) -> None:
         self.distributions.close()
 
@@ -159,7 +194,8 @@ def torch_reference(model: Seq2SeqModel, sources: Sequence[list[int]], targets: 
                     beam_size: int = 4, max_target_steps: int = 64, directory: str | Path | None = None,
                     ) -> TorchReference:
     """PyTorch's outputs on ``sources`` (ids ending with EOS) and ``targets`` that :func:`check_parity` compares
-    a version with; the spilled distributions go to an unnamed file in ``directory`` (default: the system's)."""
+    a version with; the spilled distributions go to ``directory``'s :data:`DISTRIBUTIONS_FILE` (without one:
+    to an unnamed file in the system's temporary directory)."""
     model.eval()
     cfg = model.config
     src = pad_rows(sources, cfg.pad_id)
@@ -167,7 +203,8 @@ def torch_reference(model: Seq2SeqModel, sources: Sequence[list[int]], targets: 
     tgt = pad_rows(tgt_in, cfg.pad_id)
     tgt_next = pad_rows([(list(target) + [cfg.eos_id])[: len(row)]
                          for target, row in zip(targets, tgt_in, strict=True)], cfg.pad_id)
-    distributions = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - closed by TorchReference.close
+    distributions = (Path(directory, DISTRIBUTIONS_FILE).open("w+b") if directory is not None  # noqa: SIM115
+                     else tempfile.TemporaryFile())  # noqa: SIM115 - both closed by TorchReference.close
     scores, attentions = [], []
     state = model.init_state(model.encode(torch.from_numpy(src)))
     for t in range(tgt.shape[1]):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -331,10 +334,10 @@ def test_unfused_attention_is_refused(tiny_runs, tiny_repository, monkeypatch):
                           attention_total=6, attention_fused=5)
         return graphs
 
-    monkeypatch.setitem(EXPORTERS, "transformer", partly_fused)
+    monkeypatch.setitem(EXPORTERS, "transformer", partly_fused)  # in this process: the stages run here
     with pytest.raises(NmtError, match="5 of 6 attention blocks"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="unfused",
-                                   model_repository=str(tiny_repository), progress=False))
+                                   model_repository=str(tiny_repository), progress=False, stage_processes=False))
     assert not (tiny_repository / "unfused").exists(), "a failed export leaves nothing behind"
     assert real is not partly_fused
 
@@ -471,7 +474,7 @@ def test_failed_export_leaves_nothing(tiny_runs, tiny_repository, monkeypatch):
     before = sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir())
     with pytest.raises(NmtError, match="boom"):
         export_model(ExportOptions(checkpoint=str(tiny_runs["bahdanau"]), name="tiny-bahdanau",
-                                   model_repository=str(tiny_repository), progress=False))
+                                   model_repository=str(tiny_repository), progress=False, stage_processes=False))
     assert sorted(p.name for p in (tiny_repository / "tiny-bahdanau").iterdir()) == before
 
 
@@ -642,3 +645,22 @@ def test_traced_weights_are_written_from_their_own_memory_byte_for_byte() -> Non
     view = raw_bytes(tensors["contiguous"])
     assert isinstance(view, memoryview) and np.shares_memory(np.asarray(view), weights)
     assert isinstance(raw_bytes(tensors["transposed"]), bytes)  # not laid out as ONNX lays it out: a copy
+
+
+def test_the_exporting_process_imports_none_of_the_stages_libraries(tiny_runs, tmp_path: Path) -> None:
+    """By default the check, the PyTorch stages and the verification run in processes of their own
+    (``export.stages``), each gone before the next: the process that calls ``export_model`` never imports
+    torch, ONNX Runtime or transformers, and gets the verified version."""
+    script = (
+        "import sys\n"
+        "from export.options import ExportOptions\n"
+        "from export.pipeline import export_model\n"
+        f"result = export_model(ExportOptions(checkpoint={str(tiny_runs['transformer'])!r}, name='apart', "
+        f"model_repository={str(tmp_path)!r}, progress=False, parity_sentences={PARITY_SENTENCES}))\n"
+        "print(result.version_dir, result.manifest.parity['greedy_match'], "
+        "[name for name in ('torch', 'onnxruntime', 'transformers') if name in sys.modules])\n"
+    )
+    printed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent.parent).stdout.splitlines()[-1]
+    assert printed == f"{tmp_path / 'apart' / '1'} {PARITY_SENTENCES}/{PARITY_SENTENCES} []"
+    assert read_manifest(tmp_path / "apart" / "1").parity["enforced"] is True
