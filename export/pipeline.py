@@ -43,12 +43,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from export.handoff import STAGE_LINE, ExportResult
 from export.options import OPSETS, ExportOptions, source_format
 from nmt.errors import NmtError
 from nmt.model_format.layout import next_version
@@ -56,13 +56,6 @@ from nmt.model_format.manifest import Manifest
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STAGE_LINE = "nmt-export-stage:"  # a line of a stage process's stdout naming the stage it starts
-
-
-@dataclass
-class ExportResult:
-    version_dir: Path
-    manifest: Manifest  # with the parity figures (and the reduced precision's BLEU)
 
 
 def _validate_options(options: ExportOptions) -> None:

@@ -38,9 +38,9 @@ from export.graph_passes import (
     save_graph,
 )
 from export.graphs import GraphSet
+from export.handoff import STAGE_LINE, ExportResult
 from export.huggingface import compare_with_transformers, write_marian
 from export.options import ExportOptions
-from export.pipeline import STAGE_LINE, ExportResult
 from export.quantize import convert_fp16, quantize_int8
 from export.registry import graph_exporter
 from export.shared_tensors import align_packed_blocks, gemm_weights, packed_blocks
@@ -333,7 +333,7 @@ STAGES: dict[str, Callable[..., Any]] = {"check_source": check_source, "trace": 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m export.stages REQUEST REPLY``: run the stage group named in the pickled ``REQUEST`` (a name
-    and its keyword arguments), announcing each stage on stdout (:data:`export.pipeline.STAGE_LINE`); pickle ``(True,
+    and its keyword arguments), announcing each stage on stdout (:data:`export.handoff.STAGE_LINE`); pickle ``(True,
     result)`` or ``(False, message)`` into ``REPLY``."""
     request, reply = (Path(arg) for arg in (argv or sys.argv[1:]))
     name, kwargs = pickle.loads(request.read_bytes())
