@@ -13,5 +13,7 @@ STAGE_LINE = "nmt-export-stage:"  # a line of a stage process's stdout naming th
 
 @dataclass
 class ExportResult:
+    """The version an export wrote (under the export's scratch directory until it is moved into place)."""
+
     version_dir: Path
     manifest: Manifest  # with the parity figures (and the reduced precision's BLEU)
