@@ -9,7 +9,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from server.engine.bound_steps import GreedySteps
+from server.engine import bound_steps
+from server.engine.bound_steps import BoundSteps, GreedySteps
 from server.engine.decode import RunningDecode, beam_search
 from server.engine.engine import Engine
 from server.engine.search import BeamSentence
@@ -159,3 +160,20 @@ def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
                         for value in (after[name], reference_state[name]))
         assert ours.shape[entry.capacity_axis] >= 40
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_ids_and_positions_bound_again_each_step_decode_alike(engine, monkeypatch):
+    """On a device the steps bind their ids and positions again before every run (a binding copies a host
+    value when it is bound: on CUDA every step read the first step's ids until that was found on an H200).
+    Forced on the CPU, that path decodes exactly as binding them once: the code CUDA runs, without a GPU."""
+    src, specs = batch(engine, seed=7, n=6)
+    once = search(engine, src, specs, lean=True)
+    monkeypatch.setattr(bound_steps, "binds_each_step", lambda model: True)
+    engine.model._bindings.__dict__.pop("greedy", None)  # the next plain steps are set up afresh, with the rule
+    rebound = count_calls(monkeypatch, {"bind": (BoundSteps, "_bind_step_inputs"), "run": (GreedySteps, "run")})
+    again = search(engine, src, specs, lean=True)
+    engine.model._bindings.__dict__.pop("greedy", None)
+    assert rebound["run"] > 2 and rebound["bind"] >= rebound["run"], "every plain step bound its inputs again"
+    for ours, reference in zip(again, once, strict=True):
+        [a], [b] = ours.hypotheses, reference.hypotheses
+        assert (a.tokens, a.score, a.token_scores) == (b.tokens, b.score, b.token_scores)

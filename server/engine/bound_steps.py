@@ -37,10 +37,7 @@ class BoundSteps:
         self._next = memoryview(np.zeros(0, dtype=np.int64))  # each step's next positions, row after row
         self._step_inputs = {"input_ids": ort.OrtValue.ortvalue_from_numpy(self.ids),  # the arrays' memory
                              model.positions: ort.OrtValue.ortvalue_from_numpy(self.positions)}
-        # A binding copies a host value to the device whose nodes read it when it is bound, not at each run
-        # (ONNX Runtime's IOBinding::BindInput), so on a device the ids and positions are bound again each step;
-        # on the CPU the step reads the arrays themselves.
-        self._bind_each_step = getattr(model, "device", "cpu") != "cpu"
+        self._bind_each_step = binds_each_step(model)
         self._bind_step_inputs()
         self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(k))
 
@@ -121,6 +118,13 @@ class GreedySteps(BoundSteps):
     def read(self) -> tuple[list[int], list[float]]:
         """The last step's token of each row and its log-probability."""
         return self._views[0].tolist(), self._views[1].tolist()
+
+
+def binds_each_step(model: Any) -> bool:
+    """Whether steps of ``model`` bind their ids and positions again before each run: a binding copies a host
+    value to the device whose nodes read it when it is bound, not at each run (ONNX Runtime's
+    ``IOBinding::BindInput``), so on a device; on the CPU a step reads the arrays themselves."""
+    return getattr(model, "device", "cpu") != "cpu"
 
 
 def bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:
