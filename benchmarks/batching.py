@@ -65,7 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
 
 from engine_throughput import host  # noqa: E402
-from server_load import placeholder_sentences, sentences, start_server  # noqa: E402
+from server_load import marian_repository, sentences, start_server  # noqa: E402
 
 MODES = ("static", "continuous")
 
@@ -352,11 +352,7 @@ def main() -> None:
         activate(*args.emulate_device)
     with tempfile.TemporaryDirectory() as work:
         if args.marian:
-            from engine_throughput import SIZES, export_project, marian_model
-
-            export_project(marian_model(args.marian), Path(work), None, args.precision)  # work/models/bench-fp32/1
-            args.model_repository, args.model = str(Path(work, "models")), f"bench-{args.precision}"
-            run(args, placeholder_sentences(SIZES[args.marian]["vocab"]), " ")
+            run(args, marian_repository(args, Path(work)), " ")
         else:
             run(args, sentences, " and ")
 

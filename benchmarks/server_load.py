@@ -116,6 +116,16 @@ def placeholder_sentences(vocab: int) -> Callable[[int, int], list[str]]:
     return make
 
 
+def marian_repository(args: argparse.Namespace, work: Path) -> Callable[[int, int], list[str]]:
+    """``--marian SIZE``: a random-weight Marian model of that size exported in ``--precision`` into
+    ``work/models`` (``args.model_repository`` and ``args.model`` now name it); returns what makes its texts."""
+    from engine_throughput import SIZES, export_project, marian_model
+
+    export_project(marian_model(args.marian), work, None, args.precision)  # work/models/bench-fp32/1
+    args.model_repository, args.model = str(work / "models"), f"bench-{args.precision}"
+    return placeholder_sentences(SIZES[args.marian]["vocab"])
+
+
 def percentiles(latencies: list[float]) -> tuple[float, float, float]:
     p50, p95, p99 = np.percentile(np.array(latencies) * 1000, [50, 95, 99])
     return float(p50), float(p95), float(p99)
@@ -300,15 +310,7 @@ def main() -> None:
 
         activate(*args.emulate_device)
     with tempfile.TemporaryDirectory() as work:
-        if args.marian:
-            from engine_throughput import SIZES, export_project, marian_model
-
-            export_project(marian_model(args.marian), Path(work), None, args.precision)  # work/models/bench-fp32/1
-            args.model_repository, args.model = str(Path(work, "models")), f"bench-{args.precision}"
-            make_texts = placeholder_sentences(SIZES[args.marian]["vocab"])
-        else:
-            make_texts = sentences
-        run(args, make_texts)
+        run(args, marian_repository(args, Path(work)) if args.marian else sentences)
 
 
 def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]]) -> None:
