@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nmt.errors import NmtError
-from nmt.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
+from nmt.model_format.layout import MARIAN_CONFIG, MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
 from nmt.model_format.tokenizer import MarianTokenizer, Tokenizer
 from training.models.transformer import (
     ACTIVATIONS,
@@ -31,7 +31,7 @@ from training.models.transformer import (
     sinusoidal_positions,
 )
 
-CONFIG_FILE, GENERATION_FILE = "config.json", "generation_config.json"
+GENERATION_FILE = "generation_config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SUPPRESSED_LOGIT = -1e4  # bad_words_ids of one token: baked into final_logits_bias (exp underflows to 0)
 # config.json (or generation_config.json) fields the import has no counterpart for, and the value it supports
@@ -55,7 +55,7 @@ class MarianImport:
 def read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` with ``generation_config.json``'s values over it (where transformers 5 keeps them)."""
     config: dict[str, Any] = {}
-    for name in (CONFIG_FILE, GENERATION_FILE):
+    for name in (MARIAN_CONFIG, GENERATION_FILE):
         path = directory / name
         if path.is_file():
             try:
@@ -122,7 +122,7 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
 def load_marian(directory: str | Path) -> MarianImport:
     """Rebuild a Hugging Face Marian directory as a :class:`Transformer` with its tokenizer and defaults."""
     directory = Path(directory)
-    where = str(directory / CONFIG_FILE)
+    where = str(directory / MARIAN_CONFIG)
     config = read_config(directory)
     cfg = transformer_config(config, where)
     with torch.device("meta"):  # no storage: the model takes the loaded tensors themselves (one copy, not two)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmt.model_format.layout import MARIAN_CONFIG
 from nmt.options import option
 
 LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
@@ -77,4 +78,4 @@ def source_format(options: ExportOptions) -> str:
     """``--from``, else huggingface for a directory holding ``config.json``, else checkpoint."""
     if options.from_format:
         return options.from_format
-    return "huggingface" if (Path(options.checkpoint) / "config.json").is_file() else "checkpoint"
+    return "huggingface" if (Path(options.checkpoint) / MARIAN_CONFIG).is_file() else "checkpoint"

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -151,8 +150,8 @@ class TorchReference:
         return np.frombuffer(raw, dtype=np.float32).reshape(rows, self.vocab)
 
     def save(self, directory: str | Path) -> None:
-        """Keep this reference in ``directory`` for :meth:`load` (another process checks parity): its arrays,
-        its token lists and the spilled distributions (copied there unless spilled there already)."""
+        """Keep this reference in ``directory`` for :meth:`load` (another process checks parity): its arrays and
+        its token lists beside the distributions, which :func:`torch_reference` spilled there."""
         directory = Path(directory)
         np.savez(directory / ARRAYS_FILE, src=self.src, tgt=self.tgt, tgt_next=self.tgt_next, lengths=self.lengths,
                  scores=self.scores, attention=self.attention, next_log_probs=self.next_log_probs,
@@ -160,11 +159,6 @@ class TorchReference:
         lists = {"sources": self.sources, "vocab": self.vocab,
                  "searches": {str(size): hypotheses for size, hypotheses in self.searches.items()}}
         (directory / LISTS_FILE).write_text(json.dumps(lists))
-        spilled = directory / DISTRIBUTIONS_FILE
-        if not spilled.exists():
-            self.distributions.seek(0)
-            with spilled.open("wb") as out:
-                shutil.copyfileobj(self.distributions, out, 1 << 20)
 
     @classmethod
     def load(cls, directory: str | Path) -> TorchReference:

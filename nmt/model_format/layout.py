@@ -18,6 +18,7 @@ from nmt.errors import NmtError
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "spm.model"
 MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB = "source.spm", "target.spm", "vocab.json"  # Marian's tokenizer
+MARIAN_CONFIG = "config.json"  # what makes a directory a Hugging Face model
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
 FORCED_GRAPH = "decoder_forced"  # optional role: the decoder over given target positions in one call
 OPTIONAL_GRAPH_FILES = {FORCED_GRAPH: "decoder_forced.onnx"}  # versions exported before it lack it
