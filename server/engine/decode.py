@@ -140,6 +140,8 @@ class RunningDecode(PlainSteps):
         self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
         self.plain_beam = plain_beam and bool(getattr(model, "plain_beam", False))  # False: beam sentences
         # take the general step every step (tests compare both)
+        self.device_beam = plain_beam and bool(getattr(model, "device_beam", False))  # their selection on the
+        # device (server.engine.device_search)
         self.per_row_positions = bool(getattr(model, "per_row_positions", False))
         self._sentences: list[_Sentence] = []  # one per row block, in row order
         self._row_sentence = np.zeros(0, dtype=np.int64)  # index into _sentences of each row
@@ -253,8 +255,8 @@ class RunningDecode(PlainSteps):
         layout, age, steps = self._layout, self._age, self._steps
         if not layout.attention:
             self._attention = None
-        if self._plain(layout):
-            plain_steps = self._plain_greedy if layout.plain else self._plain_beam
+        plain_steps = self._plain(layout)
+        if plain_steps is not None:
             out, processed = plain_steps(layout, until_leave, stop), None
             if out is None:  # every step was quiet
                 return []

@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
+from server.engine.device_search import selection_graph
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
 from server.engine.shared_weights import SharedWeights
@@ -65,9 +66,38 @@ class DeviceStepModel(OnnxStepModel):
             state = self._reserve(state, int(positions.max()) + 1)
         else:
             self._check_shared_position(state, positions)
+        extra = extra_outputs(full, logits)
+        host = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
+        outputs, new_state = self._run_step(tokens, static, state, need_attention, k, positions,
+                                            {name: "cpu" for name in host})
+        values = [value.numpy() for value in outputs]
+        heads = len(TOP_K_OUTPUTS)
+        full_outputs = dict(zip(extra, values[len(host) - len(extra):], strict=True))
+        return StepOutput(*values[:heads], values[heads] if need_attention else None, new_state,
+                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
+
+    def device_step(self, tokens: ort.OrtValue, static: dict[str, ort.OrtValue], state: dict[str, Any], k: int,
+                    positions: np.ndarray | None) -> tuple[list[ort.OrtValue], dict[str, Any]]:
+        """A step whose token ids come from the device and whose best tokens stay there: the ``top_ids``,
+        ``top_log_probs`` and ``eos_log_prob`` outputs (on the device) and the next state
+        (:mod:`server.engine.device_search`)."""
+        if self.positions:
+            positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
+            state = self._reserve(state, int(positions.max()) + 1)
+        return self._run_step(tokens, static, state, False, k, positions,
+                              {name: self.device for name in TOP_K_OUTPUTS})
+
+    def _run_step(self, tokens: np.ndarray | ort.OrtValue, static: dict[str, ort.OrtValue], state: dict[str, Any],
+                  need_attention: bool, k: int, positions: np.ndarray | None, outputs: dict[str, str],
+                  ) -> tuple[list[ort.OrtValue], dict[str, Any]]:
+        """Run the step graph on ``tokens`` (host or device) with ``outputs`` (name -> where) bound; returns
+        those outputs, in order, and the next state (its buffers in place, the rest in new device memory)."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", tokens)
+        if isinstance(tokens, ort.OrtValue):
+            binding.bind_ortvalue_input("input_ids", tokens)
+        else:
+            binding.bind_cpu_input("input_ids", tokens)
         if self.positions:
             binding.bind_cpu_input(self.positions, positions)
         for name, value in static.items():
@@ -75,27 +105,43 @@ class DeviceStepModel(OnnxStepModel):
         for entry in self.state:
             binding.bind_ortvalue_input(entry.input, state[entry.input])
         binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
-        extra = extra_outputs(full, logits)
-        host = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
-        for name in host:
-            binding.bind_output(name, "cpu")
+        for name, where in outputs.items():
+            binding.bind_output(name, where)
         for entry in self.state:  # an in-place buffer is its own output; the rest get new device memory
             if entry.init == "buffer":
                 binding.bind_ortvalue_output(entry.output, state[entry.input])
             else:
                 binding.bind_output(entry.output, self.device)
         session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # in binding order
+        values = binding.get_outputs()  # in binding order
         # a buffer stays the OrtValue it was (which keeps a host array it wraps alive), not get_outputs()'s twin
-        new_state = {entry.input: state[entry.input] if entry.init == "buffer" else outputs[len(host) + i]
+        new_state = {entry.input: state[entry.input] if entry.init == "buffer" else values[len(outputs) + i]
                      for i, entry in enumerate(self.state)}
         if self.positions:
             new_state[self.positions] = positions + 1
-        values = [value.numpy() for value in outputs[: len(host)]]
-        heads = len(TOP_K_OUTPUTS)
-        full_outputs = dict(zip(extra, values[len(host) - len(extra):], strict=True))
-        return StepOutput(*values[:heads], values[heads] if need_attention else None, new_state,
-                          full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
+        return values[: len(outputs)], new_state
+
+    @property
+    def device_beam(self) -> bool:
+        """Beam search's selection runs on the device (:mod:`server.engine.device_search`)."""
+        return True
+
+    def selection_session(self, beam: int, eos_id: int, start_id: int) -> ort.InferenceSession:
+        """The selection graph's session for sentences of beam ``beam``, made once, with the decoder's options
+        and providers."""
+        key = ("select", f"{beam}/{eos_id}/{start_id}")
+        if key not in self._sessions:
+            score_type = _ELEMENT_TYPES[next(o.type for o in self.sessions["decoder"].get_outputs()
+                                            if o.name == TOP_K_OUTPUTS[1])]
+            self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type))
+        return self._sessions[key]
+
+    def gather_rows(self, tensors: dict[str, Any], rows: ort.OrtValue) -> dict[str, Any]:
+        """:meth:`select_rows` with ``rows`` on the device, within each sentence's rows: host arrays (the
+        positions, equal over a sentence's rows) stay as they are."""
+        return {name: value if isinstance(value, np.ndarray) else self._run("gather", value.data_type(), x=value,
+                                                                             rows=rows)
+                for name, value in tensors.items()}
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
               state: dict[str, Any], need_attention: bool) -> ForcedOutput:
@@ -181,8 +227,7 @@ class DeviceStepModel(OnnxStepModel):
         return binding.get_outputs()[0]
 
     def _device_session(self, kind: str, element_type: str) -> ort.InferenceSession:
-        """A one-node session of :data:`_DEVICE_GRAPHS` for tensors of ``element_type`` ("tensor(float)"),
-        with the decoder's options and providers (device id and memory limit included)."""
+        """A one-node session of :data:`_DEVICE_GRAPHS` for tensors of ``element_type`` ("tensor(float)")."""
         dtype = _ELEMENT_TYPES[element_type]
         op, inputs, attributes = _DEVICE_GRAPHS[kind]
         graph = helper.make_graph(
@@ -192,10 +237,15 @@ class DeviceStepModel(OnnxStepModel):
             [helper.make_tensor_value_info("y", dtype, None)],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+        return self._session(model.SerializeToString())
+
+    def _session(self, model: bytes) -> ort.InferenceSession:
+        """A session of a small graph with the decoder's options and providers (device id and memory limit
+        included)."""
         decoder = self.sessions["decoder"]
         options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
         providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
-        return ort.InferenceSession(model.SerializeToString(), decoder.get_session_options(), providers=providers)
+        return ort.InferenceSession(model, decoder.get_session_options(), providers=providers)
 
     @property
     def gather_sessions(self) -> dict[str, ort.InferenceSession]:

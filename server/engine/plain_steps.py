@@ -25,6 +25,7 @@ import numpy as np
 from nmt.model_format.decoding import normalized_score
 from server.engine.beam_select import sentence_done
 from server.engine.beam_steps import QuietChoice, quiet_selection
+from server.engine.device_search import Books, DeviceBeamRun
 from server.engine.row_layout import Layout
 from server.engine.search import NEG_INF, StepOutput
 from server.types import ScoredSequence
@@ -34,14 +35,23 @@ class PlainSteps:
     """The plain steps of :class:`server.engine.decode.RunningDecode`, a part of it kept apart: its methods read
     and write the decode's books (``_sentences``, ``_tokens``, ``_totals``, ``_history``, ``_steps``, ...)."""
 
-    def _plain(self, layout: Layout) -> bool:
-        """Whether this step is plain arg-max decoding that :meth:`_plain_greedy` runs, or a plain beam step
-        that :meth:`_plain_beam` runs: a plain layout (:attr:`Layout.plain`, :attr:`Layout.plain_beam`) past its
-        controls' and prefixes' steps, no row at its last step, on a model with
-        :meth:`server.engine.step_models.OnnxStepModel.greedy_steps` (``beam_steps``)."""
+    def _plain(self, layout: Layout) -> Callable[..., StepOutput | None] | None:
+        """The plain steps that run this step, if any: plain arg-max decoding (:meth:`_plain_greedy`), plain beam
+        steps (:meth:`_plain_beam`) or the selection on the device (:meth:`_device_beam`), for a layout that
+        allows them (:attr:`Layout.plain`, :attr:`Layout.plain_beam`, :attr:`Layout.device_beam`) past its
+        controls' and prefixes' steps, no row at its last step, on a model that has them
+        (:meth:`server.engine.step_models.OnnxStepModel.greedy_steps`, ``beam_steps``,
+        :meth:`server.engine.device_step_model.DeviceStepModel.device_step`)."""
         age = self._age
-        kind = (layout.plain and getattr(self.model, "plain_greedy", False)) or (layout.plain_beam and self.plain_beam)
-        return kind and layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None
+        if not (layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None):
+            return None
+        if layout.plain and getattr(self.model, "plain_greedy", False):
+            return self._plain_greedy
+        if layout.plain_beam and self.plain_beam:
+            return self._plain_beam
+        if layout.device_beam and self.device_beam:
+            return self._device_beam
+        return None
 
     def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                       ) -> StepOutput | None:
@@ -129,6 +139,52 @@ class PlainSteps:
         self._state = run.state()
         self._tokens = run.ids.copy()
         return None
+
+    def _device_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
+                     ) -> StepOutput | None:
+        """Beam steps whose selection runs on the device (:mod:`server.engine.device_search`): the step's best
+        tokens, the histories, the finished hypotheses and the cache's reorder stay there, and the host reads
+        whether some sentence is done. A step in which none is done or cancelled is *quiet*; the quiet steps'
+        books come back together at the end of the run. Runs one step, or with ``until_leave`` steps until one
+        that is not quiet, the step before some row's last, or ``stop()`` after a quiet step. Returns the output
+        of the step that was not quiet (read back, with the state before its reorder), for :meth:`step` to
+        select from as any other; None when every step was quiet."""
+        count = layout.room - self._age if until_leave else 1
+        model, sentences = self.model, self._sentences
+        session = model.selection_session(sentences[0].beam, self.eos_id, self.start_id)
+        run = DeviceBeamRun(session, model.device, Books(
+            self._tokens, self._totals, self._history, self._history_scores,
+            np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
+            [s.spec.length_penalty for s in sentences], [s.quota for s in sentences])
+        checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
+        state, positions, done = self._state, self._steps, 0
+        for _ in range(count):
+            (top_ids, top_log_probs, eos_log_prob), stepped = model.device_step(
+                run.tokens, self._static, state, layout.k, positions if self.per_row_positions else None)
+            self.steps_run += 1
+            if run.select(top_ids, top_log_probs) or (checks and any(check() for check in checks)):
+                self._device_books(run, done)
+                return StepOutput(run.read(top_ids), run.read(top_log_probs), run.read(eos_log_prob), None, stepped)
+            state = model.gather_rows(stepped, run.accept())
+            positions, done = positions + 1, done + 1
+            if stop is not None and stop():
+                break
+        self._device_books(run, done)
+        self._state = state
+        return None
+
+    def _device_books(self, run: DeviceBeamRun, count: int) -> None:
+        """Write the ``count`` quiet steps of :meth:`_device_beam` into the books, from the device."""
+        if not count:
+            return
+        books = run.books()
+        self._tokens, self._totals = books.tokens, books.totals
+        self._history, self._history_scores = books.history, books.history_scores
+        self._steps = self._steps + count
+        self._age += count
+        for s, finished in zip(self._sentences, books.finished, strict=True):
+            s.step += count
+            s.finished = finished
 
     def _quiet_finished(self, choice: QuietChoice, blocks: list[tuple[int, int]], step: int,
                         ) -> dict[int, list[Any]] | None:

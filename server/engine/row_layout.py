@@ -45,6 +45,9 @@ class Layout:
     # attention, a penalty, sampling or streaming, and the decode holds at most PLAIN_BEAM_SENTENCES: past the
     # controls' and prefixes' margins, the quiet steps can be plain beam steps (server.engine.beam_steps; a beam-1
     # sentence there is a beam of one row)
+    device_beam: bool  # every sentence searches one beam > 1 and has expanded, none asks for attention, a
+    # penalty, sampling or streaming: on a model that keeps its state on a device, the quiet steps' selection
+    # can run there (server.engine.device_search), whatever the number of sentences
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
@@ -73,7 +76,8 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
                   given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
                   plain=bool(lean.all()) and bare,
                   plain_beam=bool((beams > 1).any() and ((beams == 1) | expanded).all()) and bare
-                  and n <= PLAIN_BEAM_SENTENCES)
+                  and n <= PLAIN_BEAM_SENTENCES,
+                  device_beam=bool(beams.min() > 1 and (beams == beams.max()).all() and expanded.all()) and bare)
 
 
 def fill_holes(kept: list[int], widths: np.ndarray, beams: list[int], n: int) -> list[int]:

@@ -1,0 +1,279 @@
+"""Beam search's selection as a graph on the device: the step's best tokens never come to the host.
+
+:class:`server.engine.device_step_model.DeviceStepModel` keeps the encoder outputs and the KV cache on the
+device; without this module its beam steps still brought each row's best tokens to the host, chose the
+hypotheses there (:func:`server.engine.beam_select.select_beam`) and sent the chosen rows back for the cache's
+``Gather``: a round trip and some hundred host operations per step, growing with the rows. Here one small
+graph (:func:`selection_graph`, built at load with the decoder's providers) takes the step graph's top-k
+outputs where they are and computes, for every sentence of the decode at once:
+
+* the ``2 x beam`` best continuations of its rows, ranked by summed log-probability (``TopK``, ties to the
+  lower index, as the host's stable sort), walked in order: EOS finishes, the rest live until the beam is
+  full (a ``CumSum`` of the live ones);
+* the next step's token ids, each new row's origin (the cache's ``Gather`` reads them on the device), summed
+  scores, and the token history with its per-token scores, rows following their origins;
+* its finished hypotheses: a table of its quota's best (length-normalised score, tokens, token scores,
+  length), merged with those finishing now by one more ``TopK`` (earlier ones first among equals, as the
+  host's stable sort of the appended list);
+* whether it is done (:func:`server.engine.beam_select.sentence_done`'s rule).
+
+The host reads only the ``done`` flags, one byte a sentence (:attr:`DeviceBeamRun.bytes_read` counts what
+crosses): a step in which no sentence is done is *quiet* and stays on the device. The first step that is not
+quiet comes back as a :class:`server.engine.search.StepOutput` with the books (history, totals, finished
+hypotheses) as they were before it, and the general selection takes it, as after the plain steps
+(:mod:`server.engine.plain_steps`); so the results are the general search's. Scores are summed in float64 as
+there. Not in the graph (the host path keeps them): decoding controls, target prefixes within their forced
+steps, attention, streaming, a row's last step (only EOS may follow), decodes mixing beam sizes, and the
+beam-1 sentences of the lean arg-max path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from server.types import ScoredSequence
+
+_NEG_INF = float("-inf")
+_I64, _F64 = TensorProto.INT64, TensorProto.DOUBLE
+# the selection graph's inputs and outputs: (element type (None: the step's scores'), shape); R rows in, R' out,
+# n sentences, K best tokens a row, L history positions, Q finished hypotheses kept at most
+_INPUTS = {"top_ids": (_I64, ["R", "K"]), "top_log_probs": (None, ["R", "K"]), "totals": (_F64, ["R"]),
+           "history": (_I64, ["R", "L"]), "history_scores": (_F64, ["R", "L"]), "steps": (_I64, ["n"]),
+           "penalties": (_F64, ["n"]), "quotas": (_I64, ["n"]), "fin_scores": (_F64, ["n", "Q"]),
+           "fin_tokens": (_I64, ["n", "Q", "L"]), "fin_token_scores": (_F64, ["n", "Q", "L"]),
+           "fin_lengths": (_I64, ["n", "Q"])}
+_OUTPUTS = {"next_ids": (_I64, ["R'"]), "origins": (_I64, ["R'"]), "next_totals": (_F64, ["R'"]),
+            "next_history": (_I64, ["R'", "L"]), "next_history_scores": (_F64, ["R'", "L"]),
+            "next_steps": (_I64, ["n"]), "next_fin_scores": (_F64, ["n", "Q"]),
+            "next_fin_tokens": (_I64, ["n", "Q", "L"]), "next_fin_token_scores": (_F64, ["n", "Q", "L"]),
+            "next_fin_lengths": (_I64, ["n", "Q"]), "done": (TensorProto.BOOL, ["n"])}
+SELECTION_INPUTS, SELECTION_OUTPUTS = list(_INPUTS), list(_OUTPUTS)
+
+
+class _Graph:
+    """A graph under construction: :meth:`op` adds a node and names its outputs."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+        self.initializers: list[Any] = []
+        self._count = 0
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attributes: Any) -> Any:
+        names = [name] if name else [f"{op_type.lower()}_{self._count}_{i}" for i in range(outputs)]
+        self._count += 1
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attributes))
+        return names[0] if outputs == 1 else names
+
+    def const(self, value: Any, dtype: Any) -> str:
+        name = f"const_{len(self.initializers)}"
+        array = np.asarray(value, dtype=dtype)
+        self.initializers.append(helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(array.dtype), array.shape,
+                                                    array.ravel().tolist()))
+        return name
+
+
+def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> bytes:
+    """The serialized selection graph for sentences of beam ``beam`` (see the module docstring); the step's
+    log-probabilities arrive as ``score_type`` (``TensorProto.FLOAT`` or ``FLOAT16``).
+
+    Shapes: ``n`` sentences holding ``width`` rows each (``R = n x width``; 1 before the first expansion),
+    ``K`` best tokens a row, history capacity ``L``, ``Q`` finished hypotheses kept at most."""
+    g = _Graph()
+    c = 2 * beam
+    zero, one, two, minus_one = (g.const([v], np.int64) for v in (0, 1, 2, -1))
+    beam_c, width_c = g.const([beam], np.int64), g.const([c], np.int64)
+    neg_inf, eos, start = g.const(_NEG_INF, np.float64), g.const(eos_id, np.int64), g.const(start_id, np.int64)
+
+    # the candidates: each sentence's rows' first 2 x beam tokens, summed onto the row's total
+    n = g.op("Gather", g.op("Shape", "steps"), zero)  # [1]
+    ids = g.op("Slice", "top_ids", zero, width_c, one)  # [R, P], P = min(2 beam, K)
+    scores = g.op("Cast", g.op("Slice", "top_log_probs", zero, width_c, one), to=TensorProto.DOUBLE)
+    by_sentence = g.op("Concat", n, minus_one, axis=0)
+    totals = g.op("Reshape", "totals", by_sentence)  # [n, width]
+    width = g.op("Gather", g.op("Shape", totals), one)
+    per_row = g.op("Gather", g.op("Shape", ids), one)
+    summed = g.op("Add", g.op("Unsqueeze", totals, two),
+                  g.op("Reshape", scores, g.op("Concat", n, width, minus_one, axis=0)))  # [n, width, P]
+    padding = g.op("Concat", n, width_c, axis=0)  # a block of 2 x beam that is never better: TopK always has room
+    candidates = g.op("Concat", g.op("Reshape", summed, by_sentence),
+                      g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.DOUBLE, [1],
+                                                                                [_NEG_INF])), axis=1)
+    block_ids = g.op("Concat", g.op("Reshape", ids, by_sentence),
+                     g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.INT64, [1], [0])),
+                     axis=1)
+    block_scores = g.op("Concat", g.op("Reshape", scores, by_sentence),
+                        g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.DOUBLE, [1],
+                                                                                  [_NEG_INF])), axis=1)
+    best, order = g.op("TopK", candidates, width_c, outputs=2, axis=1, largest=1, sorted=1)  # [n, C]
+    token = g.op("GatherElements", block_ids, order, axis=1)
+    token_score = g.op("GatherElements", block_scores, order, axis=1)
+    sentence_rows = g.op("Mul", g.op("Unsqueeze", g.op("Range", g.const(0, np.int64), g.op("Squeeze", n),
+                                                       g.const(1, np.int64)), one), width)  # [n, 1]
+    local = g.op("Min", g.op("Div", order, per_row), g.op("Sub", width, one))
+    origin = g.op("Add", local, sentence_rows)  # [n, C] rows of the decode
+
+    # the walk: EOS finishes, the others live until the beam is full
+    valid = g.op("Not", g.op("Equal", best, neg_inf))
+    is_eos = g.op("And", g.op("Equal", token, eos), valid)
+    live = g.op("And", g.op("Not", is_eos), valid)
+    before = g.op("CumSum", g.op("Cast", live, to=TensorProto.INT64), one, exclusive=1)
+    in_beam = g.op("Less", before, beam_c)
+    keep, finish = g.op("And", live, in_beam), g.op("And", is_eos, in_beam)
+    slot = g.op("Where", keep, before, beam_c)  # a kept candidate's slot is its rank among the live ones
+    slots = g.op("Range", g.const(0, np.int64), g.const(beam, np.int64), g.const(1, np.int64))
+    matches = g.op("Cast", g.op("Equal", g.op("Unsqueeze", slot, two), slots), to=TensorProto.FLOAT)  # [n, C, b]
+    alive = g.op("Greater", g.op("ReduceMax", matches, one, keepdims=0), g.const(0.0, np.float32))  # [n, b]
+    chosen = g.op("ArgMax", matches, axis=1, keepdims=0)  # [n, b]; 0 where no candidate lives
+    first = g.op("Slice", origin, zero, one, one)
+    new_origin = g.op("Reshape", g.op("Where", alive, g.op("GatherElements", origin, chosen, axis=1), first),
+                      minus_one, name="origins")
+    g.op("Reshape", g.op("Where", alive, g.op("GatherElements", token, chosen, axis=1), start), minus_one,
+         name="next_ids")
+    new_totals = g.op("Where", alive, g.op("GatherElements", best, chosen, axis=1), neg_inf)  # [n, b]
+    g.op("Reshape", new_totals, minus_one, name="next_totals")
+    new_token_scores = g.op("GatherElements", token_score, chosen, axis=1)
+
+    # histories: rows follow their origins, this step's token at each row's step
+    capacity = g.op("Gather", g.op("Shape", "history"), one)
+    columns = g.op("Range", g.const(0, np.int64), g.op("Squeeze", capacity), g.const(1, np.int64))  # [L]
+    row_steps = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", "steps", one), g.op("Concat", n, beam_c, axis=0)),
+                     g.const([-1, 1], np.int64))  # [n b, 1]
+    at_step = g.op("Equal", columns, row_steps)  # [n b, L]
+    g.op("Where", at_step, g.op("Reshape", "next_ids", g.const([-1, 1], np.int64)),
+         g.op("Gather", "history", new_origin), name="next_history")
+    g.op("Where", at_step, g.op("Reshape", new_token_scores, g.const([-1, 1], np.int64)),
+         g.op("Gather", "history_scores", new_origin), name="next_history_scores")
+    g.op("Add", "steps", one, name="next_steps")
+
+    # finished hypotheses: this step's, merged into each sentence's table of its best
+    lengths = g.op("Add", "steps", one)  # [n]
+    divisor = g.op("Unsqueeze", g.op("Pow", g.op("Cast", lengths, to=TensorProto.DOUBLE), "penalties"), one)
+    new_finished = g.op("Where", finish, g.op("Div", best, divisor), neg_inf)  # [n, C]
+    quota = g.op("Gather", g.op("Shape", "fin_scores"), one)
+    merged, picked = g.op("TopK", g.op("Concat", "fin_scores", new_finished, axis=1), quota, outputs=2, axis=1,
+                          largest=1, sorted=1)  # [n, Q]
+    held = g.op("Less", g.op("Range", g.const(0, np.int64), g.op("Squeeze", quota), g.const(1, np.int64)),
+                g.op("Unsqueeze", "quotas", one))  # a sentence keeps its own quota
+    fin_scores = g.op("Where", held, merged, neg_inf, name="next_fin_scores")
+    at_eos = g.op("Equal", columns, g.op("Unsqueeze", g.op("Unsqueeze", "steps", one), two))  # [n, 1, L]
+    tokens_now = g.op("Where", at_eos, eos, g.op("Gather", "history", origin))  # [n, C, L]
+    scores_now = g.op("Where", at_eos, g.op("Unsqueeze", token_score, two), g.op("Gather", "history_scores", origin))
+    table_shape = g.op("Concat", n, quota, capacity, axis=0)
+    rows_picked = g.op("Expand", g.op("Unsqueeze", picked, two), table_shape)
+    g.op("GatherElements", g.op("Concat", "fin_tokens", tokens_now, axis=1), rows_picked, axis=1,
+         name="next_fin_tokens")
+    g.op("GatherElements", g.op("Concat", "fin_token_scores", scores_now, axis=1), rows_picked, axis=1,
+         name="next_fin_token_scores")
+    lengths_now = g.op("Expand", g.op("Unsqueeze", lengths, one), g.op("Concat", n, width_c, axis=0))
+    g.op("GatherElements", g.op("Concat", "fin_lengths", lengths_now, axis=1), picked, axis=1,
+         name="next_fin_lengths")
+
+    # done: nothing lives, or the quota is full and the best live hypothesis, ending now, is no better than
+    # the worst kept
+    best_live = g.op("Squeeze", g.op("Slice", new_totals, zero, one, one), one)  # [n]
+    count = g.op("ReduceSum", g.op("Cast", g.op("Not", g.op("Equal", fin_scores, neg_inf)), to=TensorProto.INT64),
+                 one, keepdims=0)
+    worst = g.op("Squeeze", g.op("GatherElements", fin_scores, g.op("Unsqueeze", g.op("Sub", "quotas", one), one),
+                                 axis=1), one)
+    no_better = g.op("LessOrEqual", g.op("Div", best_live, g.op("Squeeze", divisor, one)), worst)
+    g.op("Or", g.op("Equal", best_live, neg_inf), g.op("And", g.op("Equal", count, "quotas"), no_better), name="done")
+
+    graph = helper.make_graph(g.nodes, f"beam{beam}_selection",
+                              [helper.make_tensor_value_info(name, score_type if elem is None else elem, shape)
+                               for name, (elem, shape) in _INPUTS.items()],
+                              [helper.make_tensor_value_info(name, elem, shape) for name, (elem, shape) in _OUTPUTS.items()],
+                              g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    return model.SerializeToString()
+
+
+@dataclass
+class Books:
+    """The search's books as the host keeps them (:class:`server.engine.decode.RunningDecode`), for the rows
+    of ``n`` sentences of one beam: what a device run starts from and hands back."""
+
+    tokens: np.ndarray  # int64 [R] each row's last token
+    totals: np.ndarray  # float64 [R]
+    history: np.ndarray  # int64 [R, L]
+    history_scores: np.ndarray  # float64 [R, L]
+    steps: np.ndarray  # int64 [n] each sentence's step
+    finished: list[list[ScoredSequence]]  # each sentence's finished hypotheses, best first
+
+
+class DeviceBeamRun:
+    """The selection graph's state between steps, on the device (see the module docstring): :meth:`select` after
+    each step graph run, :meth:`books` at the end of a run."""
+
+    def __init__(self, session: ort.InferenceSession, device: str, books: Books, penalties: list[float],
+                 quotas: list[int]) -> None:
+        self.session, self.device = session, device
+        self.bytes_read = 0  # bytes brought from the device to the host
+        n, capacity = len(books.steps), books.history.shape[1]
+        q = max(quotas)
+        fin_scores = np.full((n, q), _NEG_INF)
+        fin_tokens = np.zeros((n, q, capacity), dtype=np.int64)
+        fin_token_scores = np.zeros((n, q, capacity))
+        fin_lengths = np.zeros((n, q), dtype=np.int64)
+        for j, hypotheses in enumerate(books.finished):
+            for i, h in enumerate(hypotheses):
+                fin_scores[j, i], fin_lengths[j, i] = h.score, len(h.tokens)
+                fin_tokens[j, i, : len(h.tokens)], fin_token_scores[j, i, : len(h.tokens)] = h.tokens, h.token_scores
+        arrays = {"totals": books.totals, "history": books.history, "history_scores": books.history_scores,
+                  "steps": books.steps, "penalties": np.asarray(penalties, dtype=np.float64),
+                  "quotas": np.asarray(quotas, dtype=np.int64), "fin_scores": fin_scores, "fin_tokens": fin_tokens,
+                  "fin_token_scores": fin_token_scores, "fin_lengths": fin_lengths}
+        self.values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device)
+                       for name, array in arrays.items()}
+        self.values["next_ids"] = ort.OrtValue.ortvalue_from_numpy(books.tokens.astype(np.int64), device)
+        self.last: dict[str, ort.OrtValue] = {}  # the last selection's outputs
+
+    @property
+    def tokens(self) -> ort.OrtValue:
+        """The next step's token ids (int64 [R]), on the device."""
+        return self.values["next_ids"]
+
+    def select(self, top_ids: ort.OrtValue, top_log_probs: ort.OrtValue) -> bool:
+        """Run the selection on a step's best tokens (on the device); returns whether some sentence is done
+        (the one read per step: ``n`` bytes). The books move on only through :meth:`accept`."""
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input("top_ids", top_ids)
+        binding.bind_ortvalue_input("top_log_probs", top_log_probs)
+        for name in SELECTION_INPUTS[2:]:
+            binding.bind_ortvalue_input(name, self.values[name])
+        for name in SELECTION_OUTPUTS:
+            binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        self.last = dict(zip(SELECTION_OUTPUTS, binding.get_outputs(), strict=True))
+        return bool(self.read(self.last["done"]).any())
+
+    def accept(self) -> ort.OrtValue:
+        """Take the last selection as the books' next state; returns the new rows' origins (on the device)."""
+        for name in SELECTION_OUTPUTS:
+            if name == "next_ids":
+                self.values[name] = self.last[name]
+            elif name.startswith("next_"):
+                self.values[name.removeprefix("next_")] = self.last[name]
+        return self.last["origins"]
+
+    def books(self) -> Books:
+        """The books as accepted so far, brought to the host (the end of a run)."""
+        v = self.values
+        fin_scores, fin_lengths = self.read(v["fin_scores"]), self.read(v["fin_lengths"])
+        fin_tokens, fin_token_scores = self.read(v["fin_tokens"]), self.read(v["fin_token_scores"])
+        finished = [[ScoredSequence(tokens=fin_tokens[j, i, :length].tolist(), score=float(fin_scores[j, i]),
+                                    token_scores=fin_token_scores[j, i, :length].tolist())
+                     for i, length in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
+                    for j in range(len(fin_scores))]
+        return Books(self.read(v["next_ids"]), self.read(v["totals"]), self.read(v["history"]),
+                     self.read(v["history_scores"]), self.read(v["steps"]), finished)
+
+    def read(self, value: ort.OrtValue) -> np.ndarray:
+        """``value`` on the host; the bytes are counted (:attr:`bytes_read`)."""
+        array = value.numpy()
+        self.bytes_read += array.nbytes
+        return array
