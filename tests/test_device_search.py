@@ -29,7 +29,7 @@ def engines(request, tiny_models) -> tuple[Engine, Engine]:
     """The host search's engine and the device step model's, on one version."""
     path = tiny_models[request.param]
     return (Engine.load(path, provider="cpu", intra_op_threads=1),
-            Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True))
+            Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True, device_search=True))
 
 
 @pytest.fixture
@@ -141,3 +141,25 @@ def test_mixed_beams_and_attention_keep_the_hosts_selection_while_they_last(engi
     selections.clear()
     decode(device, src, [replace(s, need_attention=True) for s in specs], plain=True)
     assert not selections
+
+
+def test_the_servers_flag_reaches_the_engine(repository, selections):
+    """``--device-search`` (``NMT_DEVICE_SEARCH``) goes to every version's engine; a beam request through gRPC then
+    selects on the device (its state kept as on a device: the CUDA versions' path, forced on the CPU here)."""
+    from server.config import ServerConfig
+    from server.core.repository import default_engine_loader
+    from server.protos import pb2
+    from tests.harness import ServerHarness
+
+    assert ServerConfig.from_env({"NMT_DEVICE_SEARCH": "true"}).device_search
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
+                          device_search=True, intra_op_threads=1)
+    harness = ServerHarness(config, lambda path, **settings: default_engine_loader(path, device_state=True, **settings))
+    try:
+        options = pb2.DecodingOptions(beam_size=4, num_hypotheses=2, max_length=30)
+        reply = harness.stub.Translate(pb2.TranslateRequest(texts=["three four five"], options=options), timeout=30)
+        assert len(reply.translations[0].hypotheses) == 2
+        assert harness.engine().model.device_beam
+    finally:
+        harness.close()
+    assert selections

@@ -186,7 +186,8 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     graph = helper.make_graph(g.nodes, f"beam{beam}_selection",
                               [helper.make_tensor_value_info(name, score_type if elem is None else elem, shape)
                                for name, (elem, shape) in _INPUTS.items()],
-                              [helper.make_tensor_value_info(name, elem, shape) for name, (elem, shape) in _OUTPUTS.items()],
+                              [helper.make_tensor_value_info(name, elem, shape)
+                               for name, (elem, shape) in _OUTPUTS.items()],
                               g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     return model.SerializeToString()

@@ -31,9 +31,10 @@ class DeviceStepModel(OnnxStepModel):
     here, at load, with the decoder's options and providers (device id and memory limit included)."""
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str,
-                 weights: SharedWeights | None = None) -> None:
+                 weights: SharedWeights | None = None, device_search: bool = False) -> None:
         super().__init__(manifest, sessions, weights)
         self.device = device
+        self.device_beam = device_search  # beam search's selection runs on the device (device_search.py)
         types = {o.type for o in sessions["encoder"].get_outputs()}
         types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
         self._gathers = {element_type: self._device_session("gather", element_type) for element_type in sorted(types)}
@@ -120,11 +121,6 @@ class DeviceStepModel(OnnxStepModel):
         if self.positions:
             new_state[self.positions] = positions + 1
         return values[: len(outputs)], new_state
-
-    @property
-    def device_beam(self) -> bool:
-        """Beam search's selection runs on the device (:mod:`server.engine.device_search`)."""
-        return True
 
     def selection_session(self, beam: int, eos_id: int, start_id: int) -> ort.InferenceSession:
         """The selection graph's session for sentences of beam ``beam``, made once, with the decoder's options

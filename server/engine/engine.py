@@ -141,6 +141,7 @@ class Engine:
         prepack: bool = True,
         cpu_arena: bool = True,
         portable_attention: bool | None = None,
+        device_search: bool = False,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
@@ -152,6 +153,9 @@ class Engine:
 
         ``device_state``: keep the encoder outputs and the KV cache on the execution provider's device
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
+
+        ``device_search``: with the state on the device, beam search's selection runs there too
+        (:mod:`server.engine.device_search`); off by default until a GPU has measured it.
 
         ``device_id``, ``gpu_mem_limit`` (bytes per session arena, 0: unbounded) and ``cuda_tf32`` go to
         every CUDA session (:class:`server.engine.device.DeviceSettings`). The provider is read back from the
@@ -208,7 +212,8 @@ class Engine:
                            "kernels); export with --precision fp16 for GPUs, or serve it with --provider cpu")
         tokenizer = load_tokenizer(version_dir, manifest.tokenizer_type)
         if device_state or (device_state is None and on_gpu):
-            model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu", weights=weights)
+            model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu", weights=weights,
+                                    device_search=device_search)
         else:
             model = OnnxStepModel(manifest, sessions, weights=weights)
         return cls(manifest, tokenizer, model, got, device_id=device_id)
