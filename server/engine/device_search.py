@@ -81,8 +81,8 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     """The serialized selection graph for sentences of beam ``beam`` (see the module docstring); the step's
     log-probabilities arrive as ``score_type`` (``TensorProto.FLOAT`` or ``FLOAT16``).
 
-    Shapes: ``n`` sentences holding ``width`` rows each (``R = n x width``; 1 before the first expansion),
-    ``K`` best tokens a row, history capacity ``L``, ``Q`` finished hypotheses kept at most."""
+    Shapes: ``n`` sentences holding ``beam`` rows each (``R = n x beam``: every sentence has expanded), ``K >= 2``
+    best tokens a row, history capacity ``L``, ``Q`` finished hypotheses kept at most."""
     g = _Graph()
     c = 2 * beam
     zero, one, two, minus_one = (g.const([v], np.int64) for v in (0, 1, 2, -1))
@@ -99,23 +99,14 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     per_row = g.op("Gather", g.op("Shape", ids), one)
     summed = g.op("Add", g.op("Unsqueeze", totals, two),
                   g.op("Reshape", scores, g.op("Concat", n, width, minus_one, axis=0)))  # [n, width, P]
-    padding = g.op("Concat", n, width_c, axis=0)  # a block of 2 x beam that is never better: TopK always has room
-    candidates = g.op("Concat", g.op("Reshape", summed, by_sentence),
-                      g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.DOUBLE, [1],
-                                                                                [_NEG_INF])), axis=1)
-    block_ids = g.op("Concat", g.op("Reshape", ids, by_sentence),
-                     g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.INT64, [1], [0])),
-                     axis=1)
-    block_scores = g.op("Concat", g.op("Reshape", scores, by_sentence),
-                        g.op("ConstantOfShape", padding, value=helper.make_tensor("v", TensorProto.DOUBLE, [1],
-                                                                                  [_NEG_INF])), axis=1)
+    candidates = g.op("Reshape", summed, by_sentence)  # [n, width x P]: at least 2 x beam (width is beam)
+    block_ids, block_scores = g.op("Reshape", ids, by_sentence), g.op("Reshape", scores, by_sentence)
     best, order = g.op("TopK", candidates, width_c, outputs=2, axis=1, largest=1, sorted=1)  # [n, C]
     token = g.op("GatherElements", block_ids, order, axis=1)
     token_score = g.op("GatherElements", block_scores, order, axis=1)
     sentence_rows = g.op("Mul", g.op("Unsqueeze", g.op("Range", g.const(0, np.int64), g.op("Squeeze", n),
                                                        g.const(1, np.int64)), one), width)  # [n, 1]
-    local = g.op("Min", g.op("Div", order, per_row), g.op("Sub", width, one))
-    origin = g.op("Add", local, sentence_rows)  # [n, C] rows of the decode
+    origin = g.op("Add", g.op("Div", order, per_row), sentence_rows)  # [n, C] rows of the decode
 
     # the walk: EOS finishes, the others live until the beam is full
     valid = g.op("Not", g.op("Equal", best, neg_inf))

@@ -21,23 +21,27 @@ class DeviceStepModel(OnnxStepModel):
     """:class:`OnnxStepModel` with I/O binding: the encoder outputs and the recurrent state (the
     Transformer's KV cache) stay on ``device`` as ``OrtValue`` buffers from step to step, and rows are
     selected there by a ``Gather`` graph. Each step sends the [R] token ids in and brings only the
-    top-k, the EOS log-prob and (when asked) the attention back to the host.
+    top-k, the EOS log-prob and (when asked) the attention back to the host; with ``device_search`` a beam
+    search's quiet steps keep even those there (:meth:`device_step`, :mod:`server.engine.device_search`).
 
     For CUDA, where copying the cache to the host and back at every step would dominate. On the CPU
     it gains nothing (NumPy arrays already share ONNX Runtime's memory) and serves to test the
     binding logic on machines without a GPU.
 
-    The ``Gather`` sessions (one per element type of the static inputs and the state) are created
-    here, at load, with the decoder's options and providers (device id and memory limit included)."""
+    The ``Gather`` sessions (one for the static inputs, one for the state: a run moves every tensor) are
+    created here, at load, with the decoder's options and providers (device id and memory limit included)."""
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str,
                  weights: SharedWeights | None = None, device_search: bool = False) -> None:
         super().__init__(manifest, sessions, weights)
         self.device = device
         self.device_beam = device_search  # beam search's selection runs on the device (device_search.py)
-        types = {o.type for o in sessions["encoder"].get_outputs()}
-        types |= {o.type for o in sessions["decoder"].get_outputs() if o.name in {e.output for e in self.state}}
-        self._gathers = {element_type: self._device_session("gather", element_type) for element_type in sorted(types)}
+        outputs = {o.name: o.type for o in sessions["decoder"].get_outputs()}
+        static = tuple(o.type for o in sessions["encoder"].get_outputs() if o.name in self.static_names)
+        state = tuple(outputs[e.output] for e in self.state)
+        self._gathers: dict[tuple[str, ...], ort.InferenceSession] = {}  # element types -> a Gather of each
+        for types in (static, state):
+            self._gather_session(types)
         self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # (pad | concat, element type) -> session
 
     def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue | np.ndarray]:
@@ -135,9 +139,7 @@ class DeviceStepModel(OnnxStepModel):
     def gather_rows(self, tensors: dict[str, Any], rows: ort.OrtValue) -> dict[str, Any]:
         """:meth:`select_rows` with ``rows`` on the device, within each sentence's rows: host arrays (the
         positions, equal over a sentence's rows) stay as they are."""
-        return {name: value if isinstance(value, np.ndarray) else self._run("gather", value.data_type(), x=value,
-                                                                             rows=rows)
-                for name, value in tensors.items()}
+        return self._gather(tensors, rows)
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
               state: dict[str, Any], need_attention: bool) -> ForcedOutput:
@@ -169,16 +171,45 @@ class DeviceStepModel(OnnxStepModel):
         return False
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
-        """Rows by a ``Gather`` on the device (the whole tensor, ``in_place`` or not; positions are gathered
-        on the host)."""
-        selected = {}
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)  # once
+        """Rows by one ``Gather`` session run on the device for every tensor there (the whole tensor, ``in_place``
+        or not; positions are gathered on the host)."""
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)
+        selected = self._gather(tensors, rows_value)
         for name, value in tensors.items():
             if isinstance(value, np.ndarray):
                 selected[name] = value[rows]
-                continue
-            selected[name] = self._run("gather", value.data_type(), x=value, rows=rows_value)
         return selected
+
+    def _gather(self, tensors: dict[str, Any], rows: ort.OrtValue) -> dict[str, Any]:
+        """Rows ``rows`` (on the device) of every device tensor of ``tensors``, in one session run; host arrays are
+        returned as they are."""
+        names = [name for name, value in tensors.items() if not isinstance(value, np.ndarray)]
+        selected = dict(tensors)
+        if not names:
+            return selected
+        session = self._gather_session(tuple(tensors[name].data_type() for name in names))
+        binding = session.io_binding()
+        for i, name in enumerate(names):
+            binding.bind_ortvalue_input(f"x{i}", tensors[name])
+            binding.bind_output(f"y{i}", self.device)
+        binding.bind_ortvalue_input("rows", rows)
+        session.run_with_iobinding(binding)
+        selected.update(zip(names, binding.get_outputs(), strict=True))
+        return selected
+
+    def _gather_session(self, types: tuple[str, ...]) -> ort.InferenceSession:
+        """The session that gathers the rows of tensors of element ``types`` ("tensor(float)", ...), one
+        ``Gather`` each (made once per tuple: the static inputs' and the state's at load)."""
+        if types not in self._gathers:
+            graph = helper.make_graph(
+                [helper.make_node("Gather", [f"x{i}", "rows"], [f"y{i}"], axis=0) for i in range(len(types))],
+                "gather_rows",
+                [*(helper.make_tensor_value_info(f"x{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)),
+                 helper.make_tensor_value_info("rows", TensorProto.INT64, None)],
+                [helper.make_tensor_value_info(f"y{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+            self._gathers[types] = self._session(model.SerializeToString())
+        return self._gathers[types]
 
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         """:meth:`OnnxStepModel.concat_rows` on the device: ``Pad`` then ``Concat`` graphs."""
@@ -208,13 +239,10 @@ class DeviceStepModel(OnnxStepModel):
 
     def _run(self, kind: str, element_type: str, **inputs: ort.OrtValue) -> ort.OrtValue:
         """One of the small device graphs (:data:`_DEVICE_GRAPHS`) on ``inputs``; returns its output there."""
-        if kind == "gather":
-            session = self._gathers[element_type]
-        else:
-            key = (kind, element_type)
-            if key not in self._sessions:
-                self._sessions[key] = self._device_session(kind, element_type)
-            session = self._sessions[key]
+        key = (kind, element_type)
+        if key not in self._sessions:
+            self._sessions[key] = self._device_session(kind, element_type)
+        session = self._sessions[key]
         binding = session.io_binding()
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
@@ -245,13 +273,13 @@ class DeviceStepModel(OnnxStepModel):
 
     @property
     def gather_sessions(self) -> dict[str, ort.InferenceSession]:
-        """Element type -> the ``Gather`` session that selects rows of such tensors."""
-        return self._gathers
+        """The ``Gather`` sessions that select rows, by the element types of the tensors they take ("tensor(float),
+        tensor(float)", ...)."""
+        return {", ".join(types): session for types, session in self._gathers.items()}
 
 
 # kind -> (operator, its inputs (name -> of the tensors' element type, else int64), attributes)
 _DEVICE_GRAPHS = {
-    "gather": ("Gather", {"x": True, "rows": False}, {"axis": 0}),  # select_rows
     "pad": ("Pad", {"x": True, "pads": False}, {}),  # zeros at the end of non-row axes (cache growth, joins)
     "concat": ("Concat", {"a": True, "b": True}, {"axis": 0}),  # concat_rows
 }
