@@ -40,8 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "export: an OPUS-MT-sized model through nmt export and nmt serve (time, peak memory, bytes written, "
             "server memory, outputs against transformers); stream: TranslateStreaming's time to the first word and "
             "between words beside Translate's latency; device-memory: a version's device memory on CUDA with its "
-            "weights shared on the device or copied by each session (needs a GPU); device-search: beam search's selection on the "
-            "device against the host's, on the engine that keeps its state on the device."
+            "weights shared on the device or copied by each session (needs a GPU); device-search: beam search's "
+            "selection on the device against the host's, on the engine that keeps its state on the device."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
