@@ -36,15 +36,15 @@ def engines(request, tiny_models) -> tuple[Engine, Engine]:
 def selections(monkeypatch) -> list[tuple[int, int]]:
     """(sentences, bytes read) of every selection run on the device."""
     runs: list[tuple[int, int]] = []
-    select = DeviceBeamRun.select
+    step = DeviceBeamRun.step
 
-    def counted(self, top_ids, top_log_probs):
+    def counted(self):
         before = self.bytes_read
-        done = select(self, top_ids, top_log_probs)
-        runs.append((int(self.values["steps"].shape()[0]), self.bytes_read - before))
+        done = step(self)
+        runs.append((len(self.done), self.bytes_read - before))
         return done
 
-    monkeypatch.setattr(DeviceBeamRun, "select", counted)
+    monkeypatch.setattr(DeviceBeamRun, "step", counted)
     return runs
 
 
@@ -61,9 +61,12 @@ def batch(engine: Engine, seed: int) -> tuple[np.ndarray, list[BeamSentence]]:
                               patience=rng.choice([1.0, 2.0]), beam_size=beam) for sentence in ids]
 
 
-def decode(engine: Engine, src: np.ndarray, specs: list[BeamSentence], plain: bool, join_at: int = 0) -> list:
-    """The sentences ``specs`` decoded together (``join_at`` > 0: the second half joins after that many steps)."""
-    d = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, plain_beam=plain)
+def decode(engine: Engine, src: np.ndarray, specs: list[BeamSentence], plain: bool, join_at: int = 0,
+           eos_id: int | None = None) -> list:
+    """The sentences ``specs`` decoded together (``join_at`` > 0: the second half joins after that many steps;
+    ``eos_id``: the token that ends a hypothesis, the model's EOS unless given)."""
+    d = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id if eos_id is None else eos_id,
+                      plain_beam=plain)
     half = len(specs) // 2 if join_at else len(specs)
     d.admit(engine.model.encode(src[:half]), specs[:half], range(half))
     results = [None] * len(specs)
@@ -92,6 +95,20 @@ def test_the_device_selection_finds_the_general_searchs_hypotheses(engines, sele
     src, specs = batch(host, seed)
     assert_same(decode(host, src, specs, plain=False), decode(device, src, specs, plain=True))
     assert selections, "the selection ran on the device"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_runs_of_quiet_steps_with_hypotheses_finishing_on_the_way(engines, selections, seed):
+    """The tiny models end their outputs within a few steps; with a frequent word's token standing for EOS, the
+    hypotheses run for many steps, finish now and then, and fill their sentences' quotas on the device."""
+    host, device = engines
+    src, specs = batch(host, 200 + seed)
+    specs = [replace(s, max_length=40) for s in specs]
+    eos = host.translate(["three four five six"], DecodingOptions(beam_size=1))[0].hypotheses[0].tokens[1]
+    eos_id = host.tokenize(eos)[0]
+    assert_same(decode(host, src, specs, plain=False, eos_id=eos_id),
+                decode(device, src, specs, plain=True, eos_id=eos_id))
+    assert len(selections) >= 3
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -44,12 +44,13 @@ _I64, _F64 = TensorProto.INT64, TensorProto.DOUBLE
 # n sentences, K best tokens a row, L history positions, Q finished hypotheses kept at most
 _INPUTS = {"top_ids": (_I64, ["R", "K"]), "top_log_probs": (None, ["R", "K"]), "totals": (_F64, ["R"]),
            "history": (_I64, ["R", "L"]), "history_scores": (_F64, ["R", "L"]), "steps": (_I64, ["n"]),
-           "penalties": (_F64, ["n"]), "quotas": (_I64, ["n"]), "fin_scores": (_F64, ["n", "Q"]),
+           "positions": (_I64, ["R"]), "penalties": (_F64, ["n"]), "quotas": (_I64, ["n"]),
+           "fin_scores": (_F64, ["n", "Q"]),
            "fin_tokens": (_I64, ["n", "Q", "L"]), "fin_token_scores": (_F64, ["n", "Q", "L"]),
            "fin_lengths": (_I64, ["n", "Q"])}
 _OUTPUTS = {"next_ids": (_I64, ["R'"]), "origins": (_I64, ["R'"]), "next_totals": (_F64, ["R'"]),
             "next_history": (_I64, ["R'", "L"]), "next_history_scores": (_F64, ["R'", "L"]),
-            "next_steps": (_I64, ["n"]), "next_fin_scores": (_F64, ["n", "Q"]),
+            "next_steps": (_I64, ["n"]), "next_positions": (_I64, ["R'"]), "next_fin_scores": (_F64, ["n", "Q"]),
             "next_fin_tokens": (_I64, ["n", "Q", "L"]), "next_fin_token_scores": (_F64, ["n", "Q", "L"]),
             "next_fin_lengths": (_I64, ["n", "Q"]), "done": (TensorProto.BOOL, ["n"])}
 SELECTION_INPUTS, SELECTION_OUTPUTS = list(_INPUTS), list(_OUTPUTS)
@@ -140,6 +141,7 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     g.op("Where", at_step, g.op("Reshape", new_token_scores, g.const([-1, 1], np.int64)),
          g.op("Gather", "history_scores", new_origin), name="next_history_scores")
     g.op("Add", "steps", one, name="next_steps")
+    g.op("Add", g.op("Gather", "positions", new_origin), one, name="next_positions")
 
     # finished hypotheses: this step's, merged into each sentence's table of its best
     lengths = g.op("Add", "steps", one)  # [n]
@@ -197,15 +199,29 @@ class Books:
     finished: list[list[ScoredSequence]]  # each sentence's finished hypotheses, best first
 
 
-class DeviceBeamRun:
-    """The selection graph's state between steps, on the device (see the module docstring): :meth:`select` after
-    each step graph run, :meth:`books` at the end of a run."""
+# the selection's state between steps: its input -> the output that replaces it
+_CARRIED = {"totals": "next_totals", "history": "next_history", "history_scores": "next_history_scores",
+            "steps": "next_steps", "positions": "next_positions", "fin_scores": "next_fin_scores",
+            "fin_tokens": "next_fin_tokens", "fin_token_scores": "next_fin_token_scores",
+            "fin_lengths": "next_fin_lengths"}
 
-    def __init__(self, session: ort.InferenceSession, device: str, books: Books, penalties: list[float],
-                 quotas: list[int]) -> None:
-        self.session, self.device = session, device
+
+class DeviceBeamRun:
+    """Beam steps whose selection stays on the device (see the module docstring), every buffer allocated once
+    for the run and every graph bound once: two sets of buffers (the books, the token ids, the positions and
+    the decoder state) take turns, a step reading one set and leaving the next step's in the other, so the
+    three runs of a step (:meth:`step`: the step graph, the selection, the state's ``Gather``) bind nothing
+    anew. Made by :meth:`server.engine.device_step_model.DeviceStepModel.beam_run`; the decoder state must
+    hold its size through the run (in-place buffers reserved for every step, or state of a fixed shape)."""
+
+    def __init__(self, model: Any, selection: ort.InferenceSession, books: Books, penalties: list[float],
+                 quotas: list[int], static: dict[str, Any], state: dict[str, Any], positions: np.ndarray | None,
+                 k: int) -> None:
+        self.model, self.device = model, model.device
         self.bytes_read = 0  # bytes brought from the device to the host
-        n, capacity = len(books.steps), books.history.shape[1]
+        self.parity = 0  # which set of buffers the next step reads
+        self.positions = positions  # int64 [R] on the host (None: the model takes none)
+        rows, n, capacity = len(books.tokens), len(books.steps), books.history.shape[1]
         q = max(quotas)
         fin_scores = np.full((n, q), _NEG_INF)
         fin_tokens = np.zeros((n, q, capacity), dtype=np.int64)
@@ -215,57 +231,113 @@ class DeviceBeamRun:
             for i, h in enumerate(hypotheses):
                 fin_scores[j, i], fin_lengths[j, i] = h.score, len(h.tokens)
                 fin_tokens[j, i, : len(h.tokens)], fin_token_scores[j, i, : len(h.tokens)] = h.tokens, h.token_scores
-        arrays = {"totals": books.totals, "history": books.history, "history_scores": books.history_scores,
-                  "steps": books.steps, "penalties": np.asarray(penalties, dtype=np.float64),
-                  "quotas": np.asarray(quotas, dtype=np.int64), "fin_scores": fin_scores, "fin_tokens": fin_tokens,
-                  "fin_token_scores": fin_token_scores, "fin_lengths": fin_lengths}
-        self.values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device)
-                       for name, array in arrays.items()}
-        self.values["next_ids"] = ort.OrtValue.ortvalue_from_numpy(books.tokens.astype(np.int64), device)
-        self.last: dict[str, ort.OrtValue] = {}  # the last selection's outputs
+        carried = {"totals": books.totals, "history": books.history, "history_scores": books.history_scores,
+                   "steps": books.steps, "fin_scores": fin_scores, "fin_tokens": fin_tokens,
+                   "fin_token_scores": fin_token_scores, "fin_lengths": fin_lengths, "input_ids": books.tokens,
+                   "positions": positions if positions is not None else np.zeros(rows, dtype=np.int64)}
+        first = {name: self._upload(array) for name, array in carried.items()}
+        self.sets = [first, {name: self._like(value) for name, value in first.items()}]
+        names = [name for name, value in state.items() if not isinstance(value, np.ndarray)]
+        state_sets = [{name: state[name] for name in names}, {name: self._like(state[name]) for name in names}]
+        fixed = {"penalties": self._upload(np.asarray(penalties, dtype=np.float64)),
+                 "quotas": self._upload(np.asarray(quotas, dtype=np.int64)),
+                 "origins": self._alloc((rows,), np.int64)}
+        width = int(model.top_k_width(k))
+        score_dtype = model.score_dtype
+        self.top = {"top_ids": self._alloc((rows, width), np.int64),
+                    "top_log_probs": self._alloc((rows, width), score_dtype),
+                    "eos_log_prob": self._alloc((rows,), score_dtype)}
+        self.done = np.zeros(n, dtype=bool)
+        done = ort.OrtValue.ortvalue_from_numpy(self.done)  # the one output the host reads, bound to the host
+        # a state entry that is not an in-place buffer is written by the step to a buffer of its own
+        written = {name: self._like(state[name]) for name in names if name not in model.buffers}
+        self.states = state_sets
+        self._bindings: list[tuple[ort.IOBinding, ort.IOBinding, ort.IOBinding, dict[str, Any]]] = []
+        for p in (0, 1):
+            now, after = self.sets[p], self.sets[1 - p]
+            step_state = {name: written.get(name, state_sets[p][name]) for name in names}
+            step = model.step_binding(now["input_ids"], now["positions"] if positions is not None else None,
+                                      static, state_sets[p], k, self.top, step_state)
+            select = selection.io_binding()
+            for name in ("top_ids", "top_log_probs"):
+                select.bind_ortvalue_input(name, self.top[name])
+            for name in _CARRIED:
+                select.bind_ortvalue_input(name, now[name])
+                select.bind_ortvalue_output(_CARRIED[name], after[name])
+            for name in ("penalties", "quotas"):
+                select.bind_ortvalue_input(name, fixed[name])
+            select.bind_ortvalue_output("next_ids", after["input_ids"])
+            select.bind_ortvalue_output("origins", fixed["origins"])
+            select.bind_ortvalue_output("done", done)
+            gather = model.gather_binding([step_state[name] for name in names], fixed["origins"],
+                                          [state_sets[1 - p][name] for name in names])
+            self._bindings.append((step, select, gather, step_state))
+        self._sessions = (model.sessions["decoder"], selection,
+                          model.gather_session(tuple(state[name].data_type() for name in names)))
 
-    @property
-    def tokens(self) -> ort.OrtValue:
-        """The next step's token ids (int64 [R]), on the device."""
-        return self.values["next_ids"]
+    def step(self) -> bool:
+        """Run the step graph and the selection on the current set of buffers; returns whether some sentence
+        is done (the host reads ``n`` bytes). Then :meth:`advance` (a quiet step) or :meth:`output` (not)."""
+        step, select, _, _ = self._bindings[self.parity]
+        self._sessions[0].run_with_iobinding(step)
+        self._sessions[1].run_with_iobinding(select)
+        self.bytes_read += self.done.nbytes
+        return bool(self.done.any())
 
-    def select(self, top_ids: ort.OrtValue, top_log_probs: ort.OrtValue) -> bool:
-        """Run the selection on a step's best tokens (on the device); returns whether some sentence is done
-        (the one read per step: ``n`` bytes). The books move on only through :meth:`accept`."""
-        binding = self.session.io_binding()
-        binding.bind_ortvalue_input("top_ids", top_ids)
-        binding.bind_ortvalue_input("top_log_probs", top_log_probs)
-        for name in SELECTION_INPUTS[2:]:
-            binding.bind_ortvalue_input(name, self.values[name])
-        for name in SELECTION_OUTPUTS:
-            binding.bind_output(name, self.device)
-        self.session.run_with_iobinding(binding)
-        self.last = dict(zip(SELECTION_OUTPUTS, binding.get_outputs(), strict=True))
-        return bool(self.read(self.last["done"]).any())
+    def advance(self) -> None:
+        """Take the step's selection: the state's rows follow their origins into the other set, which the next
+        step reads."""
+        self._sessions[2].run_with_iobinding(self._bindings[self.parity][2])
+        self.parity = 1 - self.parity
+        if self.positions is not None:
+            self.positions = self.positions + 1
 
-    def accept(self) -> ort.OrtValue:
-        """Take the last selection as the books' next state; returns the new rows' origins (on the device)."""
-        for name in SELECTION_OUTPUTS:
-            if name == "next_ids":
-                self.values[name] = self.last[name]
-            elif name.startswith("next_"):
-                self.values[name.removeprefix("next_")] = self.last[name]
-        return self.last["origins"]
+    def output(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The last step's best tokens, their log-probabilities and EOS's (brought to the host) and the decoder
+        state after it, its rows not yet reordered (a step that was not quiet, for the host's selection)."""
+        state: dict[str, Any] = dict(self._bindings[self.parity][3])
+        if self.positions is not None:
+            state[self.model.positions] = self.positions + 1
+        return (self.read(self.top["top_ids"]), self.read(self.top["top_log_probs"]),
+                self.read(self.top["eos_log_prob"]), state)
+
+    def state(self) -> dict[str, Any]:
+        """The decoder state the next step reads."""
+        state: dict[str, Any] = dict(self.states[self.parity])
+        if self.positions is not None:
+            state[self.model.positions] = self.positions
+        return state
 
     def books(self) -> Books:
-        """The books as accepted so far, brought to the host (the end of a run)."""
-        v = self.values
+        """The books the next step reads, brought to the host (the end of a run)."""
+        v = self.sets[self.parity]
         fin_scores, fin_lengths = self.read(v["fin_scores"]), self.read(v["fin_lengths"])
         fin_tokens, fin_token_scores = self.read(v["fin_tokens"]), self.read(v["fin_token_scores"])
         finished = [[ScoredSequence(tokens=fin_tokens[j, i, :length].tolist(), score=float(fin_scores[j, i]),
                                     token_scores=fin_token_scores[j, i, :length].tolist())
                      for i, length in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
                     for j in range(len(fin_scores))]
-        return Books(self.read(v["next_ids"]), self.read(v["totals"]), self.read(v["history"]),
+        return Books(self.read(v["input_ids"]), self.read(v["totals"]), self.read(v["history"]),
                      self.read(v["history_scores"]), self.read(v["steps"]), finished)
 
     def read(self, value: ort.OrtValue) -> np.ndarray:
-        """``value`` on the host; the bytes are counted (:attr:`bytes_read`)."""
+        """``value`` on the host, an array of its own (a CPU ``OrtValue``'s ``numpy()`` is a view of the run's
+        buffer, which goes with the run); the bytes are counted (:attr:`bytes_read`)."""
         array = value.numpy()
         self.bytes_read += array.nbytes
-        return array
+        return array.copy() if self.device == "cpu" else array
+
+    def _upload(self, array: np.ndarray) -> ort.OrtValue:
+        """A buffer of the run's own holding ``array`` (on the CPU an ``OrtValue`` would wrap the array itself,
+        and the run writes its buffers)."""
+        return ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), self.device)
+
+    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
+
+    def _like(self, value: ort.OrtValue) -> ort.OrtValue:
+        return self._alloc(tuple(value.shape()), _NUMPY_TYPES[value.data_type()])
+
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
-from server.engine.device_search import selection_graph
+from server.engine.device_search import Books, DeviceBeamRun, selection_graph
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
 from server.engine.shared_weights import SharedWeights
@@ -35,13 +35,13 @@ class DeviceStepModel(OnnxStepModel):
                  weights: SharedWeights | None = None, device_search: bool = False) -> None:
         super().__init__(manifest, sessions, weights)
         self.device = device
-        self.device_beam = device_search  # beam search's selection runs on the device (device_search.py)
+        self._device_search = device_search  # beam search's selection on the device (device_beam)
         outputs = {o.name: o.type for o in sessions["decoder"].get_outputs()}
         static = tuple(o.type for o in sessions["encoder"].get_outputs() if o.name in self.static_names)
         state = tuple(outputs[e.output] for e in self.state)
         self._gathers: dict[tuple[str, ...], ort.InferenceSession] = {}  # element types -> a Gather of each
         for types in (static, state):
-            self._gather_session(types)
+            self.gather_session(types)
         self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # (pad | concat, element type) -> session
 
     def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue | np.ndarray]:
@@ -81,35 +81,17 @@ class DeviceStepModel(OnnxStepModel):
         return StepOutput(*values[:heads], values[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
-    def device_step(self, tokens: ort.OrtValue, static: dict[str, ort.OrtValue], state: dict[str, Any], k: int,
-                    positions: np.ndarray | None) -> tuple[list[ort.OrtValue], dict[str, Any]]:
-        """A step whose token ids come from the device and whose best tokens stay there: the ``top_ids``,
-        ``top_log_probs`` and ``eos_log_prob`` outputs (on the device) and the next state
-        (:mod:`server.engine.device_search`)."""
-        if self.positions:
-            positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
-            state = self._reserve(state, int(positions.max()) + 1)
-        return self._run_step(tokens, static, state, False, k, positions,
-                              {name: self.device for name in TOP_K_OUTPUTS})
-
-    def _run_step(self, tokens: np.ndarray | ort.OrtValue, static: dict[str, ort.OrtValue], state: dict[str, Any],
+    def _run_step(self, tokens: np.ndarray, static: dict[str, ort.OrtValue], state: dict[str, Any],
                   need_attention: bool, k: int, positions: np.ndarray | None, outputs: dict[str, str],
                   ) -> tuple[list[ort.OrtValue], dict[str, Any]]:
-        """Run the step graph on ``tokens`` (host or device) with ``outputs`` (name -> where) bound; returns
-        those outputs, in order, and the next state (its buffers in place, the rest in new device memory)."""
+        """Run the step graph on ``tokens`` with ``outputs`` (name -> where) bound; returns those outputs, in
+        order, and the next state (its buffers in place, the rest in new device memory)."""
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         binding = session.io_binding()
-        if isinstance(tokens, ort.OrtValue):
-            binding.bind_ortvalue_input("input_ids", tokens)
-        else:
-            binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input("input_ids", tokens)
         if self.positions:
             binding.bind_cpu_input(self.positions, positions)
-        for name, value in static.items():
-            binding.bind_ortvalue_input(name, value)
-        for entry in self.state:
-            binding.bind_ortvalue_input(entry.input, state[entry.input])
-        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
+        self._bind_step_inputs(binding, static, state, k)
         for name, where in outputs.items():
             binding.bind_output(name, where)
         for entry in self.state:  # an in-place buffer is its own output; the rest get new device memory
@@ -126,6 +108,66 @@ class DeviceStepModel(OnnxStepModel):
             new_state[self.positions] = positions + 1
         return values[: len(outputs)], new_state
 
+    def _bind_step_inputs(self, binding: ort.IOBinding, static: dict[str, ort.OrtValue], state: dict[str, Any],
+                          k: int) -> None:
+        for name, value in static.items():
+            binding.bind_ortvalue_input(name, value)
+        for entry in self.state:
+            binding.bind_ortvalue_input(entry.input, state[entry.input])
+        binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
+
+    @property
+    def device_beam(self) -> bool:
+        """Beam search's selection runs on the device (``device_search``; not for the concatenating cache of
+        nmt-model/1, whose state grows every step)."""
+        return self._device_search and not any(e.init == "empty" and 0 in (e.shape or []) for e in self.state)
+
+    def beam_run(self, beam: int, eos_id: int, start_id: int, books: Books, penalties: list[float],
+                 quotas: list[int], static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray,
+                 k: int, steps: int) -> DeviceBeamRun:
+        """Up to ``steps`` beam steps whose selection stays on the device (:class:`DeviceBeamRun`), from the books
+        and ``state`` at ``positions`` (int64 [R]); the in-place buffers are reserved for all of them first."""
+        if self.positions:
+            state = self._reserve(state, int(positions.max()) + steps + 1)
+        return DeviceBeamRun(self, self.selection_session(beam, eos_id, start_id), books, penalties, quotas, static,
+                             state, positions if self.positions else None, k)
+
+    def step_binding(self, tokens: ort.OrtValue, positions: ort.OrtValue | None, static: dict[str, ort.OrtValue],
+                     state: dict[str, ort.OrtValue], k: int, outputs: dict[str, ort.OrtValue],
+                     written: dict[str, ort.OrtValue]) -> ort.IOBinding:
+        """The step graph bound to buffers that stay: token ids and positions in, ``outputs`` (top-k) out,
+        ``state`` in and ``written`` out (the same buffer for an in-place one)."""
+        binding = self.sessions["decoder"].io_binding()
+        binding.bind_ortvalue_input("input_ids", tokens)
+        if positions is not None:
+            binding.bind_ortvalue_input(self.positions, positions)
+        self._bind_step_inputs(binding, static, state, k)
+        for name, value in outputs.items():
+            binding.bind_ortvalue_output(name, value)
+        for entry in self.state:
+            binding.bind_ortvalue_output(entry.output, written[entry.input])
+        return binding
+
+    def gather_binding(self, inputs: list[ort.OrtValue], rows: ort.OrtValue, outputs: list[ort.OrtValue],
+                       ) -> ort.IOBinding:
+        """The ``Gather`` session of ``inputs``' element types bound to buffers that stay: row ``i`` of each
+        output receives row ``rows[i]`` of its input."""
+        binding = self.gather_session(tuple(value.data_type() for value in inputs)).io_binding()
+        for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
+            binding.bind_ortvalue_input(f"x{i}", x)
+            binding.bind_ortvalue_output(f"y{i}", y)
+        binding.bind_ortvalue_input("rows", rows)
+        return binding
+
+    def top_k_width(self, k: int) -> int:
+        """The best tokens a step returns for ``k`` (``k``, or the vocabulary when smaller)."""
+        return int(self._top_k(k)[0])
+
+    @property
+    def score_dtype(self) -> Any:
+        """The NumPy type of the step's log-probabilities."""
+        return self._output_dtypes[TOP_K_OUTPUTS[1]]
+
     def selection_session(self, beam: int, eos_id: int, start_id: int) -> ort.InferenceSession:
         """The selection graph's session for sentences of beam ``beam``, made once, with the decoder's options
         and providers."""
@@ -135,11 +177,6 @@ class DeviceStepModel(OnnxStepModel):
                                             if o.name == TOP_K_OUTPUTS[1])]
             self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type))
         return self._sessions[key]
-
-    def gather_rows(self, tensors: dict[str, Any], rows: ort.OrtValue) -> dict[str, Any]:
-        """:meth:`select_rows` with ``rows`` on the device, within each sentence's rows: host arrays (the
-        positions, equal over a sentence's rows) stay as they are."""
-        return self._gather(tensors, rows)
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
               state: dict[str, Any], need_attention: bool) -> ForcedOutput:
@@ -187,7 +224,7 @@ class DeviceStepModel(OnnxStepModel):
         selected = dict(tensors)
         if not names:
             return selected
-        session = self._gather_session(tuple(tensors[name].data_type() for name in names))
+        session = self.gather_session(tuple(tensors[name].data_type() for name in names))
         binding = session.io_binding()
         for i, name in enumerate(names):
             binding.bind_ortvalue_input(f"x{i}", tensors[name])
@@ -197,7 +234,7 @@ class DeviceStepModel(OnnxStepModel):
         selected.update(zip(names, binding.get_outputs(), strict=True))
         return selected
 
-    def _gather_session(self, types: tuple[str, ...]) -> ort.InferenceSession:
+    def gather_session(self, types: tuple[str, ...]) -> ort.InferenceSession:
         """The session that gathers the rows of tensors of element ``types`` ("tensor(float)", ...), one
         ``Gather`` each (made once per tuple: the static inputs' and the state's at load)."""
         if types not in self._gathers:

@@ -150,27 +150,26 @@ class PlainSteps:
         of the step that was not quiet (read back, with the state before its reorder), for :meth:`step` to
         select from as any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
-        model, sentences = self.model, self._sentences
-        session = model.selection_session(sentences[0].beam, self.eos_id, self.start_id)
-        run = DeviceBeamRun(session, model.device, Books(
-            self._tokens, self._totals, self._history, self._history_scores,
-            np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
-            [s.spec.length_penalty for s in sentences], [s.quota for s in sentences])
+        sentences = self._sentences
+        run = self.model.beam_run(
+            sentences[0].beam, self.eos_id, self.start_id,
+            Books(self._tokens, self._totals, self._history, self._history_scores,
+                  np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
+            [s.spec.length_penalty for s in sentences], [s.quota for s in sentences], self._static, self._state,
+            self._steps, layout.k, count)
         checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
-        state, positions, done = self._state, self._steps, 0
-        for _ in range(count):
-            (top_ids, top_log_probs, eos_log_prob), stepped = model.device_step(
-                run.tokens, self._static, state, layout.k, positions if self.per_row_positions else None)
+        for done in range(count):
             self.steps_run += 1
-            if run.select(top_ids, top_log_probs) or (checks and any(check() for check in checks)):
+            if run.step() or (checks and any(check() for check in checks)):
                 self._device_books(run, done)
-                return StepOutput(run.read(top_ids), run.read(top_log_probs), run.read(eos_log_prob), None, stepped)
-            state = model.gather_rows(stepped, run.accept())
-            positions, done = positions + 1, done + 1
+                top_ids, top_log_probs, eos_log_prob, state = run.output()
+                return StepOutput(top_ids, top_log_probs, eos_log_prob, None, state)
+            run.advance()
             if stop is not None and stop():
+                count = done + 1
                 break
-        self._device_books(run, done)
-        self._state = state
+        self._device_books(run, count)
+        self._state = run.state()
         return None
 
     def _device_books(self, run: DeviceBeamRun, count: int) -> None:
