@@ -77,8 +77,7 @@ class ServerConfig:
                              "error in the scores)")
     device_search: bool = option(False, "run beam search's selection in a graph on the device (CUDA versions): the "
                                  "host reads a byte a sentence per step instead of each row's best tokens; not "
-                                 "yet measured on a GPU, and slower than the host's selection on the CPU "
-                                 "(benchmarks/README.md)")
+                                 "yet measured on a GPU (benchmarks/README.md)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
