@@ -24,6 +24,7 @@ import pytest
 
 from server.engine.bound_steps import GreedySteps
 from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
+from server.engine.device_search import DeviceBeamRun
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
 from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.engine.portable_attention import inline_self_attention, needs_portable_attention
@@ -154,6 +155,32 @@ def test_plain_greedy_steps_on_cuda_decode_like_the_cpu(cpu, gpu, monkeypatch):
         assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
         assert on_gpu.hypotheses[0].score == pytest.approx(on_cpu.hypotheses[0].score, abs=TOLERANCE)
     assert type(engine.model) in models, "the CUDA decode took the plain steps"
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_the_selection_on_cuda_decodes_like_the_cpu(arch, tiny_models, cpu, monkeypatch):
+    """Beam search's selection on the device (``device_search``): the CPU's hypotheses and scores, the quiet steps
+    run on CUDA (the selection and the state's ``Gather`` sessions there too), each reading one byte a sentence."""
+    reads = []
+    step = DeviceBeamRun.step
+
+    def counted(self: DeviceBeamRun) -> bool:
+        before = self.bytes_read
+        done = step(self)
+        reads.append((len(self.done), self.bytes_read - before))
+        return done
+
+    monkeypatch.setattr(DeviceBeamRun, "step", counted)
+    engine = Engine.load(tiny_models[arch], provider="cuda", device_search=True)
+    options = DecodingOptions(beam_size=4, num_hypotheses=2, length_penalty=0.6)
+    for on_cpu, on_gpu in zip(cpu[arch].translate(TEXTS, options), engine.translate(TEXTS, options), strict=True):
+        assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
+        for a, b in zip(on_gpu.hypotheses, on_cpu.hypotheses, strict=True):
+            assert a.score == pytest.approx(b.score, abs=TOLERANCE)
+    assert reads and all(read == sentences for sentences, read in reads)
+    sessions = [engine.model.selection_session(4, engine.eos_id, engine.start_id),
+                *engine.model.gather_sessions.values()]
+    assert sessions and {s.get_providers()[0] for s in sessions} == {CUDA}
 
 
 def _device_memory_mib() -> int:
