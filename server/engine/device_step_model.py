@@ -39,10 +39,9 @@ class DeviceStepModel(OnnxStepModel):
         outputs = {o.name: o.type for o in sessions["decoder"].get_outputs()}
         static = tuple(o.type for o in sessions["encoder"].get_outputs() if o.name in self.static_names)
         state = tuple(outputs[e.output] for e in self.state)
-        self._gathers: dict[tuple[str, ...], ort.InferenceSession] = {}  # element types -> a Gather of each
+        self._sessions: dict[tuple[str, Any], ort.InferenceSession] = {}  # (kind, key) -> a small graph's session
         for types in (static, state):
             self.gather_session(types)
-        self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # (pad | concat, element type) -> session
 
     def encode(self, src: np.ndarray) -> dict[str, ort.OrtValue | np.ndarray]:
         session = self.sessions["encoder"]
@@ -224,81 +223,98 @@ class DeviceStepModel(OnnxStepModel):
         selected = dict(tensors)
         if not names:
             return selected
-        session = self.gather_session(tuple(tensors[name].data_type() for name in names))
-        binding = session.io_binding()
-        for i, name in enumerate(names):
-            binding.bind_ortvalue_input(f"x{i}", tensors[name])
-            binding.bind_output(f"y{i}", self.device)
-        binding.bind_ortvalue_input("rows", rows)
-        session.run_with_iobinding(binding)
-        selected.update(zip(names, binding.get_outputs(), strict=True))
+        values = [tensors[name] for name in names]
+        selected.update(zip(names, self._run_rows("gather", values, {"rows": rows}), strict=True))
         return selected
 
     def gather_session(self, types: tuple[str, ...]) -> ort.InferenceSession:
         """The session that gathers the rows of tensors of element ``types`` ("tensor(float)", ...), one
         ``Gather`` each (made once per tuple: the static inputs' and the state's at load)."""
-        if types not in self._gathers:
-            graph = helper.make_graph(
-                [helper.make_node("Gather", [f"x{i}", "rows"], [f"y{i}"], axis=0) for i in range(len(types))],
-                "gather_rows",
-                [*(helper.make_tensor_value_info(f"x{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)),
-                 helper.make_tensor_value_info("rows", TensorProto.INT64, None)],
-                [helper.make_tensor_value_info(f"y{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)])
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-            self._gathers[types] = self._session(model.SerializeToString())
-        return self._gathers[types]
-
+        return self._rows_session("gather", types)
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`OnnxStepModel.concat_rows` on the device: ``Pad`` then ``Concat`` graphs."""
-        joined = {}
-        for name, a in first.items():
-            b = second[name]
-            if isinstance(a, np.ndarray):
-                joined[name] = concat_rows({name: a}, {name: b})[name]
-                continue
-            width = np.maximum(a.shape()[1:], b.shape()[1:])
-            a, b = (self._pad(value, [int(w) for w in width]) for value in (a, b))
-            joined[name] = self._run("concat", a.data_type(), a=a, b=b)
-        return joined
+        """:meth:`OnnxStepModel.concat_rows` on the device: every tensor's ``Pad`` and ``Concat`` in one session
+        run (host arrays, the positions, joined on the host)."""
+        names = [name for name, value in first.items() if not isinstance(value, np.ndarray)]
+        joined = concat_rows({name: first[name] for name in first if name not in names},
+                             {name: second[name] for name in first if name not in names})
+        if not names:
+            return joined
+        values, pads = [], {}
+        for i, name in enumerate(names):
+            a, b = first[name], second[name]
+            width = [int(w) for w in np.maximum(a.shape()[1:], b.shape()[1:])]
+            values += [a, b]
+            pads[f"pa{i}"], pads[f"pb{i}"] = _pads(a.shape(), width), _pads(b.shape(), width)
+        joined.update(zip(names, self._run_rows("join", values, host=pads), strict=True))
+        return {name: joined[name] for name in first}
+
+    def _reserve(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
+        """:meth:`OnnxStepModel._reserve` with every buffer that grows padded in one session run."""
+        growing = []
+        for name, entry in self.buffers.items():
+            capacity = state[name].shape()[entry.capacity_axis]
+            if needed > capacity:
+                growing.append((name, entry, max(2 * capacity, needed)))
+        if not growing:
+            return state
+        pads = {}
+        for i, (name, entry, capacity) in enumerate(growing):
+            target = state[name].shape()[1:]
+            target[entry.capacity_axis - 1] = capacity
+            pads[f"p{i}"] = _pads(state[name].shape(), target)
+        grown = self._run_rows("pad", [state[name] for name, _, _ in growing], host=pads)
+        return {**state, **{name: value for (name, _, _), value in zip(growing, grown, strict=True)}}
 
     def _grow(self, buffer: ort.OrtValue, entry: StateTensor, capacity: int) -> ort.OrtValue:
-        shape = buffer.shape()[1:]
-        shape[entry.capacity_axis - 1] = capacity
-        return self._pad(buffer, shape)
+        shape = buffer.shape()
+        target = shape[1:]
+        target[entry.capacity_axis - 1] = capacity
+        return self._run_rows("pad", [buffer], host={"p0": _pads(shape, target)})[0]
 
-    def _pad(self, value: ort.OrtValue, shape: list[int]) -> ort.OrtValue:
-        """``value`` zero-padded at the end of its non-row axes to ``shape`` (rows excluded)."""
-        have = value.shape()
-        if list(have[1:]) == list(shape):
-            return value
-        pads = np.array([0] * len(have) + [0] + [want - got for got, want in zip(have[1:], shape, strict=True)])
-        return self._run("pad", value.data_type(), x=value, pads=ort.OrtValue.ortvalue_from_numpy(pads))
-
-    def _run(self, kind: str, element_type: str, **inputs: ort.OrtValue) -> ort.OrtValue:
-        """One of the small device graphs (:data:`_DEVICE_GRAPHS`) on ``inputs``; returns its output there."""
-        key = (kind, element_type)
-        if key not in self._sessions:
-            self._sessions[key] = self._device_session(kind, element_type)
-        session = self._sessions[key]
+    def _run_rows(self, kind: str, values: list[ort.OrtValue], device: dict[str, ort.OrtValue] | None = None,
+                  host: dict[str, np.ndarray] | None = None) -> list[ort.OrtValue]:
+        """One run of the ``kind`` session (:meth:`_rows_session`) over ``values`` (its tensors, in its input
+        order) with ``device`` inputs (``rows``) and ``host`` ones (pads); returns its outputs on the device."""
+        per = 2 if kind == "join" else 1
+        session = self._rows_session(kind, tuple(value.data_type() for value in values[::per]))
         binding = session.io_binding()
-        for name, value in inputs.items():
+        for name, value in zip(_tensor_inputs(kind, len(values) // per), values, strict=True):
             binding.bind_ortvalue_input(name, value)
-        binding.bind_output("y", self.device)
+        for name, value in (device or {}).items():
+            binding.bind_ortvalue_input(name, value)
+        for name, array in (host or {}).items():
+            binding.bind_cpu_input(name, array)
+        for i in range(len(values) // per):
+            binding.bind_output(f"y{i}", self.device)
         session.run_with_iobinding(binding)
-        return binding.get_outputs()[0]
+        return binding.get_outputs()
 
-    def _device_session(self, kind: str, element_type: str) -> ort.InferenceSession:
-        """A one-node session of :data:`_DEVICE_GRAPHS` for tensors of ``element_type`` ("tensor(float)")."""
-        dtype = _ELEMENT_TYPES[element_type]
-        op, inputs, attributes = _DEVICE_GRAPHS[kind]
-        graph = helper.make_graph(
-            [helper.make_node(op, list(inputs), ["y"], **attributes)], kind,
-            [helper.make_tensor_value_info(name, dtype if typed else TensorProto.INT64, None)
-             for name, typed in inputs.items()],
-            [helper.make_tensor_value_info("y", dtype, None)],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-        return self._session(model.SerializeToString())
+    def _rows_session(self, kind: str, types: tuple[str, ...]) -> ort.InferenceSession:
+        """The session of a small graph over tensors of element ``types``, one chain of nodes each, all in one
+        run: ``gather`` (rows ``rows`` of each ``x{i}``), ``pad`` (each ``x{i}`` zero-padded by ``p{i}``) or
+        ``join`` (each ``a{i}`` and ``b{i}`` padded by ``pa{i}``/``pb{i}``, then concatenated on the rows)."""
+        key = (kind, types)
+        if key not in self._sessions:
+            nodes, inputs = [], []
+            for i, element_type in enumerate(types):
+                dtype = _ELEMENT_TYPES[element_type]
+                inputs += [helper.make_tensor_value_info(name, dtype, None) for name in _tensor_inputs(kind, 1, i)]
+                if kind == "gather":
+                    nodes.append(helper.make_node("Gather", [f"x{i}", "rows"], [f"y{i}"], axis=0))
+                elif kind == "pad":
+                    nodes.append(helper.make_node("Pad", [f"x{i}", f"p{i}"], [f"y{i}"]))
+                else:
+                    nodes += [helper.make_node("Pad", [f"a{i}", f"pa{i}"], [f"ja{i}"]),
+                              helper.make_node("Pad", [f"b{i}", f"pb{i}"], [f"jb{i}"]),
+                              helper.make_node("Concat", [f"ja{i}", f"jb{i}"], [f"y{i}"], axis=0)]
+            extra = ["rows"] if kind == "gather" else [
+                f"{p}{i}" for i in range(len(types)) for p in (("p",) if kind == "pad" else ("pa", "pb"))]
+            inputs += [helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in extra]
+            outputs = [helper.make_tensor_value_info(f"y{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)]
+            graph = helper.make_graph(nodes, f"rows_{kind}", inputs, outputs)
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+            self._sessions[key] = self._session(model.SerializeToString())
+        return self._sessions[key]
 
     def _session(self, model: bytes) -> ort.InferenceSession:
         """A session of a small graph with the decoder's options and providers (device id and memory limit
@@ -312,14 +328,21 @@ class DeviceStepModel(OnnxStepModel):
     def gather_sessions(self) -> dict[str, ort.InferenceSession]:
         """The ``Gather`` sessions that select rows, by the element types of the tensors they take ("tensor(float),
         tensor(float)", ...)."""
-        return {", ".join(types): session for types, session in self._gathers.items()}
+        return {", ".join(key): session for (kind, key), session in self._sessions.items() if kind == "gather"}
 
 
-# kind -> (operator, its inputs (name -> of the tensors' element type, else int64), attributes)
-_DEVICE_GRAPHS = {
-    "pad": ("Pad", {"x": True, "pads": False}, {}),  # zeros at the end of non-row axes (cache growth, joins)
-    "concat": ("Concat", {"a": True, "b": True}, {"axis": 0}),  # concat_rows
-}
+def _tensor_inputs(kind: str, count: int, first: int = 0) -> list[str]:
+    """The tensor inputs of a :meth:`DeviceStepModel._rows_session` graph of ``kind`` for tensors ``first`` ..."""
+    names = ("a", "b") if kind == "join" else ("x",)
+    return [f"{name}{i}" for i in range(first, first + count) for name in names]
+
+
+def _pads(shape: list[int], target: list[int]) -> np.ndarray:
+    """``Pad``'s pads that take a tensor of ``shape`` to ``target`` on its non-row axes (zeros at their ends)."""
+    return np.array([0] * len(shape) + [0] + [want - got for got, want in zip(shape[1:], target, strict=True)],
+                    dtype=np.int64)
+
+
 _ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
                   "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
                   "tensor(bool)": TensorProto.BOOL}
