@@ -203,7 +203,8 @@ class DeviceStepModel(OnnxStepModel):
 
     @property
     def plain_beam(self) -> bool:
-        """No plain beam steps: their reorder moves host rows (a device keeps the general step's ``Gather``)."""
+        """No plain beam steps: their reorder moves host rows (a device keeps the general step's ``Gather``, or
+        with ``device_search`` selects there: :attr:`device_beam`)."""
         return False
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:

@@ -7,11 +7,14 @@ is cut to reading each row's best tokens, chosen when nothing in the decode need
 * Plain beam steps (:meth:`PlainSteps._plain_beam`): some sentence at a beam of 2 or more, every such sentence
   expanded (a beam-1 sentence is a beam of one row there); the selection runs in plain Python lists
   (:mod:`server.engine.beam_steps`).
+* The selection on the device (:meth:`PlainSteps._device_beam`): every sentence at one beam of 2 or more,
+  expanded, on a model that keeps its state on a device with ``device_search``; a graph there selects and the
+  host reads the done flags (:mod:`server.engine.device_search`).
 
-Both run while their steps are *quiet* (no sentence ends, is done or is cancelled), write the quiet steps
-into the decode's books together, and hand the first step that is not quiet back to the general selection,
-so the results are the general search's, token for token, scores summed in the same order. Neither runs
-for decoding controls, target prefixes, attention or streaming.
+All run while their steps are *quiet* (no sentence ends, is done or is cancelled; the beam paths finish
+hypotheses within them), write the quiet steps into the decode's books together, and hand the first step
+that is not quiet back to the general selection, so the results are the general search's, token for token,
+scores summed in the same order. None runs for decoding controls, target prefixes, attention or streaming.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class PlainSteps:
         allows them (:attr:`Layout.plain`, :attr:`Layout.plain_beam`, :attr:`Layout.device_beam`) past its
         controls' and prefixes' steps, no row at its last step, on a model that has them
         (:meth:`server.engine.step_models.OnnxStepModel.greedy_steps`, ``beam_steps``,
-        :meth:`server.engine.device_step_model.DeviceStepModel.device_step`)."""
+        :meth:`server.engine.device_step_model.DeviceStepModel.beam_run`)."""
         age = self._age
         if not (layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None):
             return None
@@ -158,15 +161,15 @@ class PlainSteps:
             [s.spec.length_penalty for s in sentences], [s.quota for s in sentences], self._static, self._state,
             self._steps, layout.k, count)
         checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
-        for done in range(count):
+        for quiet in range(count):  # the quiet steps before this one
             self.steps_run += 1
             if run.step() or (checks and any(check() for check in checks)):
-                self._device_books(run, done)
+                self._device_books(run, quiet)
                 top_ids, top_log_probs, eos_log_prob, state = run.output()
                 return StepOutput(top_ids, top_log_probs, eos_log_prob, None, state)
             run.advance()
             if stop is not None and stop():
-                count = done + 1
+                count = quiet + 1
                 break
         self._device_books(run, count)
         self._state = run.state()
