@@ -47,21 +47,19 @@ def _counting_numpy(numpy):
 
 
 def decode(engine, src: np.ndarray, beam: int, max_length: int, device: bool) -> tuple[list, float, int, int]:
-    """One static batch; returns its token lists, seconds, steps and bytes read."""
-    from server.engine.decode import RunningDecode
+    """One static batch; returns its token lists, seconds, steps (every output runs to its limit: the longest
+    output's length) and bytes read."""
+    from server.engine.decode import beam_search
     from server.engine.search import BeamSentence
 
     specs = [BeamSentence(int((row > 0).sum()), max_length=max_length, beam_size=beam) for row in src]
     start = time.perf_counter()
     _read[0] = 0
-    d = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, plain_beam=device)
-    d.admit(engine.model.encode(src), specs, range(len(specs)))
-    results = [None] * len(specs)
-    while d.rows:
-        for index, result in d.step(until_leave=True):
-            results[index] = result
+    results = beam_search(engine.model, engine.model.encode(src), specs, start_id=engine.start_id,
+                          eos_id=engine.eos_id, plain_beam=device)
     seconds = time.perf_counter() - start
-    return [r.hypotheses[0].tokens for r in results], seconds, d.steps_run, _read[0]
+    tokens = [r.hypotheses[0].tokens for r in results]
+    return tokens, seconds, max(map(len, tokens)), _read[0]
 
 
 def main() -> None:
