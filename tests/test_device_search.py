@@ -6,11 +6,13 @@ every node of the selection graph with a CUDA kernel."""
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import replace
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
@@ -179,4 +181,21 @@ def test_the_servers_flag_reaches_the_engine(repository, selections):
         assert harness.engine().model.device_beam
     finally:
         harness.close()
+    assert selections
+
+
+def test_a_runs_buffers_go_with_it(engines, selections):
+    """Every buffer a run of device steps allocates is freed when the decode ends: a second decode leaves as many
+    ``OrtValue`` s alive as the first."""
+    _, device = engines
+
+    def live() -> int:
+        gc.collect()
+        return sum(type(o) is ort.OrtValue for o in gc.get_objects())
+
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    device.translate(["one two three", "four five"], options)
+    before = live()
+    device.translate(["one two three", "four five"], options)
+    assert live() == before
     assert selections
