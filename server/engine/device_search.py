@@ -41,10 +41,13 @@ from server.types import ScoredSequence
 _NEG_INF = float("-inf")
 _I64, _F64 = TensorProto.INT64, TensorProto.DOUBLE
 # the selection graph's inputs and outputs: (element type (None: the step's scores'), shape); R rows in, R' out,
-# n sentences, K best tokens a row, L history positions, Q finished hypotheses kept at most
+# n sentences, K best tokens a row, L history positions, Q finished hypotheses kept at most. What a run does not
+# change comes in made on the host: each sentence's quota as a mask of its slots (``kept``) and the index of its
+# last (``worst``), its first row (``first_rows``: j x beam) and the history's column numbers (``columns``)
 _INPUTS = {"top_ids": (_I64, ["R", "K"]), "top_log_probs": (None, ["R", "K"]), "totals": (_F64, ["R"]),
            "history": (_I64, ["R", "L"]), "history_scores": (_F64, ["R", "L"]), "steps": (_I64, ["n"]),
-           "positions": (_I64, ["R"]), "penalties": (_F64, ["n"]), "quotas": (_I64, ["n"]),
+           "positions": (_I64, ["R"]), "penalties": (_F64, ["n"]), "kept": (TensorProto.BOOL, ["n", "Q"]),
+           "worst": (_I64, ["n", 1]), "first_rows": (_I64, ["n", 1]), "columns": (_I64, ["L"]),
            "fin_scores": (_F64, ["n", "Q"]),
            "fin_tokens": (_I64, ["n", "Q", "L"]), "fin_token_scores": (_F64, ["n", "Q", "L"]),
            "fin_lengths": (_I64, ["n", "Q"])}
@@ -95,22 +98,18 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     ids = g.op("Slice", "top_ids", zero, width_c, one)  # [R, P], P = min(2 beam, K)
     scores = g.op("Cast", g.op("Slice", "top_log_probs", zero, width_c, one), to=TensorProto.DOUBLE)
     by_sentence = g.op("Concat", n, minus_one, axis=0)
-    totals = g.op("Reshape", "totals", by_sentence)  # [n, width]
-    width = g.op("Gather", g.op("Shape", totals), one)
     per_row = g.op("Gather", g.op("Shape", ids), one)
-    summed = g.op("Add", g.op("Unsqueeze", totals, two),
-                  g.op("Reshape", scores, g.op("Concat", n, width, minus_one, axis=0)))  # [n, width, P]
+    summed = g.op("Add", g.op("Reshape", "totals", g.op("Concat", n, beam_c, one, axis=0)),
+                  g.op("Reshape", scores, g.op("Concat", n, beam_c, minus_one, axis=0)))  # [n, beam, P]
     candidates = g.op("Reshape", summed, by_sentence)  # [n, width x P]: at least 2 x beam (width is beam)
     block_ids, block_scores = g.op("Reshape", ids, by_sentence), g.op("Reshape", scores, by_sentence)
     best, order = g.op("TopK", candidates, width_c, outputs=2, axis=1, largest=1, sorted=1)  # [n, C]
     token = g.op("GatherElements", block_ids, order, axis=1)
     token_score = g.op("GatherElements", block_scores, order, axis=1)
-    sentence_rows = g.op("Mul", g.op("Unsqueeze", g.op("Range", g.const(0, np.int64), g.op("Squeeze", n),
-                                                       g.const(1, np.int64)), one), width)  # [n, 1]
-    origin = g.op("Add", g.op("Div", order, per_row), sentence_rows)  # [n, C] rows of the decode
+    origin = g.op("Add", g.op("Div", order, per_row), "first_rows")  # [n, C] rows of the decode
 
     # the walk: EOS finishes, the others live until the beam is full
-    valid = g.op("Not", g.op("Equal", best, neg_inf))
+    valid = g.op("Greater", best, neg_inf)
     is_eos = g.op("And", g.op("Equal", token, eos), valid)
     live = g.op("And", g.op("Not", is_eos), valid)
     before = g.op("CumSum", g.op("Cast", live, to=TensorProto.INT64), one, exclusive=1)
@@ -131,8 +130,7 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     new_token_scores = g.op("GatherElements", token_score, chosen, axis=1)
 
     # histories: rows follow their origins, this step's token at each row's step
-    capacity = g.op("Gather", g.op("Shape", "history"), one)
-    columns = g.op("Range", g.const(0, np.int64), g.op("Squeeze", capacity), g.const(1, np.int64))  # [L]
+    columns = "columns"  # [L]
     row_steps = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", "steps", one), g.op("Concat", n, beam_c, axis=0)),
                      g.const([-1, 1], np.int64))  # [n b, 1]
     at_step = g.op("Equal", columns, row_steps)  # [n b, L]
@@ -145,18 +143,16 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
 
     # finished hypotheses: this step's, merged into each sentence's table of its best
     lengths = g.op("Add", "steps", one)  # [n]
-    divisor = g.op("Unsqueeze", g.op("Pow", g.op("Cast", lengths, to=TensorProto.DOUBLE), "penalties"), one)
-    new_finished = g.op("Where", finish, g.op("Div", best, divisor), neg_inf)  # [n, C]
+    divisor = g.op("Pow", g.op("Cast", lengths, to=TensorProto.DOUBLE), "penalties")  # [n]: length ** penalty
+    new_finished = g.op("Where", finish, g.op("Div", best, g.op("Unsqueeze", divisor, one)), neg_inf)  # [n, C]
     quota = g.op("Gather", g.op("Shape", "fin_scores"), one)
     merged, picked = g.op("TopK", g.op("Concat", "fin_scores", new_finished, axis=1), quota, outputs=2, axis=1,
                           largest=1, sorted=1)  # [n, Q]
-    held = g.op("Less", g.op("Range", g.const(0, np.int64), g.op("Squeeze", quota), g.const(1, np.int64)),
-                g.op("Unsqueeze", "quotas", one))  # a sentence keeps its own quota
-    fin_scores = g.op("Where", held, merged, neg_inf, name="next_fin_scores")
+    fin_scores = g.op("Where", "kept", merged, neg_inf, name="next_fin_scores")  # a sentence keeps its own quota
     at_eos = g.op("Equal", columns, g.op("Unsqueeze", g.op("Unsqueeze", "steps", one), two))  # [n, 1, L]
     tokens_now = g.op("Where", at_eos, eos, g.op("Gather", "history", origin))  # [n, C, L]
     scores_now = g.op("Where", at_eos, g.op("Unsqueeze", token_score, two), g.op("Gather", "history_scores", origin))
-    table_shape = g.op("Concat", n, quota, capacity, axis=0)
+    table_shape = g.op("Concat", n, quota, g.op("Shape", columns), axis=0)
     rows_picked = g.op("Expand", g.op("Unsqueeze", picked, two), table_shape)
     g.op("GatherElements", g.op("Concat", "fin_tokens", tokens_now, axis=1), rows_picked, axis=1,
          name="next_fin_tokens")
@@ -166,15 +162,13 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     g.op("GatherElements", g.op("Concat", "fin_lengths", lengths_now, axis=1), picked, axis=1,
          name="next_fin_lengths")
 
-    # done: nothing lives, or the quota is full and the best live hypothesis, ending now, is no better than
-    # the worst kept
+    # done: nothing lives, or the quota is full (its last slot holds a hypothesis: the table is sorted) and the
+    # best live hypothesis, ending now, is no better than the worst kept
     best_live = g.op("Squeeze", g.op("Slice", new_totals, zero, one, one), one)  # [n]
-    count = g.op("ReduceSum", g.op("Cast", g.op("Not", g.op("Equal", fin_scores, neg_inf)), to=TensorProto.INT64),
-                 one, keepdims=0)
-    worst = g.op("Squeeze", g.op("GatherElements", fin_scores, g.op("Unsqueeze", g.op("Sub", "quotas", one), one),
-                                 axis=1), one)
-    no_better = g.op("LessOrEqual", g.op("Div", best_live, g.op("Squeeze", divisor, one)), worst)
-    g.op("Or", g.op("Equal", best_live, neg_inf), g.op("And", g.op("Equal", count, "quotas"), no_better), name="done")
+    worst = g.op("Squeeze", g.op("GatherElements", fin_scores, "worst", axis=1), one)  # [n]
+    no_better = g.op("LessOrEqual", g.op("Div", best_live, divisor), worst)
+    g.op("Or", g.op("Equal", best_live, neg_inf), g.op("And", g.op("Greater", worst, neg_inf), no_better),
+         name="done")
 
     graph = helper.make_graph(g.nodes, f"beam{beam}_selection",
                               [helper.make_tensor_value_info(name, score_type if elem is None else elem, shape)
@@ -239,8 +233,11 @@ class DeviceBeamRun:
         self.sets = [first, {name: self._like(value) for name, value in first.items()}]
         names = [name for name, value in state.items() if not isinstance(value, np.ndarray)]
         state_sets = [{name: state[name] for name in names}, {name: self._like(state[name]) for name in names}]
+        quota = np.asarray(quotas, dtype=np.int64)[:, None]
         fixed = {"penalties": self._upload(np.asarray(penalties, dtype=np.float64)),
-                 "quotas": self._upload(np.asarray(quotas, dtype=np.int64)),
+                 "kept": self._upload(np.arange(q) < quota), "worst": self._upload(quota - 1),
+                 "first_rows": self._upload(np.arange(n, dtype=np.int64)[:, None] * (rows // n)),
+                 "columns": self._upload(np.arange(capacity, dtype=np.int64)),
                  "origins": self._alloc((rows,), np.int64)}
         width = int(model.top_k_width(k))
         score_dtype = model.score_dtype
@@ -264,7 +261,7 @@ class DeviceBeamRun:
             for name in _CARRIED:
                 select.bind_ortvalue_input(name, now[name])
                 select.bind_ortvalue_output(_CARRIED[name], after[name])
-            for name in ("penalties", "quotas"):
+            for name in ("penalties", "kept", "worst", "first_rows", "columns"):
                 select.bind_ortvalue_input(name, fixed[name])
             select.bind_ortvalue_output("next_ids", after["input_ids"])
             select.bind_ortvalue_output("origins", fixed["origins"])
