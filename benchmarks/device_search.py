@@ -15,7 +15,8 @@ two ways, alternating call by call in this process (``--repeats`` calls each, me
   byte a sentence per step.
 
 Per cell: tokens/s, milliseconds a step, the host's bytes read from the device per step (every
-``OrtValue.numpy()`` of the decode, counted) and the ratio device/host; outputs must agree.
+``OrtValue.numpy()`` of the decode, counted, over the whole call) and, for the device's selection, per quiet step
+(one byte a sentence), and the ratio device/host; outputs must agree.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_throughput import SIZES, export_project, host, marian_model, sources  # noqa: E402
 
 _read = [0]  # bytes brought to the host by OrtValue.numpy() since the counter was reset
+_quiet = [0, 0]  # quiet steps of the device's selection and the bytes they read
+
+
+def _counting_steps(step):
+    def counted(self):
+        before = self.bytes_read
+        done = step(self)
+        if not done:
+            _quiet[0] += 1
+            _quiet[1] += self.bytes_read - before
+        return done
+    return counted
 
 
 def _counting_numpy(numpy):
@@ -74,9 +87,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     args = parser.parse_args()
 
+    from server.engine.device_search import DeviceBeamRun
     from server.engine.engine import Engine
 
     OrtValue.numpy = _counting_numpy(OrtValue.numpy)
+    DeviceBeamRun.step = _counting_steps(DeviceBeamRun.step)
     with tempfile.TemporaryDirectory() as tmp:
         version, _ = export_project(marian_model(args.size), Path(tmp), None, args.precision)
         engine = Engine.load(version, provider=args.provider, intra_op_threads=args.threads, device_state=True,
@@ -84,12 +99,13 @@ def main() -> None:
         print(f"# {host()}; {args.size} {args.precision} on {engine.provider}, {args.max_length} tokens a sentence, "
               f"{args.repeats} calls a way, alternating")
         print("| batch | beam | host tok/s | device tok/s | device/host | host ms/step | device ms/step "
-              "| bytes read/step, host | device |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| bytes read/step, host | device | device, a quiet step |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for beam in args.beams:
             for batch in args.batches:
                 src = np.array(sources(batch, SIZES[args.size]["vocab"]), dtype=np.int64)
                 runs: dict[bool, list[tuple[float, int, int]]] = {False: [], True: []}
+                _quiet[:] = [0, 0]
                 outputs = {}
                 for i in range(args.repeats + 1):  # the first call of each way warms up
                     for device in (False, True) if i % 2 else (True, False):
@@ -106,7 +122,8 @@ def main() -> None:
                     cell[device] = (generated / seconds, 1000 * seconds / rows[0][1], rows[0][2] / rows[0][1])
                 print(f"| {batch} | {beam} | {cell[False][0]:,.0f} | {cell[True][0]:,.0f} | "
                       f"{cell[True][0] / cell[False][0]:.2f}x | {cell[False][1]:.2f} | {cell[True][1]:.2f} | "
-                      f"{cell[False][2]:,.0f} | {cell[True][2]:,.0f} |", flush=True)
+                      f"{cell[False][2]:,.0f} | {cell[True][2]:,.0f} | {_quiet[1] / max(_quiet[0], 1):,.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
