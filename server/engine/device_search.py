@@ -194,10 +194,8 @@ class Books:
 
 
 # the selection's state between steps: its input -> the output that replaces it
-_CARRIED = {"totals": "next_totals", "history": "next_history", "history_scores": "next_history_scores",
-            "steps": "next_steps", "positions": "next_positions", "fin_scores": "next_fin_scores",
-            "fin_tokens": "next_fin_tokens", "fin_token_scores": "next_fin_token_scores",
-            "fin_lengths": "next_fin_lengths"}
+_CARRIED = {name: f"next_{name}" for name in ("totals", "history", "history_scores", "steps", "positions",
+                                              "fin_scores", "fin_tokens", "fin_token_scores", "fin_lengths")}
 
 
 class DeviceBeamRun:
@@ -214,7 +212,8 @@ class DeviceBeamRun:
         self.model, self.device = model, model.device
         self.bytes_read = 0  # bytes brought from the device to the host
         self.parity = 0  # which set of buffers the next step reads
-        self.positions = positions  # int64 [R] on the host (None: the model takes none)
+        self.positions = positions  # int64 [R] on the host at the run's start (None: the model takes none)
+        self.advanced = 0  # quiet steps taken
         rows, n, capacity = len(books.tokens), len(books.steps), books.history.shape[1]
         q = max(quotas)
         fin_scores = np.full((n, q), _NEG_INF)
@@ -286,15 +285,14 @@ class DeviceBeamRun:
         step reads."""
         self._sessions[2].run_with_iobinding(self._bindings[self.parity][2])
         self.parity = 1 - self.parity
-        if self.positions is not None:
-            self.positions = self.positions + 1
+        self.advanced += 1
 
     def output(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """The last step's best tokens, their log-probabilities and EOS's (brought to the host) and the decoder
         state after it, its rows not yet reordered (a step that was not quiet, for the host's selection)."""
         state: dict[str, Any] = dict(self._bindings[self.parity][3])
         if self.positions is not None:
-            state[self.model.positions] = self.positions + 1
+            state[self.model.positions] = self.positions + self.advanced + 1
         return (self.read(self.top["top_ids"]), self.read(self.top["top_log_probs"]),
                 self.read(self.top["eos_log_prob"]), state)
 
@@ -302,7 +300,7 @@ class DeviceBeamRun:
         """The decoder state the next step reads."""
         state: dict[str, Any] = dict(self.states[self.parity])
         if self.positions is not None:
-            state[self.model.positions] = self.positions
+            state[self.model.positions] = self.positions + self.advanced
         return state
 
     def books(self) -> Books:
@@ -333,8 +331,10 @@ class DeviceBeamRun:
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
 
     def _like(self, value: ort.OrtValue) -> ort.OrtValue:
-        return self._alloc(tuple(value.shape()), _NUMPY_TYPES[value.data_type()])
+        return self._alloc(tuple(value.shape()), helper.tensor_dtype_to_np_dtype(ELEMENT_TYPES[value.data_type()]))
 
 
-_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+# an OrtValue's element type -> ONNX's
+ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
+                 "tensor(double)": TensorProto.DOUBLE, "tensor(int64)": TensorProto.INT64,
+                 "tensor(int32)": TensorProto.INT32, "tensor(bool)": TensorProto.BOOL}

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
-from server.engine.device_search import Books, DeviceBeamRun, selection_graph
+from server.engine.device_search import ELEMENT_TYPES, Books, DeviceBeamRun, selection_graph
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
 from server.engine.shared_weights import SharedWeights
@@ -172,7 +172,7 @@ class DeviceStepModel(OnnxStepModel):
         and providers."""
         key = ("select", f"{beam}/{eos_id}/{start_id}")
         if key not in self._sessions:
-            score_type = _ELEMENT_TYPES[next(o.type for o in self.sessions["decoder"].get_outputs()
+            score_type = ELEMENT_TYPES[next(o.type for o in self.sessions["decoder"].get_outputs()
                                             if o.name == TOP_K_OUTPUTS[1])]
             self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type))
         return self._sessions[key]
@@ -298,7 +298,7 @@ class DeviceStepModel(OnnxStepModel):
         if key not in self._sessions:
             nodes, inputs = [], []
             for i, element_type in enumerate(types):
-                dtype = _ELEMENT_TYPES[element_type]
+                dtype = ELEMENT_TYPES[element_type]
                 inputs += [helper.make_tensor_value_info(name, dtype, None) for name in _tensor_inputs(kind, 1, i)]
                 if kind == "gather":
                     nodes.append(helper.make_node("Gather", [f"x{i}", "rows"], [f"y{i}"], axis=0))
@@ -311,7 +311,7 @@ class DeviceStepModel(OnnxStepModel):
             extra = ["rows"] if kind == "gather" else [
                 f"{p}{i}" for i in range(len(types)) for p in (("p",) if kind == "pad" else ("pa", "pb"))]
             inputs += [helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in extra]
-            outputs = [helper.make_tensor_value_info(f"y{i}", _ELEMENT_TYPES[t], None) for i, t in enumerate(types)]
+            outputs = [helper.make_tensor_value_info(f"y{i}", ELEMENT_TYPES[t], None) for i, t in enumerate(types)]
             graph = helper.make_graph(nodes, f"rows_{kind}", inputs, outputs)
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
             self._sessions[key] = self._session(model.SerializeToString())
@@ -343,7 +343,3 @@ def _pads(shape: list[int], target: list[int]) -> np.ndarray:
     return np.array([0] * len(shape) + [0] + [want - got for got, want in zip(shape[1:], target, strict=True)],
                     dtype=np.int64)
 
-
-_ELEMENT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-                  "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
-                  "tensor(bool)": TensorProto.BOOL}
