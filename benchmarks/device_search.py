@@ -1,7 +1,7 @@
 """Beam search's selection on the device against the host's, on the engine that keeps its state on the device.
 
     python benchmarks/device_search.py --size SMALL --batches 1 8 32 --beams 4
-    python benchmarks/device_search.py --size SMALL --precision fp16 --provider cuda   # on a GPU
+    python benchmarks/device_search.py --size SMALL --precision fp16 --provider cuda --cuda-graphs   # on a GPU
 
 One random-weight Marian model of ``--size`` (``engine_throughput.py``'s; EOS suppressed, so every output has
 ``--max-length`` tokens) exported in ``--precision`` and loaded as CUDA versions load
@@ -12,7 +12,11 @@ two ways, alternating call by call in this process (``--repeats`` calls each, me
 * ``host``: each step's best tokens come to the host, which selects the hypotheses
   (:func:`server.engine.beam_select.select_beam`) and sends the rows back for the cache's ``Gather``;
 * ``device``: the selection graph (:mod:`server.engine.device_search`) chooses on the device; the host reads one
-  byte a sentence per step.
+  byte a sentence per step;
+* ``graphs`` (with ``--cuda-graphs``): as ``device``, on an engine loaded with ``cuda_graphs``
+  (:mod:`server.engine.cuda_graphs`: runs padded to their shape bucket and kept; on CUDA each step's three
+  session runs captured once and replayed; on the CPU nothing captures, so the column shows what the padding and
+  the copies in and out cost).
 
 Per cell: tokens/s, milliseconds a step, the host's bytes read from the device per step (every
 ``OrtValue.numpy()`` of the decode, counted, over the whole call) and, for the device's selection, per quiet step
@@ -85,6 +89,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="a third way: the device's selection with CUDA graphs (cuda_graphs=True)")
     args = parser.parse_args()
 
     from server.engine.device_search import DeviceBeamRun
@@ -94,36 +100,46 @@ def main() -> None:
     DeviceBeamRun.step = _counting_steps(DeviceBeamRun.step)
     with tempfile.TemporaryDirectory() as tmp:
         version, _ = export_project(marian_model(args.size), Path(tmp), None, args.precision)
-        engine = Engine.load(version, provider=args.provider, intra_op_threads=args.threads, device_state=True,
-                             device_search=True)
+        load = {"provider": args.provider, "intra_op_threads": args.threads, "device_state": True,
+                "device_search": True}
+        engine = Engine.load(version, **load)
+        # way -> (engine, the device's selection)
+        ways = {"host": (engine, False), "device": (engine, True)}
+        if args.cuda_graphs:
+            ways["graphs"] = (Engine.load(version, **load, cuda_graphs=True), True)
         print(f"# {host()}; {args.size} {args.precision} on {engine.provider}, {args.max_length} tokens a sentence, "
               f"{args.repeats} calls a way, alternating")
+        graph_columns = " | graphs tok/s | graphs/device | graphs ms/step" if args.cuda_graphs else ""
         print("| batch | beam | host tok/s | device tok/s | device/host | host ms/step | device ms/step "
-              "| bytes read/step, host | device | device, a quiet step |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              f"| bytes read/step, host | device | device, a quiet step{graph_columns} |")
+        print("|---" * (10 + 3 * args.cuda_graphs) + "|")
         for beam in args.beams:
             for batch in args.batches:
                 src = np.array(sources(batch, SIZES[args.size]["vocab"]), dtype=np.int64)
-                runs: dict[bool, list[tuple[float, int, int]]] = {False: [], True: []}
+                runs: dict[str, list[tuple[float, int, int]]] = {way: [] for way in ways}
                 _quiet[:] = [0, 0]
                 outputs = {}
                 for i in range(args.repeats + 1):  # the first call of each way warms up
-                    for device in (False, True) if i % 2 else (True, False):
-                        tokens, seconds, steps, read = decode(engine, src, beam, args.max_length, device)
-                        outputs[device] = tokens
+                    order = list(ways) if i % 2 else list(ways)[::-1]
+                    for way in order:
+                        way_engine, on_device = ways[way]
+                        tokens, seconds, steps, read = decode(way_engine, src, beam, args.max_length, on_device)
+                        outputs[way] = tokens
                         if i:
-                            runs[device].append((seconds, steps, read))
-                if outputs[False] != outputs[True]:
-                    raise SystemExit(f"batch {batch} beam {beam}: the two selections disagree")
-                generated = sum(len(t) for t in outputs[True])
+                            runs[way].append((seconds, steps, read))
+                if any(tokens != outputs["host"] for tokens in outputs.values()):
+                    raise SystemExit(f"batch {batch} beam {beam}: the selections disagree")
+                generated = sum(len(t) for t in outputs["host"])
                 cell = {}
-                for device, rows in runs.items():
+                for way, rows in runs.items():
                     seconds = statistics.median(r[0] for r in rows)
-                    cell[device] = (generated / seconds, 1000 * seconds / rows[0][1], rows[0][2] / rows[0][1])
-                print(f"| {batch} | {beam} | {cell[False][0]:,.0f} | {cell[True][0]:,.0f} | "
-                      f"{cell[True][0] / cell[False][0]:.2f}x | {cell[False][1]:.2f} | {cell[True][1]:.2f} | "
-                      f"{cell[False][2]:,.0f} | {cell[True][2]:,.0f} | {_quiet[1] / max(_quiet[0], 1):,.0f} |",
-                      flush=True)
+                    cell[way] = (generated / seconds, 1000 * seconds / rows[0][1], rows[0][2] / rows[0][1])
+                graphs = (f" {cell['graphs'][0]:,.0f} | {cell['graphs'][0] / cell['device'][0]:.2f}x | "
+                          f"{cell['graphs'][1]:.2f} |" if args.cuda_graphs else "")
+                print(f"| {batch} | {beam} | {cell['host'][0]:,.0f} | {cell['device'][0]:,.0f} | "
+                      f"{cell['device'][0] / cell['host'][0]:.2f}x | {cell['host'][1]:.2f} | {cell['device'][1]:.2f} | "
+                      f"{cell['host'][2]:,.0f} | {cell['device'][2]:,.0f} | {_quiet[1] / max(_quiet[0], 1):,.0f} |"
+                      f"{graphs}", flush=True)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,11 @@ class ServerConfig:
     device_search: bool = option(False, "run beam search's selection in a graph on the device (CUDA versions): the "
                                  "host reads a byte a sentence per step instead of each row's best tokens; not "
                                  "yet measured on a GPU (benchmarks/README.md)")
+    cuda_graphs: bool = option(False, "with --device-search, capture beam search's device steps as CUDA graphs and "
+                               "replay them (shapes in power-of-two buckets; one decoder session more); a bucket "
+                               "that cannot capture runs ordinary steps and says so once; not yet measured on a GPU")
+    cuda_graph_pool_mib: int = option(1024, "MiB of device memory the beam runs kept for their CUDA graphs may hold "
+                                      "(the least recently used bucket goes first)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
@@ -148,9 +153,12 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
-                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends", "max_batch_rows"):
+                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends", "max_batch_rows",
+                     "cuda_graph_pool_mib"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.cuda_graphs and not self.device_search:
+            raise NmtError("cuda_graphs captures beam search's steps on the device: it needs device_search")
         if not 0 <= self.malloc_retain_mb < 2048:
             raise NmtError(f"malloc_retain_mb must be 0-2047 (glibc takes the bound as a C int of bytes), got "
                            f"{self.malloc_retain_mb}")

@@ -10,6 +10,7 @@ by default and in these tests), so scores and attention are compared within 1e-3
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -181,6 +182,26 @@ def test_the_selection_on_cuda_decodes_like_the_cpu(arch, tiny_models, cpu, monk
     sessions = [engine.model.selection_session(4, engine.eos_id, engine.start_id),
                 *engine.model.gather_sessions.values()]
     assert sessions and {s.get_providers()[0] for s in sessions} == {CUDA}
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
+def test_captured_beam_runs_decode_like_the_cpu(arch, tiny_models, cpu, caplog):
+    """``cuda_graphs``: the device's beam runs captured as CUDA graphs on their buckets' first runs and replayed
+    after (the same texts four times: the kept runs start again), the CPU's hypotheses and scores, no capture
+    failed, nothing said about falling back."""
+    engine = Engine.load(tiny_models[arch], provider="cuda", device_search=True, cuda_graphs=True)
+    model = engine.model
+    assert model.capture.enabled, model.capture.reason
+    options = DecodingOptions(beam_size=4, num_hypotheses=2, length_penalty=0.6)
+    expected = cpu[arch].translate(TEXTS, options)
+    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+        for _ in range(4):
+            for on_cpu, on_gpu in zip(expected, engine.translate(TEXTS, options), strict=True):
+                assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
+                for a, b in zip(on_gpu.hypotheses, on_cpu.hypotheses, strict=True):
+                    assert a.score == pytest.approx(b.score, abs=TOLERANCE)
+    assert model.capture.failures == 0 and model.capture.captured_runs > 0 and model.pool.reused > 0
+    assert not [r for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
 
 
 def _device_memory_mib() -> int:

@@ -64,7 +64,8 @@ def default_engine_loader(
     version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False,
     prepack: bool = True, **device: Any,
 ) -> Any:
-    """``Engine.load``; ``device``: its device_id, gpu_mem_limit, cuda_tf32 and device_search (when set)."""
+    """``Engine.load``; ``device``: its device_id, gpu_mem_limit, cuda_tf32, device_search, cuda_graphs and
+    graph_pool_mib (when set)."""
     from server.engine.engine import Engine  # onnxruntime is imported only when models are loaded
 
     return Engine.load(version_dir, provider=provider, intra_op_threads=intra_op_threads,
@@ -88,7 +89,7 @@ class LoadSettings:
     inter_op_threads: int = 1
     spinning: bool = False
     prepack: bool = True
-    device: dict[str, Any] = field(default_factory=dict)  # device_id, gpu_mem_limit, cuda_tf32, device_search
+    device: dict[str, Any] = field(default_factory=dict)  # device_id, gpu_mem_limit, cuda_tf32, device_search, ...
     engine_loader: EngineLoader | None = None
     policy: BatchPolicy | None = None
     metrics: ServerMetrics | None = None

@@ -36,6 +36,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from server.engine.cuda_graphs import SKIP, can_release, release_graphs, run_options
 from server.types import ScoredSequence
 
 _NEG_INF = float("-inf")
@@ -198,140 +199,223 @@ _CARRIED = {name: f"next_{name}" for name in ("totals", "history", "history_scor
                                               "fin_scores", "fin_tokens", "fin_token_scores", "fin_lengths")}
 
 
-class DeviceBeamRun:
-    """Beam steps whose selection stays on the device (see the module docstring), every buffer allocated once
-    for the run and every graph bound once: two sets of buffers (the books, the token ids, the positions and
-    the decoder state) take turns, a step reading one set and leaving the next step's in the other, so the
-    three runs of a step (:meth:`step`: the step graph, the selection, the state's ``Gather``) bind nothing
-    anew. Made by :meth:`server.engine.device_step_model.DeviceStepModel.beam_run`; the decoder state must
-    hold its size through the run (in-place buffers reserved for every step, or state of a fixed shape)."""
+@dataclass(frozen=True)
+class RunShapes:
+    """What a :class:`DeviceBeamRun`'s buffers are made for, and the key it is kept under for reuse
+    (:class:`server.engine.cuda_graphs.RunPool`): the selection's constants, the rows, sentences, top-k width and
+    quota as they are, the history's length and the state's and static inputs' shapes in their buckets
+    (:func:`server.engine.cuda_graphs.bucket`)."""
 
-    def __init__(self, model: Any, selection: ort.InferenceSession, books: Books, penalties: list[float],
-                 quotas: list[int], static: dict[str, Any], state: dict[str, Any], positions: np.ndarray | None,
-                 k: int) -> None:
-        self.model, self.device = model, model.device
-        self.bytes_read = 0  # bytes brought from the device to the host
+    beam: int
+    eos_id: int
+    start_id: int
+    k: int  # the step graph's top-k input
+    width: int  # best tokens a row (the top-k width)
+    rows: int
+    sentences: int
+    length: int  # history positions
+    quota: int  # finished hypotheses a sentence keeps, at most
+    static: tuple[tuple[str, tuple[int, ...], str], ...]  # (input, shape, OrtValue element type)
+    state: tuple[tuple[str, tuple[int, ...], str], ...]  # the decoder state on the device, likewise
+    positions: bool  # the step graph takes positions
+
+
+class DeviceBeamRun:
+    """Beam steps whose selection stays on the device (see the module docstring), every buffer the run's own,
+    allocated once and bound once, so that a run can be kept and started again
+    (:meth:`server.engine.device_step_model.DeviceStepModel.beam_run`) and its session runs captured as CUDA
+    graphs (:mod:`server.engine.cuda_graphs`: ``options`` name each parity's graph). Two sets of buffers (the
+    books, the token ids, the positions and the decoder state) take turns, a step reading one set and leaving the
+    next step's in the other, so the three runs of a step (:meth:`step`: the step graph, the selection, the
+    state's ``Gather``) bind nothing anew. :meth:`start` copies a decode's books, static inputs and state in
+    (padded to the run's shapes); :meth:`state` and :meth:`output` copy the state out."""
+
+    def __init__(self, model: Any, shapes: RunShapes, sessions: tuple[ort.InferenceSession, ...],
+                 options: list[ort.RunOptions | None], graph_ids: tuple[int, ...] = ()) -> None:
+        self.model, self.device, self.shapes, self.sessions = model, model.device, shapes, sessions
+        self.options = options  # each parity's run options (None: no graph-enabled sessions)
+        self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
+        self.capturing = bool(graph_ids)  # its session runs name graphs (captured on their third run, then replayed)
+        self.nbytes = 0  # device memory of the run's buffers
+        self.bytes_read = 0  # bytes brought from the device to the host since start()
         self.parity = 0  # which set of buffers the next step reads
-        self.positions = positions  # int64 [R] on the host at the run's start (None: the model takes none)
+        self.positions: np.ndarray | None = None  # int64 [R] on the host at the start (None: the model takes none)
         self.advanced = 0  # quiet steps taken
-        rows, n, capacity = len(books.tokens), len(books.steps), books.history.shape[1]
-        q = max(quotas)
-        fin_scores = np.full((n, q), _NEG_INF)
-        fin_tokens = np.zeros((n, q, capacity), dtype=np.int64)
-        fin_token_scores = np.zeros((n, q, capacity))
-        fin_lengths = np.zeros((n, q), dtype=np.int64)
-        for j, hypotheses in enumerate(books.finished):
-            for i, h in enumerate(hypotheses):
-                fin_scores[j, i], fin_lengths[j, i] = h.score, len(h.tokens)
-                fin_tokens[j, i, : len(h.tokens)], fin_token_scores[j, i, : len(h.tokens)] = h.tokens, h.token_scores
-        carried = {"totals": books.totals, "history": books.history, "history_scores": books.history_scores,
-                   "steps": books.steps, "fin_scores": fin_scores, "fin_tokens": fin_tokens,
-                   "fin_token_scores": fin_token_scores, "fin_lengths": fin_lengths, "input_ids": books.tokens,
-                   "positions": positions if positions is not None else np.zeros(rows, dtype=np.int64)}
-        first = {name: self._upload(array) for name, array in carried.items()}
-        self.sets = [first, {name: self._like(value) for name, value in first.items()}]
-        names = [name for name, value in state.items() if not isinstance(value, np.ndarray)]
-        state_sets = [{name: state[name] for name in names}, {name: self._like(state[name]) for name in names}]
-        quota = np.asarray(quotas, dtype=np.int64)[:, None]
-        fixed = {"penalties": self._upload(np.asarray(penalties, dtype=np.float64)),
-                 "kept": self._upload(np.arange(q) < quota), "worst": self._upload(quota - 1),
-                 "first_rows": self._upload(np.arange(n, dtype=np.int64)[:, None] * (rows // n)),
-                 "columns": self._upload(np.arange(capacity, dtype=np.int64)),
-                 "origins": self._alloc((rows,), np.int64)}
-        width = int(model.top_k_width(k))
+        self.length = 0  # the decode's history length (the run's may be longer)
+        rows, n, length, q = shapes.rows, shapes.sentences, shapes.length, shapes.quota
+        shapes_of = {"totals": ((rows,), np.float64), "history": ((rows, length), np.int64),
+                     "history_scores": ((rows, length), np.float64), "steps": ((n,), np.int64),
+                     "fin_scores": ((n, q), np.float64), "fin_tokens": ((n, q, length), np.int64),
+                     "fin_token_scores": ((n, q, length), np.float64), "fin_lengths": ((n, q), np.int64),
+                     "input_ids": ((rows,), np.int64), "positions": ((rows,), np.int64)}
+        self.sets = [{name: self._alloc(*spec) for name, spec in shapes_of.items()} for _ in (0, 1)]
+        self.static = {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.static}
+        names = [name for name, _, _ in shapes.state]
+        self.states = [{name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.state}
+                       for _ in (0, 1)]
+        self.fixed = {"penalties": self._alloc((n,), np.float64), "kept": self._alloc((n, q), np.bool_),
+                      "worst": self._alloc((n, 1), np.int64), "first_rows": self._alloc((n, 1), np.int64),
+                      "columns": self._alloc((length,), np.int64), "origins": self._alloc((rows,), np.int64)}
+        self.fixed["first_rows"].update_inplace(np.arange(n, dtype=np.int64)[:, None] * (rows // n))
+        self.fixed["columns"].update_inplace(np.arange(length, dtype=np.int64))
         score_dtype = model.score_dtype
-        self.top = {"top_ids": self._alloc((rows, width), np.int64),
-                    "top_log_probs": self._alloc((rows, width), score_dtype),
+        self.top = {"top_ids": self._alloc((rows, shapes.width), np.int64),
+                    "top_log_probs": self._alloc((rows, shapes.width), score_dtype),
                     "eos_log_prob": self._alloc((rows,), score_dtype)}
-        self.done = np.zeros(n, dtype=bool)
-        done = ort.OrtValue.ortvalue_from_numpy(self.done)  # the one output the host reads, bound to the host
+        self.done_flags = self._alloc((n,), np.bool_)  # the one output the host reads, n bytes a step
+        self.done = np.zeros(n, dtype=bool)  # as last read
         # a state entry that is not an in-place buffer is written by the step to a buffer of its own
-        written = {name: self._like(state[name]) for name in names if name not in model.buffers}
-        self.states = state_sets
+        written = {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.state
+                   if name not in model.buffers}
         self._bindings: list[tuple[ort.IOBinding, ort.IOBinding, ort.IOBinding, dict[str, Any]]] = []
         for p in (0, 1):
             now, after = self.sets[p], self.sets[1 - p]
-            step_state = {name: written.get(name, state_sets[p][name]) for name in names}
-            step = model.step_binding(now["input_ids"], now["positions"] if positions is not None else None,
-                                      static, state_sets[p], k, self.top, step_state)
-            select = selection.io_binding()
+            step_state = {name: written.get(name, self.states[p][name]) for name in names}
+            step = model.step_binding(sessions[0], now["input_ids"], now["positions"] if shapes.positions else None,
+                                      self.static, self.states[p], shapes.k, self.top, step_state)
+            select = sessions[1].io_binding()
             for name in ("top_ids", "top_log_probs"):
                 select.bind_ortvalue_input(name, self.top[name])
             for name in _CARRIED:
                 select.bind_ortvalue_input(name, now[name])
                 select.bind_ortvalue_output(_CARRIED[name], after[name])
             for name in ("penalties", "kept", "worst", "first_rows", "columns"):
-                select.bind_ortvalue_input(name, fixed[name])
+                select.bind_ortvalue_input(name, self.fixed[name])
             select.bind_ortvalue_output("next_ids", after["input_ids"])
-            select.bind_ortvalue_output("origins", fixed["origins"])
-            select.bind_ortvalue_output("done", done)
-            gather = model.gather_binding([step_state[name] for name in names], fixed["origins"],
-                                          [state_sets[1 - p][name] for name in names])
+            select.bind_ortvalue_output("origins", self.fixed["origins"])
+            select.bind_ortvalue_output("done", self.done_flags)
+            gather = model.gather_binding(sessions[2], [step_state[name] for name in names], self.fixed["origins"],
+                                          [self.states[1 - p][name] for name in names])
             self._bindings.append((step, select, gather, step_state))
-        self._sessions = (model.sessions["decoder"], selection,
-                          model.gather_session(tuple(state[name].data_type() for name in names)))
+
+    def start(self, books: Books, penalties: list[float], quotas: list[int], static: dict[str, Any],
+              state: dict[str, Any], positions: np.ndarray | None) -> None:
+        """Begin a run from a decode's ``books``, its sentences' length ``penalties`` and ``quotas``, its
+        ``static`` inputs and its ``state`` (copied into the run's buffers, padded to its shapes) at
+        ``positions`` (int64 [R]; None: the model takes none)."""
+        rows, n, length, q = self.shapes.rows, self.shapes.sentences, self.shapes.length, self.shapes.quota
+        self.length, self.positions = books.history.shape[1], positions
+        self.parity, self.advanced, self.bytes_read = 0, 0, 0
+        history = np.zeros((rows, length), dtype=np.int64)
+        history_scores = np.zeros((rows, length))
+        history[:, : self.length], history_scores[:, : self.length] = books.history, books.history_scores
+        fin_scores = np.full((n, q), _NEG_INF)
+        fin_tokens = np.zeros((n, q, length), dtype=np.int64)
+        fin_token_scores = np.zeros((n, q, length))
+        fin_lengths = np.zeros((n, q), dtype=np.int64)
+        for j, hypotheses in enumerate(books.finished):
+            for i, h in enumerate(hypotheses):
+                fin_scores[j, i], fin_lengths[j, i] = h.score, len(h.tokens)
+                fin_tokens[j, i, : len(h.tokens)], fin_token_scores[j, i, : len(h.tokens)] = h.tokens, h.token_scores
+        quota = np.asarray(quotas, dtype=np.int64)[:, None]
+        arrays = {"totals": books.totals, "history": history, "history_scores": history_scores, "steps": books.steps,
+                  "fin_scores": fin_scores, "fin_tokens": fin_tokens, "fin_token_scores": fin_token_scores,
+                  "fin_lengths": fin_lengths, "input_ids": books.tokens,
+                  "positions": positions if positions is not None else np.zeros(rows, dtype=np.int64)}
+        for name, array in arrays.items():
+            _fill(self.sets[0][name], array)
+        _fill(self.fixed["penalties"], np.asarray(penalties, dtype=np.float64))
+        _fill(self.fixed["kept"], np.arange(q) < quota)
+        _fill(self.fixed["worst"], quota - 1)
+        names = list(self.states[0])
+        self.model.padded_copies([static[name] for name in self.static], list(self.static.values()))
+        self.model.padded_copies([state[name] for name in names], [self.states[0][name] for name in names])
 
     def step(self) -> bool:
         """Run the step graph and the selection on the current set of buffers; returns whether some sentence
         is done (the host reads ``n`` bytes). Then :meth:`advance` (a quiet step) or :meth:`output` (not)."""
         step, select, _, _ = self._bindings[self.parity]
-        self._sessions[0].run_with_iobinding(step)
-        self._sessions[1].run_with_iobinding(select)
-        self.bytes_read += self.done.nbytes
+        options = self.options[self.parity]
+        try:
+            self.sessions[0].run_with_iobinding(step, options)
+            self.sessions[1].run_with_iobinding(select, options)
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+            if not self._graphs_failed(error):
+                raise
+            return self.step()
+        self.done = self.read(self.done_flags)
         return bool(self.done.any())
 
     def advance(self) -> None:
         """Take the step's selection: the state's rows follow their origins into the other set, which the next
         step reads."""
-        self._sessions[2].run_with_iobinding(self._bindings[self.parity][2])
+        try:
+            self.sessions[2].run_with_iobinding(self._bindings[self.parity][2], self.options[self.parity])
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+            if not self._graphs_failed(error):
+                raise
+            self.sessions[2].run_with_iobinding(self._bindings[self.parity][2], self.options[self.parity])
         self.parity = 1 - self.parity
         self.advanced += 1
 
     def output(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """The last step's best tokens, their log-probabilities and EOS's (brought to the host) and the decoder
-        state after it, its rows not yet reordered (a step that was not quiet, for the host's selection)."""
-        state: dict[str, Any] = dict(self._bindings[self.parity][3])
+        state after it (copied out of the run), its rows not yet reordered (a step that was not quiet, for the
+        host's selection)."""
+        state = self._copied(self._bindings[self.parity][3])
         if self.positions is not None:
             state[self.model.positions] = self.positions + self.advanced + 1
         return (self.read(self.top["top_ids"]), self.read(self.top["top_log_probs"]),
                 self.read(self.top["eos_log_prob"]), state)
 
     def state(self) -> dict[str, Any]:
-        """The decoder state the next step reads."""
-        state: dict[str, Any] = dict(self.states[self.parity])
+        """The decoder state the next step reads, copied out of the run."""
+        state = self._copied(self.states[self.parity])
         if self.positions is not None:
             state[self.model.positions] = self.positions + self.advanced
         return state
 
     def books(self) -> Books:
-        """The books the next step reads, brought to the host (the end of a run)."""
-        v = self.sets[self.parity]
+        """The books the next step reads, brought to the host (the end of a run), at the decode's history
+        length."""
+        v, length = self.sets[self.parity], self.length
         fin_scores, fin_lengths = self.read(v["fin_scores"]), self.read(v["fin_lengths"])
         fin_tokens, fin_token_scores = self.read(v["fin_tokens"]), self.read(v["fin_token_scores"])
-        finished = [[ScoredSequence(tokens=fin_tokens[j, i, :length].tolist(), score=float(fin_scores[j, i]),
-                                    token_scores=fin_token_scores[j, i, :length].tolist())
-                     for i, length in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
+        finished = [[ScoredSequence(tokens=fin_tokens[j, i, :size].tolist(), score=float(fin_scores[j, i]),
+                                    token_scores=fin_token_scores[j, i, :size].tolist())
+                     for i, size in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
                     for j in range(len(fin_scores))]
-        return Books(self.read(v["input_ids"]), self.read(v["totals"]), self.read(v["history"]),
-                     self.read(v["history_scores"]), self.read(v["steps"]), finished)
+        return Books(self.read(v["input_ids"]), self.read(v["totals"]), self.read(v["history"])[:, :length].copy(),
+                     self.read(v["history_scores"])[:, :length].copy(), self.read(v["steps"]), finished)
 
     def read(self, value: ort.OrtValue) -> np.ndarray:
         """``value`` on the host, an array of its own (a CPU ``OrtValue``'s ``numpy()`` is a view of the run's
-        buffer, which goes with the run); the bytes are counted (:attr:`bytes_read`)."""
+        buffer, which the next step writes); the bytes are counted (:attr:`bytes_read`)."""
         array = value.numpy()
         self.bytes_read += array.nbytes
         return array.copy() if self.device == "cpu" else array
 
-    def _upload(self, array: np.ndarray) -> ort.OrtValue:
-        """A buffer of the run's own holding ``array`` (on the CPU an ``OrtValue`` would wrap the array itself,
-        and the run writes its buffers)."""
-        return ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), self.device)
+    def drop(self) -> None:
+        """Release the graphs this run's session runs captured (its buffers go with the run)."""
+        if self.graph_ids and can_release(self.sessions[0]):
+            release_graphs(self.sessions, self.graph_ids)
+
+    def _graphs_failed(self, error: BaseException) -> bool:
+        """A session run that names a graph failed: say so (once per bucket) and go on with ordinary runs. False
+        when the runs named no graph (the error is not a capture's)."""
+        if not self.capturing:
+            return False
+        self.model.capture.failed(self.shapes, error)
+        self.options, self.capturing = [run_options(SKIP), run_options(SKIP)], False
+        return True
+
+    def _copied(self, values: dict[str, ort.OrtValue]) -> dict[str, Any]:
+        """Copies of ``values`` that the decode can keep (the run's buffers stay with the run)."""
+        return dict(zip(values, self.model.padded_copies(list(values.values())), strict=True))
 
     def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
+        self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
 
-    def _like(self, value: ort.OrtValue) -> ort.OrtValue:
-        return self._alloc(tuple(value.shape()), helper.tensor_dtype_to_np_dtype(ELEMENT_TYPES[value.data_type()]))
+
+def _fill(value: ort.OrtValue, array: np.ndarray) -> None:
+    """Copy ``array`` into the buffer ``value`` (of its shape; converted to its element type)."""
+    value.update_inplace(np.ascontiguousarray(array, dtype=_numpy_type(value.data_type())))
+
+
+def _numpy_type(element_type: str) -> Any:
+    """The NumPy type of an ``OrtValue`` element type ("tensor(float)", ...)."""
+    return helper.tensor_dtype_to_np_dtype(ELEMENT_TYPES[element_type])
 
 
 # an OrtValue's element type -> ONNX's

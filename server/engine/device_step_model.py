@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -10,7 +12,17 @@ from onnx import TensorProto, helper
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest, StateTensor
-from server.engine.device_search import ELEMENT_TYPES, Books, DeviceBeamRun, selection_graph
+from server.engine.cuda_graphs import (
+    SKIP,
+    GraphCapture,
+    RunPool,
+    bucket,
+    bucketed_shape,
+    can_release,
+    graph_options,
+    run_options,
+)
+from server.engine.device_search import ELEMENT_TYPES, Books, DeviceBeamRun, RunShapes, selection_graph
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
 from server.engine.shared_weights import SharedWeights
@@ -29,13 +41,24 @@ class DeviceStepModel(OnnxStepModel):
     binding logic on machines without a GPU.
 
     The ``Gather`` sessions (one for the static inputs, one for the state: a run moves every tensor) are
-    created here, at load, with the decoder's options and providers (device id and memory limit included)."""
+    created here, at load, with the decoder's options and providers (device id and memory limit included).
+
+    ``cuda_graphs``: keep beam runs for reuse, by shape bucket, within ``graph_pool_bytes`` of device memory, and
+    let their session runs capture CUDA graphs where the sessions can (a ``decoder_graphs`` session, the
+    decoder's graph with CUDA graphs enabled: :mod:`server.engine.cuda_graphs`)."""
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str,
-                 weights: SharedWeights | None = None, device_search: bool = False) -> None:
+                 weights: SharedWeights | None = None, device_search: bool = False, cuda_graphs: bool = False,
+                 graph_pool_bytes: int = 0) -> None:
         super().__init__(manifest, sessions, weights)
         self.device = device
         self._device_search = device_search  # beam search's selection on the device (device_beam)
+        self._cuda_graphs = cuda_graphs
+        self.capture = GraphCapture(
+            "" if "decoder_graphs" in sessions else
+            "the sessions run on the CPU provider" if device == "cpu" else "no graph-enabled decoder session")
+        self.pool = RunPool(graph_pool_bytes if cuda_graphs else 0)
+        self._dims = {i.name: i.shape for i in sessions["decoder"].get_inputs()}  # declared dimensions
         outputs = {o.name: o.type for o in sessions["decoder"].get_outputs()}
         static = tuple(o.type for o in sessions["encoder"].get_outputs() if o.name in self.static_names)
         state = tuple(outputs[e.output] for e in self.state)
@@ -121,22 +144,71 @@ class DeviceStepModel(OnnxStepModel):
         nmt-model/1, whose state grows every step)."""
         return self._device_search and not any(e.init == "empty" and 0 in (e.shape or []) for e in self.state)
 
+    @contextmanager
     def beam_run(self, beam: int, eos_id: int, start_id: int, books: Books, penalties: list[float],
                  quotas: list[int], static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray,
-                 k: int, steps: int) -> DeviceBeamRun:
+                 k: int, steps: int) -> Iterator[DeviceBeamRun]:
         """Up to ``steps`` beam steps whose selection stays on the device (:class:`DeviceBeamRun`), from the books
-        and ``state`` at ``positions`` (int64 [R]); the in-place buffers are reserved for all of them first."""
-        if self.positions:
-            state = self._reserve(state, int(positions.max()) + steps + 1)
-        return DeviceBeamRun(self, self.selection_session(beam, eos_id, start_id), books, penalties, quotas, static,
-                             state, positions if self.positions else None, k)
+        and ``state`` at ``positions`` (int64 [R]), in a run of their shapes' bucket (its in-place buffers with
+        room for all of them): a kept one (``cuda_graphs``) or a new one, kept again at the end."""
+        shapes = self._run_shapes(beam, eos_id, start_id, books, quotas, static, state, positions, k, steps)
+        run = self.pool.take(shapes) or self._new_run(shapes)
+        run.start(books, penalties, quotas, static, state, positions if self.positions else None)
+        try:
+            yield run
+        finally:
+            self.pool.keep(shapes, run)
 
-    def step_binding(self, tokens: ort.OrtValue, positions: ort.OrtValue | None, static: dict[str, ort.OrtValue],
-                     state: dict[str, ort.OrtValue], k: int, outputs: dict[str, ort.OrtValue],
-                     written: dict[str, ort.OrtValue]) -> ort.IOBinding:
-        """The step graph bound to buffers that stay: token ids and positions in, ``outputs`` (top-k) out,
-        ``state`` in and ``written`` out (the same buffer for an in-place one)."""
-        binding = self.sessions["decoder"].io_binding()
+    def _run_shapes(self, beam: int, eos_id: int, start_id: int, books: Books, quotas: list[int],
+                    static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray, k: int,
+                    steps: int) -> RunShapes:
+        """The shapes of a run (:class:`RunShapes`), the cache with room for ``steps`` more; with ``cuda_graphs``
+        the source length, the cache's capacity and the history's length rounded up to their bucket
+        (:func:`server.engine.cuda_graphs.bucket`), so that runs of nearby shapes share one kept run and its
+        graphs (without, padding would only cost: 0.85-0.92x on the CPU's device path)."""
+        rounded = self._cuda_graphs
+
+        def shape_of(name: str, shape: list[int]) -> tuple[int, ...]:
+            return bucketed_shape(shape, self._dims.get(name)) if rounded else tuple(shape)
+
+        needed = int(positions.max()) + steps + 1 if self.positions else 0
+        device_state = []
+        for name, value in state.items():
+            if isinstance(value, np.ndarray):
+                continue
+            shape = value.shape()
+            if name in self.buffers:
+                axis = self.buffers[name].capacity_axis
+                shape[axis] = max(shape[axis], needed)
+            device_state.append((name, shape_of(name, shape), value.data_type()))
+        length = books.history.shape[1]
+        return RunShapes(beam, eos_id, start_id, k, self.top_k_width(k), len(books.tokens), len(books.steps),
+                         bucket(length) if rounded else length, max(quotas),
+                         tuple((name, shape_of(name, value.shape()), value.data_type())
+                               for name, value in static.items()), tuple(device_state), bool(self.positions))
+
+    def _new_run(self, shapes: RunShapes) -> DeviceBeamRun:
+        """A run made for ``shapes``: on the graph-enabled sessions with graph ids of its own where runs capture,
+        else on the ordinary sessions (``cuda_graphs`` says once why it does not capture)."""
+        graphs = self.capture.enabled and self._cuda_graphs
+        state_types = tuple(kind for _, _, kind in shapes.state)
+        sessions = (self.sessions["decoder_graphs" if graphs else "decoder"],
+                    self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, graphs=graphs),
+                    self.gather_session(state_types, graphs=graphs))
+        if not graphs:
+            if self._cuda_graphs:
+                self.capture.unavailable()
+            return DeviceBeamRun(self, shapes, sessions, [None, None])
+        ids = self.capture.ids(can_release(sessions[0]))
+        options = [run_options(graph_id) for graph_id in ids] if ids else [run_options(SKIP), run_options(SKIP)]
+        return DeviceBeamRun(self, shapes, sessions, options, ids or ())
+
+    def step_binding(self, session: ort.InferenceSession, tokens: ort.OrtValue, positions: ort.OrtValue | None,
+                     static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue], k: int,
+                     outputs: dict[str, ort.OrtValue], written: dict[str, ort.OrtValue]) -> ort.IOBinding:
+        """The step graph's ``session`` bound to buffers that stay: token ids and positions in, ``outputs``
+        (top-k) out, ``state`` in and ``written`` out (the same buffer for an in-place one)."""
+        binding = session.io_binding()
         binding.bind_ortvalue_input("input_ids", tokens)
         if positions is not None:
             binding.bind_ortvalue_input(self.positions, positions)
@@ -147,11 +219,11 @@ class DeviceStepModel(OnnxStepModel):
             binding.bind_ortvalue_output(entry.output, written[entry.input])
         return binding
 
-    def gather_binding(self, inputs: list[ort.OrtValue], rows: ort.OrtValue, outputs: list[ort.OrtValue],
-                       ) -> ort.IOBinding:
-        """The ``Gather`` session of ``inputs``' element types bound to buffers that stay: row ``i`` of each
+    def gather_binding(self, session: ort.InferenceSession, inputs: list[ort.OrtValue], rows: ort.OrtValue,
+                       outputs: list[ort.OrtValue]) -> ort.IOBinding:
+        """The ``Gather`` ``session`` of ``inputs``' element types bound to buffers that stay: row ``i`` of each
         output receives row ``rows[i]`` of its input."""
-        binding = self.gather_session(tuple(value.data_type() for value in inputs)).io_binding()
+        binding = session.io_binding()
         for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
             binding.bind_ortvalue_input(f"x{i}", x)
             binding.bind_ortvalue_output(f"y{i}", y)
@@ -167,14 +239,15 @@ class DeviceStepModel(OnnxStepModel):
         """The NumPy type of the step's log-probabilities."""
         return self._output_dtypes[TOP_K_OUTPUTS[1]]
 
-    def selection_session(self, beam: int, eos_id: int, start_id: int) -> ort.InferenceSession:
+    def selection_session(self, beam: int, eos_id: int, start_id: int, graphs: bool = False,
+                          ) -> ort.InferenceSession:
         """The selection graph's session for sentences of beam ``beam``, made once, with the decoder's options
-        and providers."""
-        key = ("select", f"{beam}/{eos_id}/{start_id}")
+        and providers (``graphs``: with CUDA graphs enabled)."""
+        key = ("select", f"{beam}/{eos_id}/{start_id}", graphs)
         if key not in self._sessions:
             score_type = ELEMENT_TYPES[next(o.type for o in self.sessions["decoder"].get_outputs()
                                             if o.name == TOP_K_OUTPUTS[1])]
-            self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type))
+            self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type), graphs)
         return self._sessions[key]
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
@@ -228,10 +301,19 @@ class DeviceStepModel(OnnxStepModel):
         selected.update(zip(names, self._run_rows("gather", values, {"rows": rows}), strict=True))
         return selected
 
-    def gather_session(self, types: tuple[str, ...]) -> ort.InferenceSession:
+    def gather_session(self, types: tuple[str, ...], graphs: bool = False) -> ort.InferenceSession:
         """The session that gathers the rows of tensors of element ``types`` ("tensor(float)", ...), one
-        ``Gather`` each (made once per tuple: the static inputs' and the state's at load)."""
-        return self._rows_session("gather", types)
+        ``Gather`` each (made once per tuple: the static inputs' and the state's at load; ``graphs``: with CUDA
+        graphs enabled)."""
+        return self._rows_session("gather", types, graphs)
+
+    def padded_copies(self, values: list[ort.OrtValue], into: list[ort.OrtValue] | None = None,
+                      ) -> list[ort.OrtValue]:
+        """Copies of ``values`` in one session run: into the buffers ``into``, each zero-padded at the ends of its
+        axes but the first to its buffer's shape, or (None) into new device memory, as they are."""
+        pads = {f"p{i}": _pads(value.shape(), value.shape()[1:] if into is None else into[i].shape()[1:])
+                for i, value in enumerate(values)}
+        return self._run_rows("pad", values, host=pads, into=into) if values else []
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         """:meth:`OnnxStepModel.concat_rows` on the device: every tensor's ``Pad`` and ``Concat`` in one session
         run (host arrays, the positions, joined on the host)."""
@@ -273,9 +355,11 @@ class DeviceStepModel(OnnxStepModel):
         return self._run_rows("pad", [buffer], host={"p0": _pads(shape, target)})[0]
 
     def _run_rows(self, kind: str, values: list[ort.OrtValue], device: dict[str, ort.OrtValue] | None = None,
-                  host: dict[str, np.ndarray] | None = None) -> list[ort.OrtValue]:
+                  host: dict[str, np.ndarray] | None = None, into: list[ort.OrtValue] | None = None,
+                  ) -> list[ort.OrtValue]:
         """One run of the ``kind`` session (:meth:`_rows_session`) over ``values`` (its tensors, in its input
-        order) with ``device`` inputs (``rows``) and ``host`` ones (pads); returns its outputs on the device."""
+        order) with ``device`` inputs (``rows``) and ``host`` ones (pads); returns its outputs, on the device (in
+        the buffers ``into`` when given)."""
         per = 2 if kind == "join" else 1
         session = self._rows_session(kind, tuple(value.data_type() for value in values[::per]))
         binding = session.io_binding()
@@ -286,15 +370,19 @@ class DeviceStepModel(OnnxStepModel):
         for name, array in (host or {}).items():
             binding.bind_cpu_input(name, array)
         for i in range(len(values) // per):
-            binding.bind_output(f"y{i}", self.device)
+            if into is None:
+                binding.bind_output(f"y{i}", self.device)
+            else:
+                binding.bind_ortvalue_output(f"y{i}", into[i])
         session.run_with_iobinding(binding)
-        return binding.get_outputs()
+        return binding.get_outputs() if into is None else into
 
-    def _rows_session(self, kind: str, types: tuple[str, ...]) -> ort.InferenceSession:
+    def _rows_session(self, kind: str, types: tuple[str, ...], graphs: bool = False) -> ort.InferenceSession:
         """The session of a small graph over tensors of element ``types``, one chain of nodes each, all in one
         run: ``gather`` (rows ``rows`` of each ``x{i}``), ``pad`` (each ``x{i}`` zero-padded by ``p{i}``) or
-        ``join`` (each ``a{i}`` and ``b{i}`` padded by ``pa{i}``/``pb{i}``, then concatenated on the rows)."""
-        key = (kind, types)
+        ``join`` (each ``a{i}`` and ``b{i}`` padded by ``pa{i}``/``pb{i}``, then concatenated on the rows);
+        ``graphs``: with CUDA graphs enabled."""
+        key = (kind, types, graphs)
         if key not in self._sessions:
             nodes, inputs = [], []
             for i, element_type in enumerate(types):
@@ -314,22 +402,24 @@ class DeviceStepModel(OnnxStepModel):
             outputs = [helper.make_tensor_value_info(f"y{i}", ELEMENT_TYPES[t], None) for i, t in enumerate(types)]
             graph = helper.make_graph(nodes, f"rows_{kind}", inputs, outputs)
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-            self._sessions[key] = self._session(model.SerializeToString())
+            self._sessions[key] = self._session(model.SerializeToString(), graphs)
         return self._sessions[key]
 
-    def _session(self, model: bytes) -> ort.InferenceSession:
+    def _session(self, model: bytes, graphs: bool = False) -> ort.InferenceSession:
         """A session of a small graph with the decoder's options and providers (device id and memory limit
-        included)."""
+        included; ``graphs``: CUDA graphs enabled)."""
         decoder = self.sessions["decoder"]
         options = decoder.get_provider_options()  # provider -> its options (device id, memory limit, ...)
         providers = [(name, options.get(name, {})) for name in decoder.get_providers()]
-        return ort.InferenceSession(model, decoder.get_session_options(), providers=providers)
+        return ort.InferenceSession(model, decoder.get_session_options(),
+                                    providers=graph_options(providers) if graphs else providers)
 
     @property
     def gather_sessions(self) -> dict[str, ort.InferenceSession]:
         """The ``Gather`` sessions that select rows, by the element types of the tensors they take ("tensor(float),
         tensor(float)", ...)."""
-        return {", ".join(key): session for (kind, key), session in self._sessions.items() if kind == "gather"}
+        return {", ".join(key): session for (kind, key, graphs), session in self._sessions.items()
+                if kind == "gather" and not graphs}
 
 
 def _tensor_inputs(kind: str, count: int, first: int = 0) -> list[str]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -27,6 +28,7 @@ from nmt.errors import NmtError
 from nmt.model_format.manifest import Manifest, read_manifest
 from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
+from server.engine.cuda_graphs import graph_options
 from server.engine.device import (
     CPU,
     CUDA,
@@ -142,6 +144,8 @@ class Engine:
         cpu_arena: bool = True,
         portable_attention: bool | None = None,
         device_search: bool = False,
+        cuda_graphs: bool = False,
+        graph_pool_mib: int = 1024,
     ) -> Engine:
         """Load ``models/<name>/<version>/``: validate the manifest, open every graph.
 
@@ -156,6 +160,12 @@ class Engine:
 
         ``device_search``: with the state on the device, beam search's selection runs there too
         (:mod:`server.engine.device_search`); off by default until a GPU has measured it.
+
+        ``cuda_graphs`` (with ``device_search``): beam runs on the device are kept for reuse by shape bucket,
+        within ``graph_pool_mib`` MiB of device memory, and on CUDA their session runs are captured as CUDA graphs
+        and replayed (a second decoder session, ``decoder_graphs``, with graphs enabled:
+        :mod:`server.engine.cuda_graphs`); where they cannot capture (the CPU), runs say so once and run as they
+        are. Off by default until a GPU has measured it.
 
         ``device_id``, ``gpu_mem_limit`` (bytes per session arena, 0: unbounded) and ``cuda_tf32`` go to
         every CUDA session (:class:`server.engine.device.DeviceSettings`). The provider is read back from the
@@ -183,15 +193,18 @@ class Engine:
         weights = (SharedWeights(version_dir, "cuda" if on_cuda else "cpu", device_id)
                    if SharedWeights.present(version_dir) else None)
 
+        def open_session(filename: str, providers: list[Any]) -> ort.InferenceSession:
+            options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack,
+                                      cpu_arena=cpu_arena)
+            if weights is not None:
+                weights.add_to(options, version_dir / filename)
+            graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
+            return ort.InferenceSession(graph, options, providers=providers)
+
         def open_sessions() -> dict[str, ort.InferenceSession]:
-            sessions = {}
-            for role, filename in manifest.graphs.items():
-                options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack,
-                                          cpu_arena=cpu_arena)
-                if weights is not None:
-                    weights.add_to(options, version_dir / filename)
-                graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
-                sessions[role] = ort.InferenceSession(graph, options, providers=providers)
+            sessions = {role: open_session(filename, providers) for role, filename in manifest.graphs.items()}
+            if cuda_graphs and device_search and on_cuda:  # the decoder once more, its runs captured as graphs
+                sessions["decoder_graphs"] = open_session(manifest.graphs["decoder"], graph_options(providers))
             return sessions
 
         try:
@@ -213,7 +226,8 @@ class Engine:
         tokenizer = load_tokenizer(version_dir, manifest.tokenizer_type)
         if device_state or (device_state is None and on_gpu):
             model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu", weights=weights,
-                                    device_search=device_search)
+                                    device_search=device_search, cuda_graphs=cuda_graphs,
+                                    graph_pool_bytes=graph_pool_mib << 20)
         else:
             model = OnnxStepModel(manifest, sessions, weights=weights)
         return cls(manifest, tokenizer, model, got, device_id=device_id)

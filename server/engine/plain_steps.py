@@ -154,25 +154,25 @@ class PlainSteps:
         select from as any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
         sentences = self._sentences
-        run = self.model.beam_run(
-            sentences[0].beam, self.eos_id, self.start_id,
-            Books(self._tokens, self._totals, self._history, self._history_scores,
-                  np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
-            [s.spec.length_penalty for s in sentences], [s.quota for s in sentences], self._static, self._state,
-            self._steps, layout.k, count)
-        checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
-        for quiet in range(count):  # the quiet steps before this one
-            self.steps_run += 1
-            if run.step() or (checks and any(check() for check in checks)):
-                self._device_books(run, quiet)
-                top_ids, top_log_probs, eos_log_prob, state = run.output()
-                return StepOutput(top_ids, top_log_probs, eos_log_prob, None, state)
-            run.advance()
-            if stop is not None and stop():
-                count = quiet + 1
-                break
-        self._device_books(run, count)
-        self._state = run.state()
+        with self.model.beam_run(
+                sentences[0].beam, self.eos_id, self.start_id,
+                Books(self._tokens, self._totals, self._history, self._history_scores,
+                      np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
+                [s.spec.length_penalty for s in sentences], [s.quota for s in sentences], self._static, self._state,
+                self._steps, layout.k, count) as run:
+            checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
+            for quiet in range(count):  # the quiet steps before this one
+                self.steps_run += 1
+                if run.step() or (checks and any(check() for check in checks)):
+                    self._device_books(run, quiet)
+                    top_ids, top_log_probs, eos_log_prob, state = run.output()
+                    return StepOutput(top_ids, top_log_probs, eos_log_prob, None, state)
+                run.advance()
+                if stop is not None and stop():
+                    count = quiet + 1
+                    break
+            self._device_books(run, count)
+            self._state = run.state()
         return None
 
     def _device_books(self, run: DeviceBeamRun, count: int) -> None:

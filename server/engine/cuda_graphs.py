@@ -1,0 +1,188 @@
+"""CUDA graphs for beam search's runs on the device: shape buckets, a pool of runs kept for reuse, graph ids.
+
+A device beam run (:class:`server.engine.device_search.DeviceBeamRun`) makes three session runs a step (the step
+graph, the selection, the state's ``Gather``), each some tens to a hundred kernels launched one by one. ONNX
+Runtime's CUDA provider can capture a session run as a CUDA graph and replay it with one launch
+(``enable_cuda_graph``; run option ``gpu_graph_id`` names the graph: its first two runs are ordinary, the third
+captures, the later ones replay). A replay reads and writes exactly the buffers the capture saw, at the shapes
+it saw, so:
+
+* a run's shapes come in **buckets** (:func:`bucket`): the source length, the cache's capacity and the history's
+  length are rounded up to a power of two or one and a half times one (padding: a source's mask marks its padded
+  positions, a cache and a history have room they do not use), the rows, sentences, top-k width and quota stay
+  exact;
+* every buffer a run binds is its own, allocated once (the decode's state is copied in at its start and out at
+  its end), and the run is kept in a :class:`RunPool` for the next run of its bucket, which replays its graphs;
+* each kept run has graph ids of its own (one per parity of its two buffer sets), never reused, and its graphs
+  are released when the pool lets it go (or, where the runtime cannot release a graph, no more are captured once
+  :data:`MAX_CAPTURED_RUNS` runs have been).
+
+A run that cannot capture runs its steps as ordinary runs (``gpu_graph_id`` -1) and says why once
+(:meth:`GraphCapture.unavailable`, :meth:`GraphCapture.failed`): on the CPU, on a runtime without CUDA graphs, or
+when a capture fails (CUDA captures are global to the process: another thread's allocation during one
+invalidates it)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import onnxruntime as ort
+
+log = logging.getLogger("nmt.engine")
+
+BUCKET_FLOOR = 16  # the smallest bucket of a length
+BUCKETED_DIMS = ("src_len", "capacity")  # the axes (named in the step graph's inputs) a bucket rounds up
+MAX_CAPTURED_RUNS = 256  # runs that capture graphs, at most, where the runtime cannot release a captured graph
+SKIP = -1  # gpu_graph_id: an ordinary run, no capture and no replay
+
+
+def bucket(size: int) -> int:
+    """The length a run of ``size`` is made for: the smallest power of two, or one and a half times one, at least
+    ``size`` and :data:`BUCKET_FLOOR` (16, 24, 32, 48, 64, 96, ...: at most half again the length, and a
+    handful of buckets up to the longest)."""
+    if size <= BUCKET_FLOOR:
+        return BUCKET_FLOOR
+    power = 1 << (size - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= size else power
+
+
+def bucketed_shape(shape: Sequence[int], dims: Sequence[Any] | None) -> tuple[int, ...]:
+    """``shape`` with each axis that ``dims`` (the graph input's declared dimensions) names in
+    :data:`BUCKETED_DIMS` rounded up to its :func:`bucket`; the other axes as they are."""
+    if dims is None or len(dims) != len(shape):
+        return tuple(shape)
+    return tuple(bucket(size) if dim in BUCKETED_DIMS else size for size, dim in zip(shape, dims, strict=True))
+
+
+def graph_options(providers: list[Any]) -> list[Any]:
+    """``providers`` (an ``InferenceSession``'s list) with CUDA graphs enabled in the CUDA provider's options."""
+    return [(name, {**options, "enable_cuda_graph": "1"}) if name == "CUDAExecutionProvider" else (name, options)
+            for name, options in (p if isinstance(p, tuple) else (p, {}) for p in providers)]
+
+
+class GraphCapture:
+    """Whether a model's device beam runs capture CUDA graphs, the graph ids they use, and what is said once when
+    they cannot. ``reason``: why runs cannot capture (empty: they can)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self._said: set[Hashable] = set()
+        self._next_id = 1  # 0 is ONNX Runtime's default graph, -1 its "no graph"
+        self._lock = threading.Lock()
+        self.captured_runs = 0  # runs given graph ids
+        self.failures = 0  # captures that failed (their runs went on as ordinary runs)
+
+    @property
+    def enabled(self) -> bool:
+        """Runs capture graphs (on CUDA, with the graph-enabled sessions)."""
+        return not self.reason
+
+    def ids(self, can_release: bool) -> tuple[int, int] | None:
+        """Two new graph ids for a run (one per buffer set), or None when it must not capture: capture is off, or
+        :data:`MAX_CAPTURED_RUNS` runs have captured on a runtime that cannot release graphs (said once)."""
+        with self._lock:
+            if not self.enabled:
+                return None
+            if not can_release and self.captured_runs >= MAX_CAPTURED_RUNS:
+                self._say_once("full", "CUDA graphs: %d runs have captured and this ONNX Runtime cannot release a "
+                               "graph; later runs of new buckets are ordinary runs", MAX_CAPTURED_RUNS)
+                return None
+            first = self._next_id
+            self._next_id += 2
+            self.captured_runs += 1
+            return first, first + 1
+
+    def unavailable(self) -> None:
+        """Say once that runs do not capture, and why."""
+        self._say_once("unavailable", "CUDA graphs: not captured (%s); beam runs use ordinary session runs",
+                       self.reason)
+
+    def failed(self, bucket_key: Hashable, error: BaseException) -> None:
+        """A capture failed: its run goes on with ordinary runs; said once per bucket."""
+        self.failures += 1
+        self._say_once(("failed", bucket_key), "CUDA graphs: a capture failed (%s); this bucket's runs use "
+                       "ordinary session runs", error)
+
+    def _say_once(self, key: Hashable, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message, *args)
+
+
+def run_options(graph_id: int) -> ort.RunOptions:
+    """Run options that name ``graph_id`` (:data:`SKIP`: an ordinary run)."""
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    return options
+
+
+def release_graphs(sessions: Sequence[ort.InferenceSession], ids: Sequence[int]) -> None:
+    """Release the graphs ``ids`` that ``sessions`` captured (where the runtime can)."""
+    for session in sessions:
+        for graph_id in ids:
+            session.release_captured_graph(graph_id)
+
+
+def can_release(session: ort.InferenceSession) -> bool:
+    """This ONNX Runtime can release a captured graph (``InferenceSession.release_captured_graph``)."""
+    return hasattr(session, "release_captured_graph")
+
+
+class RunPool:
+    """Runs kept for reuse, by bucket, within ``budget`` bytes of device memory (the least recently used go first;
+    their graphs are released by ``drop``). :meth:`take` hands a kept run out (it is not kept while in use),
+    :meth:`keep` takes it back."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._runs: OrderedDict[Hashable, list[Any]] = OrderedDict()  # bucket -> runs (nbytes, drop())
+        self._lock = threading.Lock()
+        self.held = 0  # bytes of the runs kept
+        self.reused = 0  # runs handed out again
+
+    def take(self, key: Hashable) -> Any | None:
+        """A kept run of bucket ``key``, or None."""
+        with self._lock:
+            runs = self._runs.get(key)
+            if not runs:
+                return None
+            run = runs.pop()
+            if not runs:
+                del self._runs[key]
+            self.held -= run.nbytes
+            self.reused += 1
+            return run
+
+    def keep(self, key: Hashable, run: Any) -> None:
+        """Keep ``run`` for the next run of bucket ``key``, letting the least recently used go (``run.drop()``)
+        while the pool holds more than its budget (``run`` itself, when it alone is larger)."""
+        dropped = []
+        with self._lock:
+            self._runs.setdefault(key, []).append(run)
+            self._runs.move_to_end(key)
+            self.held += run.nbytes
+            while self.held > self.budget and self._runs:
+                oldest, runs = next(iter(self._runs.items()))
+                gone = runs.pop(0)
+                if not runs:
+                    del self._runs[oldest]
+                self.held -= gone.nbytes
+                dropped.append(gone)
+        for gone in dropped:
+            gone.drop()
+
+    def clear(self) -> None:
+        """Let every kept run go."""
+        with self._lock:
+            runs = [run for kept in self._runs.values() for run in kept]
+            self._runs.clear()
+            self.held = 0
+        for run in runs:
+            run.drop()
+
+    def __len__(self) -> int:
+        return sum(len(runs) for runs in self._runs.values())

@@ -1,0 +1,226 @@
+"""CUDA graphs for beam search's runs on the device (:mod:`server.engine.cuda_graphs`), their CPU side: the shape
+buckets, the pool of runs kept for reuse (the fixed buffers a replay needs), the graph ids, and the fallback to
+ordinary runs where nothing can capture, said once. The device step model runs on the CPU here
+(``Engine.load(device_state=True)``, the code path CUDA versions take); ``tests/test_gpu.py`` captures on CUDA."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+
+import onnxruntime as ort
+import pytest
+
+from server.engine import cuda_graphs
+from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_shape, graph_options
+from server.engine.device_search import DeviceBeamRun
+from server.engine.engine import Engine
+from server.types import DecodingOptions
+from tests.test_device_search import WORDS, assert_same, batch, decode
+
+NOT_CAPTURED = "CUDA graphs: not captured (the sessions run on the CPU provider)"
+
+
+@pytest.fixture(scope="module", params=["transformer", "bahdanau"])
+def engines(request, tiny_models) -> tuple[Engine, Engine]:
+    """The host search's engine and one whose beam runs are kept for CUDA graphs, on one version."""
+    path = tiny_models[request.param]
+    return (Engine.load(path, provider="cpu", intra_op_threads=1),
+            Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True, device_search=True,
+                        cuda_graphs=True, graph_pool_mib=64))
+
+
+@pytest.fixture
+def runs(monkeypatch) -> list[tuple[int, int, tuple]]:
+    """(the run's identity, its history buffer's address, its shapes) of every run started."""
+    started: list[tuple[int, int, tuple]] = []
+    start = DeviceBeamRun.start
+
+    def recorded(self, *args, **kwargs):
+        started.append((id(self), self.sets[0]["history"].data_ptr(), self.shapes))
+        return start(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceBeamRun, "start", recorded)
+    return started
+
+
+def test_lengths_round_up_to_powers_of_two_and_one_and_a_half_times_them():
+    assert [bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 129, 200, 300)] == [
+        16, 16, 24, 24, 32, 48, 64, 96, 128, 192, 256, 384]
+    assert all(n <= bucket(n) <= max(16, 1.5 * n) for n in range(1, 2000))
+
+
+def test_only_the_source_and_capacity_axes_are_rounded():
+    assert bucketed_shape([8, 4, 21, 8], ["batch", 4, "capacity", 8]) == (8, 4, 24, 8)
+    assert bucketed_shape([8, 13], ["batch", "src_len"]) == (8, 16)
+    assert bucketed_shape([8, 32], ["batch", 32]) == (8, 32)
+    assert bucketed_shape([8, 13], None) == (8, 13)  # a graph that does not name its dimensions: as it is
+
+
+def test_graphs_are_enabled_for_the_cuda_provider_only():
+    providers = [("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"]
+    assert graph_options(providers) == [("CUDAExecutionProvider", {"device_id": "0", "enable_cuda_graph": "1"}),
+                                        ("CPUExecutionProvider", {})]
+
+
+class _Kept:
+    """Something the pool keeps: its size, and whether it was let go."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.dropped = nbytes, False
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+def test_the_pool_hands_runs_out_once_and_lets_the_least_recently_used_go():
+    pool = RunPool(budget=100)
+    a, b, c = _Kept(40), _Kept(40), _Kept(40)
+    pool.keep("a", a)
+    pool.keep("b", b)
+    assert pool.take("a") is a and pool.take("a") is None  # handed out: not kept while in use
+    pool.keep("a", a)  # now the most recently used
+    pool.keep("c", c)  # 120 bytes: "b" goes
+    assert b.dropped and not a.dropped and not c.dropped and pool.held == 80 and len(pool) == 2
+    big = _Kept(500)
+    pool.keep("big", big)  # larger than the budget alone: it goes, and everything older with it
+    assert big.dropped and a.dropped and c.dropped and pool.held == 0 and len(pool) == 0
+    unbounded = RunPool(budget=0)
+    run = _Kept(1)
+    unbounded.keep("x", run)
+    assert run.dropped and unbounded.take("x") is None  # no budget: nothing is kept
+
+
+def test_graph_ids_stop_where_the_runtime_cannot_release_graphs(monkeypatch, caplog):
+    monkeypatch.setattr(cuda_graphs, "MAX_CAPTURED_RUNS", 2)
+    capture = GraphCapture("")
+    assert capture.ids(can_release=False) == (1, 2) and capture.ids(can_release=False) == (3, 4)
+    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+        assert capture.ids(can_release=False) is None and capture.ids(can_release=False) is None
+    assert sum("cannot release a graph" in r.getMessage() for r in caplog.records) == 1
+    assert capture.ids(can_release=True) == (5, 6)  # never reused: a graph id names one run's buffers
+    assert GraphCapture("no CUDA").ids(can_release=True) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_runs_in_buckets_find_the_general_searchs_hypotheses(engines, runs, seed):
+    """Padded to their buckets (source, cache and history) and started again from the pool, runs decode as the
+    host's search."""
+    host, device = engines
+    src, specs = batch(host, seed)
+    for _ in range(2):
+        assert_same(decode(host, src, specs, plain=False), decode(device, src, specs, plain=True))
+    assert runs
+    for _, _, shapes in runs:
+        assert shapes.length == bucket(shapes.length)
+        source = {name: shape for name, shape, _ in shapes.static}["src_mask"][1]
+        assert source == bucket(source)
+
+
+def test_a_bucket_reuses_its_run_and_its_buffers(engines, runs):
+    """Sentences of other lengths in the same bucket start the kept run again: the same buffers, at the same
+    addresses, which is what a captured graph replays."""
+    host, device = engines
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    calls = []
+    for texts in (["one two three", "four five"], ["six seven eight nine", "ten one"]):
+        assert [[h.tokens for h in t.hypotheses] for t in device.translate(texts, options)] == [
+            [h.tokens for h in t.hypotheses] for t in host.translate(texts, options)]
+        calls.append({shapes: (run, address) for run, address, shapes in runs})
+        runs.clear()
+    shared = calls[0].keys() & calls[1].keys()
+    assert shared and all(calls[0][shapes] == calls[1][shapes] for shapes in shared)
+
+
+def test_where_nothing_can_capture_runs_go_on_and_say_so_once(tiny_models, engines, caplog):
+    host, _ = engines
+    path = tiny_models["transformer" if host.manifest.architecture == "transformer" else "bahdanau"]
+    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+        device = Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True, device_search=True,
+                             cuda_graphs=True)
+        assert not device.model.capture.enabled
+        rng = random.Random(5)
+        for _ in range(3):
+            texts = [" ".join(rng.choices(WORDS, k=rng.randint(2, 9))) for _ in range(3)]
+            options = DecodingOptions(beam_size=3, num_hypotheses=1)
+            assert [t.hypotheses[0].tokens for t in device.translate(texts, options)] == [
+                t.hypotheses[0].tokens for t in host.translate(texts, options)]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
+    assert len(said) == 1 and NOT_CAPTURED in said[0]
+
+
+def test_the_pool_holds_its_runs_and_nothing_more(engines):
+    """Kept runs stay within the budget, and repeated decodes of one shape allocate nothing new."""
+    _, device = engines
+
+    def live() -> int:
+        gc.collect()
+        return sum(type(o) is ort.OrtValue for o in gc.get_objects())
+
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    device.translate(["one two three", "four five"], options)
+    before = live()
+    for _ in range(3):
+        device.translate(["one two three", "four five"], options)
+    assert live() == before
+    assert 0 < device.model.pool.held <= device.model.pool.budget
+
+
+def test_without_cuda_graphs_runs_are_exact_and_not_kept(tiny_models):
+    engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, device_state=True,
+                         device_search=True)
+    engine.translate(["one two three"], DecodingOptions(beam_size=4))
+    assert len(engine.model.pool) == 0 and engine.model.pool.reused == 0
+
+
+def test_the_servers_flags_reach_the_engine(repository):
+    from nmt.errors import NmtError
+    from server.config import ServerConfig
+    from server.core.repository import default_engine_loader
+    from server.protos import pb2
+    from tests.harness import ServerHarness
+
+    config = ServerConfig.from_env({"NMT_DEVICE_SEARCH": "true", "NMT_CUDA_GRAPHS": "true",
+                                    "NMT_CUDA_GRAPH_POOL_MIB": "32"})
+    assert config.cuda_graphs and config.cuda_graph_pool_mib == 32
+    with pytest.raises(NmtError, match="needs device_search"):
+        ServerConfig(cuda_graphs=True).validate()
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
+                          device_search=True, cuda_graphs=True, cuda_graph_pool_mib=32, intra_op_threads=1)
+    harness = ServerHarness(config, lambda path, **settings: default_engine_loader(path, device_state=True, **settings))
+    try:
+        options = pb2.DecodingOptions(beam_size=4, num_hypotheses=2, max_length=30)
+        for _ in range(2):
+            reply = harness.stub.Translate(pb2.TranslateRequest(texts=["three four five"], options=options), timeout=30)
+            assert len(reply.translations[0].hypotheses) == 2
+        model = harness.engine().model
+        assert model.pool.budget == 32 << 20 and model.pool.reused >= 1
+    finally:
+        harness.close()
+
+
+def test_the_state_a_run_hands_back_is_not_its_own(engines, monkeypatch):
+    """A run copies the decode's state in at its start and out at its end: what the decode holds afterwards is
+    never a kept run's buffer (the next run of the bucket writes those)."""
+    _, device = engines
+    handed: list[tuple[set[int], set[int]]] = []
+    state, output = DeviceBeamRun.state, DeviceBeamRun.output
+
+    def own(run: DeviceBeamRun) -> set[int]:
+        return {value.data_ptr() for values in (*run.states, run.static, *run.sets) for value in values.values()}
+
+    def checked_state(self):
+        values = state(self)
+        handed.append((own(self), {v.data_ptr() for v in values.values() if isinstance(v, ort.OrtValue)}))
+        return values
+
+    def checked_output(self):
+        *heads, values = output(self)
+        handed.append((own(self), {v.data_ptr() for v in values.values() if isinstance(v, ort.OrtValue)}))
+        return (*heads, values)
+
+    monkeypatch.setattr(DeviceBeamRun, "state", checked_state)
+    monkeypatch.setattr(DeviceBeamRun, "output", checked_output)
+    device.translate(["one two three", "four five six seven"], DecodingOptions(beam_size=4, num_hypotheses=2))
+    assert handed and all(values and not mine & values for mine, values in handed)
