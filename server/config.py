@@ -79,8 +79,9 @@ class ServerConfig:
                                  "host reads a byte a sentence per step instead of each row's best tokens; not "
                                  "yet measured on a GPU (benchmarks/README.md)")
     cuda_graphs: bool = option(False, "with --device-search, capture beam search's device steps as CUDA graphs and "
-                               "replay them (shapes in power-of-two buckets; one decoder session more); a bucket "
-                               "that cannot capture runs ordinary steps and says so once; not yet measured on a GPU")
+                               "replay them (lengths in buckets of powers of two and 1.5x them; one decoder session "
+                               "more); a bucket that cannot capture runs ordinary steps and says so once; not yet "
+                               "measured on a GPU")
     cuda_graph_pool_mib: int = option(1024, "MiB of device memory the beam runs kept for their CUDA graphs may hold "
                                       "(the least recently used bucket goes first)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")

@@ -14,7 +14,7 @@ import pytest
 
 from server.engine import cuda_graphs
 from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_shape, graph_options
-from server.engine.device_search import DeviceBeamRun
+from server.engine.device_search import DeviceBeamRun, RunShapes
 from server.engine.engine import Engine
 from server.types import DecodingOptions
 from tests.test_device_search import WORDS, assert_same, batch, decode
@@ -32,14 +32,15 @@ def engines(request, tiny_models) -> tuple[Engine, Engine]:
 
 
 @pytest.fixture
-def runs(monkeypatch) -> list[tuple[int, int, tuple]]:
-    """(the run's identity, its history buffer's address, its shapes) of every run started."""
-    started: list[tuple[int, int, tuple]] = []
+def runs(monkeypatch) -> list[tuple[int, int, RunShapes, int]]:
+    """(the run's identity, its history buffer's address, its shapes, the decode's sentences) of every run
+    started."""
+    started: list[tuple[int, int, RunShapes, int]] = []
     start = DeviceBeamRun.start
 
-    def recorded(self, *args, **kwargs):
-        started.append((id(self), self.sets[0]["history"].data_ptr(), self.shapes))
-        return start(self, *args, **kwargs)
+    def recorded(self, books, *args, **kwargs):
+        started.append((id(self), self.sets[0]["history"].data_ptr(), self.shapes, len(books.steps)))
+        return start(self, books, *args, **kwargs)
 
     monkeypatch.setattr(DeviceBeamRun, "start", recorded)
     return started
@@ -112,8 +113,8 @@ def test_kept_runs_in_buckets_find_the_general_searchs_hypotheses(engines, runs,
     for _ in range(2):
         assert_same(decode(host, src, specs, plain=False), decode(device, src, specs, plain=True))
     assert runs
-    for _, _, shapes in runs:
-        assert shapes.length == bucket(shapes.length)
+    for _, _, shapes, sentences in runs:
+        assert shapes.length == bucket(shapes.length) and shapes.sentences == bucket(sentences, floor=1)
         source = {name: shape for name, shape, _ in shapes.static}["src_mask"][1]
         assert source == bucket(source)
 
@@ -127,10 +128,22 @@ def test_a_bucket_reuses_its_run_and_its_buffers(engines, runs):
     for texts in (["one two three", "four five"], ["six seven eight nine", "ten one"]):
         assert [[h.tokens for h in t.hypotheses] for t in device.translate(texts, options)] == [
             [h.tokens for h in t.hypotheses] for t in host.translate(texts, options)]
-        calls.append({shapes: (run, address) for run, address, shapes in runs})
+        calls.append({shapes: (run, address) for run, address, shapes, _ in runs})
         runs.clear()
     shared = calls[0].keys() & calls[1].keys()
     assert shared and all(calls[0][shapes] == calls[1][shapes] for shapes in shared)
+
+
+def test_sentences_padded_to_the_bucket_are_never_done_and_never_come_back(engines, runs):
+    """Five sentences run as six: the sixth copies the first one's rows, is never done, and its rows and books stay
+    in the run."""
+    host, device = engines
+    texts = ["one two three", "four five", "six", "seven eight nine ten", "one three five seven nine"]
+    options = DecodingOptions(beam_size=3, num_hypotheses=3, length_penalty=1.0)
+    for want, got in zip(host.translate(texts, options), device.translate(texts, options), strict=True):
+        assert [h.tokens for h in got.hypotheses] == [h.tokens for h in want.hypotheses]
+        assert [h.score for h in got.hypotheses] == pytest.approx([h.score for h in want.hypotheses], abs=1e-5)
+    assert (6, 5) in {(shapes.sentences, sentences) for _, _, shapes, sentences in runs}
 
 
 def test_where_nothing_can_capture_runs_go_on_and_say_so_once(tiny_models, engines, caplog):

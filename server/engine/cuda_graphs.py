@@ -7,10 +7,10 @@ Runtime's CUDA provider can capture a session run as a CUDA graph and replay it 
 captures, the later ones replay). A replay reads and writes exactly the buffers the capture saw, at the shapes
 it saw, so:
 
-* a run's shapes come in **buckets** (:func:`bucket`): the source length, the cache's capacity and the history's
-  length are rounded up to a power of two or one and a half times one (padding: a source's mask marks its padded
-  positions, a cache and a history have room they do not use), the rows, sentences, top-k width and quota stay
-  exact;
+* a run's shapes come in **buckets** (:func:`bucket`): the number of sentences, the source length, the cache's
+  capacity and the history's length are rounded up to a power of two or one and a half times one (padding: a
+  padded sentence copies the first one's rows and is never done, a source's mask marks its padded positions, a
+  cache and a history have room they do not use); the beam, the top-k width and the quota stay exact;
 * every buffer a run binds is its own, allocated once (the decode's state is copied in at its start and out at
   its end), and the run is kept in a :class:`RunPool` for the next run of its bucket, which replays its graphs;
 * each kept run has graph ids of its own (one per parity of its two buffer sets), never reused, and its graphs
@@ -40,12 +40,12 @@ MAX_CAPTURED_RUNS = 256  # runs that capture graphs, at most, where the runtime 
 SKIP = -1  # gpu_graph_id: an ordinary run, no capture and no replay
 
 
-def bucket(size: int) -> int:
-    """The length a run of ``size`` is made for: the smallest power of two, or one and a half times one, at least
-    ``size`` and :data:`BUCKET_FLOOR` (16, 24, 32, 48, 64, 96, ...: at most half again the length, and a
-    handful of buckets up to the longest)."""
-    if size <= BUCKET_FLOOR:
-        return BUCKET_FLOOR
+def bucket(size: int, floor: int = BUCKET_FLOOR) -> int:
+    """The size a run of ``size`` is made for: the smallest power of two, or one and a half times one, at least
+    ``size`` and ``floor`` (lengths: 16, 24, 32, 48, 64, 96, ...; sentences, from 1: 1, 2, 3, 4, 6, 8, 12, ...):
+    at most half again the size, and a handful of buckets up to the largest."""
+    if size <= floor:
+        return floor
     power = 1 << (size - 1).bit_length()
     return power * 3 // 4 if power * 3 // 4 >= size else power
 

@@ -44,14 +44,15 @@ _I64, _F64 = TensorProto.INT64, TensorProto.DOUBLE
 # the selection graph's inputs and outputs: (element type (None: the step's scores'), shape); R rows in, R' out,
 # n sentences, K best tokens a row, L history positions, Q finished hypotheses kept at most. What a run does not
 # change comes in made on the host: each sentence's quota as a mask of its slots (``kept``) and the index of its
-# last (``worst``), its first row (``first_rows``: j x beam) and the history's column numbers (``columns``)
+# last (``worst``), its first row (``first_rows``: j x beam), the history's column numbers (``columns``) and
+# whether it is one of the decode's (``live``: a run padded to its bucket has others, which are never done)
 _INPUTS = {"top_ids": (_I64, ["R", "K"]), "top_log_probs": (None, ["R", "K"]), "totals": (_F64, ["R"]),
            "history": (_I64, ["R", "L"]), "history_scores": (_F64, ["R", "L"]), "steps": (_I64, ["n"]),
            "positions": (_I64, ["R"]), "penalties": (_F64, ["n"]), "kept": (TensorProto.BOOL, ["n", "Q"]),
            "worst": (_I64, ["n", 1]), "first_rows": (_I64, ["n", 1]), "columns": (_I64, ["L"]),
            "fin_scores": (_F64, ["n", "Q"]),
            "fin_tokens": (_I64, ["n", "Q", "L"]), "fin_token_scores": (_F64, ["n", "Q", "L"]),
-           "fin_lengths": (_I64, ["n", "Q"])}
+           "fin_lengths": (_I64, ["n", "Q"]), "live": (TensorProto.BOOL, ["n"])}
 _OUTPUTS = {"next_ids": (_I64, ["R'"]), "origins": (_I64, ["R'"]), "next_totals": (_F64, ["R'"]),
             "next_history": (_I64, ["R'", "L"]), "next_history_scores": (_F64, ["R'", "L"]),
             "next_steps": (_I64, ["n"]), "next_positions": (_I64, ["R'"]), "next_fin_scores": (_F64, ["n", "Q"]),
@@ -168,8 +169,8 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     best_live = g.op("Squeeze", g.op("Slice", new_totals, zero, one, one), one)  # [n]
     worst = g.op("Squeeze", g.op("GatherElements", fin_scores, "worst", axis=1), one)  # [n]
     no_better = g.op("LessOrEqual", g.op("Div", best_live, divisor), worst)
-    g.op("Or", g.op("Equal", best_live, neg_inf), g.op("And", g.op("Greater", worst, neg_inf), no_better),
-         name="done")
+    ended = g.op("Or", g.op("Equal", best_live, neg_inf), g.op("And", g.op("Greater", worst, neg_inf), no_better))
+    g.op("And", "live", ended, name="done")
 
     graph = helper.make_graph(g.nodes, f"beam{beam}_selection",
                               [helper.make_tensor_value_info(name, score_type if elem is None else elem, shape)
@@ -202,16 +203,16 @@ _CARRIED = {name: f"next_{name}" for name in ("totals", "history", "history_scor
 @dataclass(frozen=True)
 class RunShapes:
     """What a :class:`DeviceBeamRun`'s buffers are made for, and the key it is kept under for reuse
-    (:class:`server.engine.cuda_graphs.RunPool`): the selection's constants, the rows, sentences, top-k width and
-    quota as they are, the history's length and the state's and static inputs' shapes in their buckets
-    (:func:`server.engine.cuda_graphs.bucket`)."""
+    (:class:`server.engine.cuda_graphs.RunPool`): the selection's constants, the top-k width and quota as they
+    are, the sentences (and so the rows), the history's length and the state's and static inputs' shapes, in their
+    buckets where runs are kept (:func:`server.engine.cuda_graphs.bucket`)."""
 
     beam: int
     eos_id: int
     start_id: int
     k: int  # the step graph's top-k input
     width: int  # best tokens a row (the top-k width)
-    rows: int
+    rows: int  # sentences x beam
     sentences: int
     length: int  # history positions
     quota: int  # finished hypotheses a sentence keeps, at most
@@ -242,6 +243,7 @@ class DeviceBeamRun:
         self.positions: np.ndarray | None = None  # int64 [R] on the host at the start (None: the model takes none)
         self.advanced = 0  # quiet steps taken
         self.length = 0  # the decode's history length (the run's may be longer)
+        self.sentences = self.rows = 0  # the decode's sentences and rows (the run's may be more)
         rows, n, length, q = shapes.rows, shapes.sentences, shapes.length, shapes.quota
         shapes_of = {"totals": ((rows,), np.float64), "history": ((rows, length), np.int64),
                      "history_scores": ((rows, length), np.float64), "steps": ((n,), np.int64),
@@ -254,6 +256,7 @@ class DeviceBeamRun:
         self.states = [{name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.state}
                        for _ in (0, 1)]
         self.fixed = {"penalties": self._alloc((n,), np.float64), "kept": self._alloc((n, q), np.bool_),
+                      "live": self._alloc((n,), np.bool_),
                       "worst": self._alloc((n, 1), np.int64), "first_rows": self._alloc((n, 1), np.int64),
                       "columns": self._alloc((length,), np.int64), "origins": self._alloc((rows,), np.int64)}
         self.fixed["first_rows"].update_inplace(np.arange(n, dtype=np.int64)[:, None] * (rows // n))
@@ -279,7 +282,7 @@ class DeviceBeamRun:
             for name in _CARRIED:
                 select.bind_ortvalue_input(name, now[name])
                 select.bind_ortvalue_output(_CARRIED[name], after[name])
-            for name in ("penalties", "kept", "worst", "first_rows", "columns"):
+            for name in ("penalties", "kept", "worst", "first_rows", "columns", "live"):
                 select.bind_ortvalue_input(name, self.fixed[name])
             select.bind_ortvalue_output("next_ids", after["input_ids"])
             select.bind_ortvalue_output("origins", self.fixed["origins"])
@@ -291,35 +294,43 @@ class DeviceBeamRun:
     def start(self, books: Books, penalties: list[float], quotas: list[int], static: dict[str, Any],
               state: dict[str, Any], positions: np.ndarray | None) -> None:
         """Begin a run from a decode's ``books``, its sentences' length ``penalties`` and ``quotas``, its
-        ``static`` inputs and its ``state`` (copied into the run's buffers, padded to its shapes) at
-        ``positions`` (int64 [R]; None: the model takes none)."""
+        ``static`` inputs and its ``state`` (copied into the run's buffers, padded to its shapes: sentences past
+        the decode's copy its first one's rows and are never done) at ``positions`` (int64 [R]; None: the model
+        takes none)."""
         rows, n, length, q = self.shapes.rows, self.shapes.sentences, self.shapes.length, self.shapes.quota
+        self.sentences, self.rows = len(books.steps), len(books.tokens)
         self.length, self.positions = books.history.shape[1], positions
         self.parity, self.advanced, self.bytes_read = 0, 0, 0
+        beam = self.rows // self.sentences
+        # each of the run's sentences and rows: the decode's, then copies of its first sentence's
+        sentence_of = np.concatenate([np.arange(self.sentences), np.zeros(n - self.sentences, dtype=np.int64)])
+        row_of = np.concatenate([np.arange(self.rows), np.tile(np.arange(beam), n - self.sentences)])
         history = np.zeros((rows, length), dtype=np.int64)
         history_scores = np.zeros((rows, length))
-        history[:, : self.length], history_scores[:, : self.length] = books.history, books.history_scores
+        history[:, : self.length] = books.history[row_of]
+        history_scores[:, : self.length] = books.history_scores[row_of]
         fin_scores = np.full((n, q), _NEG_INF)
         fin_tokens = np.zeros((n, q, length), dtype=np.int64)
         fin_token_scores = np.zeros((n, q, length))
         fin_lengths = np.zeros((n, q), dtype=np.int64)
-        for j, hypotheses in enumerate(books.finished):
+        for j, hypotheses in enumerate(books.finished[i] for i in sentence_of):
             for i, h in enumerate(hypotheses):
                 fin_scores[j, i], fin_lengths[j, i] = h.score, len(h.tokens)
                 fin_tokens[j, i, : len(h.tokens)], fin_token_scores[j, i, : len(h.tokens)] = h.tokens, h.token_scores
-        quota = np.asarray(quotas, dtype=np.int64)[:, None]
-        arrays = {"totals": books.totals, "history": history, "history_scores": history_scores, "steps": books.steps,
-                  "fin_scores": fin_scores, "fin_tokens": fin_tokens, "fin_token_scores": fin_token_scores,
-                  "fin_lengths": fin_lengths, "input_ids": books.tokens,
-                  "positions": positions if positions is not None else np.zeros(rows, dtype=np.int64)}
+        quota = np.asarray(quotas, dtype=np.int64)[sentence_of, None]
+        arrays = {"totals": books.totals[row_of], "history": history, "history_scores": history_scores,
+                  "steps": books.steps[sentence_of], "fin_scores": fin_scores, "fin_tokens": fin_tokens,
+                  "fin_token_scores": fin_token_scores, "fin_lengths": fin_lengths, "input_ids": books.tokens[row_of],
+                  "positions": positions[row_of] if positions is not None else np.zeros(rows, dtype=np.int64)}
         for name, array in arrays.items():
             _fill(self.sets[0][name], array)
-        _fill(self.fixed["penalties"], np.asarray(penalties, dtype=np.float64))
+        _fill(self.fixed["penalties"], np.asarray(penalties, dtype=np.float64)[sentence_of])
         _fill(self.fixed["kept"], np.arange(q) < quota)
         _fill(self.fixed["worst"], quota - 1)
+        _fill(self.fixed["live"], np.arange(n) < self.sentences)
         names = list(self.states[0])
-        self.model.padded_copies([static[name] for name in self.static], list(self.static.values()))
-        self.model.padded_copies([state[name] for name in names], [self.states[0][name] for name in names])
+        self.model.padded_copies([static[name] for name in self.static], row_of, list(self.static.values()))
+        self.model.padded_copies([state[name] for name in names], row_of, [self.states[0][name] for name in names])
 
     def step(self) -> bool:
         """Run the step graph and the selection on the current set of buffers; returns whether some sentence
@@ -333,7 +344,8 @@ class DeviceBeamRun:
             if not self._graphs_failed(error):
                 raise
             return self.step()
-        self.done = self.read(self.done_flags)
+        select.synchronize_outputs()  # a replayed graph's work done before the flags are copied
+        self.done = self.read(self.done_flags)[: self.sentences]
         return bool(self.done.any())
 
     def advance(self) -> None:
@@ -355,8 +367,9 @@ class DeviceBeamRun:
         state = self._copied(self._bindings[self.parity][3])
         if self.positions is not None:
             state[self.model.positions] = self.positions + self.advanced + 1
-        return (self.read(self.top["top_ids"]), self.read(self.top["top_log_probs"]),
-                self.read(self.top["eos_log_prob"]), state)
+        rows = self.rows
+        return (self.read(self.top["top_ids"])[:rows], self.read(self.top["top_log_probs"])[:rows],
+                self.read(self.top["eos_log_prob"])[:rows], state)
 
     def state(self) -> dict[str, Any]:
         """The decoder state the next step reads, copied out of the run."""
@@ -366,17 +379,19 @@ class DeviceBeamRun:
         return state
 
     def books(self) -> Books:
-        """The books the next step reads, brought to the host (the end of a run), at the decode's history
-        length."""
-        v, length = self.sets[self.parity], self.length
-        fin_scores, fin_lengths = self.read(v["fin_scores"]), self.read(v["fin_lengths"])
-        fin_tokens, fin_token_scores = self.read(v["fin_tokens"]), self.read(v["fin_token_scores"])
+        """The books the next step reads, brought to the host (the end of a run), for the decode's sentences and
+        rows at its history length."""
+        v, length, n, rows = self.sets[self.parity], self.length, self.sentences, self.rows
+        fin_scores, fin_lengths = self.read(v["fin_scores"])[:n], self.read(v["fin_lengths"])[:n]
+        fin_tokens, fin_token_scores = self.read(v["fin_tokens"])[:n], self.read(v["fin_token_scores"])[:n]
         finished = [[ScoredSequence(tokens=fin_tokens[j, i, :size].tolist(), score=float(fin_scores[j, i]),
                                     token_scores=fin_token_scores[j, i, :size].tolist())
                      for i, size in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
                     for j in range(len(fin_scores))]
-        return Books(self.read(v["input_ids"]), self.read(v["totals"]), self.read(v["history"])[:, :length].copy(),
-                     self.read(v["history_scores"])[:, :length].copy(), self.read(v["steps"]), finished)
+        history, history_scores = self.read(v["history"]), self.read(v["history_scores"])
+        return Books(self.read(v["input_ids"])[:rows], self.read(v["totals"])[:rows],
+                     history[:rows, :length].copy(), history_scores[:rows, :length].copy(), self.read(v["steps"])[:n],
+                     finished)
 
     def read(self, value: ort.OrtValue) -> np.ndarray:
         """``value`` on the host, an array of its own (a CPU ``OrtValue``'s ``numpy()`` is a view of the run's
@@ -400,8 +415,8 @@ class DeviceBeamRun:
         return True
 
     def _copied(self, values: dict[str, ort.OrtValue]) -> dict[str, Any]:
-        """Copies of ``values`` that the decode can keep (the run's buffers stay with the run)."""
-        return dict(zip(values, self.model.padded_copies(list(values.values())), strict=True))
+        """Copies of ``values``' rows of the decode, that it can keep (the run's buffers stay with the run)."""
+        return dict(zip(values, self.model.padded_copies(list(values.values()), np.arange(self.rows)), strict=True))
 
     def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
         self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -163,29 +163,27 @@ class DeviceStepModel(OnnxStepModel):
                     static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray, k: int,
                     steps: int) -> RunShapes:
         """The shapes of a run (:class:`RunShapes`), the cache with room for ``steps`` more; with ``cuda_graphs``
-        the source length, the cache's capacity and the history's length rounded up to their bucket
-        (:func:`server.engine.cuda_graphs.bucket`), so that runs of nearby shapes share one kept run and its
-        graphs (without, padding would only cost: 0.85-0.92x on the CPU's device path)."""
+        the number of sentences, the source length, the cache's capacity and the history's length rounded up to
+        their bucket (:func:`server.engine.cuda_graphs.bucket`), so that runs of nearby shapes share one kept run
+        and its graphs (without, padding would only cost: 0.85-0.92x on the CPU's device path)."""
         rounded = self._cuda_graphs
+        length, sentences = books.history.shape[1], len(books.steps)
+        if rounded:
+            length, sentences = bucket(length), bucket(sentences, floor=1)
+        rows = sentences * beam
 
-        def shape_of(name: str, shape: list[int]) -> tuple[int, ...]:
+        def shape_of(name: str, value: ort.OrtValue, needed: int = 0) -> tuple[int, ...]:
+            shape = [rows, *value.shape()[1:]]
+            if name in self.buffers:  # room for the run's steps
+                axis = self.buffers[name].capacity_axis
+                shape[axis] = max(shape[axis], needed)
             return bucketed_shape(shape, self._dims.get(name)) if rounded else tuple(shape)
 
         needed = int(positions.max()) + steps + 1 if self.positions else 0
-        device_state = []
-        for name, value in state.items():
-            if isinstance(value, np.ndarray):
-                continue
-            shape = value.shape()
-            if name in self.buffers:
-                axis = self.buffers[name].capacity_axis
-                shape[axis] = max(shape[axis], needed)
-            device_state.append((name, shape_of(name, shape), value.data_type()))
-        length = books.history.shape[1]
-        return RunShapes(beam, eos_id, start_id, k, self.top_k_width(k), len(books.tokens), len(books.steps),
-                         bucket(length) if rounded else length, max(quotas),
-                         tuple((name, shape_of(name, value.shape()), value.data_type())
-                               for name, value in static.items()), tuple(device_state), bool(self.positions))
+        return RunShapes(beam, eos_id, start_id, k, self.top_k_width(k), rows, sentences, length, max(quotas),
+                         tuple((name, shape_of(name, value), value.data_type()) for name, value in static.items()),
+                         tuple((name, shape_of(name, value, needed), value.data_type()) for name, value in state.items()
+                               if not isinstance(value, np.ndarray)), bool(self.positions))
 
     def _new_run(self, shapes: RunShapes) -> DeviceBeamRun:
         """A run made for ``shapes``: on the graph-enabled sessions with graph ids of its own where runs capture,
@@ -307,13 +305,18 @@ class DeviceStepModel(OnnxStepModel):
         graphs enabled)."""
         return self._rows_session("gather", types, graphs)
 
-    def padded_copies(self, values: list[ort.OrtValue], into: list[ort.OrtValue] | None = None,
+    def padded_copies(self, values: list[ort.OrtValue], rows: np.ndarray, into: list[ort.OrtValue] | None = None,
                       ) -> list[ort.OrtValue]:
-        """Copies of ``values`` in one session run: into the buffers ``into``, each zero-padded at the ends of its
-        axes but the first to its buffer's shape, or (None) into new device memory, as they are."""
-        pads = {f"p{i}": _pads(value.shape(), value.shape()[1:] if into is None else into[i].shape()[1:])
+        """Rows ``rows`` of ``values`` copied in one session run: into the buffers ``into``, each zero-padded at
+        the ends of its other axes to its buffer's shape, or (None) into new device memory, as they are."""
+        if not values:
+            return []
+        pads = {f"p{i}": _pads([len(rows), *value.shape()[1:]],
+                               value.shape()[1:] if into is None else into[i].shape()[1:])
                 for i, value in enumerate(values)}
-        return self._run_rows("pad", values, host=pads, into=into) if values else []
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64), self.device)
+        return self._run_rows("fill", values, {"rows": rows_value}, host=pads, into=into)
+
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         """:meth:`OnnxStepModel.concat_rows` on the device: every tensor's ``Pad`` and ``Concat`` in one session
         run (host arrays, the positions, joined on the host)."""
@@ -379,9 +382,10 @@ class DeviceStepModel(OnnxStepModel):
 
     def _rows_session(self, kind: str, types: tuple[str, ...], graphs: bool = False) -> ort.InferenceSession:
         """The session of a small graph over tensors of element ``types``, one chain of nodes each, all in one
-        run: ``gather`` (rows ``rows`` of each ``x{i}``), ``pad`` (each ``x{i}`` zero-padded by ``p{i}``) or
-        ``join`` (each ``a{i}`` and ``b{i}`` padded by ``pa{i}``/``pb{i}``, then concatenated on the rows);
-        ``graphs``: with CUDA graphs enabled."""
+        run: ``gather`` (rows ``rows`` of each ``x{i}``), ``pad`` (each ``x{i}`` zero-padded by ``p{i}``),
+        ``fill`` (rows ``rows`` of each ``x{i}``, zero-padded by ``p{i}``) or ``join`` (each ``a{i}`` and
+        ``b{i}`` padded by ``pa{i}``/``pb{i}``, then concatenated on the rows); ``graphs``: with CUDA graphs
+        enabled."""
         key = (kind, types, graphs)
         if key not in self._sessions:
             nodes, inputs = [], []
@@ -392,12 +396,16 @@ class DeviceStepModel(OnnxStepModel):
                     nodes.append(helper.make_node("Gather", [f"x{i}", "rows"], [f"y{i}"], axis=0))
                 elif kind == "pad":
                     nodes.append(helper.make_node("Pad", [f"x{i}", f"p{i}"], [f"y{i}"]))
+                elif kind == "fill":
+                    nodes += [helper.make_node("Gather", [f"x{i}", "rows"], [f"g{i}"], axis=0),
+                              helper.make_node("Pad", [f"g{i}", f"p{i}"], [f"y{i}"])]
                 else:
                     nodes += [helper.make_node("Pad", [f"a{i}", f"pa{i}"], [f"ja{i}"]),
                               helper.make_node("Pad", [f"b{i}", f"pb{i}"], [f"jb{i}"]),
                               helper.make_node("Concat", [f"ja{i}", f"jb{i}"], [f"y{i}"], axis=0)]
-            extra = ["rows"] if kind == "gather" else [
-                f"{p}{i}" for i in range(len(types)) for p in (("p",) if kind == "pad" else ("pa", "pb"))]
+            extra = (["rows"] if kind in ("gather", "fill") else []) + [
+                f"{p}{i}" for i in range(len(types)) if kind != "gather"
+                for p in (("pa", "pb") if kind == "join" else ("p",))]
             inputs += [helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in extra]
             outputs = [helper.make_tensor_value_info(f"y{i}", ELEMENT_TYPES[t], None) for i, t in enumerate(types)]
             graph = helper.make_graph(nodes, f"rows_{kind}", inputs, outputs)
