@@ -232,7 +232,8 @@ class DeviceBeamRun:
     (padded to the run's shapes); :meth:`state` and :meth:`output` copy the state out."""
 
     def __init__(self, model: Any, shapes: RunShapes, sessions: tuple[ort.InferenceSession, ...],
-                 options: list[ort.RunOptions | None], graph_ids: tuple[int, ...] = ()) -> None:
+                 options: list[ort.RunOptions | None], graph_ids: tuple[int, ...] = (),
+                 borrowed: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
         self.model, self.device, self.shapes, self.sessions = model, model.device, shapes, sessions
         self.options = options  # each parity's run options (None: no graph-enabled sessions)
         self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
@@ -251,10 +252,17 @@ class DeviceBeamRun:
                      "fin_token_scores": ((n, q, length), np.float64), "fin_lengths": ((n, q), np.int64),
                      "input_ids": ((rows,), np.int64), "positions": ((rows,), np.int64)}
         self.sets = [{name: self._alloc(*spec) for name, spec in shapes_of.items()} for _ in (0, 1)]
-        self.static = {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.static}
         names = [name for name, _, _ in shapes.state]
-        self.states = [{name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.state}
-                       for _ in (0, 1)]
+
+        def allocated(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict[str, ort.OrtValue]:
+            return {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in specs}
+
+        # a run that is not kept reads the decode's static inputs and state where they are (``borrowed``), and
+        # hands its state back as it is
+        self.borrowed = borrowed is not None
+        self.static = borrowed[0] if borrowed else allocated(shapes.static)
+        self.states = [{name: borrowed[1][name] for name in names} if borrowed else allocated(shapes.state),
+                       allocated(shapes.state)]
         self.fixed = {"penalties": self._alloc((n,), np.float64), "kept": self._alloc((n, q), np.bool_),
                       "live": self._alloc((n,), np.bool_),
                       "worst": self._alloc((n, 1), np.int64), "first_rows": self._alloc((n, 1), np.int64),
@@ -328,9 +336,10 @@ class DeviceBeamRun:
         _fill(self.fixed["kept"], np.arange(q) < quota)
         _fill(self.fixed["worst"], quota - 1)
         _fill(self.fixed["live"], np.arange(n) < self.sentences)
-        names = list(self.states[0])
-        self.model.padded_copies([static[name] for name in self.static], row_of, list(self.static.values()))
-        self.model.padded_copies([state[name] for name in names], row_of, [self.states[0][name] for name in names])
+        if not self.borrowed:
+            names = list(self.states[0])
+            self.model.padded_copies([static[name] for name in self.static], row_of, list(self.static.values()))
+            self.model.padded_copies([state[name] for name in names], row_of, [self.states[0][name] for name in names])
 
     def step(self) -> bool:
         """Run the step graph and the selection on the current set of buffers; returns whether some sentence
@@ -415,7 +424,10 @@ class DeviceBeamRun:
         return True
 
     def _copied(self, values: dict[str, ort.OrtValue]) -> dict[str, Any]:
-        """Copies of ``values``' rows of the decode, that it can keep (the run's buffers stay with the run)."""
+        """Copies of ``values``' rows of the decode, that it can keep (a kept run's buffers stay with the run; a
+        run that is not kept hands them over)."""
+        if self.borrowed:
+            return dict(values)
         return dict(zip(values, self.model.padded_copies(list(values.values()), np.arange(self.rows)), strict=True))
 
     def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:

@@ -149,10 +149,13 @@ class DeviceStepModel(OnnxStepModel):
                  quotas: list[int], static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray,
                  k: int, steps: int) -> Iterator[DeviceBeamRun]:
         """Up to ``steps`` beam steps whose selection stays on the device (:class:`DeviceBeamRun`), from the books
-        and ``state`` at ``positions`` (int64 [R]), in a run of their shapes' bucket (its in-place buffers with
-        room for all of them): a kept one (``cuda_graphs``) or a new one, kept again at the end."""
+        and ``state`` at ``positions`` (int64 [R]), the in-place buffers with room for all of them. With
+        ``cuda_graphs``, in a run of their shapes' bucket, kept one or new, that copies them in and out and is kept
+        again at the end; without, in a run that reads and writes the decode's own buffers."""
+        if not self._cuda_graphs and self.positions:  # the run reads the decode's buffers: room in them first
+            state = self._reserve(state, int(positions.max()) + steps + 1)
         shapes = self._run_shapes(beam, eos_id, start_id, books, quotas, static, state, positions, k, steps)
-        run = self.pool.take(shapes) or self._new_run(shapes)
+        run = self.pool.take(shapes) or self._new_run(shapes, None if self._cuda_graphs else (static, state))
         run.start(books, penalties, quotas, static, state, positions if self.positions else None)
         try:
             yield run
@@ -185,9 +188,11 @@ class DeviceStepModel(OnnxStepModel):
                          tuple((name, shape_of(name, value, needed), value.data_type()) for name, value in state.items()
                                if not isinstance(value, np.ndarray)), bool(self.positions))
 
-    def _new_run(self, shapes: RunShapes) -> DeviceBeamRun:
+    def _new_run(self, shapes: RunShapes, borrowed: tuple[dict[str, Any], dict[str, Any]] | None,
+                 ) -> DeviceBeamRun:
         """A run made for ``shapes``: on the graph-enabled sessions with graph ids of its own where runs capture,
-        else on the ordinary sessions (``cuda_graphs`` says once why it does not capture)."""
+        else on the ordinary sessions (``cuda_graphs`` says once why it does not capture); ``borrowed``: the
+        decode's static inputs and state, which a run that is not kept reads where they are."""
         graphs = self.capture.enabled and self._cuda_graphs
         state_types = tuple(kind for _, _, kind in shapes.state)
         sessions = (self.sessions["decoder_graphs" if graphs else "decoder"],
@@ -196,7 +201,7 @@ class DeviceStepModel(OnnxStepModel):
         if not graphs:
             if self._cuda_graphs:
                 self.capture.unavailable()
-            return DeviceBeamRun(self, shapes, sessions, [None, None])
+            return DeviceBeamRun(self, shapes, sessions, [None, None], borrowed=borrowed)
         ids = self.capture.ids(can_release(sessions[0]))
         options = [run_options(graph_id) for graph_id in ids] if ids else [run_options(SKIP), run_options(SKIP)]
         return DeviceBeamRun(self, shapes, sessions, options, ids or ())
