@@ -41,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "server memory, outputs against transformers); stream: TranslateStreaming's time to the first word and "
             "between words beside Translate's latency; device-memory: a version's device memory on CUDA with its "
             "weights shared on the device or copied by each session (needs a GPU); device-search: beam search's "
-            "selection on the device against the host's, on the engine that keeps its state on the device."
+            "selection on the device against the host's, on the engine that keeps its state on the device (with "
+            "--cuda-graphs, also its runs kept for CUDA graphs)."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

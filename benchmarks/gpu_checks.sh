@@ -1,0 +1,24 @@
+#!/bin/sh
+# The first checks for a session lent a GPU, in order, each bounded (about 9 minutes in all: one device call).
+# Run from the repository root on the GPU host after ../shared/gpu/README.md's install, e.g.
+#   eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
+# Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
+# stop the next. benchmarks/README.md ("CUDA graphs for the device's beam runs") says what each should show.
+set -u
+out="${1:-gpu-checks}"
+mkdir -p "$out"
+step() {
+    name="$1"; limit="$2"; shift 2
+    echo "== $name ($limit s): $*"
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "   exit $? after $(( $(date +%s) - start )) s; last lines:"
+    tail -n 12 "$out/$name.log" | sed 's/^/   /'
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/device.txt" 2>&1
+cat "$out/device.txt"
+# the device's beam runs, their CUDA graphs and the tenth session's plain greedy fix, against the CPU
+step test_gpu 240 python3 -m pytest -q -x tests/test_gpu.py
+# host's selection / device's / device's with CUDA graphs, alternating, SMALL fp16, forced lengths
+step device_search 270 python3 benchmarks/device_search.py --size SMALL --precision fp16 --provider cuda \
+    --batches 1 32 128 --beams 4 --repeats 4 --cuda-graphs
