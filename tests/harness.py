@@ -7,6 +7,7 @@ port 0, with a fresh metrics registry; the tests talk to it through a blocking g
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -37,6 +38,14 @@ def count_calls(monkeypatch: Any, methods: dict[str, tuple[type, str]]) -> dict[
     for key, (owner, name) in methods.items():
         monkeypatch.setattr(owner, name, counting(key, getattr(owner, name)))
     return counts
+
+
+def live_ortvalues() -> int:
+    """The ``OrtValue`` s alive in this process, after a garbage collection (a decode's buffers freed or not)."""
+    import onnxruntime as ort
+
+    gc.collect()
+    return sum(type(o) is ort.OrtValue for o in gc.get_objects())
 
 
 def refuse_fixed_ports(config: ServerConfig) -> None:

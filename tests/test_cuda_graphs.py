@@ -5,7 +5,6 @@ ordinary runs where nothing can capture, said once. The device step model runs o
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 
@@ -17,6 +16,7 @@ from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_sh
 from server.engine.device_search import DeviceBeamRun, RunShapes
 from server.engine.engine import Engine
 from server.types import DecodingOptions
+from tests.harness import live_ortvalues
 from tests.test_device_search import WORDS, assert_same, batch, decode
 
 NOT_CAPTURED = "CUDA graphs: not captured (the sessions run on the CPU provider)"
@@ -97,7 +97,7 @@ def test_graph_ids_stop_where_the_runtime_cannot_release_graphs(monkeypatch, cap
     monkeypatch.setattr(cuda_graphs, "MAX_CAPTURED_RUNS", 2)
     capture = GraphCapture("")
     assert capture.ids(can_release=False) == (1, 2) and capture.ids(can_release=False) == (3, 4)
-    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+    with caplog.at_level(logging.WARNING, logger="nmt.server"):
         assert capture.ids(can_release=False) is None and capture.ids(can_release=False) is None
     assert sum("cannot release a graph" in r.getMessage() for r in caplog.records) == 1
     assert capture.ids(can_release=True) == (5, 6)  # never reused: a graph id names one run's buffers
@@ -149,7 +149,7 @@ def test_sentences_padded_to_the_bucket_are_never_done_and_never_come_back(engin
 def test_where_nothing_can_capture_runs_go_on_and_say_so_once(tiny_models, engines, caplog):
     host, _ = engines
     path = tiny_models["transformer" if host.manifest.architecture == "transformer" else "bahdanau"]
-    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+    with caplog.at_level(logging.WARNING, logger="nmt.server"):
         device = Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True, device_search=True,
                              cuda_graphs=True)
         assert not device.model.capture.enabled
@@ -167,16 +167,12 @@ def test_the_pool_holds_its_runs_and_nothing_more(engines):
     """Kept runs stay within the budget, and repeated decodes of one shape allocate nothing new."""
     _, device = engines
 
-    def live() -> int:
-        gc.collect()
-        return sum(type(o) is ort.OrtValue for o in gc.get_objects())
-
     options = DecodingOptions(beam_size=4, num_hypotheses=2)
     device.translate(["one two three", "four five"], options)
-    before = live()
+    before = live_ortvalues()
     for _ in range(3):
         device.translate(["one two three", "four five"], options)
-    assert live() == before
+    assert live_ortvalues() == before
     assert 0 < device.model.pool.held <= device.model.pool.budget
 
 

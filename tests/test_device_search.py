@@ -6,7 +6,6 @@ every node of the selection graph with a CUDA kernel."""
 
 from __future__ import annotations
 
-import gc
 import random
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
@@ -25,6 +23,7 @@ from server.engine.engine import Engine
 from server.engine.placement import nodes_without_cuda_kernel
 from server.engine.search import BeamSentence
 from server.types import DecodingOptions, SentenceRequest
+from tests.harness import live_ortvalues
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -192,15 +191,11 @@ def test_a_runs_buffers_go_with_it(engines, selections):
     ``OrtValue`` s alive as the first."""
     _, device = engines
 
-    def live() -> int:
-        gc.collect()
-        return sum(type(o) is ort.OrtValue for o in gc.get_objects())
-
     options = DecodingOptions(beam_size=4, num_hypotheses=2)
     device.translate(["one two three", "four five"], options)
-    before = live()
+    before = live_ortvalues()
     device.translate(["one two three", "four five"], options)
-    assert live() == before
+    assert live_ortvalues() == before
     assert selections
 
 

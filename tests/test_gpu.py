@@ -194,7 +194,7 @@ def test_captured_beam_runs_decode_like_the_cpu(arch, tiny_models, cpu, caplog):
     assert model.capture.enabled, model.capture.reason
     options = DecodingOptions(beam_size=4, num_hypotheses=2, length_penalty=0.6)
     expected = cpu[arch].translate(TEXTS, options)
-    with caplog.at_level(logging.WARNING, logger="nmt.engine"):
+    with caplog.at_level(logging.WARNING, logger="nmt.server"):
         for _ in range(4):
             for on_cpu, on_gpu in zip(expected, engine.translate(TEXTS, options), strict=True):
                 assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]

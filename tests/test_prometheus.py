@@ -159,6 +159,8 @@ class Prometheus:
             with urllib.request.urlopen(url, timeout=10) as response:
                 return json.load(response)
         except urllib.error.HTTPError as error:
+            if error.code == 503:  # "Service Unavailable" while it starts: its API answers once storage is ready
+                raise ConnectionError("prometheus is not ready yet") from error
             return json.load(error)
 
     def query(self, expr: str) -> dict[str, Any]:
@@ -172,7 +174,7 @@ class Prometheus:
                 if condition():
                     return
             except (urllib.error.URLError, ConnectionError):
-                pass  # not listening yet
+                pass  # not listening, or not ready yet
             assert time.monotonic() < deadline, f"{what} not reached in {timeout} s: {self.log.read_text()[-2000:]}"
             time.sleep(0.2)
 

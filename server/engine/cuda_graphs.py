@@ -32,7 +32,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-log = logging.getLogger("nmt.engine")
+log = logging.getLogger("nmt.server")
 
 BUCKET_FLOOR = 16  # the smallest bucket of a length
 BUCKETED_DIMS = ("src_len", "capacity")  # the axes (named in the step graph's inputs) a bucket rounds up

@@ -194,17 +194,26 @@ class DeviceStepModel(OnnxStepModel):
         else on the ordinary sessions (``cuda_graphs`` says once why it does not capture); ``borrowed``: the
         decode's static inputs and state, which a run that is not kept reads where they are."""
         graphs = self.capture.enabled and self._cuda_graphs
-        state_types = tuple(kind for _, _, kind in shapes.state)
-        sessions = (self.sessions["decoder_graphs" if graphs else "decoder"],
-                    self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, graphs=graphs),
-                    self.gather_session(state_types, graphs=graphs))
+        if graphs:
+            try:
+                sessions = self._run_sessions(shapes, graphs=True)
+            except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+                self.capture.failed(shapes, error)  # a graph-enabled session that did not open: ordinary runs
+                graphs = False
         if not graphs:
             if self._cuda_graphs:
                 self.capture.unavailable()
-            return DeviceBeamRun(self, shapes, sessions, [None, None], borrowed=borrowed)
+            return DeviceBeamRun(self, shapes, self._run_sessions(shapes, graphs=False), [None, None],
+                                 borrowed=borrowed)
         ids = self.capture.ids(can_release(sessions[0]))
         options = [run_options(graph_id) for graph_id in ids] if ids else [run_options(SKIP), run_options(SKIP)]
         return DeviceBeamRun(self, shapes, sessions, options, ids or ())
+
+    def _run_sessions(self, shapes: RunShapes, graphs: bool) -> tuple[ort.InferenceSession, ...]:
+        """A run's step graph, selection and state ``Gather`` sessions (``graphs``: those with CUDA graphs)."""
+        return (self.sessions["decoder_graphs" if graphs else "decoder"],
+                self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, graphs=graphs),
+                self.gather_session(tuple(kind for _, _, kind in shapes.state), graphs=graphs))
 
     def step_binding(self, session: ort.InferenceSession, tokens: ort.OrtValue, positions: ort.OrtValue | None,
                      static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue], k: int,

@@ -204,7 +204,11 @@ class Engine:
         def open_sessions() -> dict[str, ort.InferenceSession]:
             sessions = {role: open_session(filename, providers) for role, filename in manifest.graphs.items()}
             if cuda_graphs and device_search and on_cuda:  # the decoder once more, its runs captured as graphs
-                sessions["decoder_graphs"] = open_session(manifest.graphs["decoder"], graph_options(providers))
+                try:
+                    sessions["decoder_graphs"] = open_session(manifest.graphs["decoder"], graph_options(providers))
+                except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+                    log.warning("CUDA graphs: the graph-enabled decoder session did not open (%s); beam runs use "
+                                "ordinary session runs", error)
             return sessions
 
         try:
