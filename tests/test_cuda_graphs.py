@@ -148,10 +148,9 @@ def test_sentences_padded_to_the_bucket_are_never_done_and_never_come_back(engin
 
 def test_where_nothing_can_capture_runs_go_on_and_say_so_once(tiny_models, engines, caplog):
     host, _ = engines
-    path = tiny_models["transformer" if host.manifest.architecture == "transformer" else "bahdanau"]
     with caplog.at_level(logging.WARNING, logger="nmt.server"):
-        device = Engine.load(path, provider="cpu", intra_op_threads=1, device_state=True, device_search=True,
-                             cuda_graphs=True)
+        device = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
+                             device_state=True, device_search=True, cuda_graphs=True)
         assert not device.model.capture.enabled
         rng = random.Random(5)
         for _ in range(3):
@@ -161,6 +160,49 @@ def test_where_nothing_can_capture_runs_go_on_and_say_so_once(tiny_models, engin
                 t.hypotheses[0].tokens for t in host.translate(texts, options)]
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
     assert len(said) == 1 and NOT_CAPTURED in said[0]
+
+
+class _CaptureFailsOnce:
+    """A step graph's session whose first run naming a CUDA graph fails as a spoiled capture does, then runs as the
+    session it wraps (which ignores graph ids on the CPU)."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session, self.graph_runs, self.failed = session, 0, False
+
+    def run_with_iobinding(self, binding: ort.IOBinding, options: ort.RunOptions | None = None) -> None:
+        if options is not None and options.get_run_config_entry("gpu_graph_id") != str(cuda_graphs.SKIP):
+            self.graph_runs += 1
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
+        self.session.run_with_iobinding(binding, options)
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+
+def test_runs_name_their_graphs_and_a_failed_capture_falls_back_once(tiny_models, engines, caplog):
+    """The graph path as CUDA takes it, on the CPU's sessions: each kept run names graph ids of its own; a capture
+    that fails sends its bucket to ordinary runs, said once, the step run again and the results the host's."""
+    host, _ = engines
+    engine = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
+                         device_state=True, device_search=True, cuda_graphs=True)
+    model = engine.model
+    step = _CaptureFailsOnce(model.sessions["decoder"])
+    model.sessions["decoder_graphs"], model.capture.reason = step, ""  # as a CUDA version's would be
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    texts = [["one two three", "four five"], ["six seven eight", "nine ten one two"], ["three four five six"]]
+    with caplog.at_level(logging.WARNING, logger="nmt.server"):
+        for batch_texts in texts * 2:
+            assert [[h.tokens for h in t.hypotheses] for t in engine.translate(batch_texts, options)] == [
+                [h.tokens for h in t.hypotheses] for t in host.translate(batch_texts, options)]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
+    assert len(said) == 1 and "a capture failed (CUDA failure 900" in said[0]
+    assert model.capture.failures == 1 and model.capture.captured_runs >= 2 and step.graph_runs > 1
+    kept = [run for runs in model.pool._runs.values() for run in runs]
+    ids = [graph_id for run in kept for graph_id in run.graph_ids]
+    assert kept and len(ids) == len(set(ids)) == 2 * len(kept)  # two each, none shared
+    assert sum(not run.capturing for run in kept) == 1  # the bucket whose capture failed runs ordinarily
 
 
 def test_the_pool_holds_its_runs_and_nothing_more(engines):
