@@ -148,7 +148,7 @@ def test_a_quiet_step_reads_one_byte_a_sentence(engines, selections):
 
 @pytest.mark.parametrize("score_type", [TensorProto.FLOAT, TensorProto.FLOAT16])
 def test_every_node_of_the_selection_graph_has_a_cuda_kernel(score_type):
-    model = onnx.load_from_string(selection_graph(4, 2, 1, score_type))
+    model = onnx.load_from_string(selection_graph(4, 2, 1, score_type, 8))
     onnx.checker.check_model(model, full_check=True)
     assert nodes_without_cuda_kernel(model) == []
 

@@ -179,7 +179,7 @@ def test_the_selection_on_cuda_decodes_like_the_cpu(arch, tiny_models, cpu, monk
         for a, b in zip(on_gpu.hypotheses, on_cpu.hypotheses, strict=True):
             assert a.score == pytest.approx(b.score, abs=TOLERANCE)
     assert reads and all(read == sentences for sentences, read in reads)
-    sessions = [engine.model.selection_session(4, engine.eos_id, engine.start_id),
+    sessions = [engine.model.selection_session(4, engine.eos_id, engine.start_id, 8),
                 *engine.model.gather_sessions.values()]
     assert sessions and {s.get_providers()[0] for s in sessions} == {CUDA}
 

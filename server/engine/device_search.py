@@ -83,12 +83,16 @@ class _Graph:
         return name
 
 
-def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> bytes:
+def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int, width: int) -> bytes:
     """The serialized selection graph for sentences of beam ``beam`` (see the module docstring); the step's
-    log-probabilities arrive as ``score_type`` (``TensorProto.FLOAT`` or ``FLOAT16``).
+    log-probabilities arrive as ``score_type`` (``TensorProto.FLOAT`` or ``FLOAT16``), and a row's candidates
+    are its ``width`` best tokens (``min(2 x beam, K)``).
 
     Shapes: ``n`` sentences holding ``beam`` rows each (``R = n x beam``: every sentence has expanded), ``K >= 2``
-    best tokens a row, history capacity ``L``, ``Q`` finished hypotheses kept at most."""
+    best tokens a row, history capacity ``L``, ``Q`` finished hypotheses kept at most. No value computed from a
+    shape is used as data on the device (only as a shape, a count or an axis' length, which CUDA kernels read on
+    the host): a captured CUDA graph would replay a host copy of it from memory that may since hold other
+    things."""
     g = _Graph()
     c = 2 * beam
     zero, one, two, minus_one = (g.const([v], np.int64) for v in (0, 1, 2, -1))
@@ -100,7 +104,7 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int) -> b
     ids = g.op("Slice", "top_ids", zero, width_c, one)  # [R, P], P = min(2 beam, K)
     scores = g.op("Cast", g.op("Slice", "top_log_probs", zero, width_c, one), to=TensorProto.DOUBLE)
     by_sentence = g.op("Concat", n, minus_one, axis=0)
-    per_row = g.op("Gather", g.op("Shape", ids), one)
+    per_row = g.const([width], np.int64)  # P
     summed = g.op("Add", g.op("Reshape", "totals", g.op("Concat", n, beam_c, one, axis=0)),
                   g.op("Reshape", scores, g.op("Concat", n, beam_c, minus_one, axis=0)))  # [n, beam, P]
     candidates = g.op("Reshape", summed, by_sentence)  # [n, width x P]: at least 2 x beam (width is beam)

@@ -212,7 +212,7 @@ class DeviceStepModel(OnnxStepModel):
     def _run_sessions(self, shapes: RunShapes, graphs: bool) -> tuple[ort.InferenceSession, ...]:
         """A run's step graph, selection and state ``Gather`` sessions (``graphs``: those with CUDA graphs)."""
         return (self.sessions["decoder_graphs" if graphs else "decoder"],
-                self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, graphs=graphs),
+                self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, shapes.k, graphs=graphs),
                 self.gather_session(tuple(kind for _, _, kind in shapes.state), graphs=graphs))
 
     def step_binding(self, session: ort.InferenceSession, tokens: ort.OrtValue, positions: ort.OrtValue | None,
@@ -251,15 +251,16 @@ class DeviceStepModel(OnnxStepModel):
         """The NumPy type of the step's log-probabilities."""
         return self._output_dtypes[TOP_K_OUTPUTS[1]]
 
-    def selection_session(self, beam: int, eos_id: int, start_id: int, graphs: bool = False,
+    def selection_session(self, beam: int, eos_id: int, start_id: int, k: int, graphs: bool = False,
                           ) -> ort.InferenceSession:
-        """The selection graph's session for sentences of beam ``beam``, made once, with the decoder's options
-        and providers (``graphs``: with CUDA graphs enabled)."""
-        key = ("select", f"{beam}/{eos_id}/{start_id}", graphs)
+        """The selection graph's session for sentences of beam ``beam`` after steps of top-``k``, made once, with
+        the decoder's options and providers (``graphs``: with CUDA graphs enabled)."""
+        width = min(2 * beam, self.top_k_width(k))
+        key = ("select", f"{beam}/{eos_id}/{start_id}/{width}", graphs)
         if key not in self._sessions:
             score_type = ELEMENT_TYPES[next(o.type for o in self.sessions["decoder"].get_outputs()
                                             if o.name == TOP_K_OUTPUTS[1])]
-            self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type), graphs)
+            self._sessions[key] = self._session(selection_graph(beam, eos_id, start_id, score_type, width), graphs)
         return self._sessions[key]
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, ort.OrtValue],
