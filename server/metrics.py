@@ -112,6 +112,18 @@ class ServerMetrics:
         self.running_rows = Gauge("nmt_running_rows", "Decoder rows in the running decode (continuous batching; "
                                   "a sentence holds beam_size rows)", ["model", "version"], registry=r,
                                   multiprocess_mode="livesum")
+        self.cuda_graph_runs = Counter("nmt_cuda_graph_runs", "Beam runs on the device given CUDA graph ids of their "
+                                       "own (--cuda-graphs: captured on their third step, replayed after)",
+                                       ["model", "version"], registry=r)
+        self.cuda_graph_failures = Counter("nmt_cuda_graph_capture_failures", "CUDA graph captures that failed (that "
+                                           "bucket's runs then use ordinary session runs)", ["model", "version"],
+                                           registry=r)
+        self.cuda_graph_reuses = Counter("nmt_cuda_graph_run_reuses", "Beam runs started again from the runs kept "
+                                         "for CUDA graphs (their buffers, and on CUDA their graphs, reused)",
+                                         ["model", "version"], registry=r)
+        self.cuda_graph_pool_bytes = Gauge("nmt_cuda_graph_pool_bytes", "Device memory of the beam runs kept for "
+                                           "CUDA graphs (--cuda-graph-pool-mib bounds it)", ["model", "version"],
+                                           registry=r, multiprocess_mode="livesum")
         self.admission_wait_steps = Histogram("nmt_admission_wait_steps", "Decoding steps the running decode ran "
                                               "while a sentence waited to join it (continuous batching)",
                                               ["model", "version"], buckets=STEP_BUCKETS, registry=r)
@@ -190,7 +202,8 @@ class ServerMetrics:
     def _version_families(self) -> tuple[Any, ...]:
         return (self.queue_duration, self.queue_depth, self.queue_capacity, self.batch_sentences, self.batch_tokens,
                 self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences,
-                self.running_rows, self.admission_wait_steps)
+                self.running_rows, self.admission_wait_steps, self.cuda_graph_runs, self.cuda_graph_failures,
+                self.cuda_graph_reuses, self.cuda_graph_pool_bytes)
 
     def init_requests(self, model: str) -> None:
         labels = [(method, method) for method in self._methods]

@@ -225,7 +225,10 @@ def test_without_cuda_graphs_runs_are_exact_and_not_kept(tiny_models):
     assert len(engine.model.pool) == 0 and engine.model.pool.reused == 0
 
 
-def test_the_servers_flags_reach_the_engine(repository):
+def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(repository):
+    """``--cuda-graphs`` and ``--cuda-graph-pool-mib`` (and their environment variables) reach every version's engine,
+    which keeps its beam runs; ``nmt_cuda_graph_*`` follow them (on the CPU nothing captures: no runs given graph
+    ids, no failures)."""
     from nmt.errors import NmtError
     from server.config import ServerConfig
     from server.core.repository import default_engine_loader
@@ -247,6 +250,12 @@ def test_the_servers_flags_reach_the_engine(repository):
             assert len(reply.translations[0].hypotheses) == 2
         model = harness.engine().model
         assert model.pool.budget == 32 << 20 and model.pool.reused >= 1
+        version = harness.model_version("", "")
+        labels = {"model": version.name, "version": version.version}
+        assert harness.metric("nmt_cuda_graph_run_reuses_total", labels) == model.pool.reused
+        assert harness.metric("nmt_cuda_graph_pool_bytes", labels) == model.pool.held > 0
+        assert harness.metric("nmt_cuda_graph_runs_total", labels) == harness.metric(
+            "nmt_cuda_graph_capture_failures_total", labels) == 0
     finally:
         harness.close()
 

@@ -340,6 +340,7 @@ class ContinuousBatcher:
             m.source_tokens.labels(*labels).inc(progress.source.tokens)
         if progress.steps:
             m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
+        s.record_graphs()
 
     async def _recover(self, error: Exception) -> None:
         """A step failed: discard the running decode and decode each of its requests on its own (see the

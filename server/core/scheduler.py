@@ -142,6 +142,7 @@ class ModelScheduler:
         self.seconds_per_cost: float | None = None  # EMA, see the module docstring
         self.batches = 0
         self.cancelled_sentences = 0
+        self._graph_counts = (0, 0, 0)  # the engine's CUDA graph counts as last recorded (record_graphs)
         self._continuous: ContinuousBatcher | None = None
         if self.policy.batching == "continuous":
             if getattr(getattr(engine, "model", None), "per_row_positions", False):
@@ -422,6 +423,21 @@ class ModelScheduler:
         rate = self.seconds_per_cost
         self.seconds_per_cost = sample if rate is None else (1 - EMA_ALPHA) * rate + EMA_ALPHA * sample
 
+    def record_graphs(self) -> None:
+        """The CUDA graph metrics of the engine's kept beam runs (``--cuda-graphs``), brought up to date."""
+        model = getattr(self.engine, "model", None)
+        capture, pool = getattr(model, "capture", None), getattr(model, "pool", None)
+        if self.metrics is None or capture is None or pool is None:
+            return
+        counts = (capture.captured_runs, capture.failures, pool.reused)
+        m, labels = self.metrics, self.labels
+        for family, now, before in zip((m.cuda_graph_runs, m.cuda_graph_failures, m.cuda_graph_reuses), counts,
+                                       self._graph_counts, strict=True):
+            if now > before:
+                family.labels(*labels).inc(now - before)
+        self._graph_counts = counts
+        m.cuda_graph_pool_bytes.labels(*labels).set(pool.held)
+
     def _record(self, batch: list[Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""
         self.batches += 1
@@ -442,3 +458,4 @@ class ModelScheduler:
         m.source_tokens.labels(*labels).inc(result.source_tokens)
         if result.cancelled:
             m.cancelled_sentences.labels(*labels).inc(result.cancelled)
+        self.record_graphs()
