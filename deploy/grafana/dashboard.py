@@ -115,6 +115,16 @@ def build() -> dashboard.Dashboard:
         .with_panel(graph("Cancelled sentences", "short",
                           query(f"sum by (model) (rate(nmt_cancelled_sentences_total{{{SELECTED}}}[{RATE}]))",
                                 "{{model}}")))
+        .with_panel(graph("Running decode rows (continuous batching)", "short",
+                          query(f"sum by (model, version) (nmt_running_rows{{{SELECTED}}})",
+                                "{{model}} {{version}}")))
+        .with_panel(graph("CUDA graphs: beam runs started per second, and failed captures", "short",
+                          query(f"sum by (model) (rate(nmt_cuda_graph_runs_total{{{SELECTED}}}[{RATE}]))",
+                                "{{model}} new runs (capture)"),
+                          query(f"sum by (model) (rate(nmt_cuda_graph_run_reuses_total{{{SELECTED}}}[{RATE}]))",
+                                "{{model}} kept runs started again (replay)"),
+                          query(f"sum by (model) (rate(nmt_cuda_graph_capture_failures_total{{{SELECTED}}}[{RATE}]))",
+                                "{{model}} failed captures")))
         .with_row(dashboard.Row("Tokens"))
         .with_panel(graph("Generated and source tokens per second", "short",
                           query(f"sum by (model) (rate(nmt_generated_tokens_total{{{SELECTED}}}[{RATE}]))",
