@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -117,6 +118,19 @@ def test_kept_runs_in_buckets_find_the_general_searchs_hypotheses(engines, runs,
         assert shapes.length == bucket(shapes.length) and shapes.sentences == bucket(sentences, floor=1)
         source = {name: shape for name, shape, _ in shapes.static}["src_mask"][1]
         assert source == bucket(source)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_sentences_joining_a_running_decode_in_kept_runs(engines, runs, seed):
+    """Sentences join between runs (continuous batching's admissions): each join starts a run of another bucket,
+    or the same one again, and the hypotheses stay the host's."""
+    host, device = engines
+    if not host.model.per_row_positions:
+        pytest.skip("this model decodes all rows at one step: sentences join only an empty decode")
+    src, specs = batch(host, 300 + seed)
+    src, specs = np.concatenate([src, src]), specs + specs
+    assert_same(decode(host, src, specs, plain=False, join_at=2), decode(device, src, specs, plain=True, join_at=2))
+    assert len({shapes for _, _, shapes, _ in runs}) >= 1
 
 
 def test_a_bucket_reuses_its_run_and_its_buffers(engines, runs):
