@@ -14,6 +14,7 @@ import pytest
 
 from server.engine import cuda_graphs
 from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_shape, graph_options
+from server.engine.device_greedy import DeviceGreedyRun
 from server.engine.device_search import DeviceBeamRun, RunShapes
 from server.engine.engine import Engine
 from server.types import DecodingOptions
@@ -217,6 +218,40 @@ def test_runs_name_their_graphs_and_a_failed_capture_falls_back_once(tiny_models
     ids = [graph_id for run in kept for graph_id in run.graph_ids]
     assert kept and len(ids) == len(set(ids)) == 2 * len(kept)  # two each, none shared
     assert sum(not run.capturing for run in kept) == 1  # the bucket whose capture failed runs ordinarily
+
+
+def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_models, engines, monkeypatch, caplog):
+    """Arg-max steps in kept runs (:class:`server.engine.device_greedy.DeviceGreedyRun`: ids and positions written
+    into device buffers, best tokens read back, padded rows never read): the host's tokens and scores, a bucket
+    started again on the same buffers, and a capture failing once falling back, said once."""
+    host, _ = engines
+    engine = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
+                         device_state=True, device_search=True, cuda_graphs=True)
+    model = engine.model
+    if not model.plain_greedy:
+        pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
+    step = _CaptureFailsOnce(model.sessions["decoder"])
+    model.sessions["decoder_graphs"], model.capture.reason = step, ""  # as a CUDA version's would be
+    started: list[tuple[int, int]] = []
+    start = DeviceGreedyRun.start
+
+    def recorded(self, tokens, *args, **kwargs):
+        started.append((id(self), self._inputs["input_ids"].data_ptr()))
+        return start(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceGreedyRun, "start", recorded)
+    rng = random.Random(11)
+    options = DecodingOptions(beam_size=1)
+    with caplog.at_level(logging.WARNING, logger="nmt.server"):
+        for size in (1, 3, 5, 3, 1):
+            texts = [" ".join(rng.choices(WORDS, k=rng.randint(2, 9))) for _ in range(size)]
+            for want, got in zip(host.translate(texts, options), engine.translate(texts, options), strict=True):
+                assert got.hypotheses[0].tokens == want.hypotheses[0].tokens
+                assert got.hypotheses[0].score == pytest.approx(want.hypotheses[0].score, abs=1e-5)
+    assert started and len(started) > len(set(started)), "a kept greedy run started again"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
+    assert len(said) == 1 and "a capture failed" in said[0] and model.capture.failures == 1
+    assert step.graph_runs > 1
 
 
 def test_the_pool_holds_its_runs_and_nothing_more(engines):

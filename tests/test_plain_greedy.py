@@ -140,26 +140,26 @@ def test_plain_steps_grow_the_cache_and_match_the_step_graph(engine):
     state = {name: encoded[name] for name in model.state_names}
     tokens, positions = np.full(3, engine.start_id), np.zeros(3, dtype=np.int64)
     reference_state = {name: reference[name] for name in model.state_names}
-    run = model.greedy_steps(tokens, static, state, positions, 40)
-    for step in range(40):
-        fed = run.ids.copy()
-        run.run()
-        out = model.step(fed, static, reference_state, False, 1, positions=np.full(3, step))
-        reference_state = out.state
-        np.testing.assert_array_equal(run.ids, out.top_ids[:, 0])
-        np.testing.assert_array_equal(run.scores, out.top_log_probs[:, 0])
-        np.testing.assert_array_equal(run.eos_log_prob, out.eos_log_prob)
-    # a step's outputs: the cache, written in place, and for the host each row's id, score and EOS log-prob
-    outputs = [value.shape() for value in run._binding.get_outputs()]
-    assert len(outputs) == len(model.buffers) + 3 and sorted(outputs)[:3] == [[3], [3, 1], [3, 1]]
-    assert not any(model.manifest.vocab_size in shape for shape in outputs), "nothing of the [R, V] distribution"
-    after = run.state()
-    np.testing.assert_array_equal(after[model.positions], np.full(3, 40))
-    for name, entry in model.buffers.items():
-        ours, theirs = (value.numpy() if isinstance(value, ort.OrtValue) else value
-                        for value in (after[name], reference_state[name]))
-        assert ours.shape[entry.capacity_axis] >= 40
-        np.testing.assert_array_equal(ours, theirs)
+    with model.greedy_steps(tokens, static, state, positions, 40) as run:
+        for step in range(40):
+            fed = run.ids.copy()
+            run.run()
+            out = model.step(fed, static, reference_state, False, 1, positions=np.full(3, step))
+            reference_state = out.state
+            np.testing.assert_array_equal(run.ids, out.top_ids[:, 0])
+            np.testing.assert_array_equal(run.scores, out.top_log_probs[:, 0])
+            np.testing.assert_array_equal(run.eos_log_prob, out.eos_log_prob)
+        # a step's outputs: the cache, written in place, and for the host each row's id, score and EOS log-prob
+        outputs = [value.shape() for value in run._binding.get_outputs()]
+        assert len(outputs) == len(model.buffers) + 3 and sorted(outputs)[:3] == [[3], [3, 1], [3, 1]]
+        assert not any(model.manifest.vocab_size in shape for shape in outputs), "nothing of the [R, V] distribution"
+        after = run.state()
+        np.testing.assert_array_equal(after[model.positions], np.full(3, 40))
+        for name, entry in model.buffers.items():
+            ours, theirs = (value.numpy() if isinstance(value, ort.OrtValue) else value
+                            for value in (after[name], reference_state[name]))
+            assert ours.shape[entry.capacity_axis] >= 40
+            np.testing.assert_array_equal(ours, theirs)
 
 
 def test_ids_and_positions_bound_again_each_step_decode_alike(engine, monkeypatch):

@@ -81,9 +81,10 @@ class GraphCapture:
         """Runs capture graphs (on CUDA, with the graph-enabled sessions)."""
         return not self.reason
 
-    def ids(self, can_release: bool) -> tuple[int, int] | None:
-        """Two new graph ids for a run (one per buffer set), or None when it must not capture: capture is off, or
-        :data:`MAX_CAPTURED_RUNS` runs have captured on a runtime that cannot release graphs (said once)."""
+    def ids(self, can_release: bool, count: int = 2) -> tuple[int, ...] | None:
+        """``count`` new graph ids for a run (a beam run's: one per buffer set), or None when it must not capture:
+        capture is off, or :data:`MAX_CAPTURED_RUNS` runs have captured on a runtime that cannot release graphs
+        (said once)."""
         with self._lock:
             if not self.enabled:
                 return None
@@ -92,9 +93,9 @@ class GraphCapture:
                                "graph; later runs of new buckets are ordinary runs", MAX_CAPTURED_RUNS)
                 return None
             first = self._next_id
-            self._next_id += 2
+            self._next_id += count
             self.captured_runs += 1
-            return first, first + 1
+            return tuple(range(first, first + count))
 
     def unavailable(self) -> None:
         """Say once that runs do not capture, and why."""

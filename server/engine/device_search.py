@@ -259,7 +259,7 @@ class DeviceBeamRun:
         names = [name for name, _, _ in shapes.state]
 
         def allocated(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict[str, ort.OrtValue]:
-            return {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in specs}
+            return {name: self._alloc(shape, numpy_type(kind)) for name, shape, kind in specs}
 
         # a run that is not kept reads the decode's static inputs and state where they are (``borrowed``), and
         # hands its state back as it is
@@ -280,7 +280,7 @@ class DeviceBeamRun:
         self.done_flags = self._alloc((n,), np.bool_)  # the one output the host reads, n bytes a step
         self.done = np.zeros(n, dtype=bool)  # as last read
         # a state entry that is not an in-place buffer is written by the step to a buffer of its own
-        written = {name: self._alloc(shape, _numpy_type(kind)) for name, shape, kind in shapes.state
+        written = {name: self._alloc(shape, numpy_type(kind)) for name, shape, kind in shapes.state
                    if name not in model.buffers}
         self._bindings: list[tuple[ort.IOBinding, ort.IOBinding, ort.IOBinding, dict[str, Any]]] = []
         for p in (0, 1):
@@ -441,10 +441,10 @@ class DeviceBeamRun:
 
 def _fill(value: ort.OrtValue, array: np.ndarray) -> None:
     """Copy ``array`` into the buffer ``value`` (of its shape; converted to its element type)."""
-    value.update_inplace(np.ascontiguousarray(array, dtype=_numpy_type(value.data_type())))
+    value.update_inplace(np.ascontiguousarray(array, dtype=numpy_type(value.data_type())))
 
 
-def _numpy_type(element_type: str) -> Any:
+def numpy_type(element_type: str) -> Any:
     """The NumPy type of an ``OrtValue`` element type ("tensor(float)", ...)."""
     return helper.tensor_dtype_to_np_dtype(ELEMENT_TYPES[element_type])
 

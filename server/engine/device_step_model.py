@@ -22,6 +22,7 @@ from server.engine.cuda_graphs import (
     graph_options,
     run_options,
 )
+from server.engine.device_greedy import DeviceGreedyRun, GreedyShapes
 from server.engine.device_search import ELEMENT_TYPES, Books, DeviceBeamRun, RunShapes, selection_graph
 from server.engine.forced import stepwise_force
 from server.engine.search import ForcedOutput, StepOutput, concat_rows
@@ -173,20 +174,55 @@ class DeviceStepModel(OnnxStepModel):
         length, sentences = books.history.shape[1], len(books.steps)
         if rounded:
             length, sentences = bucket(length), bucket(sentences, floor=1)
-        rows = sentences * beam
+        needed = int(positions.max()) + steps + 1 if self.positions else 0
+        static_shapes, state_shapes = self._buffer_shapes(sentences * beam, static, state, needed)
+        return RunShapes(beam, eos_id, start_id, k, self.top_k_width(k), sentences * beam, sentences, length,
+                         max(quotas), static_shapes, state_shapes, bool(self.positions))
+
+    def _buffer_shapes(self, rows: int, static: dict[str, ort.OrtValue], state: dict[str, Any], needed: int,
+                       ) -> tuple[tuple[tuple[str, tuple[int, ...], str], ...], ...]:
+        """The shapes of a run's static inputs and device state for ``rows`` rows, the in-place buffers with room
+        for ``needed`` positions; with ``cuda_graphs`` the source length and the capacity in their buckets."""
 
         def shape_of(name: str, value: ort.OrtValue, needed: int = 0) -> tuple[int, ...]:
             shape = [rows, *value.shape()[1:]]
             if name in self.buffers:  # room for the run's steps
                 axis = self.buffers[name].capacity_axis
                 shape[axis] = max(shape[axis], needed)
-            return bucketed_shape(shape, self._dims.get(name)) if rounded else tuple(shape)
+            return bucketed_shape(shape, self._dims.get(name)) if self._cuda_graphs else tuple(shape)
 
-        needed = int(positions.max()) + steps + 1 if self.positions else 0
-        return RunShapes(beam, eos_id, start_id, k, self.top_k_width(k), rows, sentences, length, max(quotas),
-                         tuple((name, shape_of(name, value), value.data_type()) for name, value in static.items()),
-                         tuple((name, shape_of(name, value, needed), value.data_type()) for name, value in state.items()
-                               if not isinstance(value, np.ndarray)), bool(self.positions))
+        return (tuple((name, shape_of(name, value), value.data_type()) for name, value in static.items()),
+                tuple((name, shape_of(name, value, needed), value.data_type()) for name, value in state.items()
+                      if not isinstance(value, np.ndarray)))
+
+    @contextmanager
+    def greedy_steps(self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], positions: np.ndarray,
+                     steps: int) -> Iterator[Any]:
+        """:meth:`OnnxStepModel.greedy_steps`; with ``cuda_graphs``, in a run of the rows' and shapes' bucket
+        (:class:`server.engine.device_greedy.DeviceGreedyRun`, kept one or new, its step graph's runs naming a graph
+        of its own where they can capture), kept again at the end."""
+        if not self._cuda_graphs:
+            with super().greedy_steps(tokens, static, state, positions, steps) as run:
+                yield run
+            return
+        rows = bucket(len(tokens), floor=1)
+        shapes = GreedyShapes(rows, *self._buffer_shapes(rows, static, state, int(positions.max()) + steps + 1))
+        run = self.pool.take(shapes) or self._new_greedy_run(shapes)
+        run.start(tokens, positions, static, state, steps)
+        try:
+            yield run
+        finally:
+            self.pool.keep(shapes, run)
+
+    def _new_greedy_run(self, shapes: GreedyShapes) -> DeviceGreedyRun:
+        """A greedy run made for ``shapes``: on the graph-enabled decoder session with a graph id of its own where
+        runs capture, else on the ordinary one (said once)."""
+        if not self.capture.enabled:
+            self.capture.unavailable()
+            return DeviceGreedyRun(self, shapes, self.sessions["decoder"], None)
+        session = self.sessions["decoder_graphs"]
+        ids = self.capture.ids(can_release(session), count=1)
+        return DeviceGreedyRun(self, shapes, session, run_options(ids[0] if ids else SKIP), ids or ())
 
     def _new_run(self, shapes: RunShapes, borrowed: tuple[dict[str, Any], dict[str, Any]] | None,
                  ) -> DeviceBeamRun:

@@ -65,25 +65,24 @@ class PlainSteps:
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
         select from as any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
-        run = self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count)
-        ids, scores = run.ids, run.scores
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        for _ in range(count):
-            run.run()
-            self.steps_run += 1
-            chosen, chosen_scores = run.read()
-            if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
-                self._quiet_steps(tokens, token_scores)
-                return StepOutput(ids[:, None].copy(), scores[:, None].copy(), run.eos_log_prob.copy(), None,
-                                  run.state())
-            tokens.append(chosen)
-            token_scores.append(chosen_scores)
-            if stop is not None and stop():
-                break
-        self._quiet_steps(tokens, token_scores)
-        self._tokens, self._state = ids.copy(), run.state()
+        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
+            for _ in range(count):
+                run.run()
+                self.steps_run += 1
+                chosen, chosen_scores = run.read()
+                if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
+                    self._quiet_steps(tokens, token_scores)
+                    return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(), run.eos_log_prob.copy(),
+                                      None, run.state())
+                tokens.append(chosen)
+                token_scores.append(chosen_scores)
+                if stop is not None and stop():
+                    break
+            self._quiet_steps(tokens, token_scores)
+            self._tokens, self._state = run.ids.copy(), run.state()
         return None
 
     def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:

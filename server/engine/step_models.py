@@ -26,6 +26,8 @@ those positions go into the step decoder's buffers (:meth:`OnnxStepModel.state_f
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -212,15 +214,16 @@ class OnnxStepModel:
         """Whether :meth:`greedy_steps` can run: the in-place cache (a concatenating one is new every step)."""
         return bool(self.positions)
 
+    @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
-                     positions: np.ndarray, steps: int) -> GreedySteps:
+                     positions: np.ndarray, steps: int) -> Iterator[GreedySteps]:
         """Up to ``steps`` arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]) with every
-        array bound once (:class:`GreedySteps`); needs :attr:`plain_greedy`."""
+        array bound once (:class:`GreedySteps`, this thread's for ``R`` rows); needs :attr:`plain_greedy`."""
         run = self._bindings.__dict__.get("greedy")
         if run is None or run.rows != len(tokens):
             run = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
         run.start(tokens, positions, static, state, steps)
-        return run
+        yield run
 
     @property
     def plain_beam(self) -> bool:
