@@ -1,7 +1,8 @@
-"""CUDA graphs for beam search's runs on the device: shape buckets, a pool of runs kept for reuse, graph ids.
+"""CUDA graphs for the decode's runs on the device: shape buckets, a pool of runs kept for reuse, graph ids.
 
 A device beam run (:class:`server.engine.device_search.DeviceBeamRun`) makes three session runs a step (the step
-graph, the selection, the state's ``Gather``), each some tens to a hundred kernels launched one by one. ONNX
+graph, the selection, the state's ``Gather``), an arg-max run (:class:`server.engine.device_greedy.DeviceGreedyRun`)
+one, each some tens to a hundred kernels launched one by one. ONNX
 Runtime's CUDA provider can capture a session run as a CUDA graph and replay it with one launch
 (``enable_cuda_graph``; run option ``gpu_graph_id`` names the graph: its first two runs are ordinary, the third
 captures, the later ones replay). A replay reads and writes exactly the buffers the capture saw, at the shapes
@@ -99,7 +100,7 @@ class GraphCapture:
 
     def unavailable(self) -> None:
         """Say once that runs do not capture, and why."""
-        self._say_once("unavailable", "CUDA graphs: not captured (%s); beam runs use ordinary session runs",
+        self._say_once("unavailable", "CUDA graphs: not captured (%s); the device's runs use ordinary session runs",
                        self.reason)
 
     def failed(self, bucket_key: Hashable, error: BaseException) -> None:
