@@ -78,12 +78,12 @@ class ServerConfig:
     device_search: bool = option(False, "run beam search's selection in a graph on the device (CUDA versions): the "
                                  "host reads a byte a sentence per step instead of each row's best tokens; not "
                                  "yet measured on a GPU (benchmarks/README.md)")
-    cuda_graphs: bool = option(False, "with --device-search, capture beam search's device steps as CUDA graphs and "
-                               "replay them (lengths in buckets of powers of two and 1.5x them; one decoder session "
-                               "more); a bucket that cannot capture runs ordinary steps and says so once; not yet "
-                               "measured on a GPU")
-    cuda_graph_pool_mib: int = option(1024, "MiB of device memory the beam runs kept for their CUDA graphs may hold "
-                                      "(the least recently used bucket goes first)")
+    cuda_graphs: bool = option(False, "with --device-search, capture the device's beam and arg-max steps as CUDA "
+                               "graphs and replay them (lengths in buckets of powers of two and 1.5x them; one "
+                               "decoder session more); a bucket that cannot capture runs ordinary steps and says so "
+                               "once; not yet measured on a GPU")
+    cuda_graph_pool_mib: int = option(1024, "MiB of device memory the runs kept for CUDA graphs may hold (the least "
+                                      "recently used bucket goes first)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "

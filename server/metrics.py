@@ -112,17 +112,18 @@ class ServerMetrics:
         self.running_rows = Gauge("nmt_running_rows", "Decoder rows in the running decode (continuous batching; "
                                   "a sentence holds beam_size rows)", ["model", "version"], registry=r,
                                   multiprocess_mode="livesum")
-        self.cuda_graph_runs = Counter("nmt_cuda_graph_runs", "Beam runs on the device given CUDA graph ids of their "
-                                       "own (--cuda-graphs: captured on their third step, replayed after)",
+        self.cuda_graph_runs = Counter("nmt_cuda_graph_runs", "Runs of steps on the device (beam or arg-max) given "
+                                       "CUDA graph ids of their own (--cuda-graphs: captured on their third step, "
+                                       "replayed after)",
                                        ["model", "version"], registry=r)
         self.cuda_graph_failures = Counter("nmt_cuda_graph_capture_failures", "CUDA graph captures that failed (that "
                                            "bucket's runs then use ordinary session runs)", ["model", "version"],
                                            registry=r)
-        self.cuda_graph_reuses = Counter("nmt_cuda_graph_run_reuses", "Beam runs started again from the runs kept "
-                                         "for CUDA graphs (their buffers, and on CUDA their graphs, reused)",
+        self.cuda_graph_reuses = Counter("nmt_cuda_graph_run_reuses", "Runs of steps started again from the runs "
+                                         "kept for CUDA graphs (their buffers, and on CUDA their graphs, reused)",
                                          ["model", "version"], registry=r)
-        self.cuda_graph_pool_bytes = Gauge("nmt_cuda_graph_pool_bytes", "Device memory of the beam runs kept for "
-                                           "CUDA graphs (--cuda-graph-pool-mib bounds it)", ["model", "version"],
+        self.cuda_graph_pool_bytes = Gauge("nmt_cuda_graph_pool_bytes", "Device memory of the runs kept for CUDA "
+                                           "graphs (--cuda-graph-pool-mib bounds it)", ["model", "version"],
                                            registry=r, multiprocess_mode="livesum")
         self.admission_wait_steps = Histogram("nmt_admission_wait_steps", "Decoding steps the running decode ran "
                                               "while a sentence waited to join it (continuous batching)",
