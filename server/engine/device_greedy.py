@@ -78,6 +78,7 @@ class DeviceGreedyRun:
         each row's best token and its score read."""
         self._inputs["input_ids"].update_inplace(self.ids[self._row_of])
         self._inputs["positions"].update_inplace(self._next[self._done])
+        self._binding.synchronize_inputs()  # the host's copies landed before the run (or its replay) reads them
         try:
             self.session.run_with_iobinding(self._binding, self.options)
         except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors

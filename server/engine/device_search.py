@@ -340,6 +340,7 @@ class DeviceBeamRun:
         _fill(self.fixed["kept"], np.arange(q) < quota)
         _fill(self.fixed["worst"], quota - 1)
         _fill(self.fixed["live"], np.arange(n) < self.sentences)
+        self._bindings[0][1].synchronize_inputs()  # the host's copies landed before the first step reads them
         if not self.borrowed:
             names = list(self.states[0])
             self.model.padded_copies([static[name] for name in self.static], row_of, list(self.static.values()))
