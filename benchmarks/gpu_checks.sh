@@ -3,7 +3,8 @@
 # Run from the repository root on the GPU host after ../shared/gpu/README.md's install, e.g.
 #   eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
-# stop the next. benchmarks/README.md ("CUDA graphs for the device's beam runs") says what each should show.
+# stop the next. benchmarks/README.md ("CUDA graphs for the device's beam and arg-max runs") says what each
+# should show.
 set -u
 out="${1:-gpu-checks}"
 mkdir -p "$out"
