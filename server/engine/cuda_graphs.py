@@ -1,12 +1,11 @@
 """CUDA graphs for the decode's runs on the device: shape buckets, a pool of runs kept for reuse, graph ids.
 
 A device beam run (:class:`server.engine.device_search.DeviceBeamRun`) makes three session runs a step (the step
-graph, the selection, the state's ``Gather``), an arg-max run (:class:`server.engine.device_greedy.DeviceGreedyRun`)
-one, each some tens to a hundred kernels launched one by one. ONNX
-Runtime's CUDA provider can capture a session run as a CUDA graph and replay it with one launch
-(``enable_cuda_graph``; run option ``gpu_graph_id`` names the graph: its first two runs are ordinary, the third
-captures, the later ones replay). A replay reads and writes exactly the buffers the capture saw, at the shapes
-it saw, so:
+graph, the selection, the state's ``Gather``) and an arg-max run (:class:`server.engine.device_greedy.
+DeviceGreedyRun`) one, each some tens to a hundred kernels launched one by one. ONNX Runtime's CUDA provider can
+capture a session run as a CUDA graph and replay it with one launch (``enable_cuda_graph``; run option
+``gpu_graph_id`` names the graph: its first two runs are ordinary, the third captures, the later ones replay). A
+replay reads and writes exactly the buffers the capture saw, at the shapes it saw, so:
 
 * a run's shapes come in **buckets** (:func:`bucket`): the number of sentences, the source length, the cache's
   capacity and the history's length are rounded up to a power of two or one and a half times one (padding: a
@@ -14,9 +13,9 @@ it saw, so:
   cache and a history have room they do not use); the beam, the top-k width and the quota stay exact;
 * every buffer a run binds is its own, allocated once (the decode's state is copied in at its start and out at
   its end), and the run is kept in a :class:`RunPool` for the next run of its bucket, which replays its graphs;
-* each kept run has graph ids of its own (one per parity of its two buffer sets), never reused, and its graphs
-  are released when the pool lets it go (or, where the runtime cannot release a graph, no more are captured once
-  :data:`MAX_CAPTURED_RUNS` runs have been).
+* each kept run has graph ids of its own (a beam run's: one per parity of its two buffer sets), never reused;
+  its graphs are released when the pool lets it go (or, where the runtime cannot release a graph, no more are
+  captured once :data:`MAX_CAPTURED_RUNS` runs have been).
 
 A run that cannot capture runs its steps as ordinary runs (``gpu_graph_id`` -1) and says why once
 (:meth:`GraphCapture.unavailable`, :meth:`GraphCapture.failed`): on the CPU, on a runtime without CUDA graphs, or
