@@ -5,7 +5,7 @@ hypotheses and choosing who leaves; the decode lays out the rows that stay."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,9 +14,6 @@ from server.controls import sample
 from server.engine.beam_select import select_beam, sentence_done
 from server.engine.search import NEG_INF
 from server.types import ScoredSequence, SearchResult
-
-if TYPE_CHECKING:
-    from server.engine.decode import _Sentence
 
 
 class GeneralSelection:
@@ -96,7 +93,7 @@ class GeneralSelection:
         step_scores = choice.token_scores[at]
         return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
 
-    def _hypothesis(self, s: _Sentence, row: int, token: int, score: float, total: float,
+    def _hypothesis(self, s: Any, row: int, token: int, score: float, total: float,
                     attention: np.ndarray | None) -> ScoredSequence:
         """The hypothesis of ``row`` (of sentence ``s``) ending in ``token`` this step."""
         t = s.step
