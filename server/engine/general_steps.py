@@ -95,7 +95,7 @@ class GeneralSelection:
 
     def _hypothesis(self, s: Any, row: int, token: int, score: float, total: float,
                     attention: np.ndarray | None) -> ScoredSequence:
-        """The hypothesis of ``row`` (of sentence ``s``) ending in ``token`` this step."""
+        """The hypothesis of ``row`` (of ``s``, one of the decode's sentences) ending in ``token`` this step."""
         t = s.step
         rows = None
         if s.attention and attention is not None:
