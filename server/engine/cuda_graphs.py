@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 
 log = logging.getLogger("nmt.server")
@@ -65,7 +66,7 @@ def graph_options(providers: list[Any]) -> list[Any]:
 
 
 class GraphCapture:
-    """Whether a model's device beam runs capture CUDA graphs, the graph ids they use, and what is said once when
+    """Whether a model's runs on the device capture CUDA graphs, the graph ids they use, and what is said once when
     they cannot. ``reason``: why runs cannot capture (empty: they can)."""
 
     def __init__(self, reason: str) -> None:
@@ -121,16 +122,48 @@ def run_options(graph_id: int) -> ort.RunOptions:
     return options
 
 
-def release_graphs(sessions: Sequence[ort.InferenceSession], ids: Sequence[int]) -> None:
-    """Release the graphs ``ids`` that ``sessions`` captured (where the runtime can)."""
-    for session in sessions:
-        for graph_id in ids:
-            session.release_captured_graph(graph_id)
-
-
 def can_release(session: ort.InferenceSession) -> bool:
     """This ONNX Runtime can release a captured graph (``InferenceSession.release_captured_graph``)."""
     return hasattr(session, "release_captured_graph")
+
+
+class KeptRun:
+    """What the runs a :class:`RunPool` keeps share: ``model`` (its :class:`GraphCapture` is ``model.capture``),
+    the ``shapes`` they are made for (their bucket), their ``sessions`` and each parity's run ``options`` (None: no
+    graph-enabled sessions), the ``graph_ids`` those name, and buffers allocated on the model's device, counted
+    (:attr:`nbytes`)."""
+
+    def __init__(self, model: Any, shapes: Hashable, sessions: tuple[ort.InferenceSession, ...],
+                 options: list[ort.RunOptions | None], graph_ids: tuple[int, ...]) -> None:
+        self.model, self.device, self.shapes, self.sessions = model, model.device, shapes, sessions
+        self.options = options
+        self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
+        self.capturing = bool(graph_ids)  # its session runs name graphs (captured on their third run, then replayed)
+        self.nbytes = 0  # device memory of the run's buffers
+
+    def drop(self) -> None:
+        """Release the graphs this run's session runs captured (its buffers go with the run)."""
+        if self.graph_ids and can_release(self.sessions[0]):
+            for session in self.sessions:
+                for graph_id in self.graph_ids:
+                    session.release_captured_graph(graph_id)
+
+    def _run(self, session: int, binding: ort.IOBinding, parity: int = 0) -> None:
+        """Run session ``session`` with ``binding`` and the run options of ``parity``. A run that names a graph and
+        fails (a capture that failed) sends this run's bucket to ordinary runs, said once, and runs again: during
+        a capture nothing ran."""
+        try:
+            self.sessions[session].run_with_iobinding(binding, self.options[parity])
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+            if not self.capturing:
+                raise
+            self.model.capture.failed(self.shapes, error)
+            self.options, self.capturing = [run_options(SKIP)] * len(self.options), False
+            self.sessions[session].run_with_iobinding(binding, self.options[parity])
+
+    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
+        self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
 
 
 class RunPool:
@@ -175,15 +208,6 @@ class RunPool:
                 dropped.append(gone)
         for gone in dropped:
             gone.drop()
-
-    def clear(self) -> None:
-        """Let every kept run go."""
-        with self._lock:
-            runs = [run for kept in self._runs.values() for run in kept]
-            self._runs.clear()
-            self.held = 0
-        for run in runs:
-            run.drop()
 
     def __len__(self) -> int:
         return sum(len(runs) for runs in self._runs.values())

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from nmt.model_format.manifest import TOP_K_OUTPUTS
-from server.engine.cuda_graphs import SKIP, can_release, release_graphs, run_options
+from server.engine.cuda_graphs import KeptRun
 from server.engine.device_search import numpy_type
 
 
@@ -32,17 +32,14 @@ class GreedyShapes:
     state: tuple[tuple[str, tuple[int, ...], str], ...]  # the cache's in-place buffers, likewise
 
 
-class DeviceGreedyRun:
+class DeviceGreedyRun(KeptRun):
     """Arg-max steps over buffers of the run's own, bound once (see the module docstring): :meth:`start`, then
     :meth:`run` and :meth:`read` a step at a time, then :meth:`state`; ``options`` name the run's graph (None:
     no graph-enabled session)."""
 
     def __init__(self, model: Any, shapes: GreedyShapes, session: ort.InferenceSession,
                  options: ort.RunOptions | None, graph_ids: tuple[int, ...] = ()) -> None:
-        self.model, self.shapes, self.session, self.options = model, shapes, session, options
-        self.graph_ids = graph_ids
-        self.capturing = bool(graph_ids)
-        self.nbytes = 0
+        super().__init__(model, shapes, (session,), [options], graph_ids)
         self.rows = 0  # the decode's rows (the run's may be more)
         rows = shapes.rows
         self.static = {name: self._alloc(shape, numpy_type(kind)) for name, shape, kind in shapes.static}
@@ -79,14 +76,7 @@ class DeviceGreedyRun:
         self._inputs["input_ids"].update_inplace(self.ids[self._row_of])
         self._inputs["positions"].update_inplace(self._next[self._done])
         self._binding.synchronize_inputs()  # the host's copies landed before the run (or its replay) reads them
-        try:
-            self.session.run_with_iobinding(self._binding, self.options)
-        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-            if not self.capturing:
-                raise
-            self.model.capture.failed(self.shapes, error)
-            self.options, self.capturing = run_options(SKIP), False
-            self.session.run_with_iobinding(self._binding, self.options)
+        self._run(0, self._binding)
         self._binding.synchronize_outputs()
         ids, scores, _ = TOP_K_OUTPUTS
         self.ids = self._outputs[ids].numpy()[: self.rows, 0].copy()
@@ -107,12 +97,3 @@ class DeviceGreedyRun:
         """The decoder state after the steps run (the cache copied out, each row's position moved on)."""
         copies = self.model.padded_copies(list(self.buffers.values()), np.arange(self.rows))
         return {**dict(zip(self.buffers, copies, strict=True)), self.model.positions: self.positions.copy()}
-
-    def drop(self) -> None:
-        """Release the graph this run's step graph runs captured."""
-        if self.graph_ids and can_release(self.session):
-            release_graphs([self.session], self.graph_ids)
-
-    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
-        self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.model.device)

@@ -36,7 +36,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from server.engine.cuda_graphs import SKIP, can_release, release_graphs, run_options
+from server.engine.cuda_graphs import KeptRun
 from server.types import ScoredSequence
 
 _NEG_INF = float("-inf")
@@ -225,7 +225,7 @@ class RunShapes:
     positions: bool  # the step graph takes positions
 
 
-class DeviceBeamRun:
+class DeviceBeamRun(KeptRun):
     """Beam steps whose selection stays on the device (see the module docstring), every buffer the run's own,
     allocated once and bound once, so that a run can be kept and started again
     (:meth:`server.engine.device_step_model.DeviceStepModel.beam_run`) and its session runs captured as CUDA
@@ -238,11 +238,7 @@ class DeviceBeamRun:
     def __init__(self, model: Any, shapes: RunShapes, sessions: tuple[ort.InferenceSession, ...],
                  options: list[ort.RunOptions | None], graph_ids: tuple[int, ...] = (),
                  borrowed: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
-        self.model, self.device, self.shapes, self.sessions = model, model.device, shapes, sessions
-        self.options = options  # each parity's run options (None: no graph-enabled sessions)
-        self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
-        self.capturing = bool(graph_ids)  # its session runs name graphs (captured on their third run, then replayed)
-        self.nbytes = 0  # device memory of the run's buffers
+        super().__init__(model, shapes, sessions, options, graph_ids)  # the step graph, selection and Gather
         self.bytes_read = 0  # bytes brought from the device to the host since start()
         self.parity = 0  # which set of buffers the next step reads
         self.positions: np.ndarray | None = None  # int64 [R] on the host at the start (None: the model takes none)
@@ -350,14 +346,8 @@ class DeviceBeamRun:
         """Run the step graph and the selection on the current set of buffers; returns whether some sentence
         is done (the host reads ``n`` bytes). Then :meth:`advance` (a quiet step) or :meth:`output` (not)."""
         step, select, _, _ = self._bindings[self.parity]
-        options = self.options[self.parity]
-        try:
-            self.sessions[0].run_with_iobinding(step, options)
-            self.sessions[1].run_with_iobinding(select, options)
-        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-            if not self._graphs_failed(error):
-                raise
-            return self.step()
+        self._run(0, step, self.parity)
+        self._run(1, select, self.parity)
         select.synchronize_outputs()  # a replayed graph's work done before the flags are copied
         self.done = self.read(self.done_flags)[: self.sentences]
         return bool(self.done.any())
@@ -365,12 +355,7 @@ class DeviceBeamRun:
     def advance(self) -> None:
         """Take the step's selection: the state's rows follow their origins into the other set, which the next
         step reads."""
-        try:
-            self.sessions[2].run_with_iobinding(self._bindings[self.parity][2], self.options[self.parity])
-        except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-            if not self._graphs_failed(error):
-                raise
-            self.sessions[2].run_with_iobinding(self._bindings[self.parity][2], self.options[self.parity])
+        self._run(2, self._bindings[self.parity][2], self.parity)
         self.parity = 1 - self.parity
         self.advanced += 1
 
@@ -414,30 +399,12 @@ class DeviceBeamRun:
         self.bytes_read += array.nbytes
         return array.copy() if self.device == "cpu" else array
 
-    def drop(self) -> None:
-        """Release the graphs this run's session runs captured (its buffers go with the run)."""
-        if self.graph_ids and can_release(self.sessions[0]):
-            release_graphs(self.sessions, self.graph_ids)
-
-    def _graphs_failed(self, error: BaseException) -> bool:
-        """A session run that names a graph failed: say so (once per bucket) and go on with ordinary runs. False
-        when the runs named no graph (the error is not a capture's)."""
-        if not self.capturing:
-            return False
-        self.model.capture.failed(self.shapes, error)
-        self.options, self.capturing = [run_options(SKIP), run_options(SKIP)], False
-        return True
-
     def _copied(self, values: dict[str, ort.OrtValue]) -> dict[str, Any]:
         """Copies of ``values``' rows of the decode, that it can keep (a kept run's buffers stay with the run; a
         run that is not kept hands them over)."""
         if self.borrowed:
             return dict(values)
         return dict(zip(values, self.model.padded_copies(list(values.values()), np.arange(self.rows)), strict=True))
-
-    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
-        self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
 
 
 def _fill(value: ort.OrtValue, array: np.ndarray) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -156,8 +156,15 @@ class DeviceStepModel(OnnxStepModel):
         if not self._cuda_graphs and self.positions:  # the run reads the decode's buffers: room in them first
             state = self._reserve(state, int(positions.max()) + steps + 1)
         shapes = self._run_shapes(beam, eos_id, start_id, books, quotas, static, state, positions, k, steps)
-        run = self.pool.take(shapes) or self._new_run(shapes, None if self._cuda_graphs else (static, state))
-        run.start(books, penalties, quotas, static, state, positions if self.positions else None)
+        with self._kept(shapes, lambda: self._new_run(shapes, None if self._cuda_graphs else (static, state))) as run:
+            run.start(books, penalties, quotas, static, state, positions if self.positions else None)
+            yield run
+
+    @contextmanager
+    def _kept(self, shapes: Any, new: Callable[[], Any]) -> Iterator[Any]:
+        """A run of bucket ``shapes`` from the pool, or ``new()``; kept again at the end (dropped at once where
+        nothing is kept)."""
+        run = self.pool.take(shapes) or new()
         try:
             yield run
         finally:
@@ -207,12 +214,9 @@ class DeviceStepModel(OnnxStepModel):
             return
         rows = bucket(len(tokens), floor=1)
         shapes = GreedyShapes(rows, *self._buffer_shapes(rows, static, state, int(positions.max()) + steps + 1))
-        run = self.pool.take(shapes) or self._new_greedy_run(shapes)
-        run.start(tokens, positions, static, state, steps)
-        try:
+        with self._kept(shapes, lambda: self._new_greedy_run(shapes)) as run:
+            run.start(tokens, positions, static, state, steps)
             yield run
-        finally:
-            self.pool.keep(shapes, run)
 
     def _new_greedy_run(self, shapes: GreedyShapes) -> DeviceGreedyRun:
         """A greedy run made for ``shapes``: on the graph-enabled decoder session with a graph id of its own where
@@ -221,8 +225,8 @@ class DeviceStepModel(OnnxStepModel):
             self.capture.unavailable()
             return DeviceGreedyRun(self, shapes, self.sessions["decoder"], None)
         session = self.sessions["decoder_graphs"]
-        ids = self.capture.ids(can_release(session), count=1)
-        return DeviceGreedyRun(self, shapes, session, run_options(ids[0] if ids else SKIP), ids or ())
+        options, ids = self._graph_options(session, 1)
+        return DeviceGreedyRun(self, shapes, session, options[0], ids)
 
     def _new_run(self, shapes: RunShapes, borrowed: tuple[dict[str, Any], dict[str, Any]] | None,
                  ) -> DeviceBeamRun:
@@ -241,9 +245,14 @@ class DeviceStepModel(OnnxStepModel):
                 self.capture.unavailable()
             return DeviceBeamRun(self, shapes, self._run_sessions(shapes, graphs=False), [None, None],
                                  borrowed=borrowed)
-        ids = self.capture.ids(can_release(sessions[0]))
-        options = [run_options(graph_id) for graph_id in ids] if ids else [run_options(SKIP), run_options(SKIP)]
-        return DeviceBeamRun(self, shapes, sessions, options, ids or ())
+        return DeviceBeamRun(self, shapes, sessions, *self._graph_options(sessions[0], 2))
+
+    def _graph_options(self, session: ort.InferenceSession, count: int,
+                       ) -> tuple[list[ort.RunOptions], tuple[int, ...]]:
+        """Run options naming ``count`` new graph ids for a run on ``session`` (ordinary runs where no more may
+        capture), and the ids."""
+        ids = self.capture.ids(can_release(session), count) or ()
+        return [run_options(graph_id) for graph_id in ids] or [run_options(SKIP)] * count, ids
 
     def _run_sessions(self, shapes: RunShapes, graphs: bool) -> tuple[ort.InferenceSession, ...]:
         """A run's step graph, selection and state ``Gather`` sessions (``graphs``: those with CUDA graphs)."""
