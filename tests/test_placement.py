@@ -20,7 +20,8 @@ from onnx import TensorProto, helper
 from nmt.cli import main as nmt_main
 from nmt.model_format.manifest import read_manifest
 from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
-from server.engine.portable_attention import needs_portable_attention, session_graph
+from server.engine.portable_attention import needs_portable_attention
+from server.engine.session_graphs import session_graph
 from tests.conftest import PARITY_SENTENCES
 
 ROOT = Path(__file__).resolve().parent.parent

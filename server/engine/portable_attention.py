@@ -29,10 +29,8 @@ over the full capacity (a power of two at most twice the longest row) instead of
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from nmt.errors import NmtError
@@ -164,23 +162,3 @@ def _remove_dead_nodes(graph: onnx.GraphProto) -> None:
             return
         del graph.node[:]
         graph.node.extend(live)
-
-
-def session_graph(path: Path, options: ort.SessionOptions, portable: bool | None, *, on_cuda: bool) -> str | bytes:
-    """What ``InferenceSession`` opens for the graph file ``path``: the file itself, or the serialized graph
-    with its self-attention rewritten (:func:`inline_self_attention`) when ``portable`` says so; ``None``
-    decides by :func:`needs_portable_attention` where the session goes to CUDA. A rewritten graph is opened
-    from memory, so ``options`` is told where the version's external weights lie."""
-    if portable is False or (portable is None and not on_cuda):
-        return str(path)
-    model = onnx.load(path, load_external_data=False)
-    if not any(node.op_type == GQA for node in model.graph.node):
-        return str(path)
-    if portable is None and not needs_portable_attention(model):
-        return str(path)
-    inline_self_attention(model)
-    options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(path.parent))
-    return model.SerializeToString()
-
-
-EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"

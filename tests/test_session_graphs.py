@@ -1,0 +1,105 @@
+"""The graphs a version's sessions open on each provider (:mod:`server.engine.session_graphs`): on the CPU every
+``SkipLayerNormalization`` is split into ``Add`` + ``LayerNormalization`` and computes what the fused operator
+computes; CUDA keeps the fused operator; a node whose statistics outputs are read stays as it is."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from server.engine.session_graphs import SKIP_LAYER_NORM, session_graph, split_skip_layer_norms
+
+TOLERANCE = 1e-5
+
+
+def _ops(graph: str | bytes) -> Counter[str]:
+    model = onnx.load(graph) if isinstance(graph, str) else onnx.load_from_string(graph)
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def _session(graph: str | bytes, options: ort.SessionOptions) -> ort.InferenceSession:
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("name", ["encoder.onnx", "decoder.onnx", "decoder_attention.onnx", "decoder_forced.onnx"])
+def test_cpu_sessions_open_every_layer_norm_unfused(tiny_models, name):
+    path = Path(tiny_models["transformer"]) / name
+    fused = _ops(str(path))
+    assert fused[SKIP_LAYER_NORM] > 0
+    on_cpu = _ops(session_graph(path, ort.SessionOptions(), None, on_cuda=False))
+    assert on_cpu[SKIP_LAYER_NORM] == 0
+    assert on_cpu["LayerNormalization"] == fused["LayerNormalization"] + fused[SKIP_LAYER_NORM]
+    on_cuda = session_graph(path, ort.SessionOptions(), None, on_cuda=True)
+    assert _ops(on_cuda)[SKIP_LAYER_NORM] == fused[SKIP_LAYER_NORM]  # CUDA keeps the fused kernel
+
+
+def test_the_split_encoder_and_forced_decoder_compute_what_the_fused_ones_do(tiny_models):
+    """The exported files against the graphs the CPU's sessions open, on the same inputs."""
+    version = Path(tiny_models["transformer"])
+    rng = np.random.default_rng(0)
+    outputs = {}
+    for way in ("fused", "split"):
+        def open_graph(name: str, way: str = way) -> ort.InferenceSession:
+            options = ort.SessionOptions()
+            graph = str(version / name) if way == "fused" else session_graph(version / name, options, None,
+                                                                                on_cuda=False)
+            assert isinstance(graph, str) == (way == "fused")
+            return _session(graph, options)
+
+        encoder, forced = open_graph("encoder.onnx"), open_graph("decoder_forced.onnx")
+        src = np.random.default_rng(1).integers(4, 40, (3, 7)).astype(np.int64)
+        src[2, 5:] = 0  # padding
+        encoded = dict(zip((o.name for o in encoder.get_outputs()), encoder.run(None, {"src_ids": src}), strict=True))
+        feeds = {i.name: encoded[i.name] for i in forced.get_inputs() if i.name in encoded}
+        feeds["input_ids"] = rng.integers(4, 40, (3, 5)).astype(np.int64) if way == "fused" else outputs["ids"]
+        feeds["target_ids"] = np.roll(feeds["input_ids"], -1, axis=1)
+        outputs["ids"] = feeds["input_ids"]
+        forced_out = forced.run(None, feeds)
+        outputs[way] = list(encoded.values()) + forced_out
+    assert len(outputs["fused"]) == len(outputs["split"]) > 4
+    for fused, split in zip(outputs["fused"], outputs["split"], strict=True):
+        if fused.dtype.kind == "f":
+            np.testing.assert_allclose(split, fused, atol=TOLERANCE)
+        else:
+            np.testing.assert_array_equal(split, fused)
+
+
+def _graph(read_mean: bool) -> onnx.ModelProto:
+    """x, skip [4, 8] -> SkipLayerNormalization (gamma, beta, bias) -> y; its input+skip+bias sum feeds a Mul
+    (``twice``); with ``read_mean`` its mean output is a graph output as well."""
+    d = 8
+    weights = np.random.default_rng(2).standard_normal((3, d)).astype(np.float32)
+    outputs = ["y", "mean" if read_mean else "", "", "sum"]
+    nodes = [helper.make_node(SKIP_LAYER_NORM, ["x", "skip", "gamma", "beta", "bias"], outputs,
+                              domain="com.microsoft", epsilon=1e-3),
+             helper.make_node("Mul", ["sum", "two"], ["twice"])]
+    results = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+               for name in ["y", "twice"] + (["mean"] if read_mean else [])]
+    graph = helper.make_graph(
+        nodes, "skip", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, d]) for n in ("x", "skip")], results,
+        [numpy_helper.from_array(w, n) for w, n in zip(weights, ("gamma", "beta", "bias"), strict=True)]
+        + [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_bias_beta_epsilon_and_the_sum_output_carry_over():
+    model = _graph(read_mean=False)
+    feeds = {n: np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i, n in enumerate(("x", "skip"))}
+    expected = _session(model.SerializeToString(), ort.SessionOptions()).run(None, feeds)
+    assert split_skip_layer_norms(model) == 1
+    assert [node.op_type for node in model.graph.node] == ["Add", "Add", "LayerNormalization", "Mul"]
+    got = _session(model.SerializeToString(), ort.SessionOptions()).run(None, feeds)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=TOLERANCE)
+
+
+def test_a_node_whose_statistics_are_read_stays_fused():
+    model = _graph(read_mean=True)
+    assert split_skip_layer_norms(model) == 0
+    assert [node.op_type for node in model.graph.node] == [SKIP_LAYER_NORM, "Mul"]
