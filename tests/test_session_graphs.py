@@ -85,12 +85,14 @@ def _graph(read_mean: bool) -> onnx.ModelProto:
         nodes, "skip", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, d]) for n in ("x", "skip")], results,
         [numpy_helper.from_array(w, n) for w, n in zip(weights, ("gamma", "beta", "bias"), strict=True)]
         + [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
 
 
 def test_bias_beta_epsilon_and_the_sum_output_carry_over():
     model = _graph(read_mean=False)
-    feeds = {n: np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i, n in enumerate(("x", "skip"))}
+    rng = np.random.default_rng(3)
+    feeds = {name: rng.standard_normal((4, 8)).astype(np.float32) for name in ("x", "skip")}
     expected = _session(model.SerializeToString(), ort.SessionOptions()).run(None, feeds)
     assert split_skip_layer_norms(model) == 1
     assert [node.op_type for node in model.graph.node] == ["Add", "Add", "LayerNormalization", "Mul"]

@@ -41,8 +41,8 @@ from server.engine.device import (
 )
 from server.engine.device_step_model import DeviceStepModel
 from server.engine.forced import decode
-from server.engine.session_graphs import session_graph
 from server.engine.search import Alternatives, BeamSentence
+from server.engine.session_graphs import session_graph
 from server.engine.shared_weights import SharedWeights
 from server.engine.step_models import OnnxStepModel
 from server.errors import DeviceMemoryExhausted

@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from server.engine.portable_attention import GQA, inline_self_attention, needs_portable_attention
+from server.engine.portable_attention import inline_self_attention, needs_portable_attention
 
 SKIP_LAYER_NORM = "SkipLayerNormalization"
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
@@ -71,9 +71,8 @@ def session_graph(path: Path, options: ort.SessionOptions, portable: bool | None
     On the CPU the fused layer normalizations are always split."""
     model = onnx.load(path, load_external_data=False)
     changed = False
-    if portable or (portable is None and on_cuda):
-        if any(node.op_type == GQA for node in model.graph.node) and (portable or needs_portable_attention(model)):
-            changed = inline_self_attention(model) > 0
+    if portable or (portable is None and on_cuda and needs_portable_attention(model)):
+        changed = inline_self_attention(model) > 0
     if not on_cuda:
         changed = split_skip_layer_norms(model) > 0 or changed
     if not changed:
