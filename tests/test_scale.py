@@ -37,6 +37,7 @@ from clients.client import TranslatorClient
 from clients.messages import TranslationError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
+from nmt.errors import NmtError
 from server.metrics import HTTP_LABEL_PREFIX
 from server.protos import SERVICE_NAME
 from tests.conftest import SERVED_MODEL
@@ -83,21 +84,38 @@ def scale_repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathF
     return root
 
 
+def _launch(repository: Path) -> Replica:
+    """One ``nmt serve`` on free loopback ports, starting."""
+    address, metrics_port, http_address = f"127.0.0.1:{free_port()}", free_port(), f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository), "--listen", address,
+         "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", http_address, "--reload-interval", "0",
+         "--provider", "cpu",
+         "--intra-op-threads", "1", "--grace-seconds", "10"],
+        env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
+    return Replica(process, address, metrics_port, http_address)
+
+
+def _serving(replica: Replica, repository: Path) -> Replica:
+    """``replica`` once it serves. A port found free can be taken (as another connection's local port) before the
+    server binds it: a replica that exited is launched again on other ports, twice at most."""
+    for attempt in range(3):
+        try:
+            wait_serving(replica.address, replica.process)
+            return replica
+        except NmtError:
+            if replica.process.poll() is None or attempt == 2:
+                raise
+            replica = _launch(repository)
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def replicas(scale_repository: Path) -> Iterator[list[Replica]]:
-    started = []
-    for _ in range(REPLICAS):
-        address, metrics_port, http_address = f"127.0.0.1:{free_port()}", free_port(), f"127.0.0.1:{free_port()}"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "nmt", "serve", "--model-repository", str(scale_repository), "--listen", address,
-             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", http_address, "--reload-interval", "0",
-             "--provider", "cpu",
-             "--intra-op-threads", "1", "--grace-seconds", "10"],
-            env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
-        started.append(Replica(process, address, metrics_port, http_address))
+    started = [_launch(scale_repository) for _ in range(REPLICAS)]
     try:
-        for replica in started:
-            wait_serving(replica.address, replica.process)
+        for index, replica in enumerate(started):
+            started[index] = _serving(replica, scale_repository)
         yield started
     finally:
         for replica in started:

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from server.engine import session_graphs
 from server.engine.session_graphs import SKIP_LAYER_NORM, session_graph, split_skip_layer_norms
 
 TOLERANCE = 1e-5
@@ -105,3 +106,14 @@ def test_a_node_whose_statistics_are_read_stays_fused():
     model = _graph(read_mean=True)
     assert split_skip_layer_norms(model) == 0
     assert [node.op_type for node in model.graph.node] == [SKIP_LAYER_NORM, "Mul"]
+
+
+def test_a_graph_holding_its_weights_opens_as_it_is_above_the_limit(tiny_models, tmp_path, monkeypatch):
+    """A version exported before ``weights.bin`` keeps its weights in each graph file: above the limit its CPU
+    session opens the file rather than a rewritten copy that would hold every weight twice."""
+    model = onnx.load(Path(tiny_models["transformer"]) / "encoder.onnx")  # the weights read into the graph
+    embedded = tmp_path / "encoder.onnx"
+    onnx.save(model, embedded)
+    assert isinstance(session_graph(embedded, ort.SessionOptions(), None, on_cuda=False), bytes)  # a tiny model
+    monkeypatch.setattr(session_graphs, "EMBEDDED_LIMIT", 0)
+    assert session_graph(embedded, ort.SessionOptions(), None, on_cuda=False) == str(embedded)

@@ -28,6 +28,13 @@ from server.engine.portable_attention import inline_self_attention, needs_portab
 
 SKIP_LAYER_NORM = "SkipLayerNormalization"
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+EMBEDDED_LIMIT = 1 << 20  # bytes of weights inside a graph file above which the CPU opens the file as it is
+
+
+def _embedded_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers stored inside the graph file (versions exported before ``weights.bin`` keep
+    every weight there: a rewritten copy would hold them twice while its session opens)."""
+    return sum(t.ByteSize() for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
 
 
 def split_skip_layer_norms(model: onnx.ModelProto) -> int:
@@ -68,12 +75,13 @@ def session_graph(path: Path, options: ort.SessionOptions, portable: bool | None
     """What ``InferenceSession`` opens for the graph file ``path`` (module docstring): the file itself, or the
     serialized graph rewritten for its provider. ``portable`` forces the self-attention rewrite on (``True``) or
     off (``False``); ``None`` rewrites where the session goes to CUDA and needs it (:func:`needs_portable_attention`).
-    On the CPU the fused layer normalizations are always split."""
+    On the CPU the fused layer normalizations are split, except in a graph file that holds its weights itself
+    (over :data:`EMBEDDED_LIMIT` bytes: versions exported before ``weights.bin``), which opens as it is."""
     model = onnx.load(path, load_external_data=False)
     changed = False
     if portable or (portable is None and on_cuda and needs_portable_attention(model)):
         changed = inline_self_attention(model) > 0
-    if not on_cuda:
+    if not on_cuda and _embedded_bytes(model) <= EMBEDDED_LIMIT:
         changed = split_skip_layer_norms(model) > 0 or changed
     if not changed:
         return str(path)
