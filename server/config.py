@@ -26,6 +26,7 @@ from nmt.options import (
     parse_value,
     values_from_args,
 )
+from server.policy import BY_DEVICE
 
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
@@ -109,18 +110,20 @@ class ServerConfig:
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
                                  "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
                                  "CPU, 512 on CUDA (128 beam-4 sentences, as many as static batches hold)")
-    decode_tokens: int = option(65536, "continuous batching: token budget of the running decode, rows x (widest "
+    decode_tokens: int = option(0, "continuous batching: token budget of the running decode, rows x (widest "
                                 "source + longest target so far), checked when sentences join (bounds its "
-                                "memory)")
-    batch_tokens: int = option(4096, "token budget of a batch: source tokens including padding (longest x count); "
-                               "continuous: of the sentences encoded together to join the running decode")
+                                "memory). 0: by the device, 65536 on the CPU, 262144 on CUDA")
+    batch_tokens: int = option(0, "token budget of a batch: source tokens including padding (longest x count); "
+                               "continuous: of the sentences encoded together to join the running decode. 0: by "
+                               "the device, 4096 on the CPU, 32768 on CUDA")
     max_batch_sentences: int = option(64, "most sentences in one batch")
     max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts; continuous: "
                                 "how long sentences gather before they join a running decode (one encoder call)")
     queue_size: int = option(1024, "most sentences queued per model version; beyond it RESOURCE_EXHAUSTED")
-    batch_work: int = option(16384, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
+    batch_work: int = option(0, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
                              "output, summed over sentences): bounds how long one batch holds the worker, so "
-                             "large requests are split into batches that interleave with other requests")
+                             "large requests are split into batches that interleave with other requests. 0: by "
+                             "the device, 16384 on the CPU, 262144 on CUDA")
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")
@@ -147,14 +150,13 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
-        positive = ("batch_tokens", "max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars",
-                    "max_tokens", "max_length", "batch_work", "max_request_work", "max_response_bytes",
-                    "decode_tokens")
+        positive = ("max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars", "max_tokens",
+                    "max_length", "max_request_work", "max_response_bytes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise NmtError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("intra_op_threads", "inter_op_threads", "max_wait_ms", "grace_seconds", "reload_interval",
-                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends", "max_batch_rows",
+                     "device_id", "gpu_mem_limit", "max_connection_age", "frontends", *BY_DEVICE,
                      "cuda_graph_pool_mib"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -163,14 +165,15 @@ class ServerConfig:
         if not 0 <= self.malloc_retain_mb < 2048:
             raise NmtError(f"malloc_retain_mb must be 0-2047 (glibc takes the bound as a C int of bytes), got "
                            f"{self.malloc_retain_mb}")
-        if self.max_tokens + 1 > self.batch_tokens:
-            raise NmtError(f"batch_tokens ({self.batch_tokens}) must hold one text of max_tokens "
+        least = {name: getattr(self, name) or min(values.values()) for name, values in BY_DEVICE.items()}
+        if self.max_tokens + 1 > least["batch_tokens"]:
+            raise NmtError(f"batch_tokens ({least['batch_tokens']}) must hold one text of max_tokens "
                            f"({self.max_tokens}) plus EOS")
-        if 0 < self.max_batch_rows < self.max_beam:
-            raise NmtError(f"max_batch_rows ({self.max_batch_rows}) must hold one sentence of max_beam "
+        if least["max_batch_rows"] < self.max_beam:
+            raise NmtError(f"max_batch_rows ({least['max_batch_rows']}) must hold one sentence of max_beam "
                            f"({self.max_beam}) rows")
-        if self.decode_tokens < self.max_beam * (self.max_tokens + 1):
-            raise NmtError(f"decode_tokens ({self.decode_tokens}) must hold one sentence of max_tokens "
+        if least["decode_tokens"] < self.max_beam * (self.max_tokens + 1):
+            raise NmtError(f"decode_tokens ({least['decode_tokens']}) must hold one sentence of max_tokens "
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
         if self.batching not in BATCHING:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")

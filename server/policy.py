@@ -10,8 +10,19 @@ from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, ServingError
 
-DEVICE_ROWS = {"cpu": 32, "cuda": 512}  # max_batch_rows 0: a CPU computes a few dozen rows in parallel, a GPU
-# hundreds (512: 128 beam-4 sentences, what the static batches of the first GPU run held)
+# The batching limits whose 0 (the server's default) means "by the device": a CPU computes a few dozen rows in
+# parallel, a GPU hundreds, in the time of one (benchmarks/README.md). On CUDA: 512 rows are 128 beam-4 sentences, as
+# many as the first GPU run's static batches held; a static batch's work, 512 rows for 512 steps, holds the worker
+# about as long as the CPU's 32 rows for 512 steps; its encoder call, 128 sentences of 256 tokens; the running
+# decode's tokens, 512 rows of 512 (its KV cache: ~3 GiB for a 6-layer d-512 fp16 model). The CPU's budgets hold 24
+# beam-4 sentences of 170 tokens in a static batch and at most 261 rows in the running decode while a sentence of 81
+# source pieces and 170 target tokens decodes (the GPU runs' long sentences), where the bare engine held 444 rows.
+BY_DEVICE = {
+    "max_batch_rows": {"cpu": 32, "cuda": 512},
+    "batch_tokens": {"cpu": 4096, "cuda": 32768},
+    "batch_work": {"cpu": 16384, "cuda": 262144},
+    "decode_tokens": {"cpu": 65536, "cuda": 262144},
+}
 DEVICE_BATCHING = {"cpu": "static", "cuda": "continuous"}  # batching "auto": where each measured no worse
 # (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores)
 
@@ -33,11 +44,11 @@ class BatchPolicy:
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
 
     def for_device(self, device: str) -> BatchPolicy:
-        """This policy with ``batching`` "auto" and ``max_batch_rows`` 0 resolved for ``device`` ("cpu",
-        "cuda:0", ...)."""
+        """This policy with ``batching`` "auto" and the limits of :data:`BY_DEVICE` left at 0 resolved for
+        ``device`` ("cpu", "cuda:0", ...)."""
         kind = "cuda" if device.startswith("cuda") else "cpu"
         return replace(self, batching=DEVICE_BATCHING[kind] if self.batching == "auto" else self.batching,
-                       max_batch_rows=self.max_batch_rows or DEVICE_ROWS[kind])
+                       **{name: getattr(self, name) or values[kind] for name, values in BY_DEVICE.items()})
 
     @classmethod
     def from_config(cls, config: Any) -> BatchPolicy:

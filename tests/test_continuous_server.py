@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from nmt.errors import NmtError
 from server.config import ServerConfig
 from server.controls import Controls
 from server.core.admission import DecodeLoad, Pending, admit_to_decode
@@ -288,17 +289,36 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
         ServerConfig(decode_tokens=100).validate()
 
 
-def test_auto_batching_and_rows_follow_the_device() -> None:
+def test_auto_batching_rows_and_budgets_follow_the_device() -> None:
     """``--batching auto`` (the default) is continuous on CUDA and static on the CPU, as measured
-    (benchmarks/README.md); an explicit mode and row limit stay as given on every device."""
+    (benchmarks/README.md), and the row limit and the token and work budgets left at 0 (the defaults) take the
+    device's values; explicit ones stay as given on every device."""
     policy = BatchPolicy.from_config(ServerConfig())
-    assert (policy.batching, policy.max_batch_rows) == ("auto", 0)
+    assert (policy.batching, policy.max_batch_rows, policy.batch_tokens, policy.batch_work,
+            policy.decode_tokens) == ("auto", 0, 0, 0, 0)
     on_cpu, on_cuda = policy.for_device("cpu"), policy.for_device("cuda:1")
-    assert (on_cpu.batching, on_cpu.max_batch_rows) == ("static", 32)
-    assert (on_cuda.batching, on_cuda.max_batch_rows) == ("continuous", 512)
+    assert (on_cpu.batching, on_cpu.max_batch_rows, on_cpu.batch_tokens, on_cpu.batch_work,
+            on_cpu.decode_tokens) == ("static", 32, 4096, 16384, 65536)
+    assert (on_cuda.batching, on_cuda.max_batch_rows, on_cuda.batch_tokens, on_cuda.batch_work,
+            on_cuda.decode_tokens) == ("continuous", 512, 32768, 262144, 262144)
     assert on_cuda.for_device("cpu") == on_cuda  # resolved once, for good
-    explicit = BatchPolicy(batching="static", max_batch_rows=64).for_device("cuda:0")
-    assert (explicit.batching, explicit.max_batch_rows) == ("static", 64)
+    explicit = BatchPolicy(batching="static", max_batch_rows=64, batch_tokens=1000, batch_work=2000,
+                           decode_tokens=3000).for_device("cuda:0")
+    assert (explicit.batching, explicit.max_batch_rows, explicit.batch_tokens, explicit.batch_work,
+            explicit.decode_tokens) == ("static", 64, 1000, 2000, 3000)
+    from_env = ServerConfig.from_env({"NMT_BATCH_WORK": "5000", "NMT_DECODE_TOKENS": "70000"})
+    assert BatchPolicy.from_config(from_env).for_device("cuda:0").batch_work == 5000
+    assert BatchPolicy.from_config(from_env).for_device("cuda:0").decode_tokens == 70000
+
+
+def test_a_budget_left_to_the_device_is_checked_at_its_smallest() -> None:
+    """At 0 a budget is checked against the smallest of its device values, so a configuration that validates holds
+    one sentence on every device; negative values are refused."""
+    ServerConfig().validate()
+    with pytest.raises(NmtError, match="batch_tokens"):
+        ServerConfig(max_tokens=5000, max_chars=20000).validate()  # the CPU's 4096 cannot hold one such text
+    with pytest.raises(NmtError, match="batch_work"):
+        ServerConfig(batch_work=-1).validate()
 
 
 def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
@@ -328,9 +348,3 @@ def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
         h.close()
 
 
-def test_max_batch_rows_follows_the_device_unless_set() -> None:
-    auto = BatchPolicy.from_config(ServerConfig())
-    assert auto.max_batch_rows == 0
-    assert auto.for_device("cpu").max_batch_rows == 32
-    assert auto.for_device("cuda:1").max_batch_rows == 512
-    assert BatchPolicy(max_batch_rows=12).for_device("cuda:0").max_batch_rows == 12
