@@ -165,12 +165,13 @@ class ServerConfig:
         if not 0 <= self.malloc_retain_mb < 2048:
             raise NmtError(f"malloc_retain_mb must be 0-2047 (glibc takes the bound as a C int of bytes), got "
                            f"{self.malloc_retain_mb}")
+        # a budget left to the device (0) must hold one sentence on every device: checked at its smallest value
         least = {name: getattr(self, name) or min(values.values()) for name, values in BY_DEVICE.items()}
         if self.max_tokens + 1 > least["batch_tokens"]:
             raise NmtError(f"batch_tokens ({least['batch_tokens']}) must hold one text of max_tokens "
                            f"({self.max_tokens}) plus EOS")
-        if least["max_batch_rows"] < self.max_beam:
-            raise NmtError(f"max_batch_rows ({least['max_batch_rows']}) must hold one sentence of max_beam "
+        if 0 < self.max_batch_rows < self.max_beam:
+            raise NmtError(f"max_batch_rows ({self.max_batch_rows}) must hold one sentence of max_beam "
                            f"({self.max_beam}) rows")
         if least["decode_tokens"] < self.max_beam * (self.max_tokens + 1):
             raise NmtError(f"decode_tokens ({least['decode_tokens']}) must hold one sentence of max_tokens "
