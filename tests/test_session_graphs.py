@@ -43,28 +43,26 @@ def test_cpu_sessions_open_every_layer_norm_unfused(tiny_models, name):
 def test_the_split_encoder_and_forced_decoder_compute_what_the_fused_ones_do(tiny_models):
     """The exported files against the graphs the CPU's sessions open, on the same inputs."""
     version = Path(tiny_models["transformer"])
-    rng = np.random.default_rng(0)
-    outputs = {}
-    for way in ("fused", "split"):
-        def open_graph(name: str, way: str = way) -> ort.InferenceSession:
+    src = np.random.default_rng(1).integers(4, 40, (3, 7)).astype(np.int64)
+    src[2, 5:] = 0  # padding
+    ids = np.random.default_rng(0).integers(4, 40, (3, 5)).astype(np.int64)
+
+    def run(split: bool) -> list[np.ndarray]:
+        def open_graph(name: str) -> ort.InferenceSession:
             options = ort.SessionOptions()
-            graph = str(version / name) if way == "fused" else session_graph(version / name, options, None,
-                                                                                on_cuda=False)
-            assert isinstance(graph, str) == (way == "fused")
+            graph = session_graph(version / name, options, None, on_cuda=False) if split else str(version / name)
+            assert isinstance(graph, bytes) == split
             return _session(graph, options)
 
         encoder, forced = open_graph("encoder.onnx"), open_graph("decoder_forced.onnx")
-        src = np.random.default_rng(1).integers(4, 40, (3, 7)).astype(np.int64)
-        src[2, 5:] = 0  # padding
         encoded = dict(zip((o.name for o in encoder.get_outputs()), encoder.run(None, {"src_ids": src}), strict=True))
         feeds = {i.name: encoded[i.name] for i in forced.get_inputs() if i.name in encoded}
-        feeds["input_ids"] = rng.integers(4, 40, (3, 5)).astype(np.int64) if way == "fused" else outputs["ids"]
-        feeds["target_ids"] = np.roll(feeds["input_ids"], -1, axis=1)
-        outputs["ids"] = feeds["input_ids"]
-        forced_out = forced.run(None, feeds)
-        outputs[way] = list(encoded.values()) + forced_out
-    assert len(outputs["fused"]) == len(outputs["split"]) > 4
-    for fused, split in zip(outputs["fused"], outputs["split"], strict=True):
+        feeds.update(input_ids=ids, target_ids=np.roll(ids, -1, axis=1))
+        return list(encoded.values()) + forced.run(None, feeds)
+
+    fused_outputs, split_outputs = run(split=False), run(split=True)
+    assert len(fused_outputs) == len(split_outputs) > 4
+    for fused, split in zip(fused_outputs, split_outputs, strict=True):
         if fused.dtype.kind == "f":
             np.testing.assert_allclose(split, fused, atol=TOLERANCE)
         else:
