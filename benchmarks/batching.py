@@ -67,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the
 from engine_throughput import host  # noqa: E402
 from server_load import marian_repository, sentences, start_server  # noqa: E402
 
+from server.policy import BY_DEVICE  # noqa: E402
+
 MODES = ("static", "continuous")
 
 
@@ -406,8 +408,9 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
             process.terminate()
             process.wait(timeout=30)
     callers = max(args.callers)
+    bare_rows = args.max_batch_rows or BY_DEVICE["max_batch_rows"][args.provider]  # the servers' own cap
     bare = bare_closed_loop(args.model_repository, args.model, texts_of(args.requests, 2000), args.beam_size,
-                            callers, args.max_batch_rows or 128, args.threads, args.repeats, args.provider)
+                            callers, bare_rows, args.threads, args.repeats, args.provider)
 
     print(f"\nhost: {host()}")
     if args.emulate_device:
@@ -429,7 +432,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
           f"{single['static']:.1f} ms ({single['static'] / single['engine']:.2f}x), continuous "
           f"{single['continuous']:.1f} ms ({single['continuous'] / single['engine']:.2f}x)")
     print(f"\nbare engine, {callers} callers that never wait ({args.requests} sentences, "
-          f"continuous up to {args.max_batch_rows or 128} rows; medians of {args.repeats}):")
+          f"continuous up to {bare_rows} rows; medians of {args.repeats}):")
     print("| mode | sentences/s | decoding steps | decoder ms per step | mean rows | ms per row-step | "
           "encoder calls / ms | total ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -439,6 +442,9 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
     print(f"continuous / static on the bare engine: "
           f"{bare['continuous']['sentences_s'] / bare['static']['sentences_s']:.2f}x (the most the servers' ratio "
           f"can be with {callers} callers)")
+    served = max(dict(results)[f"{callers} callers"][mode]["sentences_s"] for mode in MODES)
+    ideal = max(b["sentences_s"] for b in bare.values())
+    print(f"the better server over the better bare mode at {callers} callers: {served / ideal:.2f}x")
 
 
 if __name__ == "__main__":
