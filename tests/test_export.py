@@ -19,10 +19,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.graph_passes import one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
+from export.graph_passes import fold_casts, one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
 from export.graphs import GraphSet
 from export.options import LOGIT_TOLERANCE, ExportOptions
 from export.pipeline import export_model
+from export.quantize import FP32_OPS, convert_fp16
 from export.registry import EXPORTERS, graph_exporter
 from export.sources import load_inputs
 from export.verify import check_parity, engine_step_log_probs, engine_translate_ids, torch_reference
@@ -285,6 +286,68 @@ def test_one_position_gemms_keep_the_values():
         np.testing.assert_array_equal(back, old)
 
 
+def _scoring_tail(path: Path) -> None:
+    """A step graph's tail in fp32, saved to ``path``: h [rows, 8] -> logits; log-probabilities (LogSoftmax),
+    their top 3 (TopK) and EOS's (Gather), each a graph output."""
+    helper, T = onnx.helper, onnx.TensorProto
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32) * 3, "w"),
+             onnx.numpy_helper.from_array(np.array([3], dtype=np.int64), "k"),
+             onnx.numpy_helper.from_array(np.array(2, dtype=np.int64), "eos")]
+    nodes = [helper.make_node("MatMul", ["h", "w"], ["logits"]),
+             helper.make_node("LogSoftmax", ["logits"], ["log_probs"], axis=-1),
+             helper.make_node("TopK", ["log_probs", "k"], ["top_log_probs", "top_ids"]),
+             helper.make_node("Gather", ["log_probs", "eos"], ["eos_log_prob"], axis=1)]
+    outputs = [helper.make_tensor_value_info(name, T.FLOAT, None)
+               for name in ("logits", "log_probs", "top_log_probs", "eos_log_prob")]
+    outputs.append(helper.make_tensor_value_info("top_ids", T.INT64, None))
+    graph = helper.make_graph(nodes, "tail", [helper.make_tensor_value_info("h", T.FLOAT, ["rows", 8])], outputs,
+                              inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+
+
+def test_fp16_conversion_keeps_the_scores_in_fp32_without_round_trips(tmp_path):
+    """The converter left the fp32 LogSoftmax and TopK outputs going through fp16 and back (two kernels, and
+    scores rounded to 11 bits); folded, the scores are the fp32 operators' own, and no cast is repeated."""
+    _scoring_tail(tmp_path / "fp32.onnx")
+    convert_fp16(tmp_path / "fp32.onnx", tmp_path / "fp16.onnx")
+    graph = onnx.load(str(tmp_path / "fp16.onnx")).graph
+    casts = [node for node in graph.node if node.op_type == "Cast"]
+    assert len(casts) == 2, [(node.input[0], node.output[0]) for node in casts]  # h to fp16, the logits back
+    assert not {node.input[0] for node in casts} & {node.output[0] for node in casts}, "a cast of a cast"
+    h = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
+    session = ort.InferenceSession(str(tmp_path / "fp16.onnx"), providers=["CPUExecutionProvider"])
+    logits, log_probs, top, eos, ids = session.run(
+        ["logits", "log_probs", "top_log_probs", "eos_log_prob", "top_ids"], {"h": h})
+    exact = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(log_probs, exact, rtol=0, atol=1e-5)  # fp16 rounding would be ~1e-3 off
+    np.testing.assert_array_equal(top, np.take_along_axis(log_probs, ids, axis=1))
+    np.testing.assert_array_equal(eos, log_probs[:, 2])
+
+
+def _cast_to_fp32(graph: onnx.GraphProto, name: str) -> bool:
+    """Whether ``name`` is made in fp32: by a Cast to fp32, or by an fp32 operator reading such a value."""
+    node = next((node for node in graph.node if name in node.output), None)
+    if node is None or node.op_type not in ("Cast", *FP32_OPS):
+        return False
+    if node.op_type == "Cast":
+        return next(a.i for a in node.attribute if a.name == "to") == onnx.TensorProto.FLOAT
+    return _cast_to_fp32(graph, node.input[0])
+
+
+def test_fold_casts_leaves_a_value_of_unknown_type_alone():
+    """``x`` comes from a graph input in fp16: a Cast to fp16 and back is not a round trip of an fp32 value."""
+    helper, T = onnx.helper, onnx.TensorProto
+    nodes = [helper.make_node("Softmax", ["x"], ["p"]), helper.make_node("Cast", ["p"], ["p16"], to=T.FLOAT16),
+             helper.make_node("Cast", ["p16"], ["y"], to=T.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT16, [2, 3])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    assert fold_casts(model, FP32_OPS) == 0
+    assert [node.op_type for node in model.graph.node] == ["Softmax", "Cast", "Cast"]
+
+
 def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:
     """x [batch, 3] -> one MatMul (+ optional bias Add) per entry of ``with_bias``, plus an unrelated MatMul."""
     rng = np.random.default_rng(0)
@@ -516,9 +579,11 @@ FP16_LOGIT_TOLERANCE = 5e-2
 FP16_ATTENTION_TOLERANCE = 5e-3
 
 
-def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository):
+def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository, tmp_path):
+    """Into a repository of its own: an fp16 version of ``tiny-transformer`` in the session's repository became the
+    version later tests loaded, whose forced pass and steps then differed by fp16's ~1e-2, not their 1e-5."""
     result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
-                                        version="fp16", model_repository=str(tiny_repository), precision="fp16",
+                                        model_repository=str(tmp_path), precision="fp16",
                                         parity_sentences=8, bleu_sentences=12, progress=False))
     manifest = read_manifest(result.version_dir)
     assert manifest.precision == "fp16" and manifest.parity["precision"] == "fp16"
@@ -535,6 +600,11 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
         cache = {name for name in io if name.startswith(("past_", "present_"))}
         assert onnx.TensorProto.FLOAT16 not in {io[name] for name in set(io) - cache}, "the I/O contract stays"
         assert {io[name] for name in cache} <= {onnx.TensorProto.FLOAT16}, "the in-place cache is fp16, no casts"
+        casts = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "Cast"}
+        assert not [out for out, source in casts.items() if source in casts], f"{role}: a cast of a cast"
+        for node in graph.node:  # computed in fp32 (export.quantize.FP32_OPS), the converter's misses included
+            if node.op_type in FP32_OPS:
+                assert _cast_to_fp32(graph, node.input[0]), f"{role}: {node.op_type} reads {node.input[0]}"
         for node in graph.node:
             if node.op_type == "GroupQueryAttention":
                 assert node.input[3].startswith("past_key_") and node.output[1].startswith("present_key_")
