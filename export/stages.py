@@ -145,13 +145,12 @@ def verify(options: ExportOptions, work: Path, pairs: list[tuple[str, str]], sta
             stage(f"convert {reduced}")
             reduced_dir = work / reduced
             reduced_dir.mkdir()
-            buffers = {name for entry in manifest.decoder_state if entry.init == "buffer"
-                       for name in (entry.input, entry.output)}  # the in-place KV cache's inputs and outputs
+            fp16_io = _fp16_io(manifest, fp32_dir) if reduced == "fp16" else set()
             for filename in manifest.graphs.values():
                 if reduced == "int8":
                     quantize_int8(fp32_dir / filename, reduced_dir / filename, per_channel=options.per_channel)
                 else:
-                    convert_fp16(fp32_dir / filename, reduced_dir / filename, buffers)
+                    convert_fp16(fp32_dir / filename, reduced_dir / filename, fp16_io)
             store_once(reduced_dir, list(manifest.graphs.values()))
             reduced_manifest = _reduced_version(manifest, fp32_dir, reduced_dir, reduced)
             reduced_engine = _load_engine(reduced_dir, options)
@@ -265,6 +264,19 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
     return manifest
 
 
+def _fp16_io(manifest: Manifest, fp32_dir: Path) -> set[str]:
+    """The graph inputs and outputs an fp16 version keeps in fp16: the in-place KV cache's (read and written in
+    place by the attention operators) and the encoder's float outputs that the decoders take as static inputs
+    (the cross-attention keys and values: computed once a sentence and read at every step, so a cast in the step
+    graph would run at every step)."""
+    buffers = {name for entry in manifest.decoder_state if entry.init == "buffer"
+               for name in (entry.input, entry.output)}
+    encoder = onnx.load(str(fp32_dir / manifest.graphs["encoder"]), load_external_data=False).graph
+    static = {value.name for value in encoder.output if value.name in manifest.decoder_static
+              and value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return buffers | static
+
+
 def _reduced_version(fp32: Manifest, fp32_dir: Path, directory: Path, precision: str) -> Manifest:
     """Complete the reduced-precision version in ``directory`` (its graphs written) from the fp32 version: the
     tokenizer's files copied, the manifest with its precision, graphs and files. Returns the manifest."""
@@ -303,8 +315,9 @@ def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
 
 
 REDUCTION_METHODS = {
-    "fp16": "onnxruntime.transformers.float16: fp16 weights and activations, graph I/O, Softmax, LogSoftmax, "
-            "ReduceMean and TopK in fp32 (export.quantize.FP32_OPS)",
+    "fp16": "onnxruntime.transformers.float16: fp16 weights and activations, graph I/O (but the KV cache and the "
+            "cross-attention keys and values), Softmax, LogSoftmax, ReduceMean and TopK in fp32 "
+            "(export.quantize.FP32_OPS)",
 }
 
 

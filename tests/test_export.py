@@ -597,10 +597,12 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
         weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
         assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
         io = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
-        cache = {name for name in io if name.startswith(("past_", "present_"))}
-        assert onnx.TensorProto.FLOAT16 not in {io[name] for name in set(io) - cache}, "the I/O contract stays"
-        assert {io[name] for name in cache} <= {onnx.TensorProto.FLOAT16}, "the in-place cache is fp16, no casts"
+        fp16_io = {name for name in io if name.startswith(("past_", "present_", "cross_"))}
+        assert onnx.TensorProto.FLOAT16 not in {io[name] for name in set(io) - fp16_io}, "the I/O contract stays"
+        assert {io[name] for name in fp16_io} <= {onnx.TensorProto.FLOAT16}, "the cache and cross K/V: no casts"
         casts = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "Cast"}
+        if role == "decoder":  # positions and capacity to int32 for GroupQueryAttention, the logits to fp32
+            assert len(casts) == 3, sorted(casts)
         assert not [out for out, source in casts.items() if source in casts], f"{role}: a cast of a cast"
         for node in graph.node:  # computed in fp32 (export.quantize.FP32_OPS), the converter's misses included
             if node.op_type in FP32_OPS:

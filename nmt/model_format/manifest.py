@@ -31,7 +31,9 @@ graphs' I/O so the engine stays architecture-agnostic:
   the int64 [batch] decoder input holding each row's target position (= its cached length), so rows of
   one step may be at different positions; entries beyond a row's position are never read;
 * ``static_src_axes`` gives the source-length axis of each static input (pad there with zeros to
-  merge sentences of different lengths into one batch; a zero in ``src_mask`` marks padding).
+  merge sentences of different lengths into one batch; a zero in ``src_mask`` marks padding);
+* a static input's element type is the encoder output's (float16 for the cross-attention keys and values of
+  an fp16 version, as its ``"buffer"`` state is; the engine takes the types from the graphs).
 
 :func:`read_manifest` validates the fields and the sha256 of every listed file.
 """
