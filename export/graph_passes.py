@@ -1,7 +1,8 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
 projections (and feeding the packed Q/K/V to the attention operator), folding the output bias and the
 embedding scale into constants, a one-position step's biased projections into ``Gemm``, the decoder's
-in-graph top-k and logits output, Gemm -> MatMul for quantization, and op counts.
+in-graph top-k and logits output, Gemm -> MatMul for quantization, the fp32 operators and cast chains an fp16
+conversion leaves (:func:`block_fp16_inputs`, :func:`fold_casts`), and op counts.
 
 A pass that reads weights takes ``base_dir``, the directory of the graph's external data: the export edits
 graphs whose weights stay in the traced graphs' file, each read when a pass needs it (the graph's weights

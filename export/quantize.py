@@ -59,9 +59,10 @@ def convert_fp16(source: Path, target: Path, fp16_io: Collection[str] = ()) -> N
     fp16 a blocked node whose input it could not type (the forced pass's softmaxes): those are blocked here
     (:func:`export.graph_passes.block_fp16_inputs`), and the chains between fp32 operators and fp32 outputs are
     folded (:func:`export.graph_passes.fold_casts`: log-probabilities, top-k and EOS scores come out of the fp32
-    operators as they are, not through fp16 and back). Except ``fp16_io``:
+    operators as they are, not through fp16 and back). Except ``fp16_io`` (:func:`export.stages._fp16_io`):
     the in-place KV cache buffers, fp16 like the GroupQueryAttention that reads and writes them in place
-    (a cast in between would copy the whole cache every step; CUDA's kernel takes only fp16/bf16)."""
+    (a cast in between would copy the whole cache every step; CUDA's kernel takes only fp16/bf16), and the
+    cross-attention keys and values that the encoder writes once and the decoders read at every step."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     blocked = [*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]
