@@ -1,8 +1,8 @@
 """Edits of exported ONNX graphs (all in place): pruning, transpose cancelling, packing parallel
 projections (and feeding the packed Q/K/V to the attention operator), folding the output bias and the
 embedding scale into constants, a one-position step's biased projections into ``Gemm``, the decoder's
-in-graph top-k and logits output, Gemm -> MatMul for quantization, the fp32 operators and cast chains an fp16
-conversion leaves (:func:`block_fp16_inputs`, :func:`fold_casts`), and op counts.
+in-graph top-k and logits output, SiLU as one operator, Gemm -> MatMul for quantization, the fp32 operators and
+cast chains an fp16 conversion leaves (:func:`block_fp16_inputs`, :func:`fold_casts`), and op counts.
 
 A pass that reads weights takes ``base_dir``, the directory of the graph's external data: the export edits
 graphs whose weights stay in the traced graphs' file, each read when a pass needs it (the graph's weights
@@ -23,6 +23,7 @@ from export.tracing import MAX_IR_VERSION
 from nmt.errors import NmtError
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
 
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators
 ONE_POSITION_AXIS = "one_position_axis"  # the axis initializer of one_position_gemms' Squeeze/Unsqueeze
 FUSED_STANDARD_OPS = {"LayerNormalization", "GRU", "LSTM", "RNN", "Attention", "RMSNormalization"}
 
@@ -297,7 +298,7 @@ def fused_op_counts(model: onnx.ModelProto) -> dict[str, int]:
     """Counts of the fused operators in a graph: every ``com.microsoft`` op plus standard fused ops."""
     counts: Counter[str] = Counter()
     for node in model.graph.node:
-        if node.domain == "com.microsoft":
+        if node.domain == MS_DOMAIN:
             counts[f"com.microsoft.{node.op_type}"] += 1
         elif node.op_type in FUSED_STANDARD_OPS:
             counts[node.op_type] += 1
@@ -478,6 +479,34 @@ def undo_one_position_gemms(model: onnx.ModelProto) -> int:
     if restored:
         prune(model)
     return restored
+
+
+def fuse_silu(model: onnx.ModelProto) -> int:
+    """``Mul(x, Sigmoid(x))`` (SiLU, the "swish" of Marian models) becomes ONNX Runtime's ``QuickGelu`` with
+    ``alpha`` 1, ``x * sigmoid(alpha * x)``, which has CPU and CUDA kernels: one operator a feed-forward block
+    instead of two (in place). Returns the number fused."""
+    graph = model.graph
+    made = producers(graph)
+    readers = reader_counts(graph)
+    outputs = {output.name for output in graph.output}
+    fused = 0
+    for node in list(graph.node):
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for position in (0, 1):
+            sigmoid, x = made.get(node.input[position]), node.input[1 - position]
+            if (sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x
+                    and readers[sigmoid.output[0]] == 1 and sigmoid.output[0] not in outputs):
+                quick = helper.make_node("QuickGelu", [x], [node.output[0]], name=f"{node.name or node.output[0]}_silu",
+                                         domain=MS_DOMAIN, alpha=1.0)
+                graph.node.insert(list(graph.node).index(node), quick)
+                graph.node.remove(node)
+                graph.node.remove(sigmoid)
+                fused += 1
+                break
+    if fused and not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return fused
 
 
 def block_fp16_inputs(model: onnx.ModelProto, fp32_ops: Collection[str]) -> int:

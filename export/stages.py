@@ -31,6 +31,7 @@ from export.graph_passes import (
     add_top_k,
     fold_embedding_scale,
     fold_output_bias,
+    fuse_silu,
     fused_op_counts,
     one_position_gemms,
     pack_attention_inputs,
@@ -198,6 +199,7 @@ def _edit_graphs(graphs: dict[str, onnx.ModelProto], files: dict[str, str], trac
             pack_attention_inputs(graph, traced)
             fold_output_bias(graph, traced)
             fold_embedding_scale(graph, keep=projections, base_dir=traced)
+            fuse_silu(graph)
             if role == "decoder":  # its packed projections, in query-key-value order, before they become Gemms
                 step_blocks = packed_blocks([graph], base_dir=traced)
             elif role == "decoder_forced":

@@ -19,7 +19,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.graph_passes import fold_casts, one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
+from export.graph_passes import (
+    fold_casts,
+    fuse_silu,
+    one_position_gemms,
+    pack_parallel_matmuls,
+    undo_one_position_gemms,
+)
 from export.graphs import GraphSet
 from export.options import LOGIT_TOLERANCE, ExportOptions
 from export.pipeline import export_model
@@ -346,6 +352,24 @@ def test_fold_casts_leaves_a_value_of_unknown_type_alone():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     assert fold_casts(model, FP32_OPS) == 0
     assert [node.op_type for node in model.graph.node] == ["Softmax", "Cast", "Cast"]
+
+
+def test_silu_becomes_one_quick_gelu_with_the_same_values():
+    """x * sigmoid(x), written either way round, becomes QuickGelu(alpha=1); a Sigmoid read elsewhere too stays."""
+    helper, T = onnx.helper, onnx.TensorProto
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["a"]),
+             helper.make_node("Sigmoid", ["a"], ["t"]), helper.make_node("Mul", ["t", "a"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["u"]), helper.make_node("Mul", ["b", "u"], ["c"])]
+    outputs = [helper.make_tensor_value_info(name, T.FLOAT, None) for name in ("c", "u")]
+    graph = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", T.FLOAT, [4, 6])], outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32) * 4
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert fuse_silu(model) == 2  # the third Sigmoid is a graph output as well
+    assert [node.op_type for node in model.graph.node] == ["QuickGelu", "QuickGelu", "Sigmoid", "Mul"]
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-6)
 
 
 def _projection_graph(with_bias: list[bool]) -> onnx.ModelProto:
