@@ -16,7 +16,11 @@ sentence per request, a mix of short date sentences and long ones (``--long-shar
 Per cell: sentences/s, p50/p95/p99 latency, p50/p95 latency of the short sentences (long ones are in
 flight nearly all the time), and the server's mean decoder rows: for continuous batching the mean of
 ``nmt_running_rows`` sampled every 50 ms while the cell runs, for static batching the mean batch size
-(sentences x beam) from ``nmt_batch_size_sentences``. Then the ratios continuous / static the targets
+(sentences x beam) from ``nmt_batch_size_sentences``; and how busy the server's inference worker was (its
+``nmt_inference_duration_seconds``, encoder calls and runs of steps, over the cell's time) with its encoder
+calls a second (static: batches; continuous: admissions). A worker busy nearly all the time bounds the server
+by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Then the ratios
+continuous / static the targets
 are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
 sentences (one at a time, alternating).
 
@@ -185,12 +189,15 @@ def measure(server: tuple, mode: str, model: str, texts: list, beam: int, caller
         sentences_batched = after["nmt_batch_size_sentences_sum"] - before["nmt_batch_size_sentences_sum"]
         batches = after["nmt_batch_size_sentences_count"] - before["nmt_batch_size_sentences_count"]
         rows = beam * sentences_batched / max(batches, 1)
+    wall = len(texts) / result["sentences_s"]
+    busy = (after["nmt_inference_duration_seconds_sum"] - before.get("nmt_inference_duration_seconds_sum", 0.0))
+    encodes = after["nmt_batch_size_sentences_count"] - before.get("nmt_batch_size_sentences_count", 0.0)
     latencies = np.array([seconds for seconds, _ in result["records"]]) * 1000
     short = np.array([seconds for seconds, is_long in result["records"] if not is_long]) * 1000
     p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
     s50, s95 = np.percentile(short, [50, 95])
     return {"sentences_s": result["sentences_s"], "p50": p50, "p95": p95, "p99": p99, "short_p50": s50,
-            "short_p95": s95, "rows": rows}
+            "short_p95": s95, "rows": rows, "busy": busy / wall, "encodes_s": encodes / wall}
 
 
 def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads: int,
@@ -313,7 +320,8 @@ def row(label: str, cells: dict[str, dict]) -> str:
             f"| {s['p50']:.0f} / {c['p50']:.0f} | {s['p95']:.0f} / {c['p95']:.0f} ({c['p95'] / s['p95']:.2f}x) "
             f"| {s['p99']:.0f} / {c['p99']:.0f} | {s['short_p50']:.0f} / {c['short_p50']:.0f} "
             f"| {s['short_p95']:.0f} / {c['short_p95']:.0f} ({c['short_p95'] / s['short_p95']:.2f}x) "
-            f"| {s['rows']:.1f} / {c['rows']:.1f} |")
+            f"| {s['rows']:.1f} / {c['rows']:.1f} | {s['busy']:.0%} / {c['busy']:.0%} "
+            f"| {s['encodes_s']:.0f} / {c['encodes_s']:.0f} |")
 
 
 def main() -> None:
@@ -421,8 +429,8 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
     print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
-          "| mean rows |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| mean rows | worker busy | encoder calls/s |")
+    print("|---" * 10 + "|")
     for label, cells in results:
         print(row(label, cells))
     worst = min(min(c["continuous"]["sentences_s"] / c["static"]["sentences_s"],
