@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import shlex
 import statistics
@@ -68,6 +69,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
 
+from core_profile import CoreProfile  # noqa: E402
 from engine_throughput import host  # noqa: E402
 from server_load import marian_repository, sentences, start_server  # noqa: E402
 
@@ -345,6 +347,10 @@ def main() -> None:
                         "and encoder call at least ENCODER_MS at any row count, as a GPU's (emulated_device/)")
     parser.add_argument("--max-wait-ms", type=float, help="both servers' --max-wait-ms (default: theirs)")
     parser.add_argument("--frontends", type=int, default=0, help="both servers' --frontends")
+    parser.add_argument("--profile-core", metavar="PREFIX",
+                        help="sample each server's engine core with py-spy during its first run of each closed-loop "
+                             "cell: PREFIX-<mode>-<callers>.txt (collapsed stacks), the busiest frames printed "
+                             "(benchmarks/core_profile.py)")
     parser.add_argument("--serve-args", default="", help="more `nmt serve` flags for both servers, e.g. "
                         "\"--decode-tokens 262144 --batch-work 65536\"")
     parser.add_argument("--marian", choices=["SMALL", "BASE"],
@@ -394,8 +400,11 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
             runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
             for repeat in range(args.repeats):
                 for mode in (MODES if (cell + repeat) % 2 == 0 else MODES[::-1]):
-                    runs[mode].append(measure(servers[mode], mode, args.model, texts, args.beam_size, callers, rate,
-                                              cell))
+                    profile = (CoreProfile(servers[mode][0].pid, Path(f"{args.profile_core}-{mode}-{callers}.txt"))
+                               if args.profile_core and rate is None and repeat == 0 else contextlib.nullcontext())
+                    with profile:
+                        runs[mode].append(measure(servers[mode], mode, args.model, texts, args.beam_size, callers,
+                                                  rate, cell))
             cells = {mode: {key: float(np.median([r[key] for r in runs[mode]])) for key in runs[mode][0]}
                      for mode in MODES}
             cell += 1

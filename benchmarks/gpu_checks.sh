@@ -2,6 +2,15 @@
 # The checks for a session lent a GPU, in order, each bounded. Run from the repository root on the GPU host after
 # ../shared/gpu/README.md's install, e.g.
 #   eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
+# The fourteenth session's recipe (here: `python3 ../shared/gpu/pack.py --out .gpu`, then into .gpu/wheels the
+# cp312 manylinux wheels of msgspec and py-spy, `pip download --no-deps --only-binary=:all: --python-version 3.12`):
+#   call 1, carry .gpu/ort.tar.xz.part-aa .gpu/parts.sha256 .gpu/remote-install.sh .gpu/wheels:
+#     sh .gpu/remote-install.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+#   call 2 at once (the host gives a machine back after 30 idle seconds), carry .gpu/ort.tar.xz.part-ab
+#   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py, timeout 580:
+#     sh .gpu/remote-install.sh && eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
+#   call 3 at once, carry .gpu/remote-env.py: eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh \
+#     "$OUT" generate
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
 # stop the next. A lease of 15 device minutes holds these two calls after the install's first upload (the
 # fourteenth session's: 46 s for the first upload and the machine's start, 452 s, 265 s):
@@ -15,6 +24,7 @@ set -u
 out="${1:-gpu-checks}"
 part="${2:-first}"
 mkdir -p "$out"
+export PATH="/tmp/site/bin:$PATH"  # the wheels' programs (py-spy)
 step() {
     name="$1"; limit="$2"; shift 2
     echo "== $name ($limit s): $*"
@@ -38,5 +48,8 @@ step device_search 90 python3 benchmarks/device_search.py --size SMALL --precisi
     --batches 1 32 128 --beams 1 4 --repeats 4 --cuda-graphs
 # each server against its bare engine, SMALL fp16, 2 front-ends, 128 callers, the budgets that follow the device
 serve="--marian SMALL --precision fp16 --provider cuda --callers 128 --rates --requests 1024 --repeats 1 --single 10 --frontends 2"
-step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1
+# the beam-1 cell with each server's engine core sampled by py-spy (benchmarks/core_profile.py; py-spy from the
+# wheels): where the core's time goes where the server reached 0.59x its bare engine
+step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1 \
+    --profile-core "$out/core-beam1"
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4

@@ -405,6 +405,36 @@ def test_the_batching_benchmarks_bare_loop_runs_both_modes(tiny_models, beam) ->
     assert 0 < result["continuous"]["rows"] <= 8
 
 
+def test_the_core_profile_finds_the_core_and_sums_each_threads_samples(tmp_path) -> None:
+    """``benchmarks/core_profile.py`` (``nmt bench batching --profile-core``): a process without an engine-core child
+    is its own core, and the summary gives each thread's frames as shares of that thread's samples."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "core_profile.py"
+    spec = importlib.util.spec_from_file_location("core_profile", path)
+    core_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core_profile)
+    assert core_profile.core_pid(os.getpid()) == os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "server.core.process"])
+    try:
+        assert core_profile.core_pid(os.getpid()) == child.pid
+    finally:
+        child.kill()
+        child.wait()
+    stacks = tmp_path / "core.txt"
+    stacks.write_text("process 1:\"python\";thread (7): engine-x-1_0;decode (a.py:1);Session.run (b.py:2) 30\n"
+                      "process 1:\"python\";thread (7): engine-x-1_0;decode (a.py:1);select (c.py:3) 10\n"
+                      "process 1:\"python\";thread (8): MainThread;EpollSelector.select (s.py:9) 40\n")
+    text = core_profile.summary(stacks)
+    assert "engine-x-1_0 (40 samples)" in text and "75.0%  Session.run (b.py:2)" in text
+    assert "25.0%  select (c.py:3)" in text and "100.0%  EpollSelector.select (s.py:9)" in text
+    assert text.index("engine-x-1_0") < text.index("MainThread")
+
+
 @pytest.mark.parametrize("arch", CONTINUOUS)
 def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arch, engines):
     """The continuous scheduler's hand-off (RunningBatch.advance with ``ask``): once ``until()`` holds, the
