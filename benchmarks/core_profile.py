@@ -47,7 +47,11 @@ class CoreProfile:
         if spy is None:
             print(f"# no py-spy on PATH: {self.path.name} not sampled", flush=True)
             return self
-        pid = core_pid(self.server_pid)
+        try:
+            pid = core_pid(self.server_pid)
+        except OSError as error:  # the server's process tree cannot be read
+            print(f"# {self.path.name} not sampled: {error}", flush=True)
+            return self
         self._process = subprocess.Popen(
             [spy, "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw", "--threads", "--idle",
              "--nonblocking", "--output", str(self.path)],
