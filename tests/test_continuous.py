@@ -412,6 +412,7 @@ def test_the_core_profile_finds_the_core_and_sums_each_threads_samples(tmp_path)
     import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "core_profile.py"
@@ -421,6 +422,11 @@ def test_the_core_profile_finds_the_core_and_sums_each_threads_samples(tmp_path)
     assert core_profile.core_pid(os.getpid()) == os.getpid()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "server.core.process"])
     try:
+        cmdline = Path(f"/proc/{child.pid}/cmdline")
+        for _ in range(500):  # right after the fork /proc shows no command line yet
+            if b"server.core.process" in cmdline.read_bytes():
+                break
+            time.sleep(0.01)
         assert core_profile.core_pid(os.getpid()) == child.pid
     finally:
         child.kill()
