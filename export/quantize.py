@@ -8,7 +8,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from export.graph_passes import block_fp16_inputs, fold_casts, gemm_to_matmul, undo_one_position_gemms
+from export.fp16_casts import block_fp16_inputs, fold_casts
+from export.graph_passes import gemm_to_matmul, undo_one_position_gemms
 from export.tracing import MAX_IR_VERSION, quiet
 from nmt.errors import NmtError
 
@@ -57,8 +58,8 @@ def convert_fp16(source: Path, target: Path, fp16_io: Collection[str] = ()) -> N
     The graph's inputs and outputs stay fp32 (``keep_io_types``), so the serving engine and the manifest's
     I/O contract do not change; casts at the edges cost a few microseconds per step. The converter leaves in
     fp16 a blocked node whose input it could not type (the forced pass's softmaxes): those are blocked here
-    (:func:`export.graph_passes.block_fp16_inputs`), and the chains between fp32 operators and fp32 outputs are
-    folded (:func:`export.graph_passes.fold_casts`: log-probabilities, top-k and EOS scores come out of the fp32
+    (:func:`export.fp16_casts.block_fp16_inputs`), and the chains between fp32 operators and fp32 outputs are
+    folded (:func:`export.fp16_casts.fold_casts`: log-probabilities, top-k and EOS scores come out of the fp32
     operators as they are, not through fp16 and back). Except ``fp16_io`` (:func:`export.stages._fp16_io`):
     the in-place KV cache buffers, fp16 like the GroupQueryAttention that reads and writes them in place
     (a cast in between would copy the whole cache every step; CUDA's kernel takes only fp16/bf16), and the

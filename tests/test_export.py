@@ -19,13 +19,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.graph_passes import (
-    fold_casts,
-    fuse_silu,
-    one_position_gemms,
-    pack_parallel_matmuls,
-    undo_one_position_gemms,
-)
+from export.fp16_casts import fold_casts
+from export.graph_passes import fuse_silu, one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
 from export.graphs import GraphSet
 from export.options import LOGIT_TOLERANCE, ExportOptions
 from export.pipeline import export_model
