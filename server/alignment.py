@@ -30,9 +30,10 @@ def segment_words(pieces: list[str], text: str = "") -> list[str]:
     ``text.split()`` when it has as many words as the pieces have groups (it keeps characters the
     tokenizer maps to ``<unk>``), else the pieces merged at word starts.
     """
-    merged = words(pieces, word_groups(pieces))
     split = text.split()
-    return split if len(split) == len(merged) else merged
+    groups = sum(1 for piece in pieces if piece.startswith(WORD_START))
+    groups += bool(pieces) and not pieces[0].startswith(WORD_START)  # a first piece that starts no word yet
+    return split if len(split) == groups else words(pieces, word_groups(pieces))
 
 
 def merge_to_words(

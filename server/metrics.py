@@ -21,6 +21,7 @@ the label of requests refused before a model was resolved) and every per-model f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,6 +51,11 @@ LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in 
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
 # ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
 HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
+# The families labelled by model and version alone (their series come and go with the version)
+VERSION_FAMILIES = ("queue_duration", "queue_depth", "queue_capacity", "batch_sentences", "batch_tokens",
+                    "padding_ratio", "generated_tokens", "source_tokens", "cancelled_sentences", "running_rows",
+                    "admission_wait_steps", "cuda_graph_runs", "cuda_graph_failures", "cuda_graph_reuses",
+                    "cuda_graph_pool_bytes")
 
 
 def current_versions_only(families: Iterable[Metric]) -> list[Metric]:
@@ -64,6 +70,46 @@ def current_versions_only(families: Iterable[Metric]) -> list[Metric]:
         family.samples = [s for s in family.samples
                           if "version" not in s.labels or (s.labels.get("model"), s.labels["version"]) in loaded]
     return families
+
+
+@dataclass(frozen=True)
+class VersionSeries:
+    """One model version's series (:data:`VERSION_FAMILIES` and its encode and decode durations), looked up once
+    for its scheduler, which writes them per sentence and per batch: prometheus_client's ``labels()`` checks,
+    converts and locks at every call (~2 us)."""
+
+    queue_duration: Any
+    queue_depth: Any
+    queue_capacity: Any
+    batch_sentences: Any
+    batch_tokens: Any
+    padding_ratio: Any
+    generated_tokens: Any
+    source_tokens: Any
+    cancelled_sentences: Any
+    running_rows: Any
+    admission_wait_steps: Any
+    cuda_graph_runs: Any
+    cuda_graph_failures: Any
+    cuda_graph_reuses: Any
+    cuda_graph_pool_bytes: Any
+    encode_duration: Any
+    decode_duration: Any
+
+
+class Children:
+    """A family's children by their label values, each looked up once (see :class:`VersionSeries`); for series
+    that are never removed (the request series of a model, the gRPC series of a method)."""
+
+    def __init__(self, family: Any, *fixed: str) -> None:
+        self._family, self._fixed = family, fixed  # ``fixed``: the leading label values, the same for every child
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._family.labels(*self._fixed, *values)
+        return child
 
 
 class ServerMetrics:
@@ -200,11 +246,14 @@ class ServerMetrics:
         for stage in STAGES:
             self.inference_duration.remove(model, version, stage)
 
+    def version_series(self, model: str, version: str) -> VersionSeries:
+        """The series of one model version, created at zero if new (its scheduler's, see :class:`VersionSeries`)."""
+        return VersionSeries(**{name: getattr(self, name).labels(model, version) for name in VERSION_FAMILIES},
+                             encode_duration=self.inference_duration.labels(model, version, "encode"),
+                             decode_duration=self.inference_duration.labels(model, version, "decode"))
+
     def _version_families(self) -> tuple[Any, ...]:
-        return (self.queue_duration, self.queue_depth, self.queue_capacity, self.batch_sentences, self.batch_tokens,
-                self.padding_ratio, self.generated_tokens, self.source_tokens, self.cancelled_sentences,
-                self.running_rows, self.admission_wait_steps, self.cuda_graph_runs, self.cuda_graph_failures,
-                self.cuda_graph_reuses, self.cuda_graph_pool_bytes)
+        return tuple(getattr(self, name) for name in VERSION_FAMILIES)
 
     def init_requests(self, model: str) -> None:
         labels = [(method, method) for method in self._methods]

@@ -269,10 +269,10 @@ class ContinuousBatcher:
             if not s._running:
                 s._running_since = now
             s._running.extend(admitted)
-            if s.metrics is not None:
+            if s.series is not None:
                 for p in admitted:
-                    s.metrics.queue_duration.labels(*s.labels).observe(now - p.enqueued)
-                    s.metrics.admission_wait_steps.labels(*s.labels).observe(self.batch.steps - p.steps)
+                    s.series.queue_duration.observe(now - p.enqueued)
+                    s.series.admission_wait_steps.observe(self.batch.steps - p.steps)
         self._blocked = s._queue[0] if s._queue else None  # did not fit: it waits for a sentence to leave
         self._left_at = self.batch.left
         return admitted
@@ -299,7 +299,7 @@ class ContinuousBatcher:
     def _deliver(self, finished: Finished) -> None:
         """Resolve the sentences that left the decode (on the event loop, as soon as they left)."""
         s = self.scheduler
-        m, labels = s.metrics, s.labels
+        series = s.series
         for pending, result in finished:
             if pending not in s._running:
                 continue  # the decode failed meanwhile and its requests were answered
@@ -308,13 +308,13 @@ class ContinuousBatcher:
                 s.cancelled_sentences += 1
                 self._cancelled = True
                 resolve(pending, error=pending.request.error())
-                if m is not None:
-                    m.cancelled_sentences.labels(*labels).inc()
+                if series is not None:
+                    series.cancelled_sentences.inc()
             else:
                 self._cost_done += pending.cost
                 resolve(pending, result=result)
-                if m is not None:
-                    m.generated_tokens.labels(*labels).inc(generated_tokens(result))
+                if series is not None:
+                    series.generated_tokens.inc(generated_tokens(result))
         if not s._running:
             s._free_since = time.monotonic()
             s._notify_idle()
@@ -327,19 +327,20 @@ class ContinuousBatcher:
             if self._cost_done and not self._cancelled:
                 s.observe_rate(self._compute / self._cost_done)
             self._compute, self._cost_done, self._cancelled = 0.0, 0, False
-        m, labels = s.metrics, s.labels
-        if m is None:
-            return
-        m.running_rows.labels(*labels).set(self.batch.decode.rows)
         if progress.source is not None:  # sentences were admitted (one encoder call)
             s.batches += 1
-            m.inference_duration.labels(*labels, "encode").observe(progress.encode_seconds)
-            m.batch_sentences.labels(*labels).observe(progress.sentences)
-            m.batch_tokens.labels(*labels).observe(progress.source.positions)
-            m.padding_ratio.labels(*labels).observe(progress.source.padding_ratio)
-            m.source_tokens.labels(*labels).inc(progress.source.tokens)
+        series = s.series
+        if series is None:
+            return
+        series.running_rows.set(self.batch.decode.rows)
+        if progress.source is not None:
+            series.encode_duration.observe(progress.encode_seconds)
+            series.batch_sentences.observe(progress.sentences)
+            series.batch_tokens.observe(progress.source.positions)
+            series.padding_ratio.observe(progress.source.padding_ratio)
+            series.source_tokens.inc(progress.source.tokens)
         if progress.steps:
-            m.inference_duration.labels(*labels, "decode").observe(progress.decode_seconds)
+            series.decode_duration.observe(progress.decode_seconds)
         s.record_graphs()
 
     async def _recover(self, error: Exception) -> None:
@@ -349,8 +350,8 @@ class ContinuousBatcher:
         running, s._running = list(s._running), []
         self.batch = RunningBatch(s.engine)
         self._compute, self._cost_done, self._cancelled = 0.0, 0, False
-        if s.metrics is not None:
-            s.metrics.running_rows.labels(*s.labels).set(0)
+        if s.series is not None:
+            s.series.running_rows.set(0)
         try:
             await s._recover(running, error)
         finally:

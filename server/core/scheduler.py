@@ -125,8 +125,8 @@ class ModelScheduler:
         self.on_broken = on_broken  # called (on the event loop) when the engine fails a known-good sentence
         self.failures = 0  # request runs failed in a row
         self.policy = (policy or BatchPolicy()).for_device(str(getattr(engine, "device", "cpu")))
-        self.metrics = metrics
         self.labels = (model, version)
+        self.series = metrics.version_series(model, version) if metrics is not None else None  # None: no metrics
         self._queue: list[Pending] = []  # arrival order
         self._seq = itertools.count()
         self._arrived = asyncio.Event()
@@ -278,8 +278,8 @@ class ModelScheduler:
         self._notify_idle()
 
     def _update_depth(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+        if self.series is not None:
+            self.series.queue_depth.set(len(self._queue))
 
     def _notify_idle(self) -> None:
         if not self._queue and not self._running:
@@ -343,11 +343,10 @@ class ModelScheduler:
         now = time.monotonic()
         self._running, self._running_since = batch, now
         self._expected = len(self._queue) + len(batch)
-        m, labels = self.metrics, self.labels
         try:
-            if m is not None:
+            if self.series is not None:
                 for p in batch:
-                    m.queue_duration.labels(*labels).observe(now - p.enqueued)
+                    self.series.queue_duration.observe(now - p.enqueued)
             error = await self._decode(batch)
             if error is not None:
                 await self._recover(batch, error)
@@ -427,16 +426,16 @@ class ModelScheduler:
         """The CUDA graph metrics of the engine's kept beam runs (``--cuda-graphs``), brought up to date."""
         model = getattr(self.engine, "model", None)
         capture, pool = getattr(model, "capture", None), getattr(model, "pool", None)
-        if self.metrics is None or capture is None or pool is None:
+        series = self.series
+        if series is None or capture is None or pool is None:
             return
         counts = (capture.captured_runs, capture.failures, pool.reused)
-        m, labels = self.metrics, self.labels
-        for family, now, before in zip((m.cuda_graph_runs, m.cuda_graph_failures, m.cuda_graph_reuses), counts,
-                                       self._graph_counts, strict=True):
+        for counter, now, before in zip((series.cuda_graph_runs, series.cuda_graph_failures, series.cuda_graph_reuses),
+                                        counts, self._graph_counts, strict=True):
             if now > before:
-                family.labels(*labels).inc(now - before)
+                counter.inc(now - before)
         self._graph_counts = counts
-        m.cuda_graph_pool_bytes.labels(*labels).set(pool.held)
+        series.cuda_graph_pool_bytes.set(pool.held)
 
     def _record(self, batch: list[Pending], result: Any) -> None:
         """Update the cost-rate estimate and the batch metrics from one engine result."""
@@ -446,16 +445,16 @@ class ModelScheduler:
         cost = sum(p.cost for p in batch)
         if cost and result.cancelled == 0:  # cancelled sentences would make the batch look cheap
             self.observe_rate(compute / cost)
-        m, labels = self.metrics, self.labels
-        if m is None:
+        series = self.series
+        if series is None:
             return
-        m.inference_duration.labels(*labels, "encode").observe(result.encode_seconds)
-        m.inference_duration.labels(*labels, "decode").observe(result.decode_seconds)
-        m.batch_sentences.labels(*labels).observe(len(batch))
-        m.batch_tokens.labels(*labels).observe(len(batch) * max(p.tokens for p in batch))
-        m.padding_ratio.labels(*labels).observe(result.padding_ratio)
-        m.generated_tokens.labels(*labels).inc(result.generated_tokens)
-        m.source_tokens.labels(*labels).inc(result.source_tokens)
+        series.encode_duration.observe(result.encode_seconds)
+        series.decode_duration.observe(result.decode_seconds)
+        series.batch_sentences.observe(len(batch))
+        series.batch_tokens.observe(len(batch) * max(p.tokens for p in batch))
+        series.padding_ratio.observe(result.padding_ratio)
+        series.generated_tokens.inc(result.generated_tokens)
+        series.source_tokens.inc(result.source_tokens)
         if result.cancelled:
-            m.cancelled_sentences.labels(*labels).inc(result.cancelled)
+            series.cancelled_sentences.inc(result.cancelled)
         self.record_graphs()

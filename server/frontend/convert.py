@@ -30,22 +30,29 @@ def score_from_pb(request: Any) -> TranslateCall:
 
 def from_pb(request: Any) -> TranslateCall:
     """``TranslateRequest`` -> :class:`TranslateCall`."""
-    o = request.options
     return TranslateCall(
         texts=list(request.texts),
         model=request.model,
         model_version=request.model_version,
         target_language=request.target_language,
         target_prefixes=list(request.target_prefixes),
-        options=RequestedOptions(
-            beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
-            length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,
-            min_length=o.min_length, repetition_penalty=o.repetition_penalty,
-            no_repeat_ngram_size=o.no_repeat_ngram_size, disable_unk=o.disable_unk,
-            suppress_sequences=tuple(o.suppress_sequences), sampling_topk=o.sampling_topk,
-            sampling_topp=o.sampling_topp, sampling_temperature=o.sampling_temperature,
-            sampling_seed=o.sampling_seed, patience=o.patience, return_alternatives=o.return_alternatives,
-        ),
+        options=options_from_pb(request.options) if request.HasField("options") else DEFAULT_OPTIONS,
+    )
+
+
+DEFAULT_OPTIONS = RequestedOptions()  # a request without options: every field at its default
+
+
+def options_from_pb(o: Any) -> RequestedOptions:
+    """``DecodingOptions`` message -> :class:`RequestedOptions`."""
+    return RequestedOptions(
+        beam_size=o.beam_size, num_hypotheses=o.num_hypotheses, max_length=o.max_length,
+        length_penalty=o.length_penalty, return_attention=o.return_attention, return_scores=o.return_scores,
+        min_length=o.min_length, repetition_penalty=o.repetition_penalty,
+        no_repeat_ngram_size=o.no_repeat_ngram_size, disable_unk=o.disable_unk,
+        suppress_sequences=tuple(o.suppress_sequences), sampling_topk=o.sampling_topk,
+        sampling_topp=o.sampling_topp, sampling_temperature=o.sampling_temperature,
+        sampling_seed=o.sampling_seed, patience=o.patience, return_alternatives=o.return_alternatives,
     )
 
 
