@@ -5,7 +5,10 @@ import onnxruntime as ort
 import pytest
 
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
-from server.alignment import merge_to_words, word_groups
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.alignment import merge_to_words, segment_words, word_groups, words
 from server.controls import Controls
 from server.engine.engine import Engine, OnnxStepModel, length_runs
 from server.types import DecodingOptions, SentenceRequest
@@ -213,6 +216,18 @@ def test_word_merging_on_a_hand_made_example():
     # "Tuesday" = mean of its two rows over the source words (EOS column dropped, then renormalised)
     np.testing.assert_allclose(attention.weights, [[1.0, 0.0], [0.0, 1.0]], atol=1e-6)
     assert attention.pharaoh() == "0-0 1-1"
+
+
+PIECES = st.lists(st.sampled_from(["\u2581a", "\u2581bc", "d", "e\u2581", "\u2581", ",", "<unk>"]), max_size=8)
+
+
+@given(PIECES, st.lists(st.sampled_from(["a", "bc", "d,", "x"]), max_size=6))
+def test_segment_words_is_the_text_split_when_it_has_a_word_per_group(pieces, text_words):
+    """The words of a text: its own split when that has one word per word group of its pieces (counted, not
+    built), else the pieces merged at word starts, as :func:`word_groups` groups them."""
+    merged = words(pieces, word_groups(pieces))
+    text = " ".join(text_words)
+    assert segment_words(pieces, text) == (text.split() if len(text.split()) == len(merged) else merged)
 
 
 def test_thread_spinning_only_within_a_run_unless_turned_off(tiny_models):
