@@ -236,7 +236,7 @@ def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_model
     start = DeviceGreedyRun.start
 
     def recorded(self, tokens, *args, **kwargs):
-        started.append((id(self), self._inputs["input_ids"].data_ptr()))
+        started.append((id(self), self._feeds.data_ptr()))
         return start(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(DeviceGreedyRun, "start", recorded)
@@ -252,6 +252,40 @@ def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_model
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
     assert len(said) == 1 and "a capture failed" in said[0] and model.capture.failures == 1
     assert step.graph_runs > 1
+
+
+def test_greedy_blocks_read_in_part_continue_from_the_last_step_read(engines):
+    """A block of arg-max steps launched together and read step by step: the host's steps' tokens and scores,
+    whether a block is read whole or only in part; an unread rest is undone (the next block starts after the
+    last step read), and the state handed back stands there."""
+    host, device = engines
+    model = device.model
+    if not model.plain_greedy:
+        pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
+    src, _ = batch(host, seed=3)
+    rows = len(src)
+    tokens, positions = np.full(rows, host.start_id), np.zeros(rows, dtype=np.int64)
+    expected = []
+    encoded = host.model.encode(src)
+    with host.model.greedy_steps(tokens, {n: encoded[n] for n in host.model.static_names},
+                                 {n: encoded[n] for n in host.model.state_names}, positions, 30) as run:
+        for _ in range(30):
+            run.run()
+            expected.append(run.read())
+    encoded = model.encode(src)
+    got, reads = [], [3, 8, 1, 8, 8, 2]  # steps read of each block (a block runs up to 8)
+    with model.greedy_steps(tokens, {n: encoded[n] for n in model.static_names},
+                            {n: encoded[n] for n in model.state_names}, positions, 30) as run:
+        assert isinstance(run, DeviceGreedyRun)
+        for wanted in reads:
+            ran = run.run_block(30 - len(got))
+            assert ran == min(8, 30 - len(got))
+            got += [run.read(step) for step in range(min(wanted, ran))]
+        state = run.state()
+    assert len(got) == sum(reads) == 30
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    np.testing.assert_allclose([scores for _, scores in got], [scores for _, scores in expected], atol=1e-6)
+    np.testing.assert_array_equal(state[model.positions], np.full(rows, 30))
 
 
 def test_the_pool_holds_its_runs_and_nothing_more(engines):

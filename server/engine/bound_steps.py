@@ -115,8 +115,14 @@ class GreedySteps(BoundSteps):
         for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
 
-    def read(self) -> tuple[list[int], list[float]]:
-        """The last step's token of each row and its log-probability."""
+    def run_block(self, steps: int) -> int:
+        """One step (a block of one, as :meth:`server.engine.device_greedy.DeviceGreedyRun.run_block` runs up to
+        eight on a device): how many ran."""
+        self.run()
+        return 1
+
+    def read(self, step: int = 0) -> tuple[list[int], list[float]]:
+        """The last step's token of each row and its log-probability (``step``: its index in the block, 0)."""
         return self._views[0].tolist(), self._views[1].tolist()
 
 

@@ -28,6 +28,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,35 @@ def run_options(graph_id: int) -> ort.RunOptions:
 def can_release(session: ort.InferenceSession) -> bool:
     """This ONNX Runtime can release a captured graph (``InferenceSession.release_captured_graph``)."""
     return hasattr(session, "release_captured_graph")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Slot ``index`` of a run's buffer ``buffer`` [slots, ...], bound as a tensor of ``shape``: the bindings of
+    several steps point into one allocation, which one copy then writes or reads whole."""
+
+    buffer: ort.OrtValue
+    index: int
+    shape: tuple[int, ...]
+
+    def bind(self, binding: ort.IOBinding, name: str, output: bool) -> None:
+        size = int(np.prod(self.buffer.shape()[1:], dtype=np.int64))
+        if int(np.prod(self.shape, dtype=np.int64)) != size:
+            raise ValueError(f"a slot of {size} elements bound as {self.shape}")
+        pointer = self.buffer.data_ptr() + self.index * size * self.buffer.tensor_size_in_bytes() // int(
+            np.prod(self.buffer.shape(), dtype=np.int64))
+        method = binding.bind_output if output else binding.bind_input
+        method(name, self.buffer.device_name(), 0, self.buffer.element_type(), list(self.shape), pointer)
+
+
+def bind(binding: ort.IOBinding, name: str, value: ort.OrtValue | Slot, output: bool = False) -> None:
+    """Bind input (or ``output``) ``name`` to a whole buffer or to a :class:`Slot` of one."""
+    if isinstance(value, Slot):
+        value.bind(binding, name, output)
+    elif output:
+        binding.bind_ortvalue_output(name, value)
+    else:
+        binding.bind_ortvalue_input(name, value)
 
 
 class KeptRun:

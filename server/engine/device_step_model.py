@@ -15,12 +15,14 @@ from server.engine.cuda_graphs import (
     SKIP,
     GraphCapture,
     RunPool,
+    Slot,
+    bind,
     bucket,
     bucketed_shape,
     can_release,
     run_options,
 )
-from server.engine.device_greedy import DeviceGreedyRun, GreedyShapes
+from server.engine.device_greedy import BLOCK_STEPS, DeviceGreedyRun, GreedyShapes
 from server.engine.device_rows import DeviceRows
 from server.engine.device_search import ELEMENT_TYPES, Books, DeviceBeamRun, RunShapes, selection_graph
 from server.engine.forced import stepwise_force
@@ -225,8 +227,8 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
             self.capture.unavailable()
             return DeviceGreedyRun(self, shapes, self.sessions["decoder"], None)
         session = self.sessions["decoder_graphs"]
-        options, ids = self._graph_options(session, 1)
-        return DeviceGreedyRun(self, shapes, session, options[0], ids)
+        options, ids = self._graph_options(session, BLOCK_STEPS)
+        return DeviceGreedyRun(self, shapes, session, options, ids)
 
     def _new_run(self, shapes: RunShapes, borrowed: tuple[dict[str, Any], dict[str, Any]] | None,
                  ) -> DeviceBeamRun:
@@ -252,7 +254,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         """Run options naming ``count`` new graph ids for a run on ``session`` (ordinary runs where no more may
         capture), and the ids."""
         ids = self.capture.ids(can_release(session), count) or ()
-        return [run_options(graph_id) for graph_id in ids] or [run_options(SKIP)] * count, ids
+        return [run_options(graph_id) for graph_id in ids] or [run_options(SKIP) for _ in range(count)], ids
 
     def _run_sessions(self, shapes: RunShapes, graphs: bool) -> tuple[ort.InferenceSession, ...]:
         """A run's step graph, selection and state ``Gather`` sessions (``graphs``: those with CUDA graphs)."""
@@ -260,18 +262,20 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
                 self.selection_session(shapes.beam, shapes.eos_id, shapes.start_id, shapes.k, graphs=graphs),
                 self.gather_session(tuple(kind for _, _, kind in shapes.state), graphs=graphs))
 
-    def step_binding(self, session: ort.InferenceSession, tokens: ort.OrtValue, positions: ort.OrtValue | None,
-                     static: dict[str, ort.OrtValue], state: dict[str, ort.OrtValue], k: int,
-                     outputs: dict[str, ort.OrtValue], written: dict[str, ort.OrtValue]) -> ort.IOBinding:
+    def step_binding(self, session: ort.InferenceSession, tokens: ort.OrtValue | Slot,
+                     positions: ort.OrtValue | Slot | None, static: dict[str, ort.OrtValue],
+                     state: dict[str, ort.OrtValue], k: int, outputs: dict[str, ort.OrtValue | Slot],
+                     written: dict[str, ort.OrtValue]) -> ort.IOBinding:
         """The step graph's ``session`` bound to buffers that stay: token ids and positions in, ``outputs``
-        (top-k) out, ``state`` in and ``written`` out (the same buffer for an in-place one)."""
+        (top-k) out, ``state`` in and ``written`` out (the same buffer for an in-place one); ids, positions and
+        outputs whole buffers or :class:`~server.engine.cuda_graphs.Slot` s of one."""
         binding = session.io_binding()
-        binding.bind_ortvalue_input("input_ids", tokens)
+        bind(binding, "input_ids", tokens)
         if positions is not None:
-            binding.bind_ortvalue_input(self.positions, positions)
+            bind(binding, self.positions, positions)
         self._bind_step_inputs(binding, static, state, k)
         for name, value in outputs.items():
-            binding.bind_ortvalue_output(name, value)
+            bind(binding, name, value, output=True)
         for entry in self.state:
             binding.bind_ortvalue_output(entry.output, written[entry.input])
         return binding

@@ -59,7 +59,8 @@ class PlainSteps:
     def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                       ) -> StepOutput | None:
         """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
-        score (:class:`server.engine.bound_steps.GreedySteps`): a step in which no row chose EOS (or nothing)
+        score (:class:`server.engine.bound_steps.GreedySteps`; on a device, steps launched in blocks and read in
+        one copy: :mod:`server.engine.device_greedy`): a step in which no row chose EOS (or nothing)
         and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
         step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
@@ -69,18 +70,24 @@ class PlainSteps:
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
-            for _ in range(count):
-                run.run()
-                self.steps_run += 1
-                chosen, chosen_scores = run.read()
-                if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
-                    self._quiet_steps(tokens, token_scores)
-                    return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(), run.eos_log_prob.copy(),
-                                      None, run.state())
-                tokens.append(chosen)
-                token_scores.append(chosen_scores)
-                if stop is not None and stop():
-                    break
+            left, block = count, 1
+            while left:
+                # a block of steps (one, on the host's arrays), read step by step; on a device blocks double while
+                # they are read whole, so a run of quiet steps cut short wastes at most as many as it read
+                ran = run.run_block(min(left, block))
+                left, block = left - ran, 2 * block
+                for step in range(ran):
+                    chosen, chosen_scores = run.read(step)  # the run now stands after this step
+                    self.steps_run += 1
+                    if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
+                        self._quiet_steps(tokens, token_scores)
+                        return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
+                                          run.eos_log_prob.copy(), None, run.state())
+                    tokens.append(chosen)
+                    token_scores.append(chosen_scores)
+                    if stop is not None and stop():
+                        left = 0
+                        break
             self._quiet_steps(tokens, token_scores)
             self._tokens, self._state = run.ids.copy(), run.state()
         return None
