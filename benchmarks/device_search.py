@@ -15,8 +15,9 @@ two ways, alternating call by call in this process (``--repeats`` calls each, me
   byte a sentence per step;
 * ``graphs`` (with ``--cuda-graphs``): as ``device``, on an engine loaded with ``cuda_graphs``
   (:mod:`server.engine.cuda_graphs`: runs padded to their shape bucket and kept; on CUDA each step's three
-  session runs captured once and replayed; on the CPU nothing captures, so the column shows what the padding and
-  the copies in and out cost).
+  session runs captured once and replayed; at beam 1 the arg-max steps, in blocks launched back to back,
+  :mod:`server.engine.device_greedy`; on the CPU nothing captures, so the column shows what the padding and the
+  copies in and out cost).
 
 Per cell: tokens/s, milliseconds a step, the host's bytes read from the device per step (every
 ``OrtValue.numpy()`` of the decode, counted, over the whole call) and, for the device's selection, per quiet step
