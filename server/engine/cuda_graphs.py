@@ -136,6 +136,7 @@ class Slot:
     buffer: ort.OrtValue
     index: int
     shape: tuple[int, ...]
+    device_id: int = 0  # the buffer's device (an OrtValue does not tell)
 
     def bind(self, binding: ort.IOBinding, name: str, output: bool) -> None:
         size = int(np.prod(self.buffer.shape()[1:], dtype=np.int64))
@@ -144,7 +145,7 @@ class Slot:
         pointer = self.buffer.data_ptr() + self.index * size * self.buffer.tensor_size_in_bytes() // int(
             np.prod(self.buffer.shape(), dtype=np.int64))
         method = binding.bind_output if output else binding.bind_input
-        method(name, self.buffer.device_name(), 0, self.buffer.element_type(), list(self.shape), pointer)
+        method(name, self.buffer.device_name(), self.device_id, self.buffer.element_type(), list(self.shape), pointer)
 
 
 def bind(binding: ort.IOBinding, name: str, value: ort.OrtValue | Slot, output: bool = False) -> None:
@@ -165,7 +166,8 @@ class KeptRun:
 
     def __init__(self, model: Any, shapes: Hashable, sessions: tuple[ort.InferenceSession, ...],
                  options: list[ort.RunOptions | None], graph_ids: tuple[int, ...]) -> None:
-        self.model, self.device, self.shapes, self.sessions = model, model.device, shapes, sessions
+        self.model, self.device, self.device_id = model, model.device, model.device_id
+        self.shapes, self.sessions = shapes, sessions
         self.options = options
         self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
         self.capturing = bool(graph_ids)  # its session runs name graphs (captured on their third run, then replayed)
@@ -193,7 +195,7 @@ class KeptRun:
 
     def _alloc(self, shape: tuple[int, ...], dtype: Any) -> ort.OrtValue:
         self.nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
 
 
 class RunPool:

@@ -21,6 +21,7 @@ so :meth:`server.engine.plain_steps.PlainSteps._plain_greedy` runs either."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -65,11 +66,12 @@ class DeviceGreedyRun(KeptRun):
         self._scores = self._alloc((block, rows), score_dtype)  # each step's best log-probability, a slot a step
         self._eos = self._alloc((block, rows), score_dtype)  # and EOS's
         ids, scores, eos = TOP_K_OUTPUTS
+        slot = partial(Slot, device_id=self.device_id)
         self._bindings = [
-            model.step_binding(session, Slot(self._feeds, t, (rows,)), Slot(self._feeds, block + 1 + t, (rows,)),
+            model.step_binding(session, slot(self._feeds, t, (rows,)), slot(self._feeds, block + 1 + t, (rows,)),
                                self.static, self.buffers, 1,
-                               {ids: Slot(self._feeds, t + 1, (rows, 1)), scores: Slot(self._scores, t, (rows, 1)),
-                                eos: Slot(self._eos, t, (rows,))}, self.buffers)
+                               {ids: slot(self._feeds, t + 1, (rows, 1)), scores: slot(self._scores, t, (rows, 1)),
+                                eos: slot(self._eos, t, (rows,))}, self.buffers)
             for t in range(block)]
         self._row_of = np.zeros(rows, dtype=np.int64)  # each of the run's rows: the decode's row it copies
         self._next = np.zeros((0, rows), dtype=np.int64)  # each step's positions

@@ -24,6 +24,7 @@ class DeviceRows:
     ``buffers`` and ``_sessions`` (the small graphs' sessions, by kind and element types)."""
 
     device: str
+    device_id: int
     sessions: dict[str, ort.InferenceSession]
     buffers: dict[str, StateTensor]
     _sessions: dict[tuple[str, Any], ort.InferenceSession]
@@ -31,7 +32,7 @@ class DeviceRows:
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
         """Rows by one ``Gather`` session run on the device for every tensor there (the whole tensor, ``in_place``
         or not; positions are gathered on the host)."""
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device)
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64, copy=False), self.device, self.device_id)
         selected = self._gather(tensors, rows_value)
         for name, value in tensors.items():
             if isinstance(value, np.ndarray):
@@ -64,7 +65,7 @@ class DeviceRows:
         pads = {f"p{i}": _pads([len(rows), *value.shape()[1:]],
                                value.shape()[1:] if into is None else into[i].shape()[1:])
                 for i, value in enumerate(values)}
-        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64), self.device)
+        rows_value = ort.OrtValue.ortvalue_from_numpy(rows.astype(np.int64), self.device, self.device_id)
         return self._run_rows("fill", values, {"rows": rows_value}, host=pads, into=into)
 
     def concat_rows(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +125,7 @@ class DeviceRows:
             binding.bind_cpu_input(name, array)
         for i in range(len(values) // per):
             if into is None:
-                binding.bind_output(f"y{i}", self.device)
+                binding.bind_output(f"y{i}", self.device, self.device_id)
             else:
                 binding.bind_ortvalue_output(f"y{i}", into[i])
         session.run_with_iobinding(binding)

@@ -52,9 +52,9 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
 
     def __init__(self, manifest: Manifest, sessions: dict[str, ort.InferenceSession], device: str,
                  weights: SharedWeights | None = None, device_search: bool = False, cuda_graphs: bool = False,
-                 graph_pool_bytes: int = 0) -> None:
+                 graph_pool_bytes: int = 0, device_id: int = 0) -> None:
         super().__init__(manifest, sessions, weights)
-        self.device = device
+        self.device, self.device_id = device, device_id  # where every OrtValue of the decode is made and bound
         self._device_search = device_search  # beam search's selection on the device (device_beam)
         self._cuda_graphs = cuda_graphs
         self.capture = GraphCapture(
@@ -75,13 +75,13 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         binding.bind_cpu_input("src_ids", src)
         names = [o.name for o in session.get_outputs()]
         for name in names:
-            binding.bind_output(name, self.device)
+            binding.bind_output(name, self.device, self.device_id)
         session.run_with_iobinding(binding)
         encoded: dict[str, ort.OrtValue | np.ndarray] = dict(zip(names, binding.get_outputs(), strict=True))
         for entry in self.state:
             if entry.init in ("empty", "buffer"):
                 zeros = np.zeros(initial_shape(entry, src.shape[0]), dtype=entry.dtype or "float32")
-                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device)
+                encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device, self.device_id)
         if self.positions:  # positions stay on the host: the engine reads them to size the buffers
             encoded[self.positions] = np.zeros(src.shape[0], dtype=np.int64)
         return encoded
@@ -118,12 +118,12 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
             binding.bind_cpu_input(self.positions, positions)
         self._bind_step_inputs(binding, static, state, k)
         for name, where in outputs.items():
-            binding.bind_output(name, where)
+            binding.bind_output(name, where, self.device_id if where == self.device else 0)
         for entry in self.state:  # an in-place buffer is its own output; the rest get new device memory
             if entry.init == "buffer":
                 binding.bind_ortvalue_output(entry.output, state[entry.input])
             else:
-                binding.bind_output(entry.output, self.device)
+                binding.bind_output(entry.output, self.device, self.device_id)
         session.run_with_iobinding(binding)
         values = binding.get_outputs()  # in binding order
         # a buffer stays the OrtValue it was (which keeps a host array it wraps alive), not get_outputs()'s twin
@@ -327,7 +327,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         for name in heads:
             binding.bind_output(name, "cpu")
         for entry in self.state:
-            binding.bind_output(entry.output, self.device)
+            binding.bind_output(entry.output, self.device, self.device_id)
         session.run_with_iobinding(binding)
         values = binding.get_outputs()
         outputs = dict(zip([*heads, *(entry.output for entry in self.state)], values, strict=True))

@@ -231,7 +231,7 @@ class Engine:
         if device_state or (device_state is None and on_gpu):
             model = DeviceStepModel(manifest, sessions, "cuda" if on_gpu else "cpu", weights=weights,
                                     device_search=device_search, cuda_graphs=cuda_graphs,
-                                    graph_pool_bytes=graph_pool_mib << 20)
+                                    graph_pool_bytes=graph_pool_mib << 20, device_id=device_id if on_gpu else 0)
         else:
             model = OnnxStepModel(manifest, sessions, weights=weights)
         return cls(manifest, tokenizer, model, got, device_id=device_id)
