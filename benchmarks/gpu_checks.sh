@@ -19,7 +19,9 @@
 #                                                 engine at 128 callers, beams 1 and 4 (issue 31's GPU cells)
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: the engine beside Hugging Face generate, fp32
 #                                                 then fp16 (issue 32's fp32 >= 1.0x cells; fp32 took 150 s)
-# benchmarks/README.md says what each should show.
+# benchmarks/README.md says what each should show. New since the fourteenth session's run, to read first: the
+# 61-node fp16 step graphs (device_search's every cell), the arg-max steps launched in blocks of up to 8 (its batch-1
+# greedy graphs cell against 2,088 tok/s), the worker-busy column and the core profile of the beam-1 serving cell.
 set -u
 out="${1:-gpu-checks}"
 part="${2:-first}"
