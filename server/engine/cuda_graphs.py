@@ -139,11 +139,12 @@ class Slot:
     device_id: int = 0  # the buffer's device (an OrtValue does not tell)
 
     def bind(self, binding: ort.IOBinding, name: str, output: bool) -> None:
-        size = int(np.prod(self.buffer.shape()[1:], dtype=np.int64))
-        if int(np.prod(self.shape, dtype=np.int64)) != size:
-            raise ValueError(f"a slot of {size} elements bound as {self.shape}")
-        pointer = self.buffer.data_ptr() + self.index * size * self.buffer.tensor_size_in_bytes() // int(
-            np.prod(self.buffer.shape(), dtype=np.int64))
+        slots, *rest = self.buffer.shape()
+        size = int(np.prod(rest, dtype=np.int64))  # elements a slot
+        if int(np.prod(self.shape, dtype=np.int64)) != size or not 0 <= self.index < slots:
+            raise ValueError(f"slot {self.index} of {slots}, {size} elements each, bound as {self.shape}")
+        itemsize = self.buffer.tensor_size_in_bytes() // (slots * size)
+        pointer = self.buffer.data_ptr() + self.index * size * itemsize
         method = binding.bind_output if output else binding.bind_input
         method(name, self.buffer.device_name(), self.device_id, self.buffer.element_type(), list(self.shape), pointer)
 
