@@ -231,9 +231,13 @@ def test_one_metrics_endpoint_counts_every_request_exactly(split: SplitServer, t
 
 def test_cancelling_a_call_frees_its_rows_in_the_core(split: SplitServer) -> None:
     before = split.metrics()
+
+    def started(metrics: dict) -> float:  # sentences whose batch started (their queue time observed)
+        return sum(v for (name, _), v in metrics.items() if name == "nmt_queue_duration_seconds_count")
+
     future = split.stub().Translate.future(LONG, timeout=60)
-    until(lambda: split.metrics()[("nmt_inflight_requests", ())] == 1, 10, "the long call in flight")
-    time.sleep(0.3)  # decoding in the core
+    until(lambda: started(split.metrics()) > started(before), 10, "the long call's first batch decoding in the core")
+    time.sleep(0.2)
     future.cancel()
     cancelled = [k for k in split.metrics() if k[0] == "nmt_cancelled_sentences_total"]
     assert cancelled
