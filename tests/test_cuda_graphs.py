@@ -288,6 +288,28 @@ def test_greedy_blocks_read_in_part_continue_from_the_last_step_read(engines):
     np.testing.assert_array_equal(state[model.positions], np.full(rows, 30))
 
 
+def test_a_slot_binds_its_part_of_the_buffer_and_nothing_else() -> None:
+    """A :class:`cuda_graphs.Slot` binds one slot of a [slots, ...] buffer under the shape it is given: a run reads
+    and writes that slot only, and a slot of another size or past the buffer is refused."""
+    import onnx
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [3, 1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [3])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Squeeze", ["x", "axes"], ["y"])], "g", [x], [y],
+                                   [onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    buffer = ort.OrtValue.ortvalue_from_numpy(np.arange(12, dtype=np.int64).reshape(4, 3))
+    binding = session.io_binding()
+    cuda_graphs.bind(binding, "x", cuda_graphs.Slot(buffer, 1, (3, 1)))
+    cuda_graphs.bind(binding, "y", cuda_graphs.Slot(buffer, 3, (3,)), output=True)
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(buffer.numpy(), [[0, 1, 2], [3, 4, 5], [6, 7, 8], [3, 4, 5]])
+    for bad in (cuda_graphs.Slot(buffer, 1, (4,)), cuda_graphs.Slot(buffer, 4, (3,))):
+        with pytest.raises(ValueError, match="slot"):
+            cuda_graphs.bind(session.io_binding(), "x", bad)
+
+
 def test_the_pool_holds_its_runs_and_nothing_more(engines):
     """Kept runs stay within the budget, and repeated decodes of one shape allocate nothing new."""
     _, device = engines

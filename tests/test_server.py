@@ -494,6 +494,29 @@ def test_metrics_endpoint_after_traffic(harness: ServerHarness) -> None:
         assert set(s.labels) == {"model", "method", "code"}
 
 
+def test_a_versions_series_bound_once_follow_its_removal_and_return() -> None:
+    """A scheduler's series (:meth:`ServerMetrics.version_series`) are the exported ones; a removed version's are
+    gone from the scrape and stay gone when its old scheduler writes on; a version loaded again gets new ones."""
+    from prometheus_client import CollectorRegistry
+
+    from server.metrics import ServerMetrics
+
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    labels = {"model": "m", "version": "1"}
+    old = metrics.version_series("m", "1")
+    old.queue_depth.set(3)
+    old.decode_duration.observe(0.5)
+    assert registry.get_sample_value("nmt_queue_depth", labels) == 3
+    assert registry.get_sample_value("nmt_inference_duration_seconds_sum", {**labels, "stage": "decode"}) == 0.5
+    metrics.remove_model("m", "1")
+    old.queue_depth.set(5)  # the removed version's scheduler, draining
+    assert registry.get_sample_value("nmt_queue_depth", labels) is None
+    assert registry.get_sample_value("nmt_inference_duration_seconds_count", {**labels, "stage": "decode"}) is None
+    metrics.version_series("m", "1").queue_depth.set(1)
+    assert registry.get_sample_value("nmt_queue_depth", labels) == 1
+
+
 # ---- shutdown ------------------------------------------------------------------------------------------
 
 
