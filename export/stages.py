@@ -25,10 +25,9 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
+from export.decoder_outputs import add_logits, add_top_k
 from export.flat_rows import flatten_rows
 from export.graph_passes import (
-    add_logits,
-    add_top_k,
     fold_embedding_scale,
     fold_output_bias,
     fuse_silu,
