@@ -21,7 +21,7 @@ the label of requests refused before a model was resolved) and every per-model f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -51,11 +51,6 @@ LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in 
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
 # ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
 HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
-# The families labelled by model and version alone (their series come and go with the version)
-VERSION_FAMILIES = ("queue_duration", "queue_depth", "queue_capacity", "batch_sentences", "batch_tokens",
-                    "padding_ratio", "generated_tokens", "source_tokens", "cancelled_sentences", "running_rows",
-                    "admission_wait_steps", "cuda_graph_runs", "cuda_graph_failures", "cuda_graph_reuses",
-                    "cuda_graph_pool_bytes")
 
 
 def current_versions_only(families: Iterable[Metric]) -> list[Metric]:
@@ -74,7 +69,7 @@ def current_versions_only(families: Iterable[Metric]) -> list[Metric]:
 
 @dataclass(frozen=True)
 class VersionSeries:
-    """One model version's series (:data:`VERSION_FAMILIES` and its encode and decode durations), looked up once
+    """One model version's series (each per-version family's, and its encode and decode durations), looked up once
     for its scheduler, which writes them per sentence and per batch: prometheus_client's ``labels()`` checks,
     converts and locks at every call (~2 us)."""
 
@@ -95,6 +90,11 @@ class VersionSeries:
     cuda_graph_pool_bytes: Any
     encode_duration: Any
     decode_duration: Any
+
+
+# The families labelled by model and version alone (their series come and go with the version): the fields of
+# VersionSeries but the stages of nmt_inference_duration_seconds
+VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries) if f.name not in ("encode_duration", "decode_duration"))
 
 
 class Children:

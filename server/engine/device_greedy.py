@@ -74,7 +74,7 @@ class DeviceGreedyRun(KeptRun):
                                 eos: slot(self._eos, t, (rows,))}, self.buffers)
             for t in range(block)]
         self._row_of = np.zeros(rows, dtype=np.int64)  # each of the run's rows: the decode's row it copies
-        self._next = np.zeros((0, rows), dtype=np.int64)  # each step's positions
+        self._next = np.zeros((0, rows), dtype=np.int64)  # each step's positions (of the run's rows)
         self._done = 0  # steps read (a block's steps left unread are not taken)
         self._block = np.zeros((0, rows), dtype=np.int64), np.zeros((0, rows))  # the last block's ids and scores
         self._at = 0  # the step read last, within its block
@@ -87,7 +87,6 @@ class DeviceGreedyRun(KeptRun):
         self.rows = len(tokens)
         self._row_of = np.concatenate([np.arange(self.rows), np.zeros(self.shapes.rows - self.rows, dtype=np.int64)])
         self.ids, self.scores = tokens.astype(np.int64, copy=True), np.zeros(self.rows, dtype=np.float32)
-        self.positions = positions.astype(np.int64, copy=True)
         self._next = positions[self._row_of] + np.arange(steps + 1)[:, None]
         self._done = 0
         names = list(self.buffers)
@@ -118,7 +117,6 @@ class DeviceGreedyRun(KeptRun):
         self._at = step
         self._done += 1
         self.ids, self.scores = ids[step], scores[step]
-        self.positions = self._next[self._done, : self.rows].copy()
         return self.ids.tolist(), self.scores.tolist()
 
     @property
@@ -129,4 +127,5 @@ class DeviceGreedyRun(KeptRun):
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps taken (the cache copied out, each row's position moved on)."""
         copies = self.model.padded_copies(list(self.buffers.values()), np.arange(self.rows))
-        return {**dict(zip(self.buffers, copies, strict=True)), self.model.positions: self.positions.copy()}
+        positions = self._next[self._done, : self.rows].copy()
+        return {**dict(zip(self.buffers, copies, strict=True)), self.model.positions: positions}
