@@ -563,7 +563,9 @@ def test_failed_export_leaves_nothing(tiny_runs, tiny_repository, monkeypatch):
 # ----------------------------------------------------------------------------------------- quantization
 
 
-def test_int8_export_records_quantization(tiny_runs, tiny_repository):
+def test_int8_export_records_quantization(tiny_runs, tmp_path):
+    # its own repository: an int8 version in the session's shared one would be served by later tests' servers
+    tiny_repository = tmp_path / "models"
     stale = tiny_repository / "tiny-transformer" / "int8"
     stale.mkdir(parents=True)
     (stale / "leftover.txt").write_text("an older export")
