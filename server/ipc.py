@@ -258,7 +258,8 @@ class CoreEndpoint:
         self.repository = repository
         self.path = path
         self.peers: dict[Channel, int] = {}  # front-ends that asked for the catalog -> their pid
-        self.calls: dict[tuple[Channel, int], tuple[asyncio.Task, RequestHandle]] = {}
+        # calls in the schedulers: the version held, the request, the scheduler's call (server.core.admission.Call)
+        self.calls: dict[tuple[Channel, int], tuple[Any, RequestHandle, Any]] = {}
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -270,9 +271,8 @@ class CoreEndpoint:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task, handle in list(self.calls.values()):
-            handle.cancel()
-            task.cancel()
+        for key in list(self.calls):
+            self._cancel(key)
         for peer in list(self.peers):
             peer.close()
 
@@ -287,9 +287,7 @@ class CoreEndpoint:
             self.peers[peer] = message.pid
             peer.send(catalog_of(self.repository))
         elif isinstance(message, Submit):
-            handle = RequestHandle(message.deadline, message.request_id)
-            task = asyncio.get_running_loop().create_task(self._submit(peer, handle, message))
-            self.calls[(peer, message.call)] = (task, handle)
+            self._submit(peer, message)
         elif isinstance(message, Cancel):
             self._cancel((peer, message.call))
 
@@ -302,34 +300,47 @@ class CoreEndpoint:
         if orphans:
             log.warning("front-end gone; its calls cancelled", extra={"fields": {"pid": pid, "calls": len(orphans)}})
 
-    async def _submit(self, peer: Channel, handle: RequestHandle, submit: Submit) -> None:
+    def _submit(self, peer: Channel, submit: Submit) -> None:
+        """Queue a call in its version's scheduler, holding the version until the call is answered; the
+        answer (:class:`Done` or :class:`Failed`) goes back from the scheduler's callback, with no task per
+        call."""
         loop = asyncio.get_running_loop()
+        handle = RequestHandle(submit.deadline, submit.request_id)
+        key = (peer, submit.call)
 
         def progress(sentence: int) -> StableReport:  # called on the engine's thread
             return lambda tokens, scores, attention: loop.call_soon_threadsafe(
                 peer.send, Progress(submit.call, sentence, tokens, scores, attention))
 
+        def answer(results: list[SearchResult] | None, error: BaseException | None) -> None:
+            if self.calls.pop(key, None) is not None:
+                model.release()
+                peer.send(Done(submit.call, results) if error is None else self._failed(submit.call, handle, error))
+
         try:
-            with self.repository.acquire(submit.name, submit.version) as model:
-                sentences = [s.request(progress(i)) for i, s in enumerate(submit.sentences)]
-                reply: Any = Done(submit.call, await model.submit(sentences, submit.work, handle))
-        except asyncio.CancelledError:
-            return  # the front-end withdrew the call: nobody waits for an answer
-        except ServingError as error:
-            reply = Failed(submit.call, type(error).__name__, str(error))
-        except Exception as error:  # noqa: BLE001 - one call's failure must not end the core
-            log.exception("engine core call failed", extra={"fields": {"request_id": handle.request_id}})
-            reply = Failed(submit.call, "Internal", f"engine core error ({type(error).__name__})")
-        finally:
-            self.calls.pop((peer, submit.call), None)
-        peer.send(reply)
+            model = self.repository.resolve(submit.name, submit.version)
+            sentences = [s.request(progress(i)) for i, s in enumerate(submit.sentences)]
+            call = model.scheduler.enqueue(sentences, submit.work, handle, answer)  # answers later, on this loop
+        except Exception as error:  # noqa: BLE001 - refused (or a bug): one call's failure must not end the core
+            peer.send(self._failed(submit.call, handle, error))
+            return
+        model.hold()
+        self.calls[key] = (model, handle, call)
+
+    @staticmethod
+    def _failed(call: int, handle: RequestHandle, error: BaseException) -> Failed:
+        if not isinstance(error, ServingError):
+            log.error("engine core call failed", exc_info=error, extra={"fields": {"request_id": handle.request_id}})
+            return Failed(call, "Internal", f"engine core error ({type(error).__name__})")
+        return Failed(call, type(error).__name__, str(error))
 
     def _cancel(self, key: tuple[Channel, int]) -> None:
+        """The front-end withdrew the call: nobody waits for an answer."""
         entry = self.calls.pop(key, None)
         if entry is not None:
-            task, handle = entry
-            handle.cancel()
-            task.cancel()
+            model, handle, call = entry
+            model.release()
+            model.scheduler.withdraw(handle, call)
 
 
 # ---- a front-end's end ----------------------------------------------------------------------------------

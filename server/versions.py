@@ -41,6 +41,16 @@ class Held:
     users: int
     _unused: asyncio.Event
 
+    def hold(self) -> None:
+        """One more request uses this version (until its :meth:`release`)."""
+        self.users += 1
+        self._unused.clear()
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self._unused.set()
+
     async def wait_unused(self, timeout: float | None) -> bool:
         """Wait until no request holds this version (at most ``timeout`` seconds); whether it is unused."""
         with contextlib.suppress(TimeoutError):
@@ -48,7 +58,7 @@ class Held:
         return self.users == 0
 
 
-V = TypeVar("V")
+V = TypeVar("V", bound=Held)
 
 
 class VersionIndex(Generic[V]):
@@ -96,11 +106,8 @@ class VersionIndex(Generic[V]):
         """:meth:`resolve`, holding the version until the block ends: a removed or replaced version is
         closed only after its holders are done (or its grace period is over)."""
         mv = self.resolve(name, version)
-        mv.users += 1
-        mv._unused.clear()
+        mv.hold()
         try:
             yield mv
         finally:
-            mv.users -= 1
-            if mv.users == 0:
-                mv._unused.set()
+            mv.release()

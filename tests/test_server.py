@@ -37,7 +37,7 @@ from server.core.scheduler import ModelScheduler, form_batch
 from server.engine.engine import BatchResult
 from server.policy import BatchPolicy, RequestHandle
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
-from server.types import DecodingOptions, SearchResult, SentenceRequest
+from server.types import DecodingOptions, ScoredSequence, SearchResult, SentenceRequest
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
 
@@ -620,6 +620,52 @@ def test_batcher_waits_only_for_companions_it_can_expect() -> None:
     assert lone < 1.0  # not the 2 s max_wait: nothing else was outstanding
     assert batches == [1, 4, 4]  # ... yet they are batched together again, without splitting
     assert together < 1.0  # and without waiting out max_wait: the batch starts once all 4 are back
+
+
+class EchoEngine(RecordingEngine):
+    """A :class:`RecordingEngine` whose search result is each sentence's own source ids."""
+
+    def search_batch(self, requests: Any) -> BatchResult:
+        result = super().search_batch(requests)
+        result.results[:] = [SearchResult([ScoredSequence(list(r.source_ids), 0.0, [])]) for r in requests]
+        return result
+
+
+def test_a_call_is_answered_once_in_order_and_a_withdrawn_one_never() -> None:
+    """``enqueue`` (the engine core's way in, no task per call): the answer comes once, with the results in the
+    request's order; a withdrawn call's queued sentences leave the queue and it is never answered."""
+
+    async def scenario() -> tuple[list[tuple], RequestHandle, int, list[int]]:
+        engine = EchoEngine(seconds=0.05)
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(max_batch_sentences=1))
+        scheduler.start()
+        answers: list[tuple] = []
+        done = asyncio.Event()
+
+        def sentences(*ids: int) -> list[SentenceRequest]:
+            return [SentenceRequest([i], DecodingOptions(beam_size=1)) for i in ids]
+
+        def answer(name: str) -> Any:
+            return lambda results, error: (answers.append((name, results, error)), done.set())
+
+        scheduler.enqueue(sentences(1, 2, 3), [8] * 3, RequestHandle(), answer("a"))
+        withdrawn = RequestHandle()
+        call = scheduler.enqueue(sentences(4, 5), [8] * 2, withdrawn, answer("b"))
+        await asyncio.sleep(0.02)  # the first sentence runs, four are queued
+        scheduler.withdraw(withdrawn, call)
+        queued = scheduler.queue_depth
+        await asyncio.wait_for(done.wait(), 5)
+        await asyncio.sleep(0.1)  # nothing else comes
+        await scheduler.close()
+        return answers, withdrawn, queued, engine.batches
+
+    answers, withdrawn, queued, batches = asyncio.run(scenario())
+    assert queued == 2  # the withdrawn call's two sentences left the queue at once
+    assert len(answers) == 1
+    name, results, error = answers[0]
+    assert (name, error) == ("a", None)
+    assert [r.hypotheses[0].tokens for r in results] == [[1], [2], [3]]
+    assert withdrawn.is_cancelled() and batches == [1, 1, 1]
 
 
 def test_config_flags_env_and_validation(tmp_path: Path) -> None:

@@ -5,14 +5,42 @@ are :mod:`server.policy`'s."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.policy import BatchPolicy, RequestHandle
-from server.types import SentenceRequest, Translation
+from server.types import SearchResult, SentenceRequest
 
 NO_DEADLINE_SECONDS = 60.0  # a request without a deadline is scheduled as if due this long after arrival
+Answer = Callable[[list[SearchResult] | None, BaseException | None], None]  # (results, None) or (None, error)
+
+
+class Call:
+    """One request's sentences in a scheduler, answered once (``answer``, on the event loop): with every
+    sentence's search result in order once the last is in, or with the first error. Once answered (or
+    withdrawn), later results are ignored."""
+
+    __slots__ = ("results", "left", "answer", "answered")
+
+    def __init__(self, sentences: int, answer: Answer) -> None:
+        self.results: list[SearchResult | None] = [None] * sentences
+        self.left = sentences
+        self.answer = answer
+        self.answered = False
+
+    def settle(self, index: int, result: SearchResult | None) -> None:
+        if self.answered:
+            return
+        self.results[index] = result
+        self.left -= 1
+        if self.left == 0:
+            self.answered = True
+            self.answer(self.results, None)  # type: ignore[arg-type]  # every sentence's result is in
+
+    def fail(self, error: BaseException) -> None:
+        if not self.answered:
+            self.answered = True
+            self.answer(None, error)
 
 
 @dataclass(eq=False)
@@ -21,10 +49,11 @@ class Pending:
     sentence: SentenceRequest
     tokens: int  # source tokens incl. EOS
     work: int  # decoder row-steps at most (server.frontend.validation.sentence_work)
-    future: asyncio.Future
+    call: Call
     enqueued: float
     seq: int
     steps: int = 0  # decoding steps the running decode had run when the sentence was queued
+    index: int = 0  # the sentence's place in its request
     key: tuple[int, bool] = field(init=False)
     due: float = field(init=False)  # the earliest-deadline-first order
 
@@ -50,15 +79,13 @@ def by_request(batch: Sequence[Pending]) -> list[list[Pending]]:
     return list(groups.values())
 
 
-def resolve(pending: Pending, *, result: Translation | None = None, error: BaseException | None = None) -> None:
-    if pending.future.done():
-        return
+def resolve(pending: Pending, *, result: SearchResult | None = None, error: BaseException | None = None) -> None:
+    """Hand a sentence's search result (or error) to its request's :class:`Call`; a cancelled or expired
+    request's error is its own (CANCELLED, DEADLINE_EXCEEDED), whatever ended the sentence."""
     if error is None:
-        pending.future.set_result(result)
-    elif pending.request.is_cancelled():
-        pending.future.cancel()  # nobody waits for it any more: no "exception never retrieved"
+        pending.call.settle(pending.index, result)
     else:
-        pending.future.set_exception(error)
+        pending.call.fail(pending.request.error() if pending.request.is_cancelled() else error)
 
 
 def form_batch(candidates: Sequence[Pending], first: Pending, policy: BatchPolicy) -> list[Pending]:

@@ -2,8 +2,9 @@
 
 The one way into a model version: :func:`server.frontend.translate.translate_texts` tokenizes a request's texts
 and hands the sentences (token ids, resolved options, target prefixes) and the request's
-:class:`RequestHandle` to :meth:`ModelScheduler.submit` (in this process, or in the engine core through
-:mod:`server.ipc`), which queues them in this model version's queue. One batcher task forms batches
+:class:`RequestHandle` to :meth:`ModelScheduler.submit` (in this process; in the engine core,
+:mod:`server.ipc` calls :meth:`ModelScheduler.enqueue` with a callback that sends the answer, so no task
+waits per call), which queues them in this model version's queue. One batcher task forms batches
 and runs :meth:`Engine.search_batch` on the version's own single worker thread, so the event loop never
 blocks on inference and one version's batches never overlap. Search results (token ids, scores,
 attention) go back to each request's futures, in request order; the caller detokenizes them.
@@ -94,7 +95,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from server.core.admission import Pending, by_request, form_batch, resolve
+from server.core.admission import Answer, Call, Pending, by_request, form_batch, resolve
 from server.core.continuous import ContinuousBatcher
 from server.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from server.policy import BatchPolicy, RequestHandle
@@ -200,12 +201,35 @@ class ModelScheduler:
     async def submit(self, sentences: Sequence[SentenceRequest], work: Sequence[int],
                      request: RequestHandle | None = None) -> list[SearchResult]:
         """Decode the tokenized sentences of one request (``work``: each one's decoder row-steps at most,
-        :func:`server.frontend.validation.check_budget`) and return their search results in order. Refuses the
-        request whole when the queue cannot hold it (RESOURCE_EXHAUSTED) or its deadline cannot be met
-        (DEADLINE_EXCEEDED); the request's cancellation withdraws its queued sentences and stops its
-        running ones at the next step. Tokenizing and detokenizing are the caller's
+        :func:`server.frontend.validation.check_budget`) and return their search results in order; raises
+        what :meth:`enqueue` raises, or the request's error. Cancelling the awaiting task withdraws the
+        request (:meth:`withdraw`). Tokenizing and detokenizing are the caller's
         (:func:`server.frontend.translate.translate_texts`)."""
         request = request or RequestHandle()
+        future: asyncio.Future[list[SearchResult]] = asyncio.get_running_loop().create_future()
+
+        def answer(results: list[SearchResult] | None, error: BaseException | None) -> None:
+            if future.done():  # the awaiting task was cancelled
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(results)  # type: ignore[arg-type]  # results are given whenever error is not
+
+        call = self.enqueue(sentences, work, request, answer)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.withdraw(request, call)
+            raise
+
+    def enqueue(self, sentences: Sequence[SentenceRequest], work: Sequence[int], request: RequestHandle,
+                answer: Answer) -> Call:
+        """Queue the tokenized sentences of one request; ``answer`` gets their search results in order, or
+        the first error (the request is then cancelled and its other sentences withdrawn), once, on the
+        event loop. Refuses the request whole when the queue cannot hold it (RESOURCE_EXHAUSTED) or its
+        deadline cannot be met (DEADLINE_EXCEEDED). The request's cancellation drops its queued sentences
+        when a batch is formed and stops its running ones at the next step."""
         if self._closed:
             raise Unavailable("server is shutting down")
         if request.is_cancelled():
@@ -214,32 +238,37 @@ class ModelScheduler:
             raise ResourceExhausted(
                 f"queue full for model {self.labels[0]} version {self.labels[1]}: {len(self._queue)} sentences "
                 f"queued, limit {self.policy.queue_size}; this request has {len(sentences)}; retry later")
-        loop = asyncio.get_running_loop()
+
+        def answered(results: list[SearchResult] | None, error: BaseException | None) -> None:
+            if error is not None:
+                self.withdraw(request, call)
+            answer(results, error)
+
+        call = Call(len(sentences), answered)
         now = time.monotonic()
         steps = 0 if self._continuous is None else self._continuous.batch.steps
         pendings = [
             Pending(request, replace(sentence, is_cancelled=request.is_cancelled), len(sentence.source_ids) + 1,
-                    units, loop.create_future(), now, next(self._seq), steps)
-            for sentence, units in zip(sentences, work, strict=True)
+                    units, call, now, next(self._seq), steps, index)
+            for index, (sentence, units) in enumerate(zip(sentences, work, strict=True))
         ]
         self._admit_deadline(request, sum(p.cost for p in pendings), pendings[0].due)
         self._queue.extend(pendings)
         self._expected = max(self._expected, len(self._queue) + len(self._running))
         self._update_depth()
         self._arrived.set()
-        futures = [p.future for p in pendings]
-        try:
-            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:
-            request.cancel()
-            self._withdraw(pendings)
-            raise
-        errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
-        if errors or any(f.cancelled() for f in futures):
-            request.cancel()
-            self._withdraw(pendings)
-            raise errors[0] if errors else request.error()
-        return [f.result() for f in futures]
+        return call
+
+    def withdraw(self, request: RequestHandle, call: Call) -> None:
+        """Cancel a request and take its queued sentences out of the queue (its running ones leave the
+        decode at the next step); ``call`` is answered no more."""
+        request.cancel()
+        call.answered = True
+        before = len(self._queue)
+        self._queue = [p for p in self._queue if p.call is not call]
+        if len(self._queue) != before:
+            self._update_depth()
+        self._notify_idle()
 
     def estimate_seconds(self, cost: int, due: float = math.inf) -> float | None:
         """Seconds until a new request of ``cost`` due at ``due`` would be done (the sentences due no later
@@ -262,20 +291,6 @@ class ModelScheduler:
                 f"deadline cannot be met: {remaining * 1000:.0f} ms left, estimated {estimate * 1000:.0f} ms "
                 f"with {len(self._queue)} sentences queued ahead for model {self.labels[0]} "
                 f"version {self.labels[1]}; allow more time or send fewer texts")
-
-    def _withdraw(self, pendings: Sequence[Pending]) -> None:
-        """Take a failed or cancelled request's sentences out of the queue; cancel their futures."""
-        gone = set(map(id, pendings))
-        before = len(self._queue)
-        self._queue = [p for p in self._queue if id(p) not in gone]
-        if len(self._queue) != before:
-            self._update_depth()
-        for p in pendings:
-            if not p.future.done():
-                p.future.cancel()
-            elif not p.future.cancelled():
-                p.future.exception()  # mark as retrieved
-        self._notify_idle()
 
     def _update_depth(self) -> None:
         if self.series is not None:
