@@ -68,7 +68,8 @@ def attention_graph(kind: str, rows: int, beam: int, heads: int, head_dim: int, 
     graph = helper.make_graph([node], kind, inputs,
                               [vi("out", element, None), vi("present_key", element, cache),
                                vi("present_value", element, cache)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
 
 
 class Node:

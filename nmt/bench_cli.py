@@ -21,6 +21,7 @@ SCRIPTS = {
     "export": "export_size.py",
     "device-memory": "device_memory.py",
     "device-search": "device_search.py",
+    "cache-reorder": "cache_reorder.py",
     "stream": "streaming.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -42,7 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "between words beside Translate's latency; device-memory: a version's device memory on CUDA with its "
             "weights shared on the device or copied by each session (needs a GPU); device-search: beam search's "
             "selection on the device against the host's, on the engine that keeps its state on the device (with "
-            "--cuda-graphs, also its runs kept for CUDA graphs)."
+            "--cuda-graphs, also its runs kept for CUDA graphs); cache-reorder: one decoder layer's in-place attention "
+            "plus the beam's row copy against DecoderMaskedMultiHeadAttention reading through a cache indirection "
+            "table."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

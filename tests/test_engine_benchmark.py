@@ -65,3 +65,18 @@ def test_a_worker_that_loaded_torch_says_so(tmp_path: Path) -> None:
     beside_torch, _ = bench.run_worker("ctranslate2", model, job, load_torch=True)
     assert (alone["torch_loaded"], beside_torch["torch_loaded"]) == (False, True)
     assert alone["check"] == beside_torch["check"] and len(alone["check"][0]) == 24
+
+
+def test_the_cache_reorder_benchmark_checks_both_attention_nodes_first() -> None:
+    """``nmt bench cache-reorder``: DecoderMaskedMultiHeadAttention over a cache read through a random indirection
+    table agrees with GroupQueryAttention over that cache's rows gathered (it exits otherwise), then both are
+    timed beside the rows' copy, with the host named."""
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "nmt", "bench", "cache-reorder", "--sizes", "SMALL", "--batches", "1", "2",
+               "--runs", "5", "--threads", "1"]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " cores, " in result.stdout.splitlines()[0]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| SMALL |")]
+    assert [row[1] for row in rows] == ["1", "2"] and [row[2] for row in rows] == ["4", "8"]
+    assert all(float(row[-1].rstrip(" |")) <= 1e-4 and row[-2].endswith("x") for row in rows)
