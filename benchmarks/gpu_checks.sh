@@ -17,8 +17,10 @@
 #   sh benchmarks/gpu_checks.sh "$OUT"            about 9 minutes: tests/test_gpu.py; the device's search and its
 #                                                 CUDA graphs (issue 32's tok/s cells); the server against its bare
 #                                                 engine at 128 callers, beams 1 and 4 (issue 31's GPU cells)
-#   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: the engine beside Hugging Face generate, fp32
-#                                                 then fp16 (issue 32's fp32 >= 1.0x cells; fp32 took 150 s)
+#   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: one layer's attention with cache indirection
+#                                                 against the in-place kind (cache_reorder.py, seconds); the
+#                                                 engine beside Hugging Face generate, fp32 then fp16 (issue 32's
+#                                                 fp32 >= 1.0x cells; fp32 took 150 s)
 # benchmarks/README.md says what each should show. New since the fourteenth session's run, to read first: the
 # 61-node fp16 step graphs (device_search's every cell), the arg-max steps launched in blocks of up to 8 (its batch-1
 # greedy graphs cell against 2,088 tok/s), the worker-busy column and the core profile of the beam-1 serving cell.
@@ -38,6 +40,9 @@ step() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/device.txt" 2>&1
 cat "$out/device.txt"
 if [ "$part" = generate ]; then
+    # cache indirection (DecoderMaskedMultiHeadAttention) against the in-place GroupQueryAttention, one layer
+    step cache_reorder 30 python3 benchmarks/cache_reorder.py --provider cuda --precision fp16 --sizes SMALL \
+        --batches 1 32 128 --runs 200
     step engine_vs_generate 240 python3 benchmarks/engine_throughput.py --sizes SMALL --provider cuda \
         --precisions fp32 fp16 --batches 1 32 128 --beams 1 4 --repeats 1 --seconds 1 --pause 0
     exit 0
