@@ -22,6 +22,7 @@ SCRIPTS = {
     "device-memory": "device_memory.py",
     "device-search": "device_search.py",
     "cache-reorder": "cache_reorder.py",
+    "decode-cuts": "decode_cuts.py",
     "stream": "streaming.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -45,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "selection on the device against the host's, on the engine that keeps its state on the device (with "
             "--cuda-graphs, also its runs kept for CUDA graphs); cache-reorder: one decoder layer's in-place attention "
             "plus the beam's row copy against DecoderMaskedMultiHeadAttention reading through a cache indirection "
-            "table."
+            "table; decode-cuts: how often a decode's plain steps are cut when sentences end, and the host's work "
+            "each cut costs."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

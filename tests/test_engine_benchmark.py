@@ -80,3 +80,21 @@ def test_the_cache_reorder_benchmark_checks_both_attention_nodes_first() -> None
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| SMALL |")]
     assert [row[1] for row in rows] == ["1", "2"] and [row[2] for row in rows] == ["4", "8"]
     assert all(float(row[-1].rstrip(" |")) <= 1e-4 and row[-2].endswith("x") for row in rows)
+
+
+@pytest.mark.parametrize("device_state", [False, True])
+def test_the_decode_cuts_benchmark_counts_the_cuts_and_splits_their_time(model_version_dir: Path,
+                                                                         device_state: bool) -> None:
+    """``nmt bench decode-cuts`` on the tiny Transformer: the steps of one batch, the ``step()`` calls they took
+    (at least one, at most one a step), and the calls' time split into ONNX Runtime's runs and the host's."""
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "nmt", "bench", "decode-cuts", "--model-version", str(model_version_dir),
+               "--sentences", "6", "--repeats", "1", "--threads", "1", *(["--device-state"] if device_state else [])]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " cores, " in result.stdout.splitlines()[0]
+    assert ("DeviceStepModel" in result.stdout.splitlines()[0]) == device_state
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |")).strip("| \n").split(" | ")
+    steps, calls, in_step, in_runs, host_ms = int(row[1]), int(row[2]), float(row[3]), float(row[4]), float(row[5])
+    assert 1 <= calls <= steps
+    assert 0 < in_runs <= in_step and abs(in_step - in_runs - host_ms) <= 0.11

@@ -1,0 +1,106 @@
+"""How often a running decode's plain steps are cut, and the host's work each cut costs.
+
+    python benchmarks/decode_cuts.py --model-version <repository>/demo-transformer/1
+    python benchmarks/decode_cuts.py --model-version ... --device-state   # the path CUDA versions take
+
+A decode runs its quiet steps in plain runs (``RunningDecode.step(until_leave=True)``,
+:mod:`server.engine.plain_steps`). A step in which a sentence ends cuts the run. The general step then selects
+that step, moves the rows of the sentences that stay (``_advance``), lays the rows out again, and the next plain run
+is set up. This decodes one static batch of ``--sentences`` of the benchmark's sentences (``server_load.py``'s mix
+of dates, numbers and words) with ``--beam``, ``--repeats`` times after a warm-up, and prints per call:
+
+* the steps, and the ``step()`` calls they took (each call after the first follows a cut);
+* the time of those calls, split into the time inside ONNX Runtime's runs (step graphs, and the row ``Gather``
+  sessions of a state kept on the device) and the host's work outside them;
+* the median host time of one ``step()`` call, and the host time per step.
+
+``--device-state`` loads the version as CUDA versions load (:class:`server.engine.device_step_model.DeviceStepModel`:
+encoder outputs and KV cache as ``OrtValue`` s, rows moved by ``Gather`` sessions), here on the CPU: the host's
+Python is the same on a GPU, the device's runs are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_throughput import host  # noqa: E402
+from server_load import sentences  # noqa: E402
+
+from server.engine import decode  # noqa: E402
+from server.engine.engine import Engine  # noqa: E402
+from server.types import DecodingOptions, SentenceRequest  # noqa: E402
+
+
+class Clock:
+    """Seconds inside ONNX Runtime's runs, and each ``RunningDecode.step`` call: (steps, seconds, seconds in runs)."""
+
+    def __init__(self) -> None:
+        self.inside = 0.0
+        self.calls: list[tuple[int, float, float]] = []
+        for method in ("run", "run_with_iobinding"):
+            setattr(ort.InferenceSession, method, self._timed(getattr(ort.InferenceSession, method)))
+        step = decode.RunningDecode.step
+
+        def timed_step(running: decode.RunningDecode, *args, **kwargs):
+            steps, inside, start = running.steps_run, self.inside, time.perf_counter()
+            left = step(running, *args, **kwargs)
+            self.calls.append((running.steps_run - steps, time.perf_counter() - start, self.inside - inside))
+            return left
+
+        decode.RunningDecode.step = timed_step
+
+    def _timed(self, run):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.inside += time.perf_counter() - start
+        return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model-version", required=True, type=Path, help="a model version directory")
+    parser.add_argument("--sentences", type=int, default=128)
+    parser.add_argument("--beam", type=int, default=1)
+    parser.add_argument("--device-state", action="store_true",
+                        help="load as CUDA versions load (DeviceStepModel), on the CPU")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    engine = Engine.load(args.model_version, provider="cpu", intra_op_threads=args.threads,
+                         device_state=args.device_state)
+    options = DecodingOptions(beam_size=args.beam)
+    requests = [SentenceRequest(engine.tokenize(text), options, text=text) for text in sentences(args.sentences, 1)]
+    clock = Clock()
+    engine.translate_batch(requests)  # warm-up
+    print(f"{host()}; ONNX Runtime {ort.__version__}, {args.threads} threads; {args.model_version}, "
+          f"{'DeviceStepModel (device_state) on the CPU' if args.device_state else 'host arrays'}")
+    print(f"one batch of {args.sentences} sentences, beam {args.beam}")
+    print("| call | steps | step() calls | ms in step() | ms in ONNX Runtime | host ms | host us a step() call "
+          "(median) | host us a step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for repeat in range(args.repeats):
+        clock.calls.clear()
+        engine.translate_batch(requests)
+        steps = sum(c[0] for c in clock.calls)
+        total, inside = sum(c[1] for c in clock.calls), sum(c[2] for c in clock.calls)
+        host_each = [c[1] - c[2] for c in clock.calls]
+        print(f"| {repeat + 1} | {steps} | {len(clock.calls)} | {total * 1e3:.1f} | {inside * 1e3:.1f} | "
+              f"{(total - inside) * 1e3:.1f} | {statistics.median(host_each) * 1e6:.0f} | "
+              f"{(total - inside) / max(steps, 1) * 1e6:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
