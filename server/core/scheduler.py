@@ -7,7 +7,8 @@ and hands the sentences (token ids, resolved options, target prefixes) and the r
 waits per call), which queues them in this model version's queue. One batcher task forms batches
 and runs :meth:`Engine.search_batch` on the version's own single worker thread, so the event loop never
 blocks on inference and one version's batches never overlap. Search results (token ids, scores,
-attention) go back to each request's futures, in request order; the caller detokenizes them.
+attention) go back to each request's :class:`server.core.admission.Call`, which answers once, in request
+order; the caller detokenizes them.
 
 Continuous batching
     With ``--batching continuous`` and a model that decodes rows at different steps, the batcher task
