@@ -42,6 +42,7 @@ from engine_throughput import host  # noqa: E402
 
 SHAPES = {"SMALL": (4, 64), "BASE": (8, 64)}  # heads, head dim of engine_throughput.py's sizes
 ELEMENT = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
+HOST_INPUTS = ("total_length", "past_length", "beam_width")
 
 
 def attention_graph(kind: str, rows: int, beam: int, heads: int, head_dim: int, capacity: int,
@@ -81,7 +82,9 @@ class Node:
         providers = ["CUDAExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.binding = self.session.io_binding()
-        self.values = {name: ort.OrtValue.ortvalue_from_numpy(array, provider, 0) for name, array in feeds.items()}
+        # lengths and the beam width are read on the host by the CUDA kernels (CPU inputs): they stay there
+        self.values = {name: ort.OrtValue.ortvalue_from_numpy(array, "cpu" if name in HOST_INPUTS else provider, 0)
+                       for name, array in feeds.items()}
         for name, value in self.values.items():
             self.binding.bind_ortvalue_input(name, value)
         self.binding.bind_output("out", provider)  # the first output bound: get_outputs()[0]
