@@ -19,6 +19,12 @@ def word_groups(pieces: list[str]) -> list[list[int]]:
     return groups
 
 
+def word_count(pieces: list[str]) -> int:
+    """How many groups :func:`word_groups` makes of ``pieces``, without making them."""
+    starts = sum(1 for piece in pieces if piece.startswith(WORD_START))
+    return starts + (bool(pieces) and not pieces[0].startswith(WORD_START))  # a first piece that starts no word
+
+
 def words(pieces: list[str], groups: list[list[int]]) -> list[str]:
     """The pieces of each group joined, without the word-boundary marker."""
     return ["".join(pieces[i] for i in group).replace(WORD_START, "") for group in groups]
@@ -31,9 +37,7 @@ def segment_words(pieces: list[str], text: str = "") -> list[str]:
     tokenizer maps to ``<unk>``), else the pieces merged at word starts.
     """
     split = text.split()
-    groups = sum(1 for piece in pieces if piece.startswith(WORD_START))
-    groups += bool(pieces) and not pieces[0].startswith(WORD_START)  # a first piece that starts no word yet
-    return split if len(split) == groups else words(pieces, word_groups(pieces))
+    return split if len(split) == word_count(pieces) else words(pieces, word_groups(pieces))
 
 
 def merge_to_words(
