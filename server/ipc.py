@@ -20,7 +20,9 @@ msgspec into the very dataclasses both sides use (:class:`server.types.DecodingO
 :class:`server.types.SearchResult`, ...): typed decoding checks every field, nothing is unpickled (no code
 runs on receipt), and NumPy arrays (attention) travel as raw bytes with their dtype and shape. Each
 connection is an asyncio protocol (:class:`Channel`) that parses every frame a chunk completes, with no
-task or future per message. That is the third transport measured (benchmarks/README.md, the split's
+task or future per message; the frames a turn of the event loop sends on a connection leave in one write at
+the start of its next turn (under load, one system call and one wake-up of the other end for many messages).
+That is the third transport measured (benchmarks/README.md, the split's
 server CPU per request, `nmt bench server --capacity`, side by side): ZeroMQ through zmq.asyncio (a
 future per message) 0.95-1.27 ms, ZeroMQ drained from its file descriptor 0.83-1.15 ms, this
 0.75-0.88 ms; ZeroMQ also costs a background I/O thread per process and a socket monitor to notice a
@@ -211,6 +213,7 @@ class Channel(asyncio.Protocol):
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
+        self._outgoing: list[bytes] = []  # frames sent since the loop last ran this channel's flush
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -235,12 +238,24 @@ class Channel(asyncio.Protocol):
         del buffer[:start]
 
     def send(self, message: Any) -> None:
+        """Queue ``message``; the frames one turn of the event loop sends leave together in one write at the
+        start of its next turn (one system call, and one wake-up of the other end, for many messages)."""
         frame = encode(message)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_LENGTH.pack(len(frame)) + frame)
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._outgoing += (_LENGTH.pack(len(frame)), frame)
+
+    def flush(self) -> None:
+        """Write the frames queued so far."""
+        frames, self._outgoing = self._outgoing, []
+        if frames and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(frames))
 
     def close(self) -> None:
         if self.transport is not None:
+            self.flush()
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
