@@ -14,6 +14,13 @@ of dates, numbers and words) with ``--beam``, ``--repeats`` times after a warm-u
   sessions of a state kept on the device) and the host's work outside them;
 * the median host time of one ``step()`` call, and the host time per step.
 
+``--hold-ended`` holds the row of a sentence that ended until the run ends, as a static batch does on a device
+(:attr:`server.engine.decode.RunningDecode.hold_ended`), instead of cutting the run there; ``--emulate-step-ms``
+runs the step graphs on the emulated device of ``nmt bench batching`` (every step at least that long, whatever
+its rows: a held row then costs nothing, as on a GPU):
+
+    python benchmarks/decode_cuts.py --model-version ... --emulate-step-ms 1 [--hold-ended]
+
 ``--device-state`` loads the version as CUDA versions load (:class:`server.engine.device_step_model.DeviceStepModel`:
 encoder outputs and KV cache as ``OrtValue`` s, rows moved by ``Gather`` sessions), here on the CPU: the host's
 Python is the same on a GPU, the device's runs are not.
@@ -32,6 +39,7 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from emulated_device.sitecustomize import emulate  # noqa: E402
 from engine_throughput import host  # noqa: E402
 from server_load import sentences  # noqa: E402
 
@@ -68,6 +76,16 @@ class Clock:
         return timed
 
 
+def hold_ended(cls: type) -> None:
+    """Every decode of ``cls`` (:class:`server.engine.decode.RunningDecode`) holds its ended rows."""
+    init = cls.__init__
+
+    def holding(running: decode.RunningDecode, *args, **kwargs) -> None:
+        init(running, *args, **{**kwargs, "hold_ended": True})
+
+    cls.__init__ = holding
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -76,9 +94,17 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--device-state", action="store_true",
                         help="load as CUDA versions load (DeviceStepModel), on the CPU")
+    parser.add_argument("--hold-ended", action="store_true",
+                        help="hold an ended sentence's row until the run ends (a device's static batches)")
+    parser.add_argument("--emulate-step-ms", type=float, default=0.0,
+                        help="every step graph run takes at least this long (benchmarks/emulated_device)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.emulate_step_ms:
+        emulate(args.emulate_step_ms, 0.0)
+    if args.hold_ended:
+        hold_ended(decode.RunningDecode)
     engine = Engine.load(args.model_version, provider="cpu", intra_op_threads=args.threads,
                          device_state=args.device_state)
     options = DecodingOptions(beam_size=args.beam)
@@ -87,7 +113,9 @@ def main() -> None:
     engine.translate_batch(requests)  # warm-up
     print(f"{host()}; ONNX Runtime {ort.__version__}, {args.threads} threads; {args.model_version}, "
           f"{'DeviceStepModel (device_state) on the CPU' if args.device_state else 'host arrays'}")
-    print(f"one batch of {args.sentences} sentences, beam {args.beam}")
+    print(f"one batch of {args.sentences} sentences, beam {args.beam}"
+          f"{', ended rows held' if args.hold_ended else ''}"
+          f"{f', steps of at least {args.emulate_step_ms:g} ms (emulated device)' if args.emulate_step_ms else ''}")
     print("| call | steps | step() calls | ms in step() | ms in ONNX Runtime | host ms | host us a step() call "
           "(median) | host us a step |")
     print("|---|---|---|---|---|---|---|---|")

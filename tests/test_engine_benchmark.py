@@ -98,3 +98,22 @@ def test_the_decode_cuts_benchmark_counts_the_cuts_and_splits_their_time(model_v
     steps, calls, in_step, in_runs, host_ms = int(row[1]), int(row[2]), float(row[3]), float(row[4]), float(row[5])
     assert 1 <= calls <= steps
     assert 0 < in_runs <= in_step and abs(in_step - in_runs - host_ms) <= 0.11
+
+
+def test_the_decode_cuts_benchmark_holds_ended_rows_on_the_emulated_device(model_version_dir: Path) -> None:
+    """``--hold-ended`` decodes the same steps in fewer ``step()`` calls than cutting the run at every sentence's
+    end; ``--emulate-step-ms`` makes every step last at least that long."""
+    root = Path(__file__).resolve().parent.parent
+    rows = {}
+    for hold in (False, True):
+        command = [sys.executable, "-m", "nmt", "bench", "decode-cuts", "--model-version", str(model_version_dir),
+                   "--sentences", "12", "--repeats", "1", "--threads", "1", "--emulate-step-ms", "2",
+                   *(["--hold-ended"] if hold else [])]
+        result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("ended rows held" in result.stdout) == hold and "emulated device" in result.stdout
+        row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |")).strip("| \n").split(" | ")
+        rows[hold] = int(row[1]), int(row[2]), float(row[4])  # steps, step() calls, ms in ONNX Runtime
+    (steps, cut_calls, _), (held_steps, held_calls, held_runs_ms) = rows[False], rows[True]
+    assert held_steps == steps and held_calls < cut_calls
+    assert held_runs_ms >= 2 * steps

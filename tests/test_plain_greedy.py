@@ -87,6 +87,64 @@ def test_a_sentence_cancelled_during_plain_steps_leaves_at_the_next_step(engine,
         assert results[i].hypotheses[0].tokens == reference[i].hypotheses[0].tokens
 
 
+def held_search(engine: Engine, src: np.ndarray, specs: list[BeamSentence]) -> list:
+    """:func:`search` through plain steps that hold an ended sentence's row until every row has ended, and the
+    ``RunningDecode.step`` calls it took."""
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
+    decode.admit(engine.model.encode(src), specs, range(len(specs)))
+    results, calls = [None] * len(specs), 0
+    while decode.rows:
+        calls += 1
+        for index, result in decode.step(until_leave=True):
+            results[index] = result
+    return results, calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sentences_that_end_in_held_rows_leave_together_with_the_general_searchs_results(engine, counted, seed):
+    """A static batch's plain steps hold the row of a sentence that chose EOS instead of ending the run: its
+    hypothesis is made from the books when the run ends, token for token and score for score the general
+    search's (scores up to the last bits the step graph's kernels give rows in a batch of another size), and
+    every sentence leaves at the one general step that ends the run."""
+    src, specs = batch(engine, seed, n=6)
+    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]  # no row's limit ends the run
+    held, calls = held_search(engine, src, specs)
+    counts = dict(counted)
+    general = search(engine, src, specs, lean=False)
+    lengths = set()
+    for ours, reference in zip(held, general, strict=True):
+        [a], [b] = ours.hypotheses, reference.hypotheses
+        assert a.tokens == b.tokens
+        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+        lengths.add(len(a.tokens))
+    assert len(lengths) > 1, "sentences ended at different steps"
+    assert calls == 1 and counts == {"plain": max(lengths), "general": 0}
+
+
+def test_a_sentence_cancelled_while_others_are_held_leaves_without_a_result(engine):
+    """A cancel ends a run that holds rows: the held sentences leave with their hypotheses, the cancelled one
+    with None, the others decode on as they would alone."""
+    src, specs = batch(engine, seed=4, n=4)
+    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
+    reference = search(engine, src, specs, lean=False)
+    ends = [len(r.hypotheses[0].tokens) for r in reference]
+    last = max(range(4), key=ends.__getitem__)
+    polls = 0
+
+    def cancelled() -> bool:  # polled once a step: the longest sentence is cancelled after the first one ended
+        nonlocal polls
+        polls += 1
+        return polls > min(ends)
+
+    specs[last] = BeamSentence(specs[last].source_length, max_length=256, is_cancelled=cancelled)
+    results, _ = held_search(engine, src, specs)
+    assert results[last] is None
+    for i in set(range(4)) - {last}:
+        [a], [b] = results[i].hypotheses, reference[i].hypotheses
+        assert a.tokens == b.tokens
+        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+
+
 def test_single_steps_for_a_decode_that_others_join(engine, counted):
     """Without ``until_leave`` (continuous batching) a plain step is one step: sentences join between them."""
     src, specs = batch(engine, seed=3, n=2)

@@ -89,7 +89,11 @@ def beam_search(
     ``encoded`` holds every static input and the initial value of every state entry, batch first
     (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
     sentence whose ``is_cancelled`` turned true."""
-    decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy, plain_beam=plain_beam)
+    # a device's step costs the same at any row count: a row that runs on after its sentence ended costs nothing
+    # there, where ending the run costs the host 0.5-0.9 ms (benchmarks/README.md, "decode cuts"); a CPU's step
+    # costs about its rows, and the results come back together at the end of the batch either way
+    decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy, plain_beam=plain_beam,
+                           hold_ended=getattr(model, "device", "cpu") != "cpu")
     overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
         {} if need_attention is None else {"need_attention": need_attention})
     decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
@@ -119,6 +123,7 @@ class _Sentence:
     joined_at: int = 0  # its step when it joined (> 0 after a forced pass): it holds 1 row until it expands
     finished: list[ScoredSequence] = field(default_factory=list)
     stable: int = 0  # tokens of its stable prefix reported so far (spec.on_stable)
+    ended: SearchResult | None = None  # its result, when it ended in plain arg-max steps that held its row
 
     @property
     def controls(self) -> Controls:
@@ -133,9 +138,12 @@ class RunningDecode(PlainSteps, GeneralSelection):
     :attr:`rows` is 0 (see the module docstring)."""
 
     def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True,
-                 plain_beam: bool = True) -> None:
+                 plain_beam: bool = True, hold_ended: bool = False) -> None:
         self.model = model
         self.start_id, self.eos_id = start_id, eos_id
+        # a sentence that ends in plain arg-max steps leaves when the run ends, its row running on unread
+        # meanwhile (PlainSteps._plain_greedy)
+        self.hold_ended = hold_ended
         self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
         self.plain_beam = plain_beam and bool(getattr(model, "plain_beam", False))  # False: beam sentences
         # take the general step every step (tests compare both)

@@ -31,7 +31,7 @@ from server.engine.beam_steps import QuietChoice, quiet_selection
 from server.engine.device_search import Books, DeviceBeamRun
 from server.engine.row_layout import Layout
 from server.engine.search import NEG_INF, StepOutput
-from server.types import ScoredSequence
+from server.types import ScoredSequence, SearchResult
 
 
 class PlainSteps:
@@ -64,11 +64,18 @@ class PlainSteps:
         and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
         step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
-        select from as any other; None when every step was quiet."""
+        select from as any other; None when every step was quiet.
+
+        With :attr:`hold_ended` (a device's steps, which cost the same at any row count) a row that chose EOS
+        does not end the run: it runs on unread, and its sentence's hypothesis is made from the books when the
+        run ends (:meth:`_held_results`), that is when every row is held, at the run's last step, at
+        ``stop()``, or at a step that is not quiet for another reason. That step goes to the general
+        selection, where the held sentences leave with their hypotheses."""
         count = layout.room - self._age if until_leave else 1
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
+        held: dict[int, int] = {}  # rows whose sentence chose EOS during the run -> the quiet step it chose it at
         with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
             left, block = count, 1
             while left:
@@ -79,10 +86,20 @@ class PlainSteps:
                 for step in range(ran):
                     chosen, chosen_scores = run.read(step)  # the run now stands after this step
                     self.steps_run += 1
-                    if self.eos_id in chosen or NEG_INF in chosen_scores or any(check() for check in checks):
-                        self._quiet_steps(tokens, token_scores)
+                    for row in held:  # held rows are not read
+                        chosen[row], chosen_scores[row] = -1, 0.0
+                    ending = chosen.count(self.eos_id)
+                    cut = NEG_INF in chosen_scores or any(check() for check in checks) or (
+                        ending and not self.hold_ended)
+                    if not cut and (held or ending):  # the held sentences leave when the run ends
+                        cut = len(held) + ending == self.rows or (not left and step == ran - 1) or (
+                            stop is not None and stop())
+                    if cut:
+                        self._held_results(held, self._quiet_steps(tokens, token_scores))
                         return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
                                           run.eos_log_prob.copy(), None, run.state())
+                    if ending:
+                        held.update((row, len(tokens)) for row, token in enumerate(chosen) if token == self.eos_id)
                     tokens.append(chosen)
                     token_scores.append(chosen_scores)
                     if stop is not None and stop():
@@ -92,19 +109,36 @@ class PlainSteps:
             self._tokens, self._state = run.ids.copy(), run.state()
         return None
 
-    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:
-        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores."""
+    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> np.ndarray | None:
+        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores. Returns
+        each row's summed log-probability before the steps and after each ([steps + 1, R]; None: no step)."""
         count = len(tokens)
-        if count:
-            at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-            step_scores = np.array(scores)  # [steps, R]
-            self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
-            # summed step by step, as the general step adds them
-            self._totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
-            self._steps = self._steps + count
-            self._age += count
-            for s in self._sentences:
-                s.step += count
+        if not count:
+            return None
+        at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
+        step_scores = np.array(scores)  # [steps, R]
+        self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
+        # summed step by step, as the general step adds them
+        sums = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)
+        self._totals = sums[-1]
+        self._steps = self._steps + count
+        self._age += count
+        for s in self._sentences:
+            s.step += count
+        return sums
+
+    def _held_results(self, held: dict[int, int], sums: np.ndarray | None) -> None:
+        """The hypotheses of the sentences whose rows :meth:`_plain_greedy` held (row -> the quiet step whose
+        EOS ended it; ``sums``: :meth:`_quiet_steps`' sums), made as the general step makes them once the
+        quiet steps are in the books; each sentence leaves with its own at the next selection."""
+        if not held:
+            return
+        count = len(sums) - 1
+        for row, step in held.items():
+            s, length = self._sentences[int(self._row_sentence[row])], int(self._steps[row]) - count + step + 1
+            s.ended = SearchResult([ScoredSequence(
+                tokens=self._history[row, :length].tolist(), token_scores=self._history_scores[row, :length].tolist(),
+                score=float(normalized_score(float(sums[step + 1, row]), length, s.spec.length_penalty)))])
 
     def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                     ) -> StepOutput | None:
