@@ -23,6 +23,7 @@ SCRIPTS = {
     "device-search": "device_search.py",
     "cache-reorder": "cache_reorder.py",
     "decode-cuts": "decode_cuts.py",
+    "gc": "gc_pauses.py",
     "stream": "streaming.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -47,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--cuda-graphs, also its runs kept for CUDA graphs); cache-reorder: one decoder layer's in-place attention "
             "plus the beam's row copy against DecoderMaskedMultiHeadAttention reading through a cache indirection "
             "table; decode-cuts: how often a decode's plain steps are cut when sentences end, and the host's work "
-            "each cut costs."
+            "each cut costs; gc: the cyclic garbage collector's pauses in the server with start-up's objects frozen "
+            "and without."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

@@ -145,15 +145,18 @@ async def serve(config: ServerConfig, on_started: Callable[[Any], None] | None =
 
         await supervise(config, on_started)
         return
+    from server import collector
     from server.core.process import open_repository
     from server.frontend.app import TranslationServer as Server
 
     server = Server(config, opener=open_repository)
     server.install_signal_handlers()
     await server.start()
+    pauses = collector.watch(server.repository, server.metrics.gc_pause, frozen=config.gc_freeze)
     if on_started is not None:
         on_started(server)
     await server.wait_for_termination()
+    pauses.cancel()
 
 
 def print_how_to_call(server: TranslationServer) -> None:

@@ -45,6 +45,7 @@ SENTENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # seconds
 STAGES = ("encode", "decode")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
@@ -186,6 +187,11 @@ class ServerMetrics:
         self.model_loads = Counter("nmt_model_loads", "Model version loads (start-up, hot reload and reloads of a "
                                    "failing version) by outcome: loaded, or refused (bad manifest or hash, "
                                    "load error, failed smoke translation)", ["model", "result"], registry=r)
+        self.gc_pause = Histogram("nmt_gc_pause_seconds", "Pauses of the interpreter's cyclic garbage collector "
+                                  "(every thread of the process stands still) by generation (server.collector)",
+                                  ["generation"], buckets=PAUSE_BUCKETS, registry=r)
+        for generation in range(3):
+            self.gc_pause.labels(str(generation))
         # standard gRPC server metrics
         self.grpc_started = Counter("grpc_server_started", "RPCs started on the server",
                                     ["grpc_type", "grpc_service", "grpc_method"], registry=r)

@@ -229,6 +229,21 @@ def test_one_metrics_endpoint_counts_every_request_exactly(split: SplitServer, t
         prometheus.stop()
 
 
+def test_every_process_freezes_start_ups_objects_and_reports_its_collections(split: SplitServer) -> None:
+    """The core and each front-end move start-up's objects out of the garbage collector's reach (a log line
+    each), and the one /metrics sums every process's collections."""
+    frozen = [e for e in split.logs() if e["message"].startswith("start-up's objects frozen")]
+    assert len({e["pid"] for e in frozen}) >= 3 and all(e["objects"] > 10_000 for e in frozen), frozen
+
+    def collections() -> float:
+        return sum(v for (name, _), v in split.metrics().items() if name == "nmt_gc_pause_seconds_count")
+
+    before = collections()
+    for i in range(20):
+        split.stub().Translate(pb2.TranslateRequest(texts=[TEXTS[i % 3]]), timeout=30)
+    until(lambda: collections() > before, 10, "the processes' collections measured")
+
+
 def test_cancelling_a_call_frees_its_rows_in_the_core(split: SplitServer) -> None:
     before = split.metrics()
 

@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from server import collector
 from server.config import ServerConfig
 from server.core.repository import EngineLoader, LoadSettings, ModelRepository
 from server.ipc import CoreEndpoint
@@ -62,10 +63,12 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
 
 async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None:
     """Serve the front-ends on ``address`` until SIGTERM or SIGINT."""
-    repository = await open_repository(config, ServerMetrics())
+    metrics = ServerMetrics()
+    repository = await open_repository(config, metrics)
     repository.start()
     endpoint = CoreEndpoint(repository, address)
     await endpoint.start()
+    pauses = collector.watch(repository, metrics.gc_pause, frozen=config.gc_freeze)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -79,6 +82,7 @@ async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None
     log.info("engine core stopping")
     await repository.close(timeout=config.grace_seconds)  # the scans stop first
     await endpoint.close()
+    pauses.cancel()
     log.info("engine core stopped")
 
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from nmt.errors import NmtError
+from server import collector
 from server.config import ServerConfig
 from server.frontend.app import TranslationServer
 from server.frontend.remote import RemoteRepository
@@ -36,8 +37,10 @@ async def run_frontend(config: ServerConfig, address: str, ready_file: Path) -> 
     server.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
     server.install_signal_handlers()
     await server.start()
+    pauses = collector.watch(server.repository, server.metrics.gc_pause, frozen=config.gc_freeze)
     ready_file.write_text(json.dumps({"pid": os.getpid(), "port": server.port, "http_port": server.http_port}))
     await server.wait_for_termination()
+    pauses.cancel()
 
 
 def main() -> int:
