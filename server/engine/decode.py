@@ -47,7 +47,9 @@ requires those sentences to be all the decode holds (the static batch); ``first=
 
 Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
 sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
-so their rows are free for the next admission.
+so their rows are free for the next admission. With ``hold_ended`` (the static batch on a device, whose step
+costs the same at any row count) a sentence that ends in plain arg-max steps leaves when the run of steps
+ends instead, its row running on unread meanwhile (:meth:`RunningDecode._plain_greedy`).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
 prefix when it grew (:mod:`server.engine.stable_prefix`).
