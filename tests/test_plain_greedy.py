@@ -145,6 +145,28 @@ def test_a_sentence_cancelled_while_others_are_held_leaves_without_a_result(engi
         assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
 
 
+def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
+    """``stop()`` ends a run that holds rows: the sentences that ended leave then with their hypotheses, and the
+    others decode on from where the run stood."""
+    src, specs = batch(engine, seed=4, n=4)
+    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
+    reference = search(engine, src, specs, lean=False)
+    ends = sorted(len(r.hypotheses[0].tokens) for r in reference)
+    assert ends[0] < ends[-1]
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
+    decode.admit(engine.model.encode(src), specs, range(4))
+    first = dict(decode.step(until_leave=True, stop=lambda: decode.steps_run > ends[0]))
+    assert decode.steps_run == ends[0] + 1 and set(first) == {i for i in range(4) if
+                                                              len(reference[i].hypotheses[0].tokens) == ends[0]}
+    results = first
+    while decode.rows:
+        results.update(decode.step(until_leave=True))
+    for i in range(4):
+        [a], [b] = results[i].hypotheses, reference[i].hypotheses
+        assert a.tokens == b.tokens
+        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+
+
 def test_single_steps_for_a_decode_that_others_join(engine, counted):
     """Without ``until_leave`` (continuous batching) a plain step is one step: sentences join between them."""
     src, specs = batch(engine, seed=3, n=2)

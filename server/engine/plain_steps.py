@@ -91,9 +91,9 @@ class PlainSteps:
                     ending = chosen.count(self.eos_id)
                     cut = NEG_INF in chosen_scores or any(check() for check in checks) or (
                         ending and not self.hold_ended)
+                    stopping = not cut and stop is not None and stop()
                     if not cut and (held or ending):  # the held sentences leave when the run ends
-                        cut = len(held) + ending == self.rows or (not left and step == ran - 1) or (
-                            stop is not None and stop())
+                        cut = stopping or len(held) + ending == self.rows or (not left and step == ran - 1)
                     if cut:
                         self._held_results(held, self._quiet_steps(tokens, token_scores))
                         return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
@@ -102,7 +102,7 @@ class PlainSteps:
                         held.update((row, len(tokens)) for row, token in enumerate(chosen) if token == self.eos_id)
                     tokens.append(chosen)
                     token_scores.append(chosen_scores)
-                    if stop is not None and stop():
+                    if stopping:
                         left = 0
                         break
             self._quiet_steps(tokens, token_scores)
