@@ -15,11 +15,13 @@ of dates, numbers and words) with ``--beam``, ``--repeats`` times after a warm-u
 * the median host time of one ``step()`` call, and the host time per step.
 
 ``--hold-ended`` holds the row of a sentence that ended until the run ends, as a static batch does on a device
-(:attr:`server.engine.decode.RunningDecode.hold_ended`), instead of cutting the run there; ``--emulate-step-ms``
-runs the step graphs on the emulated device of ``nmt bench batching`` (every step at least that long, whatever
-its rows: a held row then costs nothing, as on a GPU):
+(:attr:`server.engine.decode.RunningDecode.hold_ended`), instead of cutting the run there, and
+``--no-hold-ended`` cuts it there on a device too (default: as the engine decides, held on a device only);
+``--emulate-step-ms`` runs the step graphs on the emulated device of ``nmt bench batching`` (every step at least
+that long, whatever its rows: a held row then costs nothing, as on a GPU); ``--provider cuda`` runs on a GPU:
 
-    python benchmarks/decode_cuts.py --model-version ... --emulate-step-ms 1 [--hold-ended]
+    python benchmarks/decode_cuts.py --model-version ... --emulate-step-ms 5 [--hold-ended]
+    python benchmarks/decode_cuts.py --model-version ... --provider cuda [--no-hold-ended]
 
 ``--device-state`` loads the version as CUDA versions load (:class:`server.engine.device_step_model.DeviceStepModel`:
 encoder outputs and KV cache as ``OrtValue`` s, rows moved by ``Gather`` sessions), here on the CPU: the host's
@@ -76,12 +78,12 @@ class Clock:
         return timed
 
 
-def hold_ended(cls: type) -> None:
-    """Every decode of ``cls`` (:class:`server.engine.decode.RunningDecode`) holds its ended rows."""
+def hold_ended(cls: type, hold: bool) -> None:
+    """Every decode of ``cls`` (:class:`server.engine.decode.RunningDecode`) holds its ended rows, or cuts."""
     init = cls.__init__
 
     def holding(running: decode.RunningDecode, *args, **kwargs) -> None:
-        init(running, *args, **{**kwargs, "hold_ended": True})
+        init(running, *args, **{**kwargs, "hold_ended": hold})
 
     cls.__init__ = holding
 
@@ -94,8 +96,10 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--device-state", action="store_true",
                         help="load as CUDA versions load (DeviceStepModel), on the CPU")
-    parser.add_argument("--hold-ended", action="store_true",
-                        help="hold an ended sentence's row until the run ends (a device's static batches)")
+    parser.add_argument("--hold-ended", action=argparse.BooleanOptionalAction, default=None,
+                        help="hold an ended sentence's row until the run ends, or cut the run there (default: "
+                        "as the engine decides: held on a device)")
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--emulate-step-ms", type=float, default=0.0,
                         help="every step graph run takes at least this long (benchmarks/emulated_device)")
     parser.add_argument("--threads", type=int, default=2)
@@ -103,18 +107,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.emulate_step_ms:
         emulate(args.emulate_step_ms, 0.0)
-    if args.hold_ended:
-        hold_ended(decode.RunningDecode)
-    engine = Engine.load(args.model_version, provider="cpu", intra_op_threads=args.threads,
-                         device_state=args.device_state)
+    if args.hold_ended is not None:
+        hold_ended(decode.RunningDecode, args.hold_ended)
+    engine = Engine.load(args.model_version, provider=args.provider, intra_op_threads=args.threads,
+                         device_state=args.device_state or None)
     options = DecodingOptions(beam_size=args.beam)
     requests = [SentenceRequest(engine.tokenize(text), options, text=text) for text in sentences(args.sentences, 1)]
     clock = Clock()
     engine.translate_batch(requests)  # warm-up
-    print(f"{host()}; ONNX Runtime {ort.__version__}, {args.threads} threads; {args.model_version}, "
-          f"{'DeviceStepModel (device_state) on the CPU' if args.device_state else 'host arrays'}")
+    path = "CUDA" if args.provider == "cuda" else "DeviceStepModel (device_state) on the CPU" if args.device_state \
+        else "host arrays"
+    print(f"{host()}; ONNX Runtime {ort.__version__}, {args.threads} threads; {args.model_version}, {path}")
     print(f"one batch of {args.sentences} sentences, beam {args.beam}"
-          f"{', ended rows held' if args.hold_ended else ''}"
+          f"{'' if args.hold_ended is None else ', ended rows held' if args.hold_ended else ', cut at every end'}"
           f"{f', steps of at least {args.emulate_step_ms:g} ms (emulated device)' if args.emulate_step_ms else ''}")
     print("| call | steps | step() calls | ms in step() | ms in ONNX Runtime | host ms | host us a step() call "
           "(median) | host us a step |")

@@ -9,8 +9,9 @@
 #   call 2 at once (the host gives a machine back after 30 idle seconds), carry .gpu/ort.tar.xz.part-ab
 #   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py, timeout 580:
 #     sh .gpu/remote-install.sh && eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
-#   call 3 at once, carry .gpu/remote-env.py: eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh \
-#     "$OUT" generate
+#   call 3 at once, carry .gpu/remote-env.py (and .gpu/demo-transformer: a copy of the demo Transformer's version
+#     directory, <demo models>/demo-transformer/1, which `nmt serve --demo` builds): eval "$(python3
+#     .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT" generate
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
 # stop the next. A lease of 15 device minutes holds these two calls after the install's first upload (the
 # fourteenth session's: 46 s for the first upload and the machine's start, 452 s, 265 s):
@@ -20,7 +21,9 @@
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: one layer's attention with cache indirection
 #                                                 against the in-place kind (cache_reorder.py, seconds); the
 #                                                 engine beside Hugging Face generate, fp32 then fp16 (issue 32's
-#                                                 fp32 >= 1.0x cells; fp32 took 150 s)
+#                                                 fp32 >= 1.0x cells; fp32 took 150 s); with .gpu/demo-transformer,
+#                                                 a static greedy batch cut at every end against its ended rows
+#                                                 held (decode_cuts.py, ~1 minute)
 # benchmarks/README.md says what each should show. New since the fourteenth session's run, to read first: the
 # 61-node fp16 step graphs (device_search's every cell), the arg-max steps launched in blocks of up to 8 (its batch-1
 # greedy graphs cell against 2,088 tok/s), the worker-busy column and the core profile of the beam-1 serving cell.
@@ -45,6 +48,13 @@ if [ "$part" = generate ]; then
         --batches 1 32 128 --runs 200
     step engine_vs_generate 240 python3 benchmarks/engine_throughput.py --sizes SMALL --provider cuda \
         --precisions fp32 fp16 --batches 1 32 128 --beams 1 4 --repeats 1 --seconds 1 --pause 0
+    if [ -d .gpu/demo-transformer ]; then
+        # a static batch of 128 greedy sentences of mixed lengths: the run cut at every end, against the ended
+        # rows held (the default on a device, seventeenth session)
+        cuts="benchmarks/decode_cuts.py --model-version .gpu/demo-transformer --provider cuda --sentences 128"
+        step decode_cuts_cut 40 python3 $cuts --repeats 5 --no-hold-ended
+        step decode_cuts_held 40 python3 $cuts --repeats 5
+    fi
     exit 0
 fi
 # the device's beam runs, their CUDA graphs and the plain greedy steps, against the CPU
