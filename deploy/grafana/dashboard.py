@@ -141,6 +141,10 @@ def build() -> dashboard.Dashboard:
                                 "{{model}} {{result}}")))
         .with_panel(graph("Resident memory", "bytes", query("process_resident_memory_bytes", "{{instance}}")))
         .with_panel(graph("CPU", "percentunit", query(f"rate(process_cpu_seconds_total[{RATE}])", "{{instance}}")))
+        .with_panel(graph("Garbage collector: share of the time every thread stood still, by generation",
+                          "percentunit",
+                          query(f"sum by (generation) (rate(nmt_gc_pause_seconds_sum[{RATE}]))",
+                                "generation {{generation}}")))
     )
 
 
