@@ -49,19 +49,28 @@ def search(engine: Engine, src: np.ndarray, specs: list[BeamSentence], lean: boo
                        eos_id=engine.eos_id, lean_greedy=lean)
 
 
+def same_best(results: list, reference: list, exact: bool = True) -> set[int]:
+    """Each result's hypothesis against the reference's: the same tokens, and the same scores (``exact``:
+    summed in the same order; else within 1e-5, as a batch of another size gives them). Returns their lengths."""
+    lengths = set()
+    for ours, expected in zip(results, reference, strict=True):
+        [a], [b] = ours.hypotheses, expected.hypotheses
+        assert a.tokens == b.tokens
+        if exact:
+            assert (a.score, a.token_scores) == (b.score, b.token_scores), "scores summed in the same order"
+        else:
+            assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+        lengths.add(len(a.tokens))
+    return lengths
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_greedy_equals_the_general_search(engine, counted, seed):
     src, specs = batch(engine, seed, n=1 + 3 * seed)
     plain = search(engine, src, specs, lean=True)
     plain_counts = dict(counted)
     general = search(engine, src, specs, lean=False)
-    lengths = set()
-    for ours, reference in zip(plain, general, strict=True):
-        [a], [b] = ours.hypotheses, reference.hypotheses
-        assert a.tokens == b.tokens
-        assert (a.score, a.token_scores) == (b.score, b.token_scores), "scores summed in the same order"
-        lengths.add(len(a.tokens))
-    steps = max(lengths)
+    steps = max(same_best(plain, general))
     # every step ran the model once; the general step ran only where a sentence left or reached its limit
     assert plain_counts["plain"] + plain_counts["general"] == steps
     assert plain_counts["general"] <= len(specs)
@@ -110,13 +119,7 @@ def test_sentences_that_end_in_held_rows_leave_together_with_the_general_searchs
     specs = [BeamSentence(s.source_length, max_length=256) for s in specs]  # no row's limit ends the run
     held, calls = held_search(engine, src, specs)
     counts = dict(counted)
-    general = search(engine, src, specs, lean=False)
-    lengths = set()
-    for ours, reference in zip(held, general, strict=True):
-        [a], [b] = ours.hypotheses, reference.hypotheses
-        assert a.tokens == b.tokens
-        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
-        lengths.add(len(a.tokens))
+    lengths = same_best(held, search(engine, src, specs, lean=False), exact=False)
     assert len(lengths) > 1, "sentences ended at different steps"
     assert calls == 1 and counts == {"plain": max(lengths), "general": 0}
 
@@ -139,10 +142,8 @@ def test_a_sentence_cancelled_while_others_are_held_leaves_without_a_result(engi
     specs[last] = BeamSentence(specs[last].source_length, max_length=256, is_cancelled=cancelled)
     results, _ = held_search(engine, src, specs)
     assert results[last] is None
-    for i in set(range(4)) - {last}:
-        [a], [b] = results[i].hypotheses, reference[i].hypotheses
-        assert a.tokens == b.tokens
-        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+    others = sorted(set(range(4)) - {last})
+    same_best([results[i] for i in others], [reference[i] for i in others], exact=False)
 
 
 def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
@@ -161,10 +162,7 @@ def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
     results = first
     while decode.rows:
         results.update(decode.step(until_leave=True))
-    for i in range(4):
-        [a], [b] = results[i].hypotheses, reference[i].hypotheses
-        assert a.tokens == b.tokens
-        assert (a.score, *a.token_scores) == pytest.approx((b.score, *b.token_scores), abs=1e-5)
+    same_best([results[i] for i in range(4)], reference, exact=False)
 
 
 def test_single_steps_for_a_decode_that_others_join(engine, counted):
