@@ -8,6 +8,7 @@ nothing, and front-ends that never import ONNX Runtime.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.completion import Completion
 from server.controls import Controls
 from server.errors import ResourceExhausted
-from server.ipc import Done, Failed, Submit, WireSentence, decode, encode
+from server.ipc import Cancel, Channel, Done, Failed, Submit, WireSentence, decode, encode
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.types import DecodingOptions, ScoredSequence, SearchResult, TargetPrefix
 from tests.conftest import SERVED_MODEL
@@ -150,6 +151,35 @@ def test_messages_cross_as_typed_msgpack_and_nothing_else_decodes() -> None:
         decode(b"\x80\x05")  # a pickle's first bytes: no such kind
     with pytest.raises(msgspec.ValidationError):
         decode(encode(Submit(3, "tiny", "2", "", None, [], []))[:1] + encode(Done(3, []))[1:])  # a Done as Submit
+
+
+def test_the_messages_of_one_turn_leave_in_one_write_and_arrive_in_order() -> None:
+    """A channel queues what one turn of the event loop sends and writes it at the start of the next turn, in
+    one write; the other end parses every frame of it, in order. Closing writes what is still queued."""
+
+    async def scenario() -> tuple[list[int], int]:
+        left, right = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        arrived: list[int] = []
+        _, sender = await loop.create_unix_connection(lambda: Channel(lambda c, m: None, lambda c: None), sock=left)
+        await loop.create_unix_connection(lambda: Channel(lambda c, m: arrived.append(m.call), lambda c: None),
+                                          sock=right)
+        writes = []
+        write = sender.transport.write
+        sender.transport.write = lambda data: writes.append(len(data)) or write(data)
+        for call in range(100):
+            sender.send(Cancel(call))
+        assert writes == [], "nothing written within the turn that sent"
+        while len(arrived) < 100:
+            await asyncio.sleep(0.01)
+        sender.send(Cancel(100))
+        sender.close()  # before the next turn: what is queued leaves first
+        while len(arrived) < 101:
+            await asyncio.sleep(0.01)
+        return arrived, len(writes)
+
+    arrived, count = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert arrived == list(range(101)) and count == 2
 
 
 def test_frontends_never_import_onnxruntime() -> None:
