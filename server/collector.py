@@ -1,15 +1,15 @@
 """The interpreter's cyclic garbage collector in a serving process: what start-up made kept out of its reach, and
 its pauses measured.
 
-A full collection walks every object the collector tracks and stops every thread meanwhile (the event loop and
-the decode thread alike, the interpreter lock held). Once the demo models, gRPC, NumPy and ONNX Runtime are
-loaded a process tracks ~50,000 objects, and a full collection takes 8-12 ms on the development host
-(``nmt bench gc``): a pause in the middle of some request at each one. Those objects (modules, the versions'
-sessions, manifests and tokenizers, gRPC's descriptors) live as long as the process or their version, so
-:func:`freeze` moves them into the collector's permanent generation once start-up is done, and again after each
-change of the model repository (unfrozen and collected first, so the cycles of a version that left are freed);
-collections then walk only what requests made since. Objects in the permanent generation are still freed when
-their last reference goes.
+A full collection walks every object the collector tracks and stops every thread meanwhile (the event loop and the
+decode thread alike, the interpreter lock held). Once the demo models, gRPC, NumPy and ONNX Runtime are loaded a
+process tracks ~50,000 objects, and a full collection took 8-12 ms there idle and 25-30 ms under load on the
+development host, every ~1,000-1,500 requests (``nmt bench gc``): a pause in the middle of some requests. Those
+objects (modules, the versions' sessions, manifests and tokenizers, gRPC's descriptors) live as long as the process
+or their version, so :func:`freeze` moves them into the collector's permanent generation once start-up is done, and
+again after each change of the model repository (unfrozen and collected first, so the cycles of a version that left
+are freed); collections then walk only what requests made since. Objects in the permanent generation are still freed
+when their last reference goes.
 
 :class:`Pauses` times every collection into ``nmt_gc_pause_seconds{generation}``. The collector calls back in
 whatever thread allocated, possibly while that thread holds prometheus_client's lock, so the callback only

@@ -98,7 +98,7 @@ class ServerConfig:
                                    "int8); 0 leaves malloc as it is")
     gc_freeze: bool = option(True, "move the objects start-up made (again after each model repository change) out "
                              "of reach of Python's cyclic garbage collector, whose full collections then walk only "
-                             "what requests made instead of stopping every thread for 8-12 ms (server/collector.py)")
+                             "what requests made instead of stopping every thread for 10-30 ms (server/collector.py)")
     reload_interval: float = option(
         10.0, "seconds between scans of the model repository for new, changed and removed versions "
         "(hot reload; SIGHUP scans at once); 0 disables polling")
