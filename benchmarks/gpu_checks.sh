@@ -2,31 +2,31 @@
 # The checks for a session lent a GPU, in order, each bounded. Run from the repository root on the GPU host after
 # ../shared/gpu/README.md's install, e.g.
 #   eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
-# The fourteenth session's recipe (here: `python3 ../shared/gpu/pack.py --out .gpu`, then into .gpu/wheels the
-# cp312 manylinux wheels of msgspec and py-spy, `pip download --no-deps --only-binary=:all: --python-version 3.12`):
+# The recipe (here: `python3 ../shared/gpu/pack.py --out .gpu`, then into .gpu/wheels the cp312 manylinux wheels of
+# msgspec and py-spy, `pip download --no-deps --only-binary=:all: --python-version 3.12`, and into
+# .gpu/demo-transformer a copy of the demo Transformer's version directory, <demo models>/demo-transformer/1, which
+# `nmt serve --demo` builds):
 #   call 1, carry .gpu/ort.tar.xz.part-aa .gpu/parts.sha256 .gpu/remote-install.sh .gpu/wheels:
 #     sh .gpu/remote-install.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 #   call 2 at once (the host gives a machine back after 30 idle seconds), carry .gpu/ort.tar.xz.part-ab
-#   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py, timeout 580:
+#   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py .gpu/demo-transformer, timeout 580:
 #     sh .gpu/remote-install.sh && eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
-#   call 3 at once, carry .gpu/remote-env.py (and .gpu/demo-transformer: a copy of the demo Transformer's version
-#     directory, <demo models>/demo-transformer/1, which `nmt serve --demo` builds): eval "$(python3
-#     .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT" generate
+#   call 3 at once, where device time is left, carry .gpu/remote-env.py:
+#     eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT" generate
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
-# stop the next. A lease of 15 device minutes holds these two calls after the install's first upload (the
-# fourteenth session's: 46 s for the first upload and the machine's start, 452 s, 265 s):
+# stop the next, and the steps go in the order of what the open issues need most, so that a call cut short loses
+# the least:
 #   sh benchmarks/gpu_checks.sh "$OUT"            about 9 minutes: tests/test_gpu.py; the device's search and its
 #                                                 CUDA graphs (issue 32's tok/s cells); the server against its bare
-#                                                 engine at 128 callers, beams 1 and 4 (issue 31's GPU cells)
+#                                                 engine at 128 callers, beam 1, its core profiled (issue 31's
+#                                                 unmet GPU cell); with .gpu/demo-transformer, a static greedy
+#                                                 batch cut at every end against its ended rows held
+#                                                 (decode_cuts.py); the serving cell at beam 4
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: one layer's attention with cache indirection
 #                                                 against the in-place kind (cache_reorder.py, seconds); the
-#                                                 engine beside Hugging Face generate, fp32 then fp16 (issue 32's
-#                                                 fp32 >= 1.0x cells; fp32 took 150 s); with .gpu/demo-transformer,
-#                                                 a static greedy batch cut at every end against its ended rows
-#                                                 held (decode_cuts.py, ~1 minute)
-# benchmarks/README.md says what each should show. New since the fourteenth session's run, to read first: the
-# 61-node fp16 step graphs (device_search's every cell), the arg-max steps launched in blocks of up to 8 (its batch-1
-# greedy graphs cell against 2,088 tok/s), the worker-busy column and the core profile of the beam-1 serving cell.
+#                                                 engine beside Hugging Face generate, fp32 then fp16 (fp32 took
+#                                                 150 s)
+# benchmarks/README.md says what each should show (its sections "On an NVIDIA H200...").
 set -u
 out="${1:-gpu-checks}"
 part="${2:-first}"
@@ -48,13 +48,6 @@ if [ "$part" = generate ]; then
         --batches 1 32 128 --runs 200
     step engine_vs_generate 240 python3 benchmarks/engine_throughput.py --sizes SMALL --provider cuda \
         --precisions fp32 fp16 --batches 1 32 128 --beams 1 4 --repeats 1 --seconds 1 --pause 0
-    if [ -d .gpu/demo-transformer ]; then
-        # a static batch of 128 greedy sentences of mixed lengths: the run cut at every end, against the ended
-        # rows held (the default on a device, seventeenth session)
-        cuts="benchmarks/decode_cuts.py --model-version .gpu/demo-transformer --provider cuda --sentences 128"
-        step decode_cuts_cut 40 python3 $cuts --repeats 5 --no-hold-ended
-        step decode_cuts_held 40 python3 $cuts --repeats 5
-    fi
     exit 0
 fi
 # the device's beam runs, their CUDA graphs and the plain greedy steps, against the CPU
@@ -69,4 +62,11 @@ serve="--marian SMALL --precision fp16 --provider cuda --callers 128 --rates --r
 # wheels): where the core's time goes where the server reached 0.59x its bare engine
 step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1 \
     --profile-core "$out/core-beam1"
+if [ -d .gpu/demo-transformer ]; then
+    # a static batch of 128 greedy sentences of mixed lengths: the run cut at every end, against the ended rows
+    # held (the default on a device, seventeenth session)
+    cuts="benchmarks/decode_cuts.py --model-version .gpu/demo-transformer --provider cuda --sentences 128"
+    step decode_cuts_cut 40 python3 $cuts --repeats 5 --no-hold-ended
+    step decode_cuts_held 40 python3 $cuts --repeats 5
+fi
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4
