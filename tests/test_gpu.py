@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -24,12 +25,13 @@ import onnxruntime as ort
 import pytest
 
 from server.engine.bound_steps import GreedySteps
+from server.engine.decode import RunningDecode
 from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
 from server.engine.device_search import DeviceBeamRun
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
 from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.engine.portable_attention import inline_self_attention, needs_portable_attention
-from server.types import DecodingOptions
+from server.types import DecodingOptions, SentenceRequest
 from tests.test_engine import TEXTS
 
 KERNEL_TIME = "_kernel_time"  # the suffix of a node's name in a profile's kernel events
@@ -156,6 +158,24 @@ def test_plain_greedy_steps_on_cuda_decode_like_the_cpu(cpu, gpu, monkeypatch):
         assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
         assert on_gpu.hypotheses[0].score == pytest.approx(on_cpu.hypotheses[0].score, abs=TOLERANCE)
     assert type(engine.model) in models, "the CUDA decode took the plain steps"
+
+
+@pytest.mark.parametrize("hold", [1e-9, math.inf], ids=["bounded", "to-the-end"])
+def test_held_rows_on_cuda_decode_like_the_cpu(cpu, gpu, hold):
+    """A running decode on CUDA whose ended rows run on unread (continuous batching's bounded hold, a static
+    batch's to the run's end) gives the CPU's tokens and scores, each sentence leaving by then."""
+    engine, requests = gpu["transformer"], [SentenceRequest(cpu["transformer"].tokenize(t), DecodingOptions())
+                                            for t in TEXTS]
+    encoded, sentences, _ = engine.encode(requests)
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=hold)
+    decode.admit(encoded, sentences, range(len(requests)))
+    results = {}
+    while decode.rows:
+        results.update(decode.step(until_leave=True))
+    for i, expected in enumerate(cpu["transformer"].search(requests)):
+        [ours], [theirs] = results[i].hypotheses, expected.hypotheses
+        assert ours.tokens == theirs.tokens
+        assert ours.score == pytest.approx(theirs.score, abs=TOLERANCE)
 
 
 @pytest.mark.parametrize("arch", ["transformer", "bahdanau"])
