@@ -31,7 +31,6 @@ Python is the same on a GPU, the device's runs are not.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -80,12 +79,11 @@ class Clock:
 
 
 def hold_ended(cls: type, hold: bool) -> None:
-    """Every decode of ``cls`` (:class:`server.engine.decode.RunningDecode`) holds its ended rows to the run's
-    end, or cuts."""
+    """Every decode of ``cls`` (:class:`server.engine.decode.RunningDecode`) holds its ended rows, or cuts."""
     init = cls.__init__
 
     def holding(running: decode.RunningDecode, *args, **kwargs) -> None:
-        init(running, *args, **{**kwargs, "hold_ended": math.inf if hold else 0.0})
+        init(running, *args, **{**kwargs, "hold_ended": hold})
 
     cls.__init__ = holding
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -160,14 +159,13 @@ def test_plain_greedy_steps_on_cuda_decode_like_the_cpu(cpu, gpu, monkeypatch):
     assert type(engine.model) in models, "the CUDA decode took the plain steps"
 
 
-@pytest.mark.parametrize("hold", [1e-9, math.inf], ids=["bounded", "to-the-end"])
-def test_held_rows_on_cuda_decode_like_the_cpu(cpu, gpu, hold):
-    """A running decode on CUDA whose ended rows run on unread (continuous batching's bounded hold, a static
-    batch's to the run's end) gives the CPU's tokens and scores, each sentence leaving by then."""
+def test_held_rows_on_cuda_decode_like_the_cpu(cpu, gpu):
+    """A static batch on CUDA, whose ended rows run on unread until the run of plain steps ends
+    (``RunningDecode.hold_ended``, the default on a device), gives the CPU's tokens and scores."""
     engine, requests = gpu["transformer"], [SentenceRequest(cpu["transformer"].tokenize(t), DecodingOptions())
                                             for t in TEXTS]
     encoded, sentences, _ = engine.encode(requests)
-    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=hold)
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
     decode.admit(encoded, sentences, range(len(requests)))
     results = {}
     while decode.rows:

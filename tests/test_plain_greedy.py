@@ -3,7 +3,6 @@ tokens and scores as the general search, with one model run per step and each ro
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
@@ -100,7 +99,7 @@ def test_a_sentence_cancelled_during_plain_steps_leaves_at_the_next_step(engine,
 def held_search(engine: Engine, src: np.ndarray, specs: list[BeamSentence]) -> list:
     """:func:`search` through plain steps that hold an ended sentence's row until every row has ended, and the
     ``RunningDecode.step`` calls it took."""
-    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=math.inf)
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
     decode.admit(engine.model.encode(src), specs, range(len(specs)))
     results, calls = [None] * len(specs), 0
     while decode.rows:
@@ -155,7 +154,7 @@ def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
     reference = search(engine, src, specs, lean=False)
     ends = sorted(len(r.hypotheses[0].tokens) for r in reference)
     assert ends[0] < ends[-1]
-    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=math.inf)
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
     decode.admit(engine.model.encode(src), specs, range(4))
     first = dict(decode.step(until_leave=True, stop=lambda: decode.steps_run > ends[0]))
     assert decode.steps_run == ends[0] + 1 and set(first) == {i for i in range(4) if
@@ -164,33 +163,6 @@ def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
     while decode.rows:
         results.update(decode.step(until_leave=True))
     same_best([results[i] for i in range(4)], reference, exact=False)
-
-
-@pytest.mark.parametrize("hold", [0.0, 1e-9, math.inf], ids=["cut", "bounded", "to-the-end"])
-def test_a_held_sentence_leaves_once_it_has_waited_hold_ended(engine, hold):
-    """Continuous batching's hold on a device: a sentence whose row is held leaves at the first step after it
-    has waited ``hold_ended`` seconds (here: the next step), with the general search's hypothesis, while the
-    others decode on; 0 cuts the run at the step it ended, infinity holds it to the run's end."""
-    src, specs = batch(engine, seed=5, n=5)
-    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
-    reference = search(engine, src, specs, lean=False)
-    ends = [len(r.hypotheses[0].tokens) for r in reference]  # the step at which each chose EOS
-    assert len(set(ends)) > 2
-    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=hold)
-    decode.admit(engine.model.encode(src), specs, range(len(specs)))
-    results, left_at = {}, {}
-    while decode.rows:
-        for index, result in decode.step(until_leave=True):
-            results[index], left_at[index] = result, decode.steps_run
-    same_best([results[i] for i in range(len(specs))], reference, exact=hold == 0.0)
-    left = [left_at[i] for i in range(len(specs))]
-    if hold == 0.0:
-        assert left == ends
-    elif hold == math.inf:
-        assert left == [max(ends)] * len(ends)
-    else:  # at the step it ended where another's wait ended the run then, else at the next
-        assert all(end <= at <= end + 1 for end, at in zip(ends, left, strict=True))
-        assert any(at == end + 1 for end, at in zip(ends, left, strict=True))
 
 
 def test_single_steps_for_a_decode_that_others_join(engine, counted):

@@ -30,11 +30,10 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    ask, 1.12x at 32, in paired runs).
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
-5. On a device, whose step costs the same at any row count, a sentence that ends in plain arg-max steps
-   leaves at the next admission or once it has waited ``max_wait``, whichever comes first, its row running on
-   unread meanwhile (:attr:`RunningDecode.hold_ended`): the sentences that end close together leave in one
-   selection and one move of the rows, as those that arrive close together join in one encoder call
-   (ending the run of plain steps costs the host 0.5-0.9 ms each time; on a CPU it ends at once).
+5. A sentence that ends leaves at once: the decode does not hold its row until later ends, as a static batch
+   on a device does (``RunningDecode.hold_ended``). Held for at most ``max_wait`` so that ends close together
+   left in one selection, it served no more sentences on an H200 (benchmarks/README.md, "On an NVIDIA H200,
+   fourth session").
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after
@@ -79,7 +78,7 @@ from typing import Any
 import numpy as np
 
 from server.core.admission import DecodeLoad, Pending, admit_to_decode, resolve
-from server.engine.decode import RunningDecode, flat_steps
+from server.engine.decode import RunningDecode
 from server.engine.engine import SourceBatch, generated_tokens
 from server.engine.forced import admit, decode, runs_apart
 from server.engine.search import BeamSentence
@@ -105,10 +104,9 @@ OFFER_WAIT_SECONDS = 0.5  # an empty decode waits this long for the answer to it
 class RunningBatch:
     """An engine's running decode of :class:`SentenceRequest` s, driven from the worker thread."""
 
-    def __init__(self, engine: Any, hold_seconds: float = 0.0) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id,
-                                    hold_ended=hold_seconds if flat_steps(engine.model) else 0.0)
+        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
         self.left = 0  # sentences that left so far
         self._offers: queue.SimpleQueue[tuple[list[SentenceRequest], list[Any]]] = queue.SimpleQueue()
         self._asked = False  # an ask is out and its answer not yet taken
@@ -229,7 +227,7 @@ class ContinuousBatcher:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.batch = RunningBatch(scheduler.engine, scheduler.policy.max_wait_seconds)
+        self.batch = RunningBatch(scheduler.engine)
         self._blocked: Pending | None = None  # the queue's head when it last did not fit
         self._left_at = 0  # sentences that had left the decode then
         self._cost_done = 0  # cost of the sentences finished since the rate was last updated
@@ -354,7 +352,7 @@ class ContinuousBatcher:
         module docstring)."""
         s = self.scheduler
         running, s._running = list(s._running), []
-        self.batch = RunningBatch(s.engine, s.policy.max_wait_seconds)
+        self.batch = RunningBatch(s.engine)
         self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         if s.series is not None:
             s.series.running_rows.set(0)

@@ -47,11 +47,9 @@ requires those sentences to be all the decode holds (the static batch); ``first=
 
 Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
 sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
-so their rows are free for the next admission. With ``hold_ended`` (a device, whose step costs the same at
-any row count: :func:`flat_steps`) a sentence that ends in plain arg-max steps leaves when the run of steps
-ends instead, or once it has waited ``hold_ended`` seconds, its row running on unread meanwhile
-(:meth:`RunningDecode._plain_greedy`): the static batch holds it to the run's end (its results come back
-together anyway), continuous batching for at most ``--max-wait-ms``, as a queued sentence waits to join.
+so their rows are free for the next admission. With ``hold_ended`` (the static batch on a device, whose step
+costs the same at any row count) a sentence that ends in plain arg-max steps leaves when the run of steps
+ends instead, its row running on unread meanwhile (:meth:`RunningDecode._plain_greedy`).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
 prefix when it grew (:mod:`server.engine.stable_prefix`).
@@ -93,9 +91,11 @@ def beam_search(
     ``encoded`` holds every static input and the initial value of every state entry, batch first
     (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
     sentence whose ``is_cancelled`` turned true."""
-    # the results come back together at the end of the batch: on a device an ended row runs on to the run's end
+    # a device's step costs the same at any row count: a row that runs on after its sentence ended costs nothing
+    # there, where ending the run costs the host 0.5-0.9 ms (benchmarks/README.md, "decode cuts"); a CPU's step
+    # costs about its rows, and the results come back together at the end of the batch either way
     decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy, plain_beam=plain_beam,
-                           hold_ended=math.inf if flat_steps(model) else 0.0)
+                           hold_ended=getattr(model, "device", "cpu") != "cpu")
     overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
         {} if need_attention is None else {"need_attention": need_attention})
     decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
@@ -135,24 +135,16 @@ class _Sentence:
         return self.spec.is_cancelled is not None and self.spec.is_cancelled()
 
 
-def flat_steps(model: StepModel) -> bool:
-    """Whether ``model``'s decoding step costs about the same at any row count: a device's (a GPU computes
-    hundreds of rows in the time of one), not a CPU's, whose step costs about its rows. There a row that runs
-    on after its sentence ended costs nothing, where ending a run of plain steps for it costs the host
-    0.5-0.9 ms (``nmt bench decode-cuts``, benchmarks/README.md)."""
-    return getattr(model, "device", "cpu") != "cpu"
-
-
 class RunningDecode(PlainSteps, GeneralSelection):
     """A resumable batched search over ``model``: :meth:`admit` sentences, then :meth:`step` until
     :attr:`rows` is 0 (see the module docstring)."""
 
     def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True,
-                 plain_beam: bool = True, hold_ended: float = 0.0) -> None:
+                 plain_beam: bool = True, hold_ended: bool = False) -> None:
         self.model = model
         self.start_id, self.eos_id = start_id, eos_id
-        # seconds a sentence that ended in plain arg-max steps may wait for the run to end, its row running on
-        # unread meanwhile (0: the run ends for it at once; PlainSteps._plain_greedy)
+        # a sentence that ends in plain arg-max steps leaves when the run ends, its row running on unread
+        # meanwhile (PlainSteps._plain_greedy)
         self.hold_ended = hold_ended
         self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
         self.plain_beam = plain_beam and bool(getattr(model, "plain_beam", False))  # False: beam sentences

@@ -19,8 +19,6 @@ scores summed in the same order. None runs for decoding controls, target prefixe
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,18 +66,16 @@ class PlainSteps:
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
         select from as any other; None when every step was quiet.
 
-        With :attr:`hold_ended` (seconds; a device's steps, which cost the same at any row count) a row that
-        chose EOS does not end the run: it runs on unread, and its sentence's hypothesis is made from the books
-        when the run ends (:meth:`_held_results`), that is when every row is held, at the run's last step, at
-        ``stop()``, once the first row held has waited ``hold_ended`` seconds, or at a step that is not quiet
-        for another reason. That step goes to the general selection, where the held sentences leave with
-        their hypotheses."""
+        With :attr:`hold_ended` (a device's steps, which cost the same at any row count) a row that chose EOS
+        does not end the run: it runs on unread, and its sentence's hypothesis is made from the books when the
+        run ends (:meth:`_held_results`), that is when every row is held, at the run's last step, at
+        ``stop()``, or at a step that is not quiet for another reason. That step goes to the general
+        selection, where the held sentences leave with their hypotheses."""
         count = layout.room - self._age if until_leave else 1
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         held: dict[int, int] = {}  # rows whose sentence chose EOS during the run -> the quiet step it chose it at
-        held_until = math.inf  # when the first row held has waited hold_ended
         with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
             left, block = count, 1
             while left:
@@ -97,15 +93,12 @@ class PlainSteps:
                         ending and not self.hold_ended)
                     stopping = not cut and stop is not None and stop()
                     if not cut and (held or ending):  # the held sentences leave when the run ends
-                        cut = stopping or len(held) + ending == self.rows or (not left and step == ran - 1) or (
-                            bool(held) and time.perf_counter() >= held_until)
+                        cut = stopping or len(held) + ending == self.rows or (not left and step == ran - 1)
                     if cut:
                         self._held_results(held, self._quiet_steps(tokens, token_scores))
                         return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
                                           run.eos_log_prob.copy(), None, run.state())
                     if ending:
-                        if not held:
-                            held_until = time.perf_counter() + self.hold_ended
                         held.update((row, len(tokens)) for row, token in enumerate(chosen) if token == self.eos_id)
                     tokens.append(chosen)
                     token_scores.append(chosen_scores)
