@@ -32,6 +32,7 @@ ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BATCHING = ("auto", "static", "continuous")
+ENCODER_OVERLAP = ("auto", "on", "off")
 ENGINES = ("onnx", "null")
 
 
@@ -109,6 +110,12 @@ class ServerConfig:
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
         "falls back to static, with a log line); auto: continuous on CUDA, static on the CPU (where each "
         "measured ahead)", choices=BATCHING)
+    encoder_overlap: str = option(
+        "auto", "continuous batching: run the encoder call of the sentences joining the running decode on a thread "
+        "of its own while the decode steps on, instead of between two steps (on: where the decode's steps leave "
+        "the device idle, a GPU; off: on a CPU the encoder would take the decode's cores); auto: on for CUDA, "
+        "off for the CPU. Off with --cuda-graphs, whose captures another thread's device allocations spoil",
+        choices=ENCODER_OVERLAP)
     max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
                                  "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
@@ -181,6 +188,9 @@ class ServerConfig:
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
         if self.batching not in BATCHING:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
+        if self.encoder_overlap not in ENCODER_OVERLAP:
+            raise NmtError(f"encoder_overlap must be one of {', '.join(ENCODER_OVERLAP)}, "
+                           f"got {self.encoder_overlap!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         if self.engine not in ENGINES:

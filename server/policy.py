@@ -25,6 +25,7 @@ BY_DEVICE = {
 }
 DEVICE_BATCHING = {"cpu": "static", "cuda": "continuous"}  # batching "auto": where each measured no worse
 # (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores)
+DEVICE_ENCODER_OVERLAP = {"cpu": "off", "cuda": "on"}  # encoder_overlap "auto": where a step leaves the device idle
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,15 @@ class BatchPolicy:
     batching: str = "auto"  # "static", "continuous" (server.core.continuous) or "auto": by device
     max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
+    encoder_overlap: str = "auto"  # continuous: "on" encodes joining sentences beside the decode; "auto": by device
 
     def for_device(self, device: str) -> BatchPolicy:
-        """This policy with ``batching`` "auto" and the limits of :data:`BY_DEVICE` left at 0 resolved for
-        ``device`` ("cpu", "cuda:0", ...)."""
+        """This policy with ``batching`` and ``encoder_overlap`` "auto" and the limits of :data:`BY_DEVICE` left at
+        0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
         kind = "cuda" if device.startswith("cuda") else "cpu"
         return replace(self, batching=DEVICE_BATCHING[kind] if self.batching == "auto" else self.batching,
+                       encoder_overlap=DEVICE_ENCODER_OVERLAP[kind] if self.encoder_overlap == "auto"
+                       else self.encoder_overlap,
                        **{name: getattr(self, name) or values[kind] for name, values in BY_DEVICE.items()})
 
     @classmethod
@@ -58,7 +62,7 @@ class BatchPolicy:
                    max_tokens=config.max_tokens, batch_work=config.batch_work,
                    max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
                    batching=config.batching, max_batch_rows=config.max_batch_rows,
-                   decode_tokens=config.decode_tokens)
+                   decode_tokens=config.decode_tokens, encoder_overlap=config.encoder_overlap)
 
 
 class RequestHandle:

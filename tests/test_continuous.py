@@ -441,15 +441,17 @@ def test_the_core_profile_finds_the_core_and_sums_each_threads_samples(tmp_path)
     assert text.index("engine-x-1_0") < text.index("MainThread")
 
 
+@pytest.mark.parametrize("encoded", [False, True], ids=["encoded-by-the-worker", "encoded-ahead"])
 @pytest.mark.parametrize("arch", CONTINUOUS)
-def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arch, engines):
+def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arch, engines, encoded):
     """The continuous scheduler's hand-off (RunningBatch.advance with ``ask``): once ``until()`` holds, the
     worker asks once, with the decode's load, and goes on decoding; the sentences offered from another
-    thread join at the next step; an emptied decode waits for the answer instead of returning, and returns
-    once it is empty with nothing asked. Everyone gets what they get alone."""
+    thread join at the next step, encoded by the worker or already encoded by the thread that offers them
+    (``--encoder-overlap``); an emptied decode waits for the answer instead of returning, and returns once it is
+    empty with nothing asked. Everyone gets what they get alone."""
     import threading
 
-    from server.core.continuous import RunningBatch
+    from server.core.continuous import RunningBatch, encode
 
     engine = engines[arch]
     first = [request(engine, " ".join(WORDS * 2), beam_size=beam) for beam in (1, 4)]
@@ -460,10 +462,15 @@ def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arc
     def deliver(finished):
         delivered.update({tag: result for tag, result in finished})
 
-    def ask(load):  # answered from another thread after a while, as the event loop would
+    def answer() -> None:  # from another thread after a while, as the event loop (or the encoder's thread) would
+        if len(asks) > 1:
+            batch.offer([], [])
+        else:
+            batch.offer(later, ["later-4", "later-1"], encode(engine, later) if encoded else None)
+
+    def ask(load):
         asks.append((load, batch.steps))
-        timer = threading.Timer(0.05, batch.offer, (later, ["later-4", "later-1"]) if len(asks) == 1 else ([], []))
-        timer.start()
+        threading.Timer(0.05, answer).start()
 
     batch.advance(first, ["first-1", "first-4"], lambda: batch.steps >= 2, deliver, ask, reports.append)
     assert batch.decode.rows == 0 and not batch.awaiting
@@ -473,6 +480,21 @@ def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arc
     assert [r.sentences for r in reports][:2] == [2, 2] and sum(r.steps for r in reports) == batch.steps
     for tag, r in requests.items():
         assert_same(delivered[tag], alone(engine, r))
+
+
+def test_an_encoder_error_offered_is_raised_by_the_worker(engines):
+    """An encoder call that failed on the encoder's own thread fails the worker's ``advance`` as its own call
+    would (the scheduler then runs the decode's requests one by one)."""
+    from server.core.continuous import RunningBatch, encode
+
+    engine = engines["transformer"]
+    batch = RunningBatch(engine)
+    bad = SentenceRequest([engine.manifest.dimensions["vocab_size"] + 5], DecodingOptions())  # past the embeddings
+    offered = encode(engine, [bad])
+    assert isinstance(offered, Exception)
+    batch.offer([bad], ["bad"], offered)
+    with pytest.raises(type(offered)):
+        batch.advance([request(engine, "three")], ["first"], lambda: False, lambda finished: None)
 
 
 def test_an_emptied_decode_waits_for_the_answer_and_a_late_one_is_taken_next_time(engines, monkeypatch):

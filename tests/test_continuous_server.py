@@ -134,6 +134,51 @@ def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str
         h.close()
 
 
+@pytest.mark.parametrize("model", ["rnn", "transformer"])
+def test_sentences_encoded_beside_the_decode_equal_one_by_one(mixed_repository: Path, model: str) -> None:
+    """``--encoder-overlap on``: the sentences that join a running decode are encoded on the encoder's own thread
+    while the worker steps on (the offer carries their encoder outputs), and decode as they do alone."""
+    engine = engine_with(mixed_repository / model / "1", delay=0.002)
+    threads = set()
+    encode = engine.model.encode
+
+    def on_which_thread(src: np.ndarray) -> Any:
+        threads.add(threading.current_thread().name.split("_")[0])
+        return encode(src)
+
+    engine.model.encode = on_which_thread
+
+    async def scenario() -> list[Any]:
+        scheduler = continuous(engine, encoder_overlap="on", max_wait_seconds=0.0)
+        scheduler.start()
+        long = asyncio.ensure_future(translate(scheduler, [LONG], long_options(2)))
+        await until(lambda: scheduler._continuous.batch.steps)
+        outcomes = await asyncio.gather(long, *(translate(scheduler, [t], DecodingOptions(beam_size=b))
+                                                for t, b in zip(SHORT, [1, 4, 2, 1], strict=True)))
+        await scheduler.close(timeout=5)
+        return outcomes
+
+    long, *short = asyncio.run(scenario())
+    assert threads == {"engine--", "encoder--"}, "the first sentence encoded by the worker, the joining ones apart"
+    for got, (text, beam) in zip([long, *short], [(LONG, 2), *zip(SHORT, [1, 4, 2, 1], strict=True)], strict=True):
+        options = long_options(beam) if text == LONG else DecodingOptions(beam_size=beam)
+        [alone] = engine.translate([text], options)
+        assert got[0].hypotheses[0].tokens == alone.hypotheses[0].tokens
+        assert got[0].hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
+
+
+def test_no_encoder_thread_beside_cuda_graph_captures(tiny_models: dict[str, Path],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A model that captures CUDA graphs on the worker keeps its encoder calls there, with a log line: a capture
+    is global to the process, and another thread's device allocation during one spoils it."""
+    engine = engine_with(tiny_models["transformer"])
+    engine.model.cuda_graphs = True
+    with caplog.at_level(logging.INFO, logger="nmt.server"):
+        scheduler = continuous(engine, encoder_overlap="on")
+    assert scheduler._continuous._encoder is None
+    assert any(r.getMessage().startswith("encoder overlap is off: --cuda-graphs") for r in caplog.records)
+
+
 class SharedPosition(StepModel):
     """A step model that decodes all rows at one position (as a Transformer exported before the in-place cache)."""
 
@@ -233,14 +278,19 @@ def test_rows_are_bounded_and_reused(tiny_models: dict[str, Path]) -> None:
     assert [r.hypotheses[0].token_ids for r in results] == [a.hypotheses[0].token_ids for a in alone]
 
 
-def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path],
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
+                                                    overlap: str) -> None:
+    """An encoder call that raises fails only its request, whether the worker made it or the encoder's own
+    thread (``--encoder-overlap``): the worker raises it as its own, and the running decode's requests run
+    again one by one."""
     base = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1)
     poison = base.tokenize("nine nine nine nine nine")
     engine = engine_with(tiny_models["bahdanau"], delay=0.005, poison=poison)
 
     async def scenario() -> list[Any]:
-        scheduler = continuous(engine)
+        scheduler = continuous(engine, encoder_overlap=overlap)
+        assert (scheduler._continuous._encoder is not None) == (overlap == "on")
         scheduler.start()
         long = asyncio.ensure_future(translate(scheduler, [LONG], long_options(2)))
         await until(lambda: scheduler._continuous.batch.steps)
@@ -283,6 +333,9 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
     assert ServerConfig.from_env({"NMT_BATCHING": "Continuous"}).batching == "continuous"
     with pytest.raises(Exception, match="batching must be one of"):
         ServerConfig(batching="dynamic").validate()
+    assert ServerConfig.from_env({"NMT_ENCODER_OVERLAP": "off"}).encoder_overlap == "off"
+    with pytest.raises(Exception, match="encoder_overlap must be one of"):
+        ServerConfig(encoder_overlap="always").validate()
     with pytest.raises(Exception, match="max_batch_rows"):
         ServerConfig(max_batch_rows=4, max_beam=8).validate()
     with pytest.raises(Exception, match="decode_tokens"):
@@ -301,6 +354,8 @@ def test_auto_batching_rows_and_budgets_follow_the_device() -> None:
             on_cpu.decode_tokens) == ("static", 32, 4096, 16384, 65536)
     assert (on_cuda.batching, on_cuda.max_batch_rows, on_cuda.batch_tokens, on_cuda.batch_work,
             on_cuda.decode_tokens) == ("continuous", 512, 32768, 262144, 262144)
+    assert (on_cpu.encoder_overlap, on_cuda.encoder_overlap) == ("off", "on")
+    assert BatchPolicy(encoder_overlap="off").for_device("cuda:0").encoder_overlap == "off"
     assert on_cuda.for_device("cpu") == on_cuda  # resolved once, for good
     explicit = BatchPolicy(batching="static", max_batch_rows=64, batch_tokens=1000, batch_work=2000,
                            decode_tokens=3000).for_device("cuda:0")

@@ -181,6 +181,8 @@ class ModelScheduler:
         for pending in left:
             resolve(pending, error=Unavailable("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._continuous is not None:
+            self._continuous.close()
 
     async def _wait_idle(self) -> None:
         while self._queue or self._running:

@@ -56,7 +56,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         super().__init__(manifest, sessions, weights)
         self.device, self.device_id = device, device_id  # where every OrtValue of the decode is made and bound
         self._device_search = device_search  # beam search's selection on the device (device_beam)
-        self._cuda_graphs = cuda_graphs
+        self.cuda_graphs = cuda_graphs  # keep runs for CUDA graphs (their captures are global to the process)
         self.capture = GraphCapture(
             "" if "decoder_graphs" in sessions else
             "the sessions run on the CPU provider" if device == "cpu" else "no graph-enabled decoder session")
@@ -155,10 +155,10 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         and ``state`` at ``positions`` (int64 [R]), the in-place buffers with room for all of them. With
         ``cuda_graphs``, in a run of their shapes' bucket, kept one or new, that copies them in and out and is kept
         again at the end; without, in a run that reads and writes the decode's own buffers."""
-        if not self._cuda_graphs and self.positions:  # the run reads the decode's buffers: room in them first
+        if not self.cuda_graphs and self.positions:  # the run reads the decode's buffers: room in them first
             state = self._reserve(state, int(positions.max()) + steps + 1)
         shapes = self._run_shapes(beam, eos_id, start_id, books, quotas, static, state, positions, k, steps)
-        with self._kept(shapes, lambda: self._new_run(shapes, None if self._cuda_graphs else (static, state))) as run:
+        with self._kept(shapes, lambda: self._new_run(shapes, None if self.cuda_graphs else (static, state))) as run:
             run.start(books, penalties, quotas, static, state, positions if self.positions else None)
             yield run
 
@@ -179,7 +179,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         the number of sentences, the source length, the cache's capacity and the history's length rounded up to
         their bucket (:func:`server.engine.cuda_graphs.bucket`), so that runs of nearby shapes share one kept run
         and its graphs (without, padding would only cost: 0.85-0.92x on the CPU's device path)."""
-        rounded = self._cuda_graphs
+        rounded = self.cuda_graphs
         length, sentences = books.history.shape[1], len(books.steps)
         if rounded:
             length, sentences = bucket(length), bucket(sentences, floor=1)
@@ -198,7 +198,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
             if name in self.buffers:  # room for the run's steps
                 axis = self.buffers[name].capacity_axis
                 shape[axis] = max(shape[axis], needed)
-            return bucketed_shape(shape, self._dims.get(name)) if self._cuda_graphs else tuple(shape)
+            return bucketed_shape(shape, self._dims.get(name)) if self.cuda_graphs else tuple(shape)
 
         return (tuple((name, shape_of(name, value), value.data_type()) for name, value in static.items()),
                 tuple((name, shape_of(name, value, needed), value.data_type()) for name, value in state.items()
@@ -210,7 +210,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         """:meth:`OnnxStepModel.greedy_steps`; with ``cuda_graphs``, in a run of the rows' and shapes' bucket
         (:class:`server.engine.device_greedy.DeviceGreedyRun`, kept one or new, its step graph's runs naming a graph
         of its own where they can capture), kept again at the end."""
-        if not self._cuda_graphs:
+        if not self.cuda_graphs:
             with super().greedy_steps(tokens, static, state, positions, steps) as run:
                 yield run
             return
@@ -235,7 +235,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         """A run made for ``shapes``: on the graph-enabled sessions with graph ids of its own where runs capture,
         else on the ordinary sessions (``cuda_graphs`` says once why it does not capture); ``borrowed``: the
         decode's static inputs and state, which a run that is not kept reads where they are."""
-        graphs = self.capture.enabled and self._cuda_graphs
+        graphs = self.capture.enabled and self.cuda_graphs
         if graphs:
             try:
                 sessions = self._run_sessions(shapes, graphs=True)
@@ -243,7 +243,7 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
                 self.capture.failed(shapes, error)  # a graph-enabled session that did not open: ordinary runs
                 graphs = False
         if not graphs:
-            if self._cuda_graphs:
+            if self.cuda_graphs:
                 self.capture.unavailable()
             return DeviceBeamRun(self, shapes, self._run_sessions(shapes, graphs=False), [None, None],
                                  borrowed=borrowed)
