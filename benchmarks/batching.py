@@ -18,7 +18,8 @@ flight nearly all the time), and the server's mean decoder rows: for continuous 
 ``nmt_running_rows`` sampled every 50 ms while the cell runs, for static batching the mean batch size
 (sentences x beam) from ``nmt_batch_size_sentences``; and how busy the server's inference worker was (its
 ``nmt_inference_duration_seconds``, encoder calls and runs of steps, over the cell's time) with its encoder
-calls a second (static: batches; continuous: admissions). A worker busy nearly all the time bounds the server
+calls a second (static: batches; continuous: admissions; with ``--encoder-overlap`` the encoder calls run beside
+the steps, so it passes 100 %). A worker busy nearly all the time bounds the server
 by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Then the ratios
 continuous / static the targets
 are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same

@@ -9,6 +9,7 @@ by default and in these tests), so scores and attention are compared within 1e-3
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from server.core.scheduler import ModelScheduler
 from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode
 from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
@@ -30,6 +32,8 @@ from server.engine.device_search import DeviceBeamRun
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
 from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
 from server.engine.portable_attention import inline_self_attention, needs_portable_attention
+from server.frontend.translate import translate_texts
+from server.policy import BatchPolicy
 from server.types import DecodingOptions, SentenceRequest
 from tests.test_engine import TEXTS
 
@@ -242,6 +246,31 @@ def test_device_memory_levels_off(gpu):
         engine.translate([longest] * 32, options)
         levels.append(_device_memory_mib())
     assert max(levels[2:]) <= levels[1], f"device memory still grows after the second batch: {levels}"
+
+
+def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(cpu, gpu):
+    """The default on CUDA: continuous batching with the joining sentences encoded on a thread of their own
+    (``--encoder-overlap``), the encoder's session running beside the decoder's; every sentence decodes as
+    on the CPU alone."""
+    engine = gpu["transformer"]
+    scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=0.0))
+    assert scheduler.batching == "continuous" and scheduler._continuous._encoder is not None
+    texts = [text for _ in range(4) for text in TEXTS]
+    options = DecodingOptions(beam_size=2)
+
+    async def scenario() -> list:
+        scheduler.start()
+        calls = []
+        for text in texts:  # arriving while the first ones decode
+            calls.append(asyncio.ensure_future(translate_texts(engine.text, scheduler.submit, [text], options)))
+            await asyncio.sleep(0.002)
+        results = await asyncio.gather(*calls)
+        await scheduler.close(timeout=10)
+        return results
+
+    for got, expected in zip(asyncio.run(scenario()), cpu["transformer"].translate(texts, options), strict=True):
+        assert got[0].hypotheses[0].token_ids == expected.hypotheses[0].token_ids
+        assert got[0].hypotheses[0].score == pytest.approx(expected.hypotheses[0].score, abs=TOLERANCE)
 
 
 def test_two_versions_translating_concurrently_match_one_after_the_other(tiny_models, tmp_path):
