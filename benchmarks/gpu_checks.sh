@@ -9,23 +9,23 @@
 #   call 1, carry .gpu/ort.tar.xz.part-aa .gpu/parts.sha256 .gpu/remote-install.sh .gpu/wheels:
 #     sh .gpu/remote-install.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 #   call 2 at once (the host gives a machine back after 30 idle seconds), carry .gpu/ort.tar.xz.part-ab
-#   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py .gpu/demo-transformer, timeout 580:
+#   .gpu/parts.sha256 .gpu/remote-install.sh .gpu/remote-env.py, timeout 580:
 #     sh .gpu/remote-install.sh && eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT"
-#   call 3 at once, where device time is left, carry .gpu/remote-env.py:
+#   call 3 at once, where device time is left, carry .gpu/remote-env.py .gpu/demo-transformer:
 #     eval "$(python3 .gpu/remote-env.py)" && sh benchmarks/gpu_checks.sh "$OUT" generate
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
 # stop the next, and the steps go in the order of what the open issues need most, so that a call cut short loses
 # the least:
-#   sh benchmarks/gpu_checks.sh "$OUT"            about 9 minutes: tests/test_gpu.py; the device's search and its
+#   sh benchmarks/gpu_checks.sh "$OUT"            about 8 minutes: tests/test_gpu.py; the device's search and its
 #                                                 CUDA graphs (issue 32's tok/s cells); the server against its bare
 #                                                 engine at 128 callers, beam 1, its core profiled (issue 31's
-#                                                 unmet GPU cell); with .gpu/demo-transformer, a static greedy
-#                                                 batch cut at every end against its ended rows held
-#                                                 (decode_cuts.py); the serving cell at beam 4
-#   sh benchmarks/gpu_checks.sh "$OUT" generate   about 4 minutes: one layer's attention with cache indirection
+#                                                 unmet GPU cell), then again with --encoder-overlap off; the
+#                                                 serving cell at beam 4
+#   sh benchmarks/gpu_checks.sh "$OUT" generate   about 5 minutes: one layer's attention with cache indirection
 #                                                 against the in-place kind (cache_reorder.py, seconds); the
 #                                                 engine beside Hugging Face generate, fp32 then fp16 (fp32 took
-#                                                 150 s)
+#                                                 150 s); with .gpu/demo-transformer, a static greedy batch cut
+#                                                 at every end against its ended rows held (decode_cuts.py)
 # benchmarks/README.md says what each should show (its sections "On an NVIDIA H200...").
 set -u
 out="${1:-gpu-checks}"
@@ -48,6 +48,13 @@ if [ "$part" = generate ]; then
         --batches 1 32 128 --runs 200
     step engine_vs_generate 240 python3 benchmarks/engine_throughput.py --sizes SMALL --provider cuda \
         --precisions fp32 fp16 --batches 1 32 128 --beams 1 4 --repeats 1 --seconds 1 --pause 0
+    if [ -d .gpu/demo-transformer ]; then
+        # a static batch of 128 greedy sentences of mixed lengths: the run cut at every end, against the ended rows
+        # held (the default on a device, seventeenth session)
+        cuts="benchmarks/decode_cuts.py --model-version .gpu/demo-transformer --provider cuda --sentences 128"
+        step decode_cuts_cut 40 python3 $cuts --repeats 5 --no-hold-ended
+        step decode_cuts_held 40 python3 $cuts --repeats 5
+    fi
     exit 0
 fi
 # the device's beam runs, their CUDA graphs and the plain greedy steps, against the CPU
@@ -59,14 +66,11 @@ step device_search 90 python3 benchmarks/device_search.py --size SMALL --precisi
 # each server against its bare engine, SMALL fp16, 2 front-ends, 128 callers, the budgets that follow the device
 serve="--marian SMALL --precision fp16 --provider cuda --callers 128 --rates --requests 1024 --repeats 1 --single 10 --frontends 2"
 # the beam-1 cell with each server's engine core sampled by py-spy (benchmarks/core_profile.py; py-spy from the
-# wheels): where the core's time goes where the server reached 0.59x its bare engine
+# wheels): where the core's time goes where the server reached 0.52-0.59x its bare engine
 step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1 \
     --profile-core "$out/core-beam1"
-if [ -d .gpu/demo-transformer ]; then
-    # a static batch of 128 greedy sentences of mixed lengths: the run cut at every end, against the ended rows
-    # held (the default on a device, seventeenth session)
-    cuts="benchmarks/decode_cuts.py --model-version .gpu/demo-transformer --provider cuda --sentences 128"
-    step decode_cuts_cut 40 python3 $cuts --repeats 5 --no-hold-ended
-    step decode_cuts_held 40 python3 $cuts --repeats 5
-fi
+# the same cell with the joining sentences encoded on the decode's thread, as before the eighteenth session: what
+# --encoder-overlap (on by default on CUDA) bought
+step batching_beam1_no_overlap 120 python3 benchmarks/batching.py $serve --beam-size 1 \
+    --serve-args "--encoder-overlap off"
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4
