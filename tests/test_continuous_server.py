@@ -167,6 +167,18 @@ def test_sentences_encoded_beside_the_decode_equal_one_by_one(mixed_repository: 
         assert got[0].hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
 
 
+def test_after_shutdown_the_worker_encodes_what_joins(tiny_models: dict[str, Path]) -> None:
+    """Once the encoder's thread has stopped (the scheduler closing), an answer still reaches the worker: the
+    sentences as they are, for it to encode."""
+    scheduler = continuous(engine_with(tiny_models["transformer"]), encoder_overlap="on")
+    batcher = scheduler._continuous
+    batcher.close()
+    sentence = SentenceRequest([5, 6], DecodingOptions())
+    pending = Pending(RequestHandle(), sentence, 3, 1, None, 0.0, 0)  # type: ignore[arg-type]
+    batcher._answer(batcher.batch, [pending])
+    assert batcher.batch._offers.get_nowait() == ([sentence], [pending], None)
+
+
 def test_no_encoder_thread_beside_cuda_graph_captures(tiny_models: dict[str, Path],
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A model that captures CUDA graphs on the worker keeps its encoder calls there, with a log line: a capture

@@ -336,15 +336,21 @@ class ContinuousBatcher:
     def _offer(self, load: DecodeLoad) -> None:
         """Answer the worker's ask: admit what fits in the decode holding ``load`` (on the event loop)."""
         admitted: list[Pending] = []
-        batch = self.batch
+        batch = self.batch  # the answer goes to the batch that asked, even if a failure replaces it meanwhile
         try:
             admitted = self._admit(load)
         finally:  # always an answer: the worker waits for it once its decode is empty
-            requests = [p.sentence for p in admitted]
-            if admitted and self._encoder is not None:  # to the batch that asked, even if a failure replaced it
+            self._answer(batch, admitted)
+
+    def _answer(self, batch: RunningBatch, admitted: list[Pending]) -> None:
+        """Offer ``admitted`` to ``batch``: encoded first on the encoder's thread (``--encoder-overlap``), or as
+        they are, for the worker to encode (also once that thread has stopped, at shutdown)."""
+        requests = [p.sentence for p in admitted]
+        if admitted and self._encoder is not None:
+            with contextlib.suppress(RuntimeError):  # shut down: no new work
                 self._encoder.submit(lambda: batch.offer(requests, admitted, encode(batch.engine, requests)))
-            else:
-                batch.offer(requests, admitted)
+                return
+        batch.offer(requests, admitted)
 
     def _deliver(self, finished: Finished) -> None:
         """Resolve the sentences that left the decode (on the event loop, as soon as they left)."""
