@@ -34,9 +34,9 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
 5. A sentence that ends leaves at once: the decode does not hold its row until later ends, as a static batch
-   on a device does (``RunningDecode.hold_ended``). Held for at most ``max_wait`` so that ends close together
-   left in one selection, it served no more sentences on an H200 (benchmarks/README.md, "On an NVIDIA H200,
-   fourth session").
+   on a device does (``RunningDecode.hold_ended``). Holding it for at most ``max_wait``, so that ends close
+   together leave in one selection, served no more sentences on an H200 (benchmarks/README.md, "On an NVIDIA
+   H200, fourth session").
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after
