@@ -26,7 +26,8 @@
 #                                                 engine beside Hugging Face generate, fp32 then fp16 (fp32 took
 #                                                 150 s); with .gpu/demo-transformer, a static greedy batch cut
 #                                                 at every end against its ended rows held (decode_cuts.py)
-# benchmarks/README.md says what each should show (its sections "On an NVIDIA H200...").
+# benchmarks/README.md says what each should show (its sections "On an NVIDIA H200..."). A call of its own for a
+# few GPU tests (`pytest tests/test_gpu.py -k ...`) needs 130 s or more: the tiny models are trained first.
 set -u
 out="${1:-gpu-checks}"
 part="${2:-first}"
