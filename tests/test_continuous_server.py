@@ -80,8 +80,8 @@ class StepModel:
         return self.model.concat_rows(first, second)
 
 
-def engine_with(version_dir: Path, **model_options: Any) -> Engine:
-    base = Engine.load(version_dir, provider="cpu", intra_op_threads=1)
+def engine_with(version_dir: Path, device_state: bool = False, **model_options: Any) -> Engine:
+    base = Engine.load(version_dir, provider="cpu", intra_op_threads=1, device_state=device_state)
     return Engine(base.manifest, base.tokenizer, StepModel(base.model, **model_options), base.provider)
 
 
@@ -134,11 +134,14 @@ def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str
         h.close()
 
 
-@pytest.mark.parametrize("model", ["rnn", "transformer"])
-def test_sentences_encoded_beside_the_decode_equal_one_by_one(mixed_repository: Path, model: str) -> None:
+@pytest.mark.parametrize(("model", "device_state"), [("rnn", False), ("transformer", False), ("transformer", True)],
+                         ids=["rnn", "transformer", "transformer-device-state"])
+def test_sentences_encoded_beside_the_decode_equal_one_by_one(mixed_repository: Path, model: str,
+                                                              device_state: bool) -> None:
     """``--encoder-overlap on``: the sentences that join a running decode are encoded on the encoder's own thread
-    while the worker steps on (the offer carries their encoder outputs), and decode as they do alone."""
-    engine = engine_with(mixed_repository / model / "1", delay=0.002)
+    while the worker steps on (the offer carries their encoder outputs: ``OrtValue`` s where the state is kept
+    as on a device), and decode as they do alone."""
+    engine = engine_with(mixed_repository / model / "1", device_state=device_state, delay=0.002)
     threads = set()
     encode = engine.model.encode
 
