@@ -23,9 +23,13 @@ BY_DEVICE = {
     "batch_work": {"cpu": 16384, "cuda": 262144},
     "decode_tokens": {"cpu": 65536, "cuda": 262144},
 }
-DEVICE_BATCHING = {"cpu": "static", "cuda": "continuous"}  # batching "auto": where each measured no worse
-# (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores)
-DEVICE_ENCODER_OVERLAP = {"cpu": "off", "cuda": "on"}  # encoder_overlap "auto": where a step leaves the device idle
+# The choices whose "auto" (the server's default) means "by the device". batching: where each measured no worse
+# (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores);
+# encoder_overlap: where a decoding step leaves the device idle enough to run the encoder beside it.
+AUTO_BY_DEVICE = {
+    "batching": {"cpu": "static", "cuda": "continuous"},
+    "encoder_overlap": {"cpu": "off", "cuda": "on"},
+}
 
 
 @dataclass(frozen=True)
@@ -46,12 +50,11 @@ class BatchPolicy:
     encoder_overlap: str = "auto"  # continuous: "on" encodes joining sentences beside the decode; "auto": by device
 
     def for_device(self, device: str) -> BatchPolicy:
-        """This policy with ``batching`` and ``encoder_overlap`` "auto" and the limits of :data:`BY_DEVICE` left at
-        0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
+        """This policy with the choices of :data:`AUTO_BY_DEVICE` left "auto" and the limits of :data:`BY_DEVICE` left
+        at 0 resolved for ``device`` ("cpu", "cuda:0", ...)."""
         kind = "cuda" if device.startswith("cuda") else "cpu"
-        return replace(self, batching=DEVICE_BATCHING[kind] if self.batching == "auto" else self.batching,
-                       encoder_overlap=DEVICE_ENCODER_OVERLAP[kind] if self.encoder_overlap == "auto"
-                       else self.encoder_overlap,
+        return replace(self, **{name: values[kind] if getattr(self, name) == "auto" else getattr(self, name)
+                                for name, values in AUTO_BY_DEVICE.items()},
                        **{name: getattr(self, name) or values[kind] for name, values in BY_DEVICE.items()})
 
     @classmethod

@@ -107,6 +107,7 @@ class Progress:
 Finished = list[tuple[Any, "SearchResult | None"]]  # (tag, search result or None if cancelled)
 # sentences encoded before they were offered: Engine.encode's outputs and its seconds, or the error it raised
 Encoded = tuple[tuple[dict, list[BeamSentence], SourceBatch], float] | Exception
+Offer = tuple[list[SentenceRequest], list[Any], Encoded | None]  # an answer to the ask: requests, tags, encoded
 OFFER_WAIT_SECONDS = 0.5  # an empty decode waits this long for the answer to its ask, then returns
 
 
@@ -117,7 +118,7 @@ class RunningBatch:
         self.engine = engine
         self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
         self.left = 0  # sentences that left so far
-        self._offers: queue.SimpleQueue[tuple[list[SentenceRequest], list[Any], Encoded | None]] = queue.SimpleQueue()
+        self._offers: queue.SimpleQueue[Offer] = queue.SimpleQueue()
         self._asked = False  # an ask is out and its answer not yet taken
 
     @property
@@ -184,7 +185,7 @@ class RunningBatch:
         """When plain greedy steps should stop: the answer to the ask came, or (none out) ``until()``."""
         return lambda: not self._offers.empty() if self._asked else until()
 
-    def _take(self) -> tuple[list[SentenceRequest], list[Any], Encoded | None]:
+    def _take(self) -> Offer:
         self._asked = False
         return self._offers.get_nowait()
 
