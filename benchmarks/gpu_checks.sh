@@ -16,11 +16,12 @@
 # Each step's log goes to the folder given (default: gpu-checks/); a step that fails or runs out of time does not
 # stop the next, and the steps go in the order of what the open issues need most, so that a call cut short loses
 # the least:
-#   sh benchmarks/gpu_checks.sh "$OUT"            about 9 minutes: tests/test_gpu.py; the device's search and its
+#   sh benchmarks/gpu_checks.sh "$OUT"            about 10 minutes: tests/test_gpu.py; the device's search and its
 #                                                 CUDA graphs (issue 32's tok/s cells); the server against its bare
 #                                                 engine at 128 callers, beam 1, its core profiled (issue 31's
-#                                                 unmet GPU cell), then again with --encoder-overlap off; the
-#                                                 serving cell at beam 4; the beam-1 cell with --cuda-graphs
+#                                                 unmet GPU cell), then again with --encoder-overlap off, then
+#                                                 with --hold-ended; the serving cell at beam 4; the beam-1 cell
+#                                                 with --cuda-graphs
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 5 minutes: one layer's attention with cache indirection
 #                                                 against the in-place kind (cache_reorder.py, seconds); the
 #                                                 engine beside Hugging Face generate, fp32 then fp16 (fp32 took
@@ -74,6 +75,9 @@ step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1 \
 # --encoder-overlap (on by default on CUDA) bought
 step batching_beam1_no_overlap 120 python3 benchmarks/batching.py $serve --beam-size 1 \
     --serve-args "--encoder-overlap off"
+# the beam-1 cell with --hold-ended (nineteenth session, off by default until this measures it): sentences that end
+# between two admissions leave the decode in one cut, each handed to its caller at the step it ended
+step batching_beam1_hold 120 python3 benchmarks/batching.py $serve --beam-size 1 --serve-args=--hold-ended
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4
 # last, where the call's time allows: the beam-1 cell with the server's steps captured as CUDA graphs (its encoder
 # calls back on the worker: --cuda-graphs turns the overlap off), against the two beam-1 cells above

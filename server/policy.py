@@ -48,6 +48,7 @@ class BatchPolicy:
     max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
     encoder_overlap: str = "auto"  # continuous: "on" encodes joining sentences beside the decode; "auto": by device
+    hold_ended: bool = False  # continuous: an ended sentence's row runs on unread until the run of plain steps ends
 
     def for_device(self, device: str) -> BatchPolicy:
         """This policy with the choices of :data:`AUTO_BY_DEVICE` left "auto" and the limits of :data:`BY_DEVICE` left
@@ -65,7 +66,8 @@ class BatchPolicy:
                    max_tokens=config.max_tokens, batch_work=config.batch_work,
                    max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
                    batching=config.batching, max_batch_rows=config.max_batch_rows,
-                   decode_tokens=config.decode_tokens, encoder_overlap=config.encoder_overlap)
+                   decode_tokens=config.decode_tokens, encoder_overlap=config.encoder_overlap,
+                   hold_ended=config.hold_ended)
 
 
 class RequestHandle:

@@ -6,6 +6,7 @@ cannot decode rows at different steps falls back to static batching."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import shutil
@@ -251,6 +252,36 @@ def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[
     assert len(long.hypotheses[0].token_ids) >= MIN_LENGTH
 
 
+def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Path]) -> None:
+    """``--hold-ended``: a sentence that ends in a run of plain arg-max steps goes to its caller from the step it
+    ended (the decode's ``on_ended``) while its row runs on to the run's end; every translation equals the
+    sentence's lone decode."""
+    engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)
+    texts = [*SHORT, LONG, *SHORT[::-1], "five six seven eight nine ten one two"]
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        scheduler = continuous(engine, hold_ended=True, max_wait_seconds=0.0)
+        scheduler.start()
+        decode, handed = scheduler._continuous.batch.decode, []
+        deliver = decode.on_ended
+
+        def recorded(ended: list[Any]) -> None:
+            handed.extend(ended)
+            deliver(ended)
+
+        decode.on_ended = recorded
+        outcomes = await asyncio.gather(*(translate(scheduler, [text], DecodingOptions()) for text in texts))
+        await scheduler.close(timeout=5)
+        return outcomes, handed
+
+    outcomes, handed = asyncio.run(scenario())
+    assert handed, "some sentences ended in plain steps that held their rows"
+    for [got], text in zip(outcomes, texts, strict=True):
+        [alone] = engine.translate([text], DecodingOptions())
+        assert got.hypotheses[0].token_ids == alone.hypotheses[0].token_ids
+        assert got.hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
+
+
 def test_cancelled_and_expired_requests_free_their_rows(tiny_models: dict[str, Path]) -> None:
     engine = engine_with(tiny_models["bahdanau"], delay=0.01)
 
@@ -351,6 +382,10 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
     assert ServerConfig.from_env({"NMT_ENCODER_OVERLAP": "off"}).encoder_overlap == "off"
     with pytest.raises(Exception, match="encoder_overlap must be one of"):
         ServerConfig(encoder_overlap="always").validate()
+    assert ServerConfig().hold_ended is False and ServerConfig.from_env({"NMT_HOLD_ENDED": "1"}).hold_ended
+    parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(parser, environ={})
+    assert BatchPolicy.from_config(ServerConfig.from_args(parser.parse_args(["--hold-ended"]))).hold_ended
     with pytest.raises(Exception, match="max_batch_rows"):
         ServerConfig(max_batch_rows=4, max_beam=8).validate()
     with pytest.raises(Exception, match="decode_tokens"):

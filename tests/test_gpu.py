@@ -248,15 +248,16 @@ def test_device_memory_levels_off(gpu):
     assert max(levels[2:]) <= levels[1], f"device memory still grows after the second batch: {levels}"
 
 
-def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(cpu, gpu):
+@pytest.mark.parametrize(("beam", "hold"), [(2, False), (1, True)], ids=["beam-2", "greedy-held"])
+def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(beam, hold, cpu, gpu):
     """The default on CUDA: continuous batching with the joining sentences encoded on a thread of their own
-    (``--encoder-overlap``), the encoder's session running beside the decoder's; every sentence decodes as
-    on the CPU alone."""
+    (``--encoder-overlap``), the encoder's session running beside the decoder's; greedy also with ``--hold-ended``
+    (ended rows running on unread on the device); every sentence decodes as on the CPU alone."""
     engine = gpu["transformer"]
-    scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=0.0))
+    scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=0.0, hold_ended=hold))
     assert scheduler.batching == "continuous" and scheduler._continuous._encoder is not None
     texts = [text for _ in range(4) for text in TEXTS]
-    options = DecodingOptions(beam_size=2)
+    options = DecodingOptions(beam_size=beam)
 
     async def scenario() -> list:
         scheduler.start()

@@ -165,6 +165,35 @@ def test_held_sentences_leave_when_the_caller_stops_the_run(engine):
     same_best([results[i] for i in range(4)], reference, exact=False)
 
 
+def test_held_sentences_are_handed_out_at_the_step_they_end(engine):
+    """With ``on_ended`` (continuous batching) a held sentence's result goes out at the step its row chose EOS,
+    equal to the general search's, while its row runs on unread to the end of the run; the decode does not
+    return it again. A sentence handed out holds no rows for admission."""
+    src, specs = batch(engine, seed=4, n=6)
+    specs = [BeamSentence(s.source_length, max_length=256) for s in specs]
+    reference = search(engine, src, specs, lean=False)
+    handed: dict[int, tuple[int, object]] = {}  # sentence -> (steps run when it went out, result)
+    reserved = []
+
+    def on_ended(ended: list) -> None:
+        for index, result in ended:
+            handed[index] = (decode.steps_run, result)
+        reserved.append(decode.reserved_rows)
+
+    decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True,
+                           on_ended=on_ended)
+    decode.admit(engine.model.encode(src), specs, range(6))
+    returned = {}
+    while decode.rows:
+        returned.update(decode.step(until_leave=True))
+    assert len(handed) >= 3 and not set(handed) & set(returned) and len(handed) + len(returned) == 6
+    results = {**returned, **{i: result for i, (_, result) in handed.items()}}
+    same_best([results[i] for i in range(6)], reference, exact=False)
+    for i, (steps, _) in handed.items():
+        assert steps == len(reference[i].hypotheses[0].tokens), "handed out at the step it ended"
+    assert reserved == sorted(reserved, reverse=True) and reserved[-1] < 6
+
+
 def test_single_steps_for_a_decode_that_others_join(engine, counted):
     """Without ``until_leave`` (continuous batching) a plain step is one step: sentences join between them."""
     src, specs = batch(engine, seed=3, n=2)

@@ -33,10 +33,13 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    ask, 1.12x at 32, in paired runs).
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
-5. A sentence that ends leaves at once: the decode does not hold its row until later ends, as a static batch
-   on a device does (``RunningDecode.hold_ended``). Holding it for at most ``max_wait``, so that ends close
-   together leave in one selection, served no more sentences on an H200 (benchmarks/README.md, "On an NVIDIA
-   H200, fourth session").
+5. A sentence that ends leaves at once, by default. With ``--hold-ended`` (``BatchPolicy.hold_ended``) one that
+   ends in a run of plain arg-max steps gets its result at once (the decode's ``on_ended``) while its row runs on
+   unread until the run ends, which an admission's ``stop()`` does: the sentences that end between two admissions
+   leave the decode in one selection and one move of the rows, as a static batch on a device leaves them
+   (``RunningDecode.hold_ended``), and a held sentence's rows do not count against the next admission. Holding
+   the result too, for at most ``max_wait``, served no more sentences on an H200 (benchmarks/README.md, "On an
+   NVIDIA H200, fourth session"); handing it out at once is not yet measured on one.
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after
@@ -114,9 +117,11 @@ OFFER_WAIT_SECONDS = 0.5  # an empty decode waits this long for the answer to it
 class RunningBatch:
     """An engine's running decode of :class:`SentenceRequest` s, driven from the worker thread."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, hold_ended: bool = False) -> None:
         self.engine = engine
-        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
+        self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id,
+                                    hold_ended=hold_ended, on_ended=self._ended if hold_ended else None)
+        self._deliver: Callable[[Finished], None] | None = None  # the current advance's
         self.left = 0  # sentences that left so far
         self._offers: queue.SimpleQueue[Offer] = queue.SimpleQueue()
         self._asked = False  # an ask is out and its answer not yet taken
@@ -151,6 +156,7 @@ class RunningBatch:
         sentences offered join at the next step, and the decode returns only once it is empty and no answer
         is due within ``OFFER_WAIT_SECONDS``. ``report`` gets each stretch's :class:`Progress`."""
         engine, stop = self.engine, self._stop(until)
+        self._deliver = deliver
         try:
             progress = self._join(requests, tags, None, deliver)
             while True:
@@ -180,6 +186,11 @@ class RunningBatch:
             if exhausted is None:
                 raise
             raise exhausted from error
+
+    def _ended(self, ended: list[tuple[Any, SearchResult]]) -> None:
+        """Deliver the sentences whose rows the decode holds after they ended (its ``on_ended``)."""
+        self.left += len(ended)
+        self._deliver([(tag, result) for (tag, _request), result in ended])
 
     def _stop(self, until: Callable[[], bool]) -> Callable[[], bool]:
         """When plain greedy steps should stop: the answer to the ask came, or (none out) ``until()``."""
@@ -251,7 +262,7 @@ class ContinuousBatcher:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.batch = RunningBatch(scheduler.engine)
+        self.batch = RunningBatch(scheduler.engine, scheduler.policy.hold_ended)
         self._blocked: Pending | None = None  # the queue's head when it last did not fit
         self._left_at = 0  # sentences that had left the decode then
         self._cost_done = 0  # cost of the sentences finished since the rate was last updated
@@ -405,7 +416,7 @@ class ContinuousBatcher:
         module docstring)."""
         s = self.scheduler
         running, s._running = list(s._running), []
-        self.batch = RunningBatch(s.engine)
+        self.batch = RunningBatch(s.engine, s.policy.hold_ended)
         self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         if s.series is not None:
             s.series.running_rows.set(0)

@@ -47,9 +47,11 @@ requires those sentences to be all the decode holds (the static batch); ``first=
 
 Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
 sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
-so their rows are free for the next admission. With ``hold_ended`` (the static batch on a device, whose step
-costs the same at any row count) a sentence that ends in plain arg-max steps leaves when the run of steps
-ends instead, its row running on unread meanwhile (:meth:`RunningDecode._plain_greedy`).
+so their rows are free for the next admission. With ``hold_ended`` (a device, whose step costs the same at
+any row count) a sentence that ends in plain arg-max steps leaves when the run of steps ends instead, its row
+running on unread meanwhile (:meth:`RunningDecode._plain_greedy`): the static batch's results come back
+together at its end anyway, and continuous batching hands each such sentence's result to ``on_ended`` at the
+step it ended, so its caller does not wait for the run's end (the next admission, in practice).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
 prefix when it grew (:mod:`server.engine.stable_prefix`).
@@ -126,6 +128,7 @@ class _Sentence:
     finished: list[ScoredSequence] = field(default_factory=list)
     stable: int = 0  # tokens of its stable prefix reported so far (spec.on_stable)
     ended: SearchResult | None = None  # its result, when it ended in plain arg-max steps that held its row
+    handed: bool = False  # its result went to on_ended already: it leaves without it
 
     @property
     def controls(self) -> Controls:
@@ -140,12 +143,13 @@ class RunningDecode(PlainSteps, GeneralSelection):
     :attr:`rows` is 0 (see the module docstring)."""
 
     def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True,
-                 plain_beam: bool = True, hold_ended: bool = False) -> None:
+                 plain_beam: bool = True, hold_ended: bool = False,
+                 on_ended: Callable[[list[tuple[Any, SearchResult]]], None] | None = None) -> None:
         self.model = model
         self.start_id, self.eos_id = start_id, eos_id
         # a sentence that ends in plain arg-max steps leaves when the run ends, its row running on unread
-        # meanwhile (PlainSteps._plain_greedy)
-        self.hold_ended = hold_ended
+        # meanwhile (PlainSteps._plain_greedy); on_ended gets its (tag, result) at the step it ended
+        self.hold_ended, self.on_ended = hold_ended, on_ended
         self.lean_greedy = lean_greedy  # False: beam-1 sentences take the general path (tests compare both)
         self.plain_beam = plain_beam and bool(getattr(model, "plain_beam", False))  # False: beam sentences
         # take the general step every step (tests compare both)
@@ -175,8 +179,9 @@ class RunningDecode(PlainSteps, GeneralSelection):
 
     @property
     def reserved_rows(self) -> int:
-        """Rows the decoding sentences hold once expanded (each its beam size): what admission counts."""
-        return sum(s.beam for s in self._sentences)
+        """Rows the decoding sentences hold once expanded (each its beam size): what admission counts. A sentence
+        whose result was handed out holds none: it leaves at the end of the run of steps, before any joins."""
+        return sum(s.beam for s in self._sentences if not s.handed)
 
     @property
     def sentences(self) -> int:
@@ -187,12 +192,12 @@ class RunningDecode(PlainSteps, GeneralSelection):
         return [s.tag for s in self._sentences]
 
     def source_lengths(self) -> list[int]:
-        """Each decoding sentence's source length (EOS included), in row order."""
-        return [s.spec.source_length for s in self._sentences]
+        """Each decoding sentence's source length (EOS included), in row order (those handed out left out)."""
+        return [s.spec.source_length for s in self._sentences if not s.handed]
 
     def steps(self) -> list[int]:
-        """Each decoding sentence's step (tokens decoded), in row order."""
-        return [s.step for s in self._sentences]
+        """Each decoding sentence's step (tokens decoded), in row order (those handed out left out)."""
+        return [s.step for s in self._sentences if not s.handed]
 
     def admit(self, encoded: dict[str, Any], sentences: Sequence[BeamSentence], tags: Sequence[Any],
               resume: Resume | None = None) -> None:
@@ -255,7 +260,8 @@ class RunningDecode(PlainSteps, GeneralSelection):
              ) -> list[tuple[Any, SearchResult | None]]:
         """One decoding step of every row; with ``until_leave``, plain greedy steps (:meth:`_plain_greedy`) go
         on until a sentence leaves or ``stop()`` (asked after each step) is true. Returns the sentences that
-        left: (tag, result), result None for a cancelled sentence. :attr:`steps_run` counts the steps."""
+        left: (tag, result), result None for a cancelled sentence, except those whose results went to
+        :attr:`on_ended` already. :attr:`steps_run` counts the steps."""
         sentences = self._sentences
         if not sentences:
             return []

@@ -43,7 +43,8 @@ class GeneralSelection:
                 totals[i] = self._totals[r] + (0.0 if given is not None and given[i] else scores[i])
                 stops = tokens[i] == self.eos_id
             if s.ended is not None:  # its row was held after its EOS (PlainSteps._plain_greedy)
-                left.append((s.tag, s.ended))
+                if not s.handed:
+                    left.append((s.tag, s.ended))
             elif s.spec.is_cancelled is not None and s.spec.is_cancelled():
                 left.append((s.tag, None))
             elif stops:

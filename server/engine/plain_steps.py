@@ -67,15 +67,15 @@ class PlainSteps:
         select from as any other; None when every step was quiet.
 
         With :attr:`hold_ended` (a device's steps, which cost the same at any row count) a row that chose EOS
-        does not end the run: it runs on unread, and its sentence's hypothesis is made from the books when the
-        run ends (:meth:`_held_results`), that is when every row is held, at the run's last step, at
-        ``stop()``, or at a step that is not quiet for another reason. That step goes to the general
-        selection, where the held sentences leave with their hypotheses."""
+        does not end the run: its sentence's hypothesis is made at once (:meth:`_hold`; handed to
+        :attr:`on_ended` right away where one is set) and its row runs on unread until the run ends, that is when
+        every row is held, at the run's last step, at ``stop()``, or at a step that is not quiet for another
+        reason. That step goes to the general selection, where the held sentences leave."""
         count = layout.room - self._age if until_leave else 1
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        held: dict[int, int] = {}  # rows whose sentence chose EOS during the run -> the quiet step it chose it at
+        held: set[int] = set()  # rows whose sentence chose EOS during the run
         with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
             left, block = count, 1
             while left:
@@ -95,13 +95,15 @@ class PlainSteps:
                     if not cut and (held or ending):  # the held sentences leave when the run ends
                         cut = stopping or len(held) + ending == self.rows or (not left and step == ran - 1)
                     if cut:
-                        self._held_results(held, self._quiet_steps(tokens, token_scores))
+                        self._quiet_steps(tokens, token_scores)
                         return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
                                           run.eos_log_prob.copy(), None, run.state())
-                    if ending:
-                        held.update((row, len(tokens)) for row, token in enumerate(chosen) if token == self.eos_id)
                     tokens.append(chosen)
                     token_scores.append(chosen_scores)
+                    if ending:
+                        ended = [row for row, token in enumerate(chosen) if token == self.eos_id]
+                        held.update(ended)
+                        self._hold(ended, tokens, token_scores)
                     if stopping:
                         left = 0
                         break
@@ -109,36 +111,43 @@ class PlainSteps:
             self._tokens, self._state = run.ids.copy(), run.state()
         return None
 
-    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> np.ndarray | None:
-        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores. Returns
-        each row's summed log-probability before the steps and after each ([steps + 1, R]; None: no step)."""
+    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:
+        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores."""
         count = len(tokens)
         if not count:
-            return None
+            return
         at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
         step_scores = np.array(scores)  # [steps, R]
         self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
         # summed step by step, as the general step adds them
-        sums = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)
-        self._totals = sums[-1]
+        self._totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
         self._steps = self._steps + count
         self._age += count
         for s in self._sentences:
             s.step += count
-        return sums
 
-    def _held_results(self, held: dict[int, int], sums: np.ndarray | None) -> None:
-        """The hypotheses of the sentences whose rows :meth:`_plain_greedy` held (row -> the quiet step whose
-        EOS ended it; ``sums``: :meth:`_quiet_steps`' sums), made as the general step makes them once the
-        quiet steps are in the books; each sentence leaves with its own at the next selection."""
-        if not held:
-            return
-        count = len(sums) - 1
-        for row, step in held.items():
-            s, length = self._sentences[int(self._row_sentence[row])], int(self._steps[row]) - count + step + 1
+    def _hold(self, rows: list[int], tokens: list[list[int]], scores: list[list[float]]) -> None:
+        """The hypotheses of the sentences whose rows ``rows`` chose EOS at the last of the quiet steps ``tokens``
+        / ``scores`` of :meth:`_plain_greedy` (not yet in the books), made as the general step makes them (the
+        scores summed in its order); each sentence leaves with its own when the run ends, and where
+        :attr:`on_ended` is set it gets them now."""
+        handed = []
+        for row in rows:
+            s, before = self._sentences[int(self._row_sentence[row])], int(self._steps[row])
+            run_tokens, run_scores = [step[row] for step in tokens], [step[row] for step in scores]
+            total = float(self._totals[row])
+            for score in run_scores:
+                total += score
+            length = before + len(run_tokens)
             s.ended = SearchResult([ScoredSequence(
-                tokens=self._history[row, :length].tolist(), token_scores=self._history_scores[row, :length].tolist(),
-                score=float(normalized_score(float(sums[step + 1, row]), length, s.spec.length_penalty)))])
+                tokens=self._history[row, :before].tolist() + run_tokens,
+                token_scores=self._history_scores[row, :before].tolist() + run_scores,
+                score=float(normalized_score(total, length, s.spec.length_penalty)))])
+            if self.on_ended is not None:
+                s.handed = True
+                handed.append((s.tag, s.ended))
+        if handed:
+            self.on_ended(handed)
 
     def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                     ) -> StepOutput | None:
