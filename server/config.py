@@ -117,8 +117,9 @@ class ServerConfig:
         "off for the CPU. Off with --cuda-graphs, whose captures another thread's device allocations spoil",
         choices=ENCODER_OVERLAP)
     hold_ended: bool = option(
-        False, "continuous batching: a sentence that ends in a run of plain arg-max steps gets its translation at "
-        "once, but its row runs on unread until the run ends (at the next admission, in practice), so that the "
+        False, "continuous batching: a sentence that ends in a run of plain arg-max steps (by EOS or at its output "
+        "limit) gets its translation at once, but its row runs on unread until the run ends (at the next "
+        "admission, in practice), so that the "
         "sentences ending between two admissions leave the decode in one cut instead of one cut each: for a device, "
         "whose step costs the same at any row count while each cut costs the host ~0.8 ms (H200). Static batches "
         "on a device always hold them. Off until measured on a GPU (benchmarks/gpu_checks.sh)")

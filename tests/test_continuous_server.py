@@ -253,11 +253,12 @@ def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[
 
 
 def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Path]) -> None:
-    """``--hold-ended``: a sentence that ends in a run of plain arg-max steps goes to its caller from the step it
-    ended (the decode's ``on_ended``) while its row runs on to the run's end; every translation equals the
-    sentence's lone decode."""
+    """``--hold-ended``: a sentence that ends in a run of plain arg-max steps (by EOS, or at its output limit) goes to
+    its caller from the step it ended (the decode's ``on_ended``) while its row runs on to the run's end; every
+    translation equals the sentence's lone decode."""
     engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)
     texts = [*SHORT, LONG, *SHORT[::-1], "five six seven eight nine ten one two"]
+    options = [DecodingOptions(max_length=[256, 2, 4][i % 3]) for i in range(len(texts))]
 
     async def scenario() -> tuple[list[Any], list[Any]]:
         scheduler = continuous(engine, hold_ended=True, max_wait_seconds=0.0)
@@ -270,14 +271,15 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
             deliver(ended)
 
         decode.on_ended = recorded
-        outcomes = await asyncio.gather(*(translate(scheduler, [text], DecodingOptions()) for text in texts))
+        outcomes = await asyncio.gather(*(translate(scheduler, [text], o) for text, o in zip(texts, options,
+                                                                                             strict=True)))
         await scheduler.close(timeout=5)
         return outcomes, handed
 
     outcomes, handed = asyncio.run(scenario())
     assert handed, "some sentences ended in plain steps that held their rows"
-    for [got], text in zip(outcomes, texts, strict=True):
-        [alone] = engine.translate([text], DecodingOptions())
+    for [got], text, o in zip(outcomes, texts, options, strict=True):
+        [alone] = engine.translate([text], o)
         assert got.hypotheses[0].token_ids == alone.hypotheses[0].token_ids
         assert got.hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
 

@@ -14,10 +14,11 @@ import pytest
 
 from server.engine import cuda_graphs
 from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_shape, graph_options
+from server.engine.decode import RunningDecode
 from server.engine.device_greedy import DeviceGreedyRun
 from server.engine.device_search import DeviceBeamRun, RunShapes
 from server.engine.engine import Engine
-from server.types import DecodingOptions
+from server.types import DecodingOptions, SentenceRequest
 from tests.harness import live_ortvalues
 from tests.test_device_search import WORDS, assert_same, batch, decode
 
@@ -252,6 +253,35 @@ def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_model
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs")]
     assert len(said) == 1 and "a capture failed" in said[0] and model.capture.failures == 1
     assert step.graph_runs > 1
+
+
+def test_held_greedy_runs_in_blocks_end_rows_at_their_limits(engines, tiny_models):
+    """A held run of arg-max steps in blocks (:class:`DeviceGreedyRun`, as a static batch on a device runs it): rows
+    whose sentence reaches its output limit take EOS there and run on at their last position until every row has
+    ended, in one ``step()`` call; each sentence gets the host's general search's tokens and scores."""
+    host, _ = engines
+    engine = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
+                         device_state=True, cuda_graphs=True)
+    if not engine.model.plain_greedy:
+        pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
+    rng = random.Random(5)
+    requests = [SentenceRequest(host.tokenize(" ".join(rng.choices(WORDS, k=rng.randint(2, 9)))),
+                                DecodingOptions(max_length=rng.choice([2, 3, 5, 9, 64]))) for _ in range(7)]
+    encoded, sentences, _ = engine.encode(requests)
+    held = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id, hold_ended=True)
+    held.admit(encoded, sentences, range(len(requests)))
+    results, calls = {}, 0
+    while held.rows:
+        calls += 1
+        results.update(held.step(until_leave=True))
+    assert calls == 1
+    limited = 0
+    for i, expected in enumerate(host.search(requests)):
+        [ours], [theirs] = results[i].hypotheses, expected.hypotheses
+        assert ours.tokens == theirs.tokens
+        assert ours.score == pytest.approx(theirs.score, abs=1e-5)
+        limited += len(ours.tokens) == sentences[i].limit()
+    assert 0 < limited < len(requests), "some sentences ended at their limits, others by EOS"
 
 
 def test_greedy_blocks_read_in_part_continue_from_the_last_step_read(engines):

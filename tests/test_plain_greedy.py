@@ -124,6 +124,27 @@ def test_sentences_that_end_in_held_rows_leave_together_with_the_general_searchs
     assert calls == 1 and counts == {"plain": max(lengths), "general": 0}
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_sentences_that_reach_their_limit_in_held_rows_end_there(engine, counted, seed):
+    """A held run goes on past a sentence's last step: there the row takes EOS with EOS's log-probability, as the
+    general step forces it, and is held, its position no longer moving; the whole batch takes one run."""
+    src, specs = batch(engine, seed, n=8)  # output limits of 3, 6, 40 and 256
+    held, calls = held_search(engine, src, specs)
+    counts = dict(counted)
+    lengths = same_best(held, search(engine, src, specs, lean=False), exact=False)
+    assert any(len(r.hypotheses[0].tokens) == s.limit() < max(lengths) for r, s in zip(held, specs, strict=True)), \
+        "a sentence ended at its limit while others decoded on"
+    assert calls == 1 and counts == {"plain": max(lengths), "general": 0}
+
+
+def test_positions_stop_at_each_rows_ceiling():
+    """A held row's position stops at its sentence's last step (its slot rewritten), never past the positions the
+    model has: before each step and after the last."""
+    moved = bound_steps.moved_on(np.array([2, 5]), 4, np.array([3, 100]))
+    assert moved.tolist() == [[2, 5], [3, 6], [3, 7], [3, 8], [3, 9]]
+    assert bound_steps.moved_on(np.array([2, 5]), 2, None).tolist() == [[2, 5], [3, 6], [4, 7]]
+
+
 def test_a_sentence_cancelled_while_others_are_held_leaves_without_a_result(engine):
     """A cancel ends a run that holds rows: the held sentences leave with their hypotheses, the cancelled one
     with None, the others decode on as they would alone."""

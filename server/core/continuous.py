@@ -34,12 +34,13 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
 5. A sentence that ends leaves at once, by default. With ``--hold-ended`` (``BatchPolicy.hold_ended``) one that
-   ends in a run of plain arg-max steps gets its result at once (the decode's ``on_ended``) while its row runs on
-   unread until the run ends, which an admission's ``stop()`` does: the sentences that end between two admissions
-   leave the decode in one selection and one move of the rows, as a static batch on a device leaves them
-   (``RunningDecode.hold_ended``), and a held sentence's rows do not count against the next admission. Holding
-   the result too, for at most ``max_wait``, served no more sentences on an H200 (benchmarks/README.md, "On an
-   NVIDIA H200, fourth session"); handing it out at once is not yet measured on one.
+   ends in a run of plain arg-max steps (by EOS, or at its output limit) gets its result at once (the decode's
+   ``on_ended``) while its row runs on unread until the run ends, which an admission's ``stop()`` does: the
+   sentences that end between two admissions leave the decode in one selection and one move of the rows, as a
+   static batch on a device leaves them (``RunningDecode.hold_ended``), and a held sentence's rows do not count
+   against the next admission. Not yet measured on a GPU. (The eighteenth session's try, which held EOS ends only
+   and their results too, for at most ``max_wait``, could not show anything there: the GPU cell's random-weight
+   model never chooses EOS, so its sentences all end at their limits.)
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after

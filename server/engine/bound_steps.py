@@ -42,12 +42,13 @@ class BoundSteps:
         self._binding.bind_ortvalue_input(TOP_K_INPUT, model._top_k_value(k))
 
     def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, Any], state: dict[str, Any],
-              steps: int) -> None:
+              steps: int, ceilings: np.ndarray | None = None) -> None:
         """Continue from ``tokens`` at ``positions`` with ``state`` for up to ``steps`` steps (binding again
-        only the arrays that changed)."""
+        only the arrays that changed); a row's position stops at its ``ceilings`` entry (a row held after its
+        sentence's last step rewrites that slot)."""
         np.copyto(self.ids, tokens)
         np.copyto(self.positions, positions)
-        self._next = memoryview((positions + np.arange(1, steps + 1)[:, None]).ravel())
+        self._next = memoryview(moved_on(positions, steps, ceilings)[1:].ravel())
         self._last, self._done = int(positions.max()), 0  # the furthest position a row writes next; steps run
         for name, value in static.items():
             if self._bound.get(name) is not value:
@@ -124,6 +125,13 @@ class GreedySteps(BoundSteps):
     def read(self, step: int = 0) -> tuple[list[int], list[float]]:
         """The last step's token of each row and its log-probability (``step``: its index in the block, 0)."""
         return self._views[0].tolist(), self._views[1].tolist()
+
+
+def moved_on(positions: np.ndarray, steps: int, ceilings: np.ndarray | None) -> np.ndarray:
+    """Each row's position before each of ``steps`` steps and after the last ([steps + 1, R]), none past its
+    ``ceilings`` entry."""
+    moved = positions + np.arange(steps + 1)[:, None]
+    return moved if ceilings is None else np.minimum(moved, np.maximum(ceilings, positions))
 
 
 def binds_each_step(model: Any) -> bool:

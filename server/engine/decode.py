@@ -48,10 +48,11 @@ requires those sentences to be all the decode holds (the static batch); ``first=
 Leaving. After each step every sentence's ``is_cancelled`` is polled once; finished and cancelled
 sentences leave at once and :meth:`RunningDecode.step` returns them (``None`` for a cancelled one),
 so their rows are free for the next admission. With ``hold_ended`` (a device, whose step costs the same at
-any row count) a sentence that ends in plain arg-max steps leaves when the run of steps ends instead, its row
-running on unread meanwhile (:meth:`RunningDecode._plain_greedy`): the static batch's results come back
-together at its end anyway, and continuous batching hands each such sentence's result to ``on_ended`` at the
-step it ended, so its caller does not wait for the run's end (the next admission, in practice).
+any row count) a sentence that ends in plain arg-max steps, by EOS or at its output limit, leaves when the run of
+steps ends instead, its row running on unread meanwhile (:meth:`RunningDecode._plain_greedy`; such runs go on
+past the rows' limits, so one run decodes a static batch whatever its sentences' limits): the static batch's
+results come back together at its end anyway, and continuous batching hands each such sentence's result to
+``on_ended`` at the step it ended, so its caller does not wait for the run's end (the next admission, in practice).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
 prefix when it grew (:mod:`server.engine.stable_prefix`).

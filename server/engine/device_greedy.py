@@ -28,6 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from nmt.model_format.manifest import TOP_K_OUTPUTS
+from server.engine.bound_steps import moved_on
 from server.engine.cuda_graphs import KeptRun, Slot
 from server.engine.device_search import numpy_type
 
@@ -81,13 +82,14 @@ class DeviceGreedyRun(KeptRun):
         self.ids = self.scores = np.zeros(0)
 
     def start(self, tokens: np.ndarray, positions: np.ndarray, static: dict[str, Any], state: dict[str, Any],
-              steps: int) -> None:
+              steps: int, ceilings: np.ndarray | None = None) -> None:
         """Continue from ``tokens`` at ``positions`` (int64 [R]) with the decode's ``static`` inputs and ``state``
-        (copied in, padded to the run's shapes) for up to ``steps`` steps."""
+        (copied in, padded to the run's shapes) for up to ``steps`` steps, no row's position past its
+        ``ceilings`` entry."""
         self.rows = len(tokens)
         self._row_of = np.concatenate([np.arange(self.rows), np.zeros(self.shapes.rows - self.rows, dtype=np.int64)])
         self.ids, self.scores = tokens.astype(np.int64, copy=True), np.zeros(self.rows, dtype=np.float32)
-        self._next = positions[self._row_of] + np.arange(steps + 1)[:, None]
+        self._next = moved_on(positions[self._row_of], steps, None if ceilings is None else ceilings[self._row_of])
         self._done = 0
         names = list(self.buffers)
         self.model.padded_copies([static[name] for name in self.static], self._row_of, list(self.static.values()))

@@ -206,18 +206,18 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
 
     @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], positions: np.ndarray,
-                     steps: int) -> Iterator[Any]:
+                     steps: int, ceilings: np.ndarray | None = None) -> Iterator[Any]:
         """:meth:`OnnxStepModel.greedy_steps`; with ``cuda_graphs``, in a run of the rows' and shapes' bucket
         (:class:`server.engine.device_greedy.DeviceGreedyRun`, kept one or new, its step graph's runs naming a graph
         of its own where they can capture), kept again at the end."""
         if not self.cuda_graphs:
-            with super().greedy_steps(tokens, static, state, positions, steps) as run:
+            with super().greedy_steps(tokens, static, state, positions, steps, ceilings) as run:
                 yield run
             return
         rows = bucket(len(tokens), floor=1)
         shapes = GreedyShapes(rows, *self._buffer_shapes(rows, static, state, int(positions.max()) + steps + 1))
         with self._kept(shapes, lambda: self._new_greedy_run(shapes)) as run:
-            run.start(tokens, positions, static, state, steps)
+            run.start(tokens, positions, static, state, steps, ceilings)
             yield run
 
     def _new_greedy_run(self, shapes: GreedyShapes) -> DeviceGreedyRun:

@@ -42,14 +42,18 @@ class PlainSteps:
         """The plain steps that run this step, if any: plain arg-max decoding (:meth:`_plain_greedy`), plain beam
         steps (:meth:`_plain_beam`) or the selection on the device (:meth:`_device_beam`), for a layout that
         allows them (:attr:`Layout.plain`, :attr:`Layout.plain_beam`, :attr:`Layout.device_beam`) past its
-        controls' and prefixes' steps, no row at its last step, on a model that has them
+        controls' and prefixes' steps, no row at its last step (but where arg-max steps hold ended rows: they end
+        such rows themselves), on a model that has them
         (:meth:`server.engine.step_models.OnnxStepModel.greedy_steps`, ``beam_steps``,
         :meth:`server.engine.device_step_model.DeviceStepModel.beam_run`)."""
         age = self._age
-        if not (layout.full_for <= age < layout.room and age >= layout.given_for and self._given is None):
+        if not (layout.full_for <= age and age >= layout.given_for and self._given is None):
             return None
-        if layout.plain and getattr(self.model, "plain_greedy", False):
+        room = age < layout.room  # no row at its last step
+        if layout.plain and getattr(self.model, "plain_greedy", False) and (room or self.hold_ended):
             return self._plain_greedy
+        if not room:
+            return None
         if layout.plain_beam and self.plain_beam:
             return self._plain_beam
         if layout.device_beam and self.device_beam:
@@ -66,17 +70,27 @@ class PlainSteps:
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
         select from as any other; None when every step was quiet.
 
-        With :attr:`hold_ended` (a device's steps, which cost the same at any row count) a row that chose EOS
-        does not end the run: its sentence's hypothesis is made at once (:meth:`_hold`; handed to
-        :attr:`on_ended` right away where one is set) and its row runs on unread until the run ends, that is when
-        every row is held, at the run's last step, at ``stop()``, or at a step that is not quiet for another
-        reason. That step goes to the general selection, where the held sentences leave."""
-        count = layout.room - self._age if until_leave else 1
+        With :attr:`hold_ended` (a device's steps, which cost the same at any row count) a row that chose EOS,
+        or that reached its sentence's last step (where only EOS may follow: it takes EOS with EOS's
+        log-probability, as the general step forces it), does not end the run: its sentence's hypothesis is made
+        at once (:meth:`_hold`; handed to :attr:`on_ended` right away where one is set) and its row runs on unread,
+        its position no longer moving, until the run ends, that is when every row is held, at ``stop()``, or at a
+        step that is not quiet for another reason. That step goes to the general selection, where the held
+        sentences leave."""
+        last = layout.limits - 1 - self._steps  # each row's last step, counted from this run's first
+        if not until_leave:
+            count = 1
+        elif self.hold_ended:  # to the last row's last step: there every row ends or is held
+            count = int(last.max()) + 1
+        else:
+            count = layout.room - self._age
+        ends = last.tolist()  # the step at which a row's limit ends it (held runs only reach it)
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         held: set[int] = set()  # rows whose sentence chose EOS during the run
-        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count) as run:
+        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count,
+                                     layout.limits - 1) as run:
             left, block = count, 1
             while left:
                 # a block of steps (one, on the host's arrays), read step by step; on a device blocks double while
@@ -88,6 +102,11 @@ class PlainSteps:
                     self.steps_run += 1
                     for row in held:  # held rows are not read
                         chosen[row], chosen_scores[row] = -1, 0.0
+                    at_limit = [row for row, end in enumerate(ends) if end == len(tokens) and row not in held]
+                    if at_limit:  # only EOS may follow (a held run's steps only: the others end before)
+                        eos = run.eos_log_prob.tolist()
+                        for row in at_limit:
+                            chosen[row], chosen_scores[row] = self.eos_id, eos[row]
                     ending = chosen.count(self.eos_id)
                     cut = NEG_INF in chosen_scores or any(check() for check in checks) or (
                         ending and not self.hold_ended)
@@ -116,7 +135,9 @@ class PlainSteps:
         count = len(tokens)
         if not count:
             return
-        at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
+        # a held row runs past its end unread: its last column takes what it writes there
+        at = (np.arange(self.rows)[:, None],
+              np.minimum(self._steps[:, None] + np.arange(count), self._history.shape[1] - 1))
         step_scores = np.array(scores)  # [steps, R]
         self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
         # summed step by step, as the general step adds them

@@ -216,13 +216,14 @@ class OnnxStepModel:
 
     @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
-                     positions: np.ndarray, steps: int) -> Iterator[GreedySteps]:
-        """Up to ``steps`` arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]) with every
-        array bound once (:class:`GreedySteps`, this thread's for ``R`` rows); needs :attr:`plain_greedy`."""
+                     positions: np.ndarray, steps: int, ceilings: np.ndarray | None = None) -> Iterator[GreedySteps]:
+        """Up to ``steps`` arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]), no row's
+        position moving past its ``ceilings`` entry, with every array bound once (:class:`GreedySteps`, this
+        thread's for ``R`` rows); needs :attr:`plain_greedy`."""
         run = self._bindings.__dict__.get("greedy")
         if run is None or run.rows != len(tokens):
             run = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
-        run.start(tokens, positions, static, state, steps)
+        run.start(tokens, positions, static, state, steps, ceilings)
         yield run
 
     @property
