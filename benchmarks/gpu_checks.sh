@@ -20,7 +20,7 @@
 #                                                 CUDA graphs (issue 32's tok/s cells); the server against its bare
 #                                                 engine at 128 callers, beam 1, its core profiled (issue 31's
 #                                                 unmet GPU cell), then again with --encoder-overlap off, then
-#                                                 with --hold-ended; the serving cell at beam 4; the beam-1 cell
+#                                                 with --hold-ended off; the serving cell at beam 4; the beam-1 cell
 #                                                 with --cuda-graphs
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 5 minutes: one layer's attention with cache indirection
 #                                                 against the in-place kind (cache_reorder.py, seconds); the
@@ -75,9 +75,9 @@ step batching_beam1 120 python3 benchmarks/batching.py $serve --beam-size 1 \
 # --encoder-overlap (on by default on CUDA) bought
 step batching_beam1_no_overlap 120 python3 benchmarks/batching.py $serve --beam-size 1 \
     --serve-args "--encoder-overlap off"
-# the beam-1 cell with --hold-ended (nineteenth session, off by default until this measures it): sentences that end
-# between two admissions leave the decode in one cut, each handed to its caller at the step it ended
-step batching_beam1_hold 120 python3 benchmarks/batching.py $serve --beam-size 1 --serve-args=--hold-ended
+# the same cell with every sentence's end cutting the run (--hold-ended off, as before the nineteenth session): what
+# holding ended rows (on by default on CUDA since then, set from the CPU's emulations) bought
+step batching_beam1_no_hold 120 python3 benchmarks/batching.py $serve --beam-size 1 --serve-args "--hold-ended off"
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4
 # last, where the call's time allows: the beam-1 cell with the server's steps captured as CUDA graphs (its encoder
 # calls back on the worker: --cuda-graphs turns the overlap off), against the two beam-1 cells above

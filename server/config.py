@@ -32,7 +32,7 @@ ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BATCHING = ("auto", "static", "continuous")
-ENCODER_OVERLAP = ("auto", "on", "off")
+ENCODER_OVERLAP = HOLD_ENDED = ("auto", "on", "off")
 ENGINES = ("onnx", "null")
 
 
@@ -116,13 +116,13 @@ class ServerConfig:
         "the device idle, a GPU; off: on a CPU the encoder would take the decode's cores); auto: on for CUDA, "
         "off for the CPU. Off with --cuda-graphs, whose captures another thread's device allocations spoil",
         choices=ENCODER_OVERLAP)
-    hold_ended: bool = option(
-        False, "continuous batching: a sentence that ends in a run of plain arg-max steps (by EOS or at its output "
+    hold_ended: str = option(
+        "auto", "continuous batching: a sentence that ends in a run of plain arg-max steps (by EOS or at its output "
         "limit) gets its translation at once, but its row runs on unread until the run ends (at the next "
-        "admission, in practice), so that the "
-        "sentences ending between two admissions leave the decode in one cut instead of one cut each: for a device, "
-        "whose step costs the same at any row count while each cut costs the host ~0.8 ms (H200). Static batches "
-        "on a device always hold them. Off until measured on a GPU (benchmarks/gpu_checks.sh)")
+        "admission, in practice), so that the sentences ending between two admissions leave the decode in one "
+        "general step instead of one each (on: for a device, whose step costs the same at any row count while a "
+        "general step costs the host ~0.8 ms on an H200; off: a CPU's step costs its rows); auto: on for CUDA, off "
+        "for the CPU. Static batches on a device always hold them", choices=HOLD_ENDED)
     max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
                                  "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
@@ -195,9 +195,9 @@ class ServerConfig:
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
         if self.batching not in BATCHING:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
-        if self.encoder_overlap not in ENCODER_OVERLAP:
-            raise NmtError(f"encoder_overlap must be one of {', '.join(ENCODER_OVERLAP)}, "
-                           f"got {self.encoder_overlap!r}")
+        for name, choices in (("encoder_overlap", ENCODER_OVERLAP), ("hold_ended", HOLD_ENDED)):
+            if getattr(self, name) not in choices:
+                raise NmtError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         if self.engine not in ENGINES:

@@ -25,10 +25,12 @@ BY_DEVICE = {
 }
 # The choices whose "auto" (the server's default) means "by the device". batching: where each measured no worse
 # (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores);
-# encoder_overlap: where a decoding step leaves the device idle enough to run the encoder beside it.
+# encoder_overlap: where a decoding step leaves the device idle enough to run the encoder beside it; hold_ended:
+# where a row that runs on unread costs nothing (a step costs the same at any row count), and a general step does.
 AUTO_BY_DEVICE = {
     "batching": {"cpu": "static", "cuda": "continuous"},
     "encoder_overlap": {"cpu": "off", "cuda": "on"},
+    "hold_ended": {"cpu": "off", "cuda": "on"},
 }
 
 
@@ -48,7 +50,7 @@ class BatchPolicy:
     max_batch_rows: int = 32  # decoder rows of the running decode (a sentence holds its beam size); 0: by device
     decode_tokens: int = 65536  # running decode: rows x (widest source + longest target so far)
     encoder_overlap: str = "auto"  # continuous: "on" encodes joining sentences beside the decode; "auto": by device
-    hold_ended: bool = False  # continuous: an ended sentence's row runs on unread until the run of plain steps ends
+    hold_ended: str = "auto"  # continuous: "on" runs an ended sentence's row on unread to the end of the run; by device
 
     def for_device(self, device: str) -> BatchPolicy:
         """This policy with the choices of :data:`AUTO_BY_DEVICE` left "auto" and the limits of :data:`BY_DEVICE` left

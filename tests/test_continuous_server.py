@@ -261,7 +261,7 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
     options = [DecodingOptions(max_length=[256, 2, 4][i % 3]) for i in range(len(texts))]
 
     async def scenario() -> tuple[list[Any], list[Any]]:
-        scheduler = continuous(engine, hold_ended=True, max_wait_seconds=0.0)
+        scheduler = continuous(engine, hold_ended="on", max_wait_seconds=0.0)
         scheduler.start()
         decode, handed = scheduler._continuous.batch.decode, []
         deliver = decode.on_ended
@@ -384,10 +384,13 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
     assert ServerConfig.from_env({"NMT_ENCODER_OVERLAP": "off"}).encoder_overlap == "off"
     with pytest.raises(Exception, match="encoder_overlap must be one of"):
         ServerConfig(encoder_overlap="always").validate()
-    assert ServerConfig().hold_ended is False and ServerConfig.from_env({"NMT_HOLD_ENDED": "1"}).hold_ended
+    assert ServerConfig().hold_ended == "auto" and ServerConfig.from_env({"NMT_HOLD_ENDED": "On"}).hold_ended == "on"
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser, environ={})
-    assert BatchPolicy.from_config(ServerConfig.from_args(parser.parse_args(["--hold-ended"]))).hold_ended
+    config = ServerConfig.from_args(parser.parse_args(["--hold-ended", "off"]))
+    assert BatchPolicy.from_config(config).for_device("cuda:0").hold_ended == "off"
+    with pytest.raises(Exception, match="hold_ended must be one of"):
+        ServerConfig(hold_ended="always").validate()
     with pytest.raises(Exception, match="max_batch_rows"):
         ServerConfig(max_batch_rows=4, max_beam=8).validate()
     with pytest.raises(Exception, match="decode_tokens"):
@@ -407,6 +410,7 @@ def test_auto_batching_rows_and_budgets_follow_the_device() -> None:
     assert (on_cuda.batching, on_cuda.max_batch_rows, on_cuda.batch_tokens, on_cuda.batch_work,
             on_cuda.decode_tokens) == ("continuous", 512, 32768, 262144, 262144)
     assert (on_cpu.encoder_overlap, on_cuda.encoder_overlap) == ("off", "on")
+    assert (on_cpu.hold_ended, on_cuda.hold_ended) == ("off", "on")
     assert BatchPolicy(encoder_overlap="off").for_device("cuda:0").encoder_overlap == "off"
     assert on_cuda.for_device("cpu") == on_cuda  # resolved once, for good
     explicit = BatchPolicy(batching="static", max_batch_rows=64, batch_tokens=1000, batch_work=2000,

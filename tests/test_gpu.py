@@ -248,11 +248,11 @@ def test_device_memory_levels_off(gpu):
     assert max(levels[2:]) <= levels[1], f"device memory still grows after the second batch: {levels}"
 
 
-@pytest.mark.parametrize(("beam", "hold"), [(2, False), (1, True)], ids=["beam-2", "greedy-held"])
+@pytest.mark.parametrize(("beam", "hold"), [(2, "on"), (1, "on"), (1, "off")], ids=["beam-2", "greedy", "greedy-cut"])
 def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(beam, hold, cpu, gpu):
     """The default on CUDA: continuous batching with the joining sentences encoded on a thread of their own
-    (``--encoder-overlap``), the encoder's session running beside the decoder's; greedy also with ``--hold-ended``
-    (ended rows running on unread on the device); every sentence decodes as on the CPU alone."""
+    (``--encoder-overlap``), the encoder's session running beside the decoder's, and ended rows running on unread
+    (``--hold-ended``), greedy also without; every sentence decodes as on the CPU alone."""
     engine = gpu["transformer"]
     scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=0.0, hold_ended=hold))
     assert scheduler.batching == "continuous" and scheduler._continuous._encoder is not None

@@ -38,7 +38,8 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    ``on_ended``) while its row runs on unread until the run ends, which an admission's ``stop()`` does: the
    sentences that end between two admissions leave the decode in one selection and one move of the rows, as a
    static batch on a device leaves them (``RunningDecode.hold_ended``), and a held sentence's rows do not count
-   against the next admission. Not yet measured on a GPU. (The eighteenth session's try, which held EOS ends only
+   against the next admission. ``auto`` holds on CUDA, not on the CPU, whose step costs its rows; not yet
+   measured on a GPU. (The eighteenth session's try, which held EOS ends only
    and their results too, for at most ``max_wait``, could not show anything there: the GPU cell's random-weight
    model never chooses EOS, so its sentences all end at their limits.)
 6. The sentences that leave are handed to the event loop right after their step
@@ -263,7 +264,7 @@ class ContinuousBatcher:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.batch = RunningBatch(scheduler.engine, scheduler.policy.hold_ended)
+        self.batch = RunningBatch(scheduler.engine, scheduler.policy.hold_ended == "on")
         self._blocked: Pending | None = None  # the queue's head when it last did not fit
         self._left_at = 0  # sentences that had left the decode then
         self._cost_done = 0  # cost of the sentences finished since the rate was last updated
@@ -417,7 +418,7 @@ class ContinuousBatcher:
         module docstring)."""
         s = self.scheduler
         running, s._running = list(s._running), []
-        self.batch = RunningBatch(s.engine, s.policy.hold_ended)
+        self.batch = RunningBatch(s.engine, s.policy.hold_ended == "on")
         self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         if s.series is not None:
             s.series.running_rows.set(0)
