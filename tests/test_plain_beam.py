@@ -191,9 +191,9 @@ def test_plain_beam_steps_move_the_cache_like_select_rows(engine, monkeypatch):
     state = {name: encoded[name] for name in model.state_names}
     reference_state = {name: reference[name] for name in model.state_names}
     copies = []
-    move = CacheBlock.move
-    monkeypatch.setattr(CacheBlock, "move", lambda self, rows, sources, used: (copies.append(len(rows)),
-                                                                                 move(self, rows, sources, used)))
+    copy = CacheBlock.copy
+    monkeypatch.setattr(CacheBlock, "copy", lambda self, rows, sources, used: (copies.append(len(rows)),
+                                                                                 copy(self, rows, sources, used)))
     tokens = np.full(4, engine.start_id)
     run = model.beam_steps(tokens, static, state, np.zeros(4, dtype=np.int64), 8, 40)
     rng = random.Random(0)
