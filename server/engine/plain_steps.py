@@ -84,11 +84,14 @@ class PlainSteps:
             count = int(last.max()) + 1
         else:
             count = layout.room - self._age
-        ends = last.tolist()  # the step at which a row's limit ends it (held runs only reach it)
+        limits: dict[int, list[int]] = {}  # a step at which some row reaches its limit -> those rows (held runs)
+        if self.hold_ended:
+            for row, end in enumerate(last.tolist()):
+                limits.setdefault(end, []).append(row)
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        held: set[int] = set()  # rows whose sentence chose EOS during the run
+        held: set[int] = set()  # rows whose sentence ended during the run (EOS, or its limit)
         with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count,
                                      layout.limits - 1) as run:
             left, block = count, 1
@@ -102,8 +105,8 @@ class PlainSteps:
                     self.steps_run += 1
                     for row in held:  # held rows are not read
                         chosen[row], chosen_scores[row] = -1, 0.0
-                    at_limit = [row for row, end in enumerate(ends) if end == len(tokens) and row not in held]
-                    if at_limit:  # only EOS may follow (a held run's steps only: the others end before)
+                    at_limit = [row for row in limits.get(len(tokens), ()) if row not in held]
+                    if at_limit:  # only EOS may follow
                         eos = run.eos_log_prob.tolist()
                         for row in at_limit:
                             chosen[row], chosen_scores[row] = self.eos_id, eos[row]
@@ -148,10 +151,10 @@ class PlainSteps:
             s.step += count
 
     def _hold(self, rows: list[int], tokens: list[list[int]], scores: list[list[float]]) -> None:
-        """The hypotheses of the sentences whose rows ``rows`` chose EOS at the last of the quiet steps ``tokens``
-        / ``scores`` of :meth:`_plain_greedy` (not yet in the books), made as the general step makes them (the
-        scores summed in its order); each sentence leaves with its own when the run ends, and where
-        :attr:`on_ended` is set it gets them now."""
+        """The hypotheses of the sentences whose rows ``rows`` ended in EOS (chosen, or at their limits) at the last
+        of the quiet steps ``tokens`` / ``scores`` of :meth:`_plain_greedy` (not yet in the books), made as the
+        general step makes them (the scores summed in its order); each sentence leaves with its own when the run
+        ends, and where :attr:`on_ended` is set it gets them now."""
         handed = []
         for row in rows:
             s, before = self._sentences[int(self._row_sentence[row])], int(self._steps[row])
