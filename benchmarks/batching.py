@@ -21,7 +21,9 @@ flight nearly all the time), and the server's mean decoder rows: for continuous 
 calls a second (static: batches; continuous: admissions; with ``--encoder-overlap`` the encoder calls run beside
 the steps, so it passes 100 %) and what one took (continuous: with joining its rows to the decode). A worker busy
 nearly all the time bounds the server
-by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Then the ratios
+by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Last, the share of
+the continuous decode's steps whose hypotheses the host's general selection chose (``nmt_decode_steps_total``): each
+ends a run of plain steps (``--hold-ended`` holds ended rows to keep it low). Then the ratios
 continuous / static the targets
 are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
 sentences (one at a time, alternating).
@@ -146,15 +148,16 @@ async def open_loop(address: str, model: str, texts: list[tuple[str, bool]], rat
 
 
 def scrape(metrics: str) -> dict[str, float]:
-    """Every sample of the server's /metrics: name{labels} -> value summed over the labels, and by stage as
-    ``name{stage=...}`` where a sample has one (``nmt_inference_duration_seconds``)."""
+    """Every sample of the server's /metrics: name{labels} -> value summed over the labels, and by stage or
+    selection as ``name{stage=...}`` where a sample has one (``nmt_inference_duration_seconds``,
+    ``nmt_decode_steps_total``)."""
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
         text = response.read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            keys = [sample.name] + ([f"{sample.name}{{stage={sample.labels['stage']}}}"]
-                                    if "stage" in sample.labels else [])
+            keys = [sample.name] + [f"{sample.name}{{{label}={sample.labels[label]}}}"
+                                    for label in ("stage", "selection") if label in sample.labels]
             for key in keys:
                 values[key] = values.get(key, 0.0) + sample.value
     return values
@@ -203,12 +206,16 @@ def measure(server: tuple, mode: str, model: str, texts: list, beam: int, caller
     encode = "nmt_inference_duration_seconds_{}{{stage=encode}}"
     calls = after[encode.format("count")] - before.get(encode.format("count"), 0.0)
     encode_ms = 1000 * (after[encode.format("sum")] - before.get(encode.format("sum"), 0.0)) / max(calls, 1)
+    key = "nmt_decode_steps_total{{selection={}}}"
+    steps = {selection: after.get(key.format(selection), 0.0) - before.get(key.format(selection), 0.0)
+             for selection in ("plain", "general")}
     latencies = np.array([seconds for seconds, _ in result["records"]]) * 1000
     short = np.array([seconds for seconds, is_long in result["records"] if not is_long]) * 1000
     p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
     s50, s95 = np.percentile(short, [50, 95])
     return {"sentences_s": result["sentences_s"], "p50": p50, "p95": p95, "p99": p99, "short_p50": s50,
-            "short_p95": s95, "rows": rows, "busy": busy / wall, "encodes_s": encodes / wall, "encode_ms": encode_ms}
+            "short_p95": s95, "rows": rows, "busy": busy / wall, "encodes_s": encodes / wall, "encode_ms": encode_ms,
+            "general": steps["general"] / max(sum(steps.values()), 1)}
 
 
 def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads: int,
@@ -332,7 +339,8 @@ def row(label: str, cells: dict[str, dict]) -> str:
             f"| {s['p99']:.0f} / {c['p99']:.0f} | {s['short_p50']:.0f} / {c['short_p50']:.0f} "
             f"| {s['short_p95']:.0f} / {c['short_p95']:.0f} ({c['short_p95'] / s['short_p95']:.2f}x) "
             f"| {s['rows']:.1f} / {c['rows']:.1f} | {s['busy']:.0%} / {c['busy']:.0%} "
-            f"| {s['encodes_s']:.0f} / {c['encodes_s']:.0f} | {s['encode_ms']:.2f} / {c['encode_ms']:.2f} |")
+            f"| {s['encodes_s']:.0f} / {c['encodes_s']:.0f} | {s['encode_ms']:.2f} / {c['encode_ms']:.2f} "
+            f"| {c['general']:.0%} |")
 
 
 def main() -> None:
@@ -447,8 +455,8 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
     print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
-          "| mean rows | worker busy | encoder calls/s | ms an encoder call |")
-    print("|---" * 11 + "|")
+          "| mean rows | worker busy | encoder calls/s | ms an encoder call | continuous: general steps |")
+    print("|---" * 12 + "|")
     for label, cells in results:
         print(row(label, cells))
     worst = min(min(c["continuous"]["sentences_s"] / c["static"]["sentences_s"],

@@ -47,6 +47,7 @@ STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # seconds
 STAGES = ("encode", "decode")
+SELECTIONS = ("plain", "general")  # nmt_decode_steps: how a step's hypotheses were chosen
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
@@ -91,11 +92,14 @@ class VersionSeries:
     cuda_graph_pool_bytes: Any
     encode_duration: Any
     decode_duration: Any
+    plain_steps: Any
+    general_steps: Any
 
 
 # The families labelled by model and version alone (their series come and go with the version): the fields of
-# VersionSeries but the stages of nmt_inference_duration_seconds
-VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries) if f.name not in ("encode_duration", "decode_duration"))
+# VersionSeries but the stages of nmt_inference_duration_seconds and the selections of nmt_decode_steps
+VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries)
+                         if f.name not in ("encode_duration", "decode_duration", "plain_steps", "general_steps"))
 
 
 class Children:
@@ -140,6 +144,11 @@ class ServerMetrics:
                                     multiprocess_mode="livemax")
         self.inference_duration = Histogram("nmt_inference_duration_seconds", "Compute time of one batch by stage",
                                             ["model", "version", "stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_steps = Counter("nmt_decode_steps", "Decoding steps of the running decode (continuous batching) "
+                                    "by how their hypotheses were chosen: plain (in a run of the model's own arg-max "
+                                    "or plain beam steps) or general (the host's full selection: where such a run "
+                                    "ends, a sentence leaves or joins, or a control or a prefix needs it)",
+                                    ["model", "version", "selection"], registry=r)
         self.batch_sentences = Histogram("nmt_batch_size_sentences", "Sentences per batch", ["model", "version"],
                                          buckets=SENTENCE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("nmt_batch_size_tokens",
@@ -236,6 +245,8 @@ class ServerMetrics:
             family.labels(model, version)
         for stage in STAGES:
             self.inference_duration.labels(model, version, stage)
+        for selection in SELECTIONS:
+            self.decode_steps.labels(model, version, selection)
 
     def retire_info(self, *labels: str) -> None:
         """Remove a version's ``nmt_model_info`` series, set to 0 first: in prometheus_client's multiprocess
@@ -251,12 +262,16 @@ class ServerMetrics:
             family.remove(model, version)
         for stage in STAGES:
             self.inference_duration.remove(model, version, stage)
+        for selection in SELECTIONS:
+            self.decode_steps.remove(model, version, selection)
 
     def version_series(self, model: str, version: str) -> VersionSeries:
         """The series of one model version, created at zero if new (its scheduler's, see :class:`VersionSeries`)."""
         return VersionSeries(**{name: getattr(self, name).labels(model, version) for name in VERSION_FAMILIES},
                              encode_duration=self.inference_duration.labels(model, version, "encode"),
-                             decode_duration=self.inference_duration.labels(model, version, "decode"))
+                             decode_duration=self.inference_duration.labels(model, version, "decode"),
+                             plain_steps=self.decode_steps.labels(model, version, "plain"),
+                             general_steps=self.decode_steps.labels(model, version, "general"))
 
     def _version_families(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in VERSION_FAMILIES)

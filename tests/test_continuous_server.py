@@ -26,6 +26,7 @@ from server.core.scheduler import ModelScheduler
 from server.engine.engine import Engine
 from server.errors import Cancelled, DeadlineExceeded, Internal
 from server.frontend.translate import translate_texts
+from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
 from server.protos import pb2
 from server.types import DecodingOptions, SentenceRequest
@@ -131,6 +132,8 @@ def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str
         assert h.metric("nmt_admission_wait_steps_count", labels) == len(calls)
         assert h.metric("nmt_admission_wait_steps_sum", labels) > 0  # the rows were full: some waited
         wait_for(lambda: h.metric("nmt_running_rows", labels) == 0)
+        # min_length is a control: the general selection chose every step while the long sentences decoded
+        assert h.metric("nmt_decode_steps_total", {**labels, "selection": "general"}) >= MIN_LENGTH
     finally:
         h.close()
 
@@ -260,8 +263,11 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
     texts = [*SHORT, LONG, *SHORT[::-1], "five six seven eight nine ten one two"]
     options = [DecodingOptions(max_length=[256, 2, 4][i % 3]) for i in range(len(texts))]
 
+    metrics = ServerMetrics()
+
     async def scenario() -> tuple[list[Any], list[Any]]:
-        scheduler = continuous(engine, hold_ended="on", max_wait_seconds=0.0)
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(batching="continuous", hold_ended="on",
+                                                              max_wait_seconds=0.0), metrics=metrics)
         scheduler.start()
         decode, handed = scheduler._continuous.batch.decode, []
         deliver = decode.on_ended
@@ -278,6 +284,9 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
 
     outcomes, handed = asyncio.run(scenario())
     assert handed, "some sentences ended in plain steps that held their rows"
+    steps = {s.labels["selection"]: s.value for family in metrics.registry.collect() for s in family.samples
+             if s.name == "nmt_decode_steps_total"}
+    assert steps["plain"] > steps["general"], "most steps' hypotheses chosen in the runs of plain steps"
     for [got], text, o in zip(outcomes, texts, options, strict=True):
         [alone] = engine.translate([text], o)
         assert got.hypotheses[0].token_ids == alone.hypotheses[0].token_ids

@@ -107,6 +107,7 @@ class Progress:
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
+    selections: int = 0  # of the steps, those whose hypotheses the general selection chose
 
 
 Finished = list[tuple[Any, "SearchResult | None"]]  # (tag, search result or None if cancelled)
@@ -165,7 +166,7 @@ class RunningBatch:
                 while not self._offers.empty():  # the answer to an ask (this advance's or an earlier one's)
                     self._report(progress, report)
                     progress = self._join(*self._take(), deliver=deliver)
-                start, steps = time.perf_counter(), self.steps
+                start, steps, selections = time.perf_counter(), self.steps, self.decode.selections_run
                 while self.decode.rows:
                     left = self.decode.step(until_leave=True, stop=stop)
                     if left:
@@ -180,6 +181,7 @@ class RunningBatch:
                         self._asked = True
                         ask(self.load())
                 progress.decode_seconds, progress.steps = time.perf_counter() - start, self.steps - steps
+                progress.selections = self.decode.selections_run - selections
                 if self._offers.empty() and (self.decode.rows or not self._asked or not self._wait_offer()):
                     self._report(progress, report)
                     return
@@ -411,6 +413,8 @@ class ContinuousBatcher:
             series.source_tokens.inc(progress.source.tokens)
         if progress.steps:
             series.decode_duration.observe(progress.decode_seconds)
+            series.plain_steps.inc(progress.steps - progress.selections)
+            series.general_steps.inc(progress.selections)
         s.record_graphs()
 
     async def _recover(self, error: Exception) -> None:

@@ -172,6 +172,7 @@ class RunningDecode(PlainSteps, GeneralSelection):
         self._layout: Layout | None = None  # None: work it out at the next step (server.engine.row_layout)
         self._age = 0  # steps run since the layout was worked out
         self.steps_run = 0  # decoding steps run so far
+        self.selections_run = 0  # of which the general selection chose the hypotheses
 
     @property
     def rows(self) -> int:
@@ -262,7 +263,8 @@ class RunningDecode(PlainSteps, GeneralSelection):
         """One decoding step of every row; with ``until_leave``, plain greedy steps (:meth:`_plain_greedy`) go
         on until a sentence leaves or ``stop()`` (asked after each step) is true. Returns the sentences that
         left: (tag, result), result None for a cancelled sentence, except those whose results went to
-        :attr:`on_ended` already. :attr:`steps_run` counts the steps."""
+        :attr:`on_ended` already. :attr:`steps_run` counts the steps, :attr:`selections_run` those whose
+        hypotheses the general selection chose."""
         sentences = self._sentences
         if not sentences:
             return []
@@ -281,6 +283,7 @@ class RunningDecode(PlainSteps, GeneralSelection):
             out, processed = self._model_step(steps, layout, age)
             self.steps_run += 1
         self._state = out.state
+        self.selections_run += 1
         row_tokens, row_scores = np.asarray(out.top_ids, dtype=np.int64), out.top_log_probs.astype(np.float64)
         if age >= layout.room and (forced := layout.limits - 1 == steps).any():  # out of room: only EOS may follow
             row_tokens = row_tokens.copy()
