@@ -125,6 +125,11 @@ def build() -> dashboard.Dashboard:
                                 "{{model}} kept runs started again (replay)"),
                           query(f"sum by (model) (rate(nmt_cuda_graph_capture_failures_total{{{SELECTED}}}[{RATE}]))",
                                 "{{model}} failed captures")))
+        .with_panel(graph("Running decode: share of steps chosen by the general selection (each ends a run of plain "
+                          "steps)", "percentunit",
+                          query(f"sum by (model) (rate(nmt_decode_steps_total{{selection=\"general\", {SELECTED}}}"
+                                f"[{RATE}])) / sum by (model) (rate(nmt_decode_steps_total{{{SELECTED}}}[{RATE}]))",
+                                "{{model}}")))
         .with_row(dashboard.Row("Tokens"))
         .with_panel(graph("Generated and source tokens per second", "short",
                           query(f"sum by (model) (rate(nmt_generated_tokens_total{{{SELECTED}}}[{RATE}]))",
