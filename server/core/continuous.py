@@ -39,9 +39,9 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    sentences that end between two admissions leave the decode in one selection and one move of the rows, as a
    static batch on a device leaves them (``RunningDecode.hold_ended``), and a held sentence's rows do not count
    against the next admission. ``auto`` holds on CUDA, not on the CPU, whose step costs its rows; not yet
-   measured on a GPU. (The eighteenth session's try, which held EOS ends only
-   and their results too, for at most ``max_wait``, could not show anything there: the GPU cell's random-weight
-   model never chooses EOS, so its sentences all end at their limits.)
+   measured on a GPU. (The eighteenth session's try, which held EOS ends only and their results too, for at most
+   ``max_wait``, could not show anything there: the GPU cell's random-weight model never chooses EOS, so its
+   sentences all end at their limits.) ``nmt_decode_steps_total`` counts the steps by selection.
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after
