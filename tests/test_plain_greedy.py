@@ -145,6 +145,25 @@ def test_positions_stop_at_each_rows_ceiling():
     assert bound_steps.moved_on(np.array([2, 5]), 2, None).tolist() == [[2, 5], [3, 6], [4, 7]]
 
 
+def test_a_held_row_that_stops_at_its_ceiling_does_not_grow_the_cache(engine):
+    """The cache grows for the furthest position a row writes, and a row held at its ceiling writes no further:
+    a row at position 15 held at 19 beside one that starts at 0 and runs 20 steps needs 21 positions, not 36."""
+    src, _ = batch(engine, seed=5, n=2)
+    model = engine.model
+    encoded = model.encode(src)
+    static = {name: encoded[name] for name in model.static_names}
+    state = {name: encoded[name] for name in model.state_names}
+    tokens, positions = np.full(2, engine.start_id), np.array([15, 0], dtype=np.int64)
+    with model.greedy_steps(tokens, static, state, positions, 20, np.array([19, 100])) as run:
+        for _ in range(20):
+            run.run()
+        after = run.state()
+    np.testing.assert_array_equal(after[model.positions], [19, 20])
+    name, entry = next(iter(model.buffers.items()))
+    value = after[name]
+    assert (value.shape() if isinstance(value, ort.OrtValue) else value.shape)[entry.capacity_axis] == 32
+
+
 def test_a_sentence_cancelled_while_others_are_held_leaves_without_a_result(engine):
     """A cancel ends a run that holds rows: the held sentences leave with their hypotheses, the cancelled one
     with None, the others decode on as they would alone."""

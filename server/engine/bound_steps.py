@@ -34,6 +34,7 @@ class BoundSteps:
         self._bound: dict[str, Any] = {}
         self._state: dict[str, Any] = {}
         self._capacity = self._last = self._done = 0
+        self._furthest: list[int] = []  # the furthest position a row writes at each step of the run
         self._next = memoryview(np.zeros(0, dtype=np.int64))  # each step's next positions, row after row
         self._step_inputs = {"input_ids": ort.OrtValue.ortvalue_from_numpy(self.ids),  # the arrays' memory
                              model.positions: ort.OrtValue.ortvalue_from_numpy(self.positions)}
@@ -48,8 +49,10 @@ class BoundSteps:
         sentence's last step rewrites that slot)."""
         np.copyto(self.ids, tokens)
         np.copyto(self.positions, positions)
-        self._next = memoryview(moved_on(positions, steps, ceilings)[1:].ravel())
-        self._last, self._done = int(positions.max()), 0  # the furthest position a row writes next; steps run
+        moved = moved_on(positions, steps, ceilings)
+        self._next = memoryview(moved[1:].ravel())
+        self._furthest = moved.max(axis=1).tolist()
+        self._last, self._done = self._furthest[0], 0  # the furthest position a row writes next; steps run
         for name, value in static.items():
             if self._bound.get(name) is not value:
                 bind_input(self._binding, self._bound, name, value)
@@ -67,7 +70,7 @@ class BoundSteps:
         first = self._done * self.rows
         self._position_view[:] = self._next[first:first + self.rows]
         self._done += 1
-        self._last += 1
+        self._last = self._furthest[self._done]
 
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps run (each row's position moved on)."""

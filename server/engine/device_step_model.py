@@ -11,6 +11,7 @@ import onnxruntime as ort
 
 from nmt.model_format.layout import FORCED_GRAPH
 from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest
+from server.engine.bound_steps import moved_on
 from server.engine.cuda_graphs import (
     SKIP,
     GraphCapture,
@@ -215,7 +216,8 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
                 yield run
             return
         rows = bucket(len(tokens), floor=1)
-        shapes = GreedyShapes(rows, *self._buffer_shapes(rows, static, state, int(positions.max()) + steps + 1))
+        furthest = int(moved_on(positions, steps, ceilings)[-1].max())  # a held row's position stops at its ceiling
+        shapes = GreedyShapes(rows, *self._buffer_shapes(rows, static, state, furthest + 1))
         with self._kept(shapes, lambda: self._new_greedy_run(shapes)) as run:
             run.start(tokens, positions, static, state, steps, ceilings)
             yield run
