@@ -193,9 +193,7 @@ class ServerConfig:
         if least["decode_tokens"] < self.max_beam * (self.max_tokens + 1):
             raise NmtError(f"decode_tokens ({least['decode_tokens']}) must hold one sentence of max_tokens "
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
-        if self.batching not in BATCHING:
-            raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
-        for name, choices in (("encoder_overlap", ENCODER_OVERLAP), ("hold_ended", HOLD_ENDED)):
+        for name, choices in (("batching", BATCHING), ("encoder_overlap", ENCODER_OVERLAP), ("hold_ended", HOLD_ENDED)):
             if getattr(self, name) not in choices:
                 raise NmtError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.max_texts > self.queue_size:

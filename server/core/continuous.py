@@ -266,13 +266,17 @@ class ContinuousBatcher:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.batch = RunningBatch(scheduler.engine, scheduler.policy.hold_ended == "on")
+        self.batch = self._new_batch()
         self._blocked: Pending | None = None  # the queue's head when it last did not fit
         self._left_at = 0  # sentences that had left the decode then
         self._cost_done = 0  # cost of the sentences finished since the rate was last updated
         self._compute = 0.0  # compute seconds since then
         self._cancelled = False  # a sentence was cancelled since then (the work would look cheap)
         self._encoder = self._encoder_thread()  # None: the worker encodes what joins
+
+    def _new_batch(self) -> RunningBatch:
+        """An empty running decode on the scheduler's engine, holding ended rows where the policy says."""
+        return RunningBatch(self.scheduler.engine, self.scheduler.policy.hold_ended == "on")
 
     def _encoder_thread(self) -> ThreadPoolExecutor | None:
         """The thread that encodes the sentences offered to the decode (``--encoder-overlap``), if any."""
@@ -422,7 +426,7 @@ class ContinuousBatcher:
         module docstring)."""
         s = self.scheduler
         running, s._running = list(s._running), []
-        self.batch = RunningBatch(s.engine, s.policy.hold_ended == "on")
+        self.batch = self._new_batch()
         self._compute, self._cost_done, self._cancelled = 0.0, 0, False
         if s.series is not None:
             s.series.running_rows.set(0)

@@ -77,23 +77,21 @@ class PlainSteps:
         its position no longer moving, until the run ends, that is when every row is held, at ``stop()``, or at a
         step that is not quiet for another reason. That step goes to the general selection, where the held
         sentences leave."""
-        last = layout.limits - 1 - self._steps  # each row's last step, counted from this run's first
-        if not until_leave:
-            count = 1
-        elif self.hold_ended:  # to the last row's last step: there every row ends or is held
-            count = int(last.max()) + 1
-        else:
-            count = layout.room - self._age
+        count = layout.room - self._age if until_leave else 1
         limits: dict[int, list[int]] = {}  # a step at which some row reaches its limit -> those rows (held runs)
+        ceilings = None  # each row's last position (held runs: the rows held at their limits stay there)
         if self.hold_ended:
-            for row, end in enumerate(last.tolist()):
+            ceilings = layout.limits - 1
+            last = (ceilings - self._steps).tolist()  # each row's last step, counted from this run's first
+            for row, end in enumerate(last):
                 limits.setdefault(end, []).append(row)
+            if until_leave:  # to the last row's last step: there every row ends or is held
+                count = max(last) + 1
         tokens: list[list[int]] = []  # the quiet steps' tokens and scores, as lists (GreedySteps.read)
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         held: set[int] = set()  # rows whose sentence ended during the run (EOS, or its limit)
-        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count,
-                                     layout.limits - 1) as run:
+        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count, ceilings) as run:
             left, block = count, 1
             while left:
                 # a block of steps (one, on the host's arrays), read step by step; on a device blocks double while
