@@ -25,6 +25,7 @@ SCRIPTS = {
     "decode-cuts": "decode_cuts.py",
     "gc": "gc_pauses.py",
     "stream": "streaming.py",
+    "timeline": "request_timeline.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -49,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "plus the beam's row copy against DecoderMaskedMultiHeadAttention reading through a cache indirection "
             "table; decode-cuts: how often a decode's plain steps are cut when sentences end, and the host's work "
             "each cut costs; gc: the cyclic garbage collector's pauses in the server with start-up's objects frozen "
-            "and without."
+            "and without; timeline: where a lone caller's request spends its time, hand-off by hand-off, with the "
+            "model, the null engine and the null engine streaming memory as a model's weights do."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

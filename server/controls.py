@@ -60,11 +60,6 @@ def completing(c: Controls, step: int) -> bool:
     return c.completion is not None and c.completion.start <= step < c.completion.start + c.completion.steps()
 
 
-def needs_logits(controls: Sequence[Controls], step: int) -> bool:
-    """Whether step ``step`` needs the logits (the repetition penalty scales them; nothing to penalise at 0)."""
-    return step > 0 and any(c.repetition_penalty != 1.0 for c in controls)
-
-
 def banned_tokens(c: Controls, history: np.ndarray, step: int, eos_id: int) -> list[int]:
     """Tokens a row with ``history`` (its ``step`` tokens so far) may not take next."""
     banned: list[int] = []
@@ -87,7 +82,7 @@ def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Contr
             eos_id: int, logits: np.ndarray | None = None) -> np.ndarray:
     """``log_probs`` [R, V] of one step -> the distribution searched (float64), row ``r`` under
     ``controls[r]`` with ``history[r, :step]`` its tokens so far; ``logits`` [R, V] (the log-softmax's
-    input) are needed when a row has a repetition penalty (:func:`needs_logits`)."""
+    input) are needed when a row has a repetition penalty after its first step."""
     raw = log_probs.astype(np.float64)
     out = raw.copy()
     for r, c in enumerate(controls):
