@@ -23,7 +23,10 @@
 #                                                 with --hold-ended off; the serving cell at beam 4; the beam-1 cell
 #                                                 with --cuda-graphs
 #   sh benchmarks/gpu_checks.sh "$OUT" generate   about 5 minutes: one layer's attention with cache indirection
-#                                                 against the in-place kind (cache_reorder.py, seconds); the
+#                                                 against the in-place kind (cache_reorder.py, seconds); encoder
+#                                                 calls at new shapes against seen and bucketed ones
+#                                                 (encoder_shapes.py, seconds: why an admission's encoder call
+#                                                 took ~2.6 ms on the H200); the
 #                                                 engine beside Hugging Face generate, fp32 then fp16 (fp32 took
 #                                                 150 s); with .gpu/demo-transformer, a static greedy batch cut
 #                                                 at every end against its ended rows held (decode_cuts.py)
@@ -48,6 +51,8 @@ if [ "$part" = generate ]; then
     # cache indirection (DecoderMaskedMultiHeadAttention) against the in-place GroupQueryAttention, one layer
     step cache_reorder 30 python3 benchmarks/cache_reorder.py --provider cuda --precision fp16 --sizes SMALL \
         --batches 1 32 128 --runs 200
+    # an admission's encoder call at a shape not run before, against the same shape again and a bucket's
+    step encoder_shapes 60 python3 benchmarks/encoder_shapes.py --size SMALL --precision fp16 --provider cuda
     step engine_vs_generate 240 python3 benchmarks/engine_throughput.py --sizes SMALL --provider cuda \
         --precisions fp32 fp16 --batches 1 32 128 --beams 1 4 --repeats 1 --seconds 1 --pause 0
     if [ -d .gpu/demo-transformer ]; then

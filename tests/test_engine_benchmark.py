@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,3 +118,27 @@ def test_the_decode_cuts_benchmark_holds_ended_rows_on_the_emulated_device(model
     (steps, cut_calls, _), (held_steps, held_calls, held_runs_ms) = rows[False], rows[True]
     assert held_steps == steps and held_calls < cut_calls
     assert held_runs_ms >= 2 * steps
+
+
+def test_the_encoder_shapes_benchmark_times_new_seen_and_bucketed_shapes() -> None:
+    """``nmt bench encoder-shapes`` on the tiny Marian model: a row per way, each call timed, the padding of a
+    bucket keeping every sentence's tokens and filling the other rows with EOS."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from encoder_shapes import bucket, padded
+
+    assert bucket(3, 17) == (4, 32) and bucket(16, 16) == (16, 16) and bucket(1, 1) == (1, 16)
+    src = np.arange(6, dtype=np.int64).reshape(2, 3) + 10
+    out = padded(src, (4, 16), pad_id=9, eos_id=0)
+    assert out.shape == (4, 16) and (out[:2, :3] == src).all() and (out[:2, 3:] == 9).all()
+    assert (out[2:, 0] == 0).all() and (out[2:, 1:] == 9).all()
+
+    command = [sys.executable, "-m", "nmt", "bench", "encoder-shapes", "--size", "TINY", "--shapes", "6",
+               "--threads", "1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert " cores, " in lines[0] and "6 shapes" in lines[0]
+    rows = {cells[0]: cells[1:] for cells in (line.strip("| ").split(" | ") for line in lines[3:])}
+    assert list(rows) == ["new", "again", "bucket"]
+    assert all(float(cells[0].replace(",", "")) > 0 and float(cells[1]) > 0 for cells in rows.values())
+    assert rows["again"][2] == "1.00x"
