@@ -356,7 +356,7 @@ def main() -> None:
     parser.add_argument("--long-dates", type=int, default=4, help="dates in a long sentence")
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of each server")
-    parser.add_argument("--single", type=int, default=40, help="sentences of the single-caller comparison")
+    parser.add_argument("--single", type=int, default=40, help="sentences of the single-caller comparison (0: none)")
     parser.add_argument("--max-batch-rows", type=int, help="the continuous server's --max-batch-rows (default: its "
                         "default)")
     parser.add_argument("--emulate-device", nargs=2, type=float, metavar=("STEP_MS", "ENCODER_MS"),
@@ -436,7 +436,7 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
         for rate in rates:
             run_cell(f"Poisson {rate:g}/s", None, rate)
         single = bare_engine_p50(args.model_repository, args.model, texts_of(args.single, 1000), args.beam_size,
-                                 args.threads, servers, args.provider)
+                                 args.threads, servers, args.provider) if args.single else None
     finally:
         for process, _, _ in servers.values():
             process.terminate()
@@ -462,9 +462,10 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
     worst = min(min(c["continuous"]["sentences_s"] / c["static"]["sentences_s"],
                     c["static"]["p95"] / c["continuous"]["p95"]) for _, c in results)
     print(f"\nworst cell, continuous over static (throughput, or static p95 over continuous p95): {worst:.2f}x")
-    print(f"single caller p50 ({args.single} sentences, alternating): engine {single['engine']:.1f} ms, static "
-          f"{single['static']:.1f} ms ({single['static'] / single['engine']:.2f}x), continuous "
-          f"{single['continuous']:.1f} ms ({single['continuous'] / single['engine']:.2f}x)")
+    if single is not None:
+        print(f"single caller p50 ({args.single} sentences, alternating): engine {single['engine']:.1f} ms, static "
+              f"{single['static']:.1f} ms ({single['static'] / single['engine']:.2f}x), continuous "
+              f"{single['continuous']:.1f} ms ({single['continuous'] / single['engine']:.2f}x)")
     print(f"\nbare engine, {callers} callers that never wait ({args.requests} sentences, "
           f"continuous up to {bare_rows} rows; medians of {args.repeats}):")
     print("| mode | sentences/s | decoding steps | decoder ms per step | mean rows | ms per row-step | "
