@@ -240,6 +240,10 @@ def test_kubernetes_translators_drain_and_probe_as_the_server_does() -> None:
         assert annotations["prometheus.io/port"] == config.metrics_listen.rsplit(":", 1)[1]
         gpus = container["resources"]["limits"].get("nvidia.com/gpu")
         assert (config.provider, gpus) == (("cuda", 1) if name == "translator-gpu" else ("cpu", None))
+        if config.frontends:  # a core for each front-end, and the engine core's decode and encoder threads
+            assert float(container["resources"]["requests"]["cpu"]) >= config.frontends + 2, name
+    gpu = deployments["translator-gpu"]["spec"]["template"]["spec"]["containers"][0]
+    assert ServerConfig.from_env({e["name"]: e["value"] for e in gpu["env"]}).frontends == 4  # as measured on an H200
 
 
 def test_kubernetes_service_budget_and_autoscaler_select_the_translators() -> None:
