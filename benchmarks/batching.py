@@ -17,16 +17,15 @@ Per cell: sentences/s, p50/p95/p99 latency, p50/p95 latency of the short sentenc
 flight nearly all the time), and the server's mean decoder rows: for continuous batching the mean of
 ``nmt_running_rows`` sampled every 50 ms while the cell runs, for static batching the mean batch size
 (sentences x beam) from ``nmt_batch_size_sentences``; and how busy the server's inference worker was (its
-``nmt_inference_duration_seconds``, encoder calls and runs of steps, over the cell's time) with its encoder
+``nmt_inference_duration_seconds``, encoder calls, joins and runs of steps, over the cell's time) with its encoder
 calls a second (static: batches; continuous: admissions; with ``--encoder-overlap`` the encoder calls run beside
-the steps, so it passes 100 %) and what one took (continuous: with joining its rows to the decode). A worker busy
-nearly all the time bounds the server
-by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Last, the share of
-the continuous decode's steps whose hypotheses the host's general selection chose (``nmt_decode_steps_total``): each
-ends a run of plain steps (``--hold-ended`` holds ended rows to keep it low). Then the ratios
-continuous / static the targets
-are stated in, and the single-caller p50 of both servers over the bare engine's p50 on the same
-sentences (one at a time, alternating).
+the steps, so it passes 100 %) and what one took, and (continuous) what joining an admission's rows to the running
+decode took on the worker after its encoder call (stage ``join``). A worker busy nearly all the time bounds the
+server by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Last, the
+share of the continuous decode's steps whose hypotheses the host's general selection chose
+(``nmt_decode_steps_total``): each ends a run of plain steps (``--hold-ended`` holds ended rows to keep it low).
+Then the ratios continuous / static the targets are stated in, and the single-caller p50 of both servers over
+the bare engine's p50 on the same sentences (one at a time, alternating).
 
 ``--emulate-device STEP_MS ENCODER_MS`` runs both servers and the bare engine on an emulated device whose
 decoder step takes at least STEP_MS and encoder call at least ENCODER_MS, at any row count
@@ -206,6 +205,8 @@ def measure(server: tuple, mode: str, model: str, texts: list, beam: int, caller
     encode = "nmt_inference_duration_seconds_{}{{stage=encode}}"
     calls = after[encode.format("count")] - before.get(encode.format("count"), 0.0)
     encode_ms = 1000 * (after[encode.format("sum")] - before.get(encode.format("sum"), 0.0)) / max(calls, 1)
+    join = "nmt_inference_duration_seconds_sum{stage=join}"
+    join_ms = 1000 * (after.get(join, 0.0) - before.get(join, 0.0)) / max(calls, 1)
     key = "nmt_decode_steps_total{{selection={}}}"
     steps = {selection: after.get(key.format(selection), 0.0) - before.get(key.format(selection), 0.0)
              for selection in ("plain", "general")}
@@ -215,7 +216,7 @@ def measure(server: tuple, mode: str, model: str, texts: list, beam: int, caller
     s50, s95 = np.percentile(short, [50, 95])
     return {"sentences_s": result["sentences_s"], "p50": p50, "p95": p95, "p99": p99, "short_p50": s50,
             "short_p95": s95, "rows": rows, "busy": busy / wall, "encodes_s": encodes / wall, "encode_ms": encode_ms,
-            "general": steps["general"] / max(sum(steps.values()), 1)}
+            "join_ms": join_ms, "general": steps["general"] / max(sum(steps.values()), 1)}
 
 
 def bare_engine_p50(repository: str, model: str, texts: list, beam: int, threads: int,
@@ -340,7 +341,7 @@ def row(label: str, cells: dict[str, dict]) -> str:
             f"| {s['short_p95']:.0f} / {c['short_p95']:.0f} ({c['short_p95'] / s['short_p95']:.2f}x) "
             f"| {s['rows']:.1f} / {c['rows']:.1f} | {s['busy']:.0%} / {c['busy']:.0%} "
             f"| {s['encodes_s']:.0f} / {c['encodes_s']:.0f} | {s['encode_ms']:.2f} / {c['encode_ms']:.2f} "
-            f"| {c['general']:.0%} |")
+            f"| {c['join_ms']:.2f} | {c['general']:.0%} |")
 
 
 def main() -> None:
@@ -455,8 +456,9 @@ def run(args: argparse.Namespace, make_texts: Callable[[int, int], list[str]], j
           f"x {args.repeats} repeats per cell (medians), {args.long_share:.0%} long ({args.long_dates} dates), "
           "static / continuous in each cell")
     print("| load | sentences/s (ratio) | p50 ms | p95 ms (ratio) | p99 ms | short p50 ms | short p95 ms (ratio) "
-          "| mean rows | worker busy | encoder calls/s | ms an encoder call | continuous: general steps |")
-    print("|---" * 12 + "|")
+          "| mean rows | worker busy | encoder calls/s | ms an encoder call | continuous: ms a join "
+          "| continuous: general steps |")
+    print("|---" * 13 + "|")
     for label, cells in results:
         print(row(label, cells))
     worst = min(min(c["continuous"]["sentences_s"] / c["static"]["sentences_s"],

@@ -46,7 +46,7 @@ TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # seconds
-STAGES = ("encode", "decode")
+STAGES = ("encode", "join", "decode")  # nmt_inference_duration_seconds
 SELECTIONS = ("plain", "general")  # nmt_decode_steps: how a step's hypotheses were chosen
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
@@ -91,6 +91,7 @@ class VersionSeries:
     cuda_graph_reuses: Any
     cuda_graph_pool_bytes: Any
     encode_duration: Any
+    join_duration: Any
     decode_duration: Any
     plain_steps: Any
     general_steps: Any
@@ -99,7 +100,8 @@ class VersionSeries:
 # The families labelled by model and version alone (their series come and go with the version): the fields of
 # VersionSeries but the stages of nmt_inference_duration_seconds and the selections of nmt_decode_steps
 VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries)
-                         if f.name not in ("encode_duration", "decode_duration", "plain_steps", "general_steps"))
+                         if f.name not in ("encode_duration", "join_duration", "decode_duration", "plain_steps",
+                                       "general_steps"))
 
 
 class Children:
@@ -142,7 +144,10 @@ class ServerMetrics:
         self.queue_capacity = Gauge("nmt_queue_capacity", "Most sentences the queue holds (--queue-size); a request "
                                     "that does not fit gets RESOURCE_EXHAUSTED", ["model", "version"], registry=r,
                                     multiprocess_mode="livemax")
-        self.inference_duration = Histogram("nmt_inference_duration_seconds", "Compute time of one batch by stage",
+        self.inference_duration = Histogram("nmt_inference_duration_seconds",
+                                            "Compute time by stage: encode (a batch's encoder calls), join (continuous "
+                                            "batching: sentences joining the running decode, after their encoder "
+                                            "call), decode (a batch's steps, or a stretch of the running decode's)",
                                             ["model", "version", "stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.decode_steps = Counter("nmt_decode_steps", "Decoding steps of the running decode (continuous batching) "
                                     "by how their hypotheses were chosen: plain (in a run of the model's own arg-max "
@@ -269,6 +274,7 @@ class ServerMetrics:
         """The series of one model version, created at zero if new (its scheduler's, see :class:`VersionSeries`)."""
         return VersionSeries(**{name: getattr(self, name).labels(model, version) for name in VERSION_FAMILIES},
                              encode_duration=self.inference_duration.labels(model, version, "encode"),
+                             join_duration=self.inference_duration.labels(model, version, "join"),
                              decode_duration=self.inference_duration.labels(model, version, "decode"),
                              plain_steps=self.decode_steps.labels(model, version, "plain"),
                              general_steps=self.decode_steps.labels(model, version, "general"))

@@ -134,6 +134,11 @@ def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str
         wait_for(lambda: h.metric("nmt_running_rows", labels) == 0)
         # min_length is a control: the general selection chose every step while the long sentences decoded
         assert h.metric("nmt_decode_steps_total", {**labels, "selection": "general"}) >= MIN_LENGTH
+        # every admission times its encoder call and, apart, the joining of its rows to the running decode
+        stage = {"encode": {**labels, "stage": "encode"}, "join": {**labels, "stage": "join"}}
+        admissions = h.metric("nmt_inference_duration_seconds_count", stage["encode"])
+        assert admissions >= 1 and h.metric("nmt_inference_duration_seconds_count", stage["join"]) == admissions
+        assert h.metric("nmt_inference_duration_seconds_sum", stage["join"]) > 0
     finally:
         h.close()
 

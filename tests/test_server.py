@@ -477,7 +477,7 @@ def test_metrics_endpoint_after_traffic(harness: ServerHarness) -> None:
     assert ok and ok[0].value >= 1
     assert any(s.labels["code"] == "INVALID_ARGUMENT" for s in samples("nmt_requests", "_total"))
     stages = {s.labels["stage"] for s in samples("nmt_inference_duration_seconds", "_count")}
-    assert stages == {"encode", "decode"}
+    assert stages == {"encode", "join", "decode"}
     [info] = [s for s in samples("nmt_model_info") if s.labels["version"] == "10"]
     assert info.value == 1 and info.labels["model"] == MODEL and info.labels["provider"]
     handled = {(s.labels["grpc_method"], s.labels["grpc_code"]) for s in samples("grpc_server_handled", "_total")}

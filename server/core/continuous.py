@@ -104,7 +104,8 @@ class Progress:
 
     sentences: int = 0  # sentences admitted (0: none, no encoder call)
     source: SourceBatch | None = None  # their encoder batch
-    encode_seconds: float = 0.0
+    encode_seconds: float = 0.0  # the encoder call (on this thread, or on the encoder's own)
+    join_seconds: float = 0.0  # the rest of the admission on this thread: the rows joined, sentences run apart
     decode_seconds: float = 0.0
     steps: int = 0
     selections: int = 0  # of the steps, those whose hypotheses the general selection chose
@@ -224,16 +225,17 @@ class RunningBatch:
         progress = Progress(len(requests))
         if not requests:
             return progress
-        engine, start = self.engine, time.perf_counter()
+        engine = self.engine
         if isinstance(ready, Exception):  # fails as an encoder call on this thread does
             raise ready
-        (encoded, sentences, progress.source), before = ready or (engine.encode(requests), 0.0)
+        (encoded, sentences, progress.source), progress.encode_seconds = ready or encode_now(engine, requests)
+        start = time.perf_counter()
         tagged = list(zip(tags, requests, strict=True))
         apart = [i for i, s in enumerate(sentences) if runs_apart(s, engine.eos_id)]
         if apart:  # whole targets and alternatives: their forced pass (and search) now, on their own
             encoded, sentences, tagged = self._run_apart(encoded, sentences, tagged, apart, deliver)
         admit(self.decode, encoded, sentences, tagged, start_id=engine.start_id)
-        progress.encode_seconds = before + time.perf_counter() - start
+        progress.join_seconds = time.perf_counter() - start
         return progress
 
     def _run_apart(self, encoded: dict[str, Any], sentences: list[BeamSentence], tagged: list[tuple[Any, Any]],
@@ -251,12 +253,18 @@ class RunningBatch:
         return encoded, [sentences[i] for i in rest], [tagged[i] for i in rest]
 
 
-def encode(engine: Any, requests: Sequence[SentenceRequest]) -> Encoded:
-    """``engine.encode(requests)`` and its seconds, or the error it raised: what :meth:`RunningBatch.offer` takes
-    from the encoder's own thread (``--encoder-overlap``)."""
+def encode_now(engine: Any, requests: Sequence[SentenceRequest]) -> tuple[tuple[dict, list[BeamSentence],
+                                                                              SourceBatch], float]:
+    """``engine.encode(requests)`` and its seconds."""
     start = time.perf_counter()
+    return engine.encode(requests), time.perf_counter() - start
+
+
+def encode(engine: Any, requests: Sequence[SentenceRequest]) -> Encoded:
+    """:func:`encode_now`, or the error it raised: what :meth:`RunningBatch.offer` takes from the encoder's own
+    thread (``--encoder-overlap``)."""
     try:
-        return engine.encode(requests), time.perf_counter() - start
+        return encode_now(engine, requests)
     except Exception as error:  # noqa: BLE001 - raised on the worker, where an encoder call's error goes
         return error
 
@@ -398,7 +406,7 @@ class ContinuousBatcher:
     def _record(self, progress: Progress) -> None:
         """Metrics of one stretch of the decode, and the cost-rate estimate once the decode is empty."""
         s = self.scheduler
-        self._compute += progress.encode_seconds + progress.decode_seconds
+        self._compute += progress.encode_seconds + progress.join_seconds + progress.decode_seconds
         if not self.batch.decode.rows:
             if self._cost_done and not self._cancelled:
                 s.observe_rate(self._compute / self._cost_done)
@@ -411,6 +419,7 @@ class ContinuousBatcher:
         series.running_rows.set(self.batch.decode.rows)
         if progress.source is not None:
             series.encode_duration.observe(progress.encode_seconds)
+            series.join_duration.observe(progress.join_seconds)
             series.batch_sentences.observe(progress.sentences)
             series.batch_tokens.observe(progress.source.positions)
             series.padding_ratio.observe(progress.source.padding_ratio)
