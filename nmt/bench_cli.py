@@ -50,10 +50,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--cuda-graphs, also its runs kept for CUDA graphs); cache-reorder: one decoder layer's in-place attention "
             "plus the beam's row copy against DecoderMaskedMultiHeadAttention reading through a cache indirection "
             "table; decode-cuts: how often a decode's plain steps are cut when sentences end, and the host's work "
-            "each cut costs; encoder-shapes: encoder calls at shapes not run before, against the same shapes again and "
-            "against shapes rounded up to buckets; gc: the cyclic garbage collector's pauses in the server with start-up's objects frozen "
-            "and without; timeline: where a lone caller's request spends its time, hand-off by hand-off, with the "
-            "model, the null engine and the null engine streaming memory as a model's weights do."
+            "each cut costs; encoder-shapes: encoder calls at shapes not run before, against the same shapes again "
+            "and against shapes rounded up to buckets; gc: the cyclic garbage collector's pauses in the server with "
+            "start-up's objects frozen and without; timeline: where a lone caller's request spends its time, "
+            "hand-off by hand-off, with the model, the null engine and the null engine streaming memory as a "
+            "model's weights do."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))
