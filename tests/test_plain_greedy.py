@@ -353,7 +353,7 @@ def test_greedy_steps_that_ask_for_several_best_tokens_decode_alike(engine, monk
     try:
         plain = search(engine, src, specs, lean=True)
         run = engine.model._bindings.__dict__["greedy"]
-        assert run.k == 3 and run._wide is not None
+        assert run.k == 3 and run._first_ids is not None
     finally:
         engine.model._bindings.__dict__.pop("greedy", None)
     same_best(plain, general)

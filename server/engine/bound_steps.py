@@ -113,7 +113,8 @@ class GreedySteps(BoundSteps):
     next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input before its last node writes
     the output, on the CPU and on a device's stream alike. Where asking for more than the best token lets the
     CPU's ``TopK`` split the rows over its threads (:func:`greedy_width`), the step writes each row's
-    ``width`` best into arrays of their own, and :meth:`run` copies the first column into :attr:`ids`.
+    ``width`` best into arrays of their own: :meth:`run` copies each row's first into :attr:`ids`, and its score
+    is read where the step wrote it.
     :meth:`read` gives the tokens and their log-probabilities as lists (``R`` ids and scores, nothing of the
     [R, V] distribution)."""
 
@@ -121,25 +122,24 @@ class GreedySteps(BoundSteps):
         on_cpu = not binds_each_step(model)
         width = greedy_width(rows, model.manifest.vocab_size, intra_op_threads(model)) if on_cpu else 1
         super().__init__(model, rows, width)
-        self.scores = np.zeros(rows, dtype=np.float32)
         self.eos_log_prob = np.zeros(rows, dtype=np.float32)
-        self._views = memoryview(self.ids), memoryview(self.scores)
-        self._wide: tuple[np.ndarray, np.ndarray] | None = None  # each row's best id and score among its width
+        self._first_ids: np.ndarray | None = None  # each row's best token among its width, for the next input
         ids, scores, eos = TOP_K_OUTPUTS
         if width == 1:
+            self.scores = np.zeros(rows, dtype=np.float32)
             outputs = (ids, self.ids[:, None]), (scores, self.scores[:, None])
         else:
             top_ids, top_scores = np.zeros((rows, width), dtype=np.int64), np.zeros((rows, width), dtype=np.float32)
+            self.scores, self._first_ids = top_scores[:, 0], top_ids[:, 0]  # read where the step wrote them
             outputs = (ids, top_ids), (scores, top_scores)
-            self._wide = top_ids[:, 0], top_scores[:, 0]
+        self._views = memoryview(self.ids), memoryview(self.scores)
         for name, array in (*outputs, (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
 
     def run(self) -> None:
         super().run()
-        if self._wide is not None:
-            np.copyto(self.ids, self._wide[0])
-            np.copyto(self.scores, self._wide[1])
+        if self._first_ids is not None:
+            np.copyto(self.ids, self._first_ids)
 
     def run_block(self, steps: int) -> int:
         """One step (a block of one, as :meth:`server.engine.device_greedy.DeviceGreedyRun.run_block` runs up to
