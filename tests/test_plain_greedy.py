@@ -324,36 +324,3 @@ def test_ids_and_positions_bound_again_each_step_decode_alike(engine, monkeypatc
     for ours, reference in zip(again, once, strict=True):
         [a], [b] = ours.hypotheses, reference.hypotheses
         assert (a.tokens, a.score, a.token_scores) == (b.tokens, b.score, b.token_scores)
-
-
-def test_the_greedy_width_lets_the_cpu_topk_share_its_rows_over_the_threads():
-    """:func:`bound_steps.greedy_width`: the fewest best tokens for which ONNX Runtime's CPU TopK splits the rows
-    over the threads (at most one a row), within ``GREEDY_MAX_WIDTH``; 1 where no split is to be had."""
-    share = bound_steps.TOP_K_ELEMENTS_A_THREAD
-    assert bound_steps.greedy_width(8, 8000, 2) == 5 and bound_steps.greedy_width(16, 8000, 2) == 3
-    assert bound_steps.greedy_width(1, 8000, 2) == 1  # one row: one thread whatever k
-    assert bound_steps.greedy_width(8, 8000, 1) == 1  # one thread
-    assert bound_steps.greedy_width(33, 8000, 2) == 1  # k = 1 splits already
-    assert bound_steps.greedy_width(2, 8000, 2) == 1  # it would take 17: more than the heap's worth
-    for rows in range(2, 65):
-        for vocab in (1000, 8000, 32000):
-            width = bound_steps.greedy_width(rows, vocab, 2)
-            if width > 1:
-                assert rows * vocab * width >= 2 * share > rows * vocab * (width - 1)
-                assert width <= bound_steps.GREEDY_MAX_WIDTH
-
-
-def test_greedy_steps_that_ask_for_several_best_tokens_decode_alike(engine, monkeypatch):
-    """Where the CPU asks TopK for several best tokens a row (to spread its scan over the threads), the steps take
-    the first of each row: the same tokens and scores, summed in the same order, as the general search."""
-    src, specs = batch(engine, seed=5, n=7)
-    general = search(engine, src, specs, lean=False)
-    monkeypatch.setattr(bound_steps, "greedy_width", lambda rows, vocab, threads: 3)
-    engine.model._bindings.__dict__.pop("greedy", None)  # the next plain steps are set up afresh, with the rule
-    try:
-        plain = search(engine, src, specs, lean=True)
-        run = engine.model._bindings.__dict__["greedy"]
-        assert run.k == 3 and run._first_ids is not None
-    finally:
-        engine.model._bindings.__dict__.pop("greedy", None)
-    same_best(plain, general)

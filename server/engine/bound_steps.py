@@ -11,16 +11,12 @@ a step graph's run the CPU's caches hold the graph's weights and every NumPy cal
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS
-
-TOP_K_ELEMENTS_A_THREAD = 128 * 1024  # ONNX Runtime's CPU TopK: the elements x k each of its threads takes
-GREEDY_MAX_WIDTH = 8  # the most best tokens an arg-max step asks for to let TopK use its threads
 
 
 class BoundSteps:
@@ -111,35 +107,17 @@ class GreedySteps(BoundSteps):
 
     The step graph (top 1) writes each step's best token of every row (``top_ids``) into the very array the
     next step reads as ``input_ids`` (:attr:`ids`): the graph reads its input before its last node writes
-    the output, on the CPU and on a device's stream alike. Where asking for more than the best token lets the
-    CPU's ``TopK`` split the rows over its threads (:func:`greedy_width`), the step writes each row's
-    ``width`` best into arrays of their own: :meth:`run` copies each row's first into :attr:`ids`, and its score
-    is read where the step wrote it.
-    :meth:`read` gives the tokens and their log-probabilities as lists (``R`` ids and scores, nothing of the
-    [R, V] distribution)."""
+    the output, on the CPU and on a device's stream alike. :meth:`read` gives the tokens and their
+    log-probabilities as lists (``R`` ids and scores, nothing of the [R, V] distribution)."""
 
     def __init__(self, model: Any, rows: int) -> None:
-        on_cpu = not binds_each_step(model)
-        width = greedy_width(rows, model.manifest.vocab_size, intra_op_threads(model)) if on_cpu else 1
-        super().__init__(model, rows, width)
+        super().__init__(model, rows, 1)
+        self.scores = np.zeros(rows, dtype=np.float32)
         self.eos_log_prob = np.zeros(rows, dtype=np.float32)
-        self._first_ids: np.ndarray | None = None  # each row's best token among its width, for the next input
-        ids, scores, eos = TOP_K_OUTPUTS
-        if width == 1:
-            self.scores = np.zeros(rows, dtype=np.float32)
-            outputs = (ids, self.ids[:, None]), (scores, self.scores[:, None])
-        else:
-            top_ids, top_scores = np.zeros((rows, width), dtype=np.int64), np.zeros((rows, width), dtype=np.float32)
-            self.scores, self._first_ids = top_scores[:, 0], top_ids[:, 0]  # read where the step wrote them
-            outputs = (ids, top_ids), (scores, top_scores)
         self._views = memoryview(self.ids), memoryview(self.scores)
-        for name, array in (*outputs, (eos, self.eos_log_prob)):
+        ids, scores, eos = TOP_K_OUTPUTS
+        for name, array in ((ids, self.ids[:, None]), (scores, self.scores[:, None]), (eos, self.eos_log_prob)):
             self._binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-
-    def run(self) -> None:
-        super().run()
-        if self._first_ids is not None:
-            np.copyto(self.ids, self._first_ids)
 
     def run_block(self, steps: int) -> int:
         """One step (a block of one, as :meth:`server.engine.device_greedy.DeviceGreedyRun.run_block` runs up to
@@ -150,25 +128,6 @@ class GreedySteps(BoundSteps):
     def read(self, step: int = 0) -> tuple[list[int], list[float]]:
         """The last step's token of each row and its log-probability (``step``: its index in the block, 0)."""
         return self._views[0].tolist(), self._views[1].tolist()
-
-
-def greedy_width(rows: int, vocab: int, threads: int) -> int:
-    """How many best tokens an arg-max step of ``rows`` rows asks its CPU ``TopK`` for: ONNX Runtime's kernel
-    (``onnxruntime/core/providers/cpu/math/top_k.cc``, 1.32) splits the rows over its threads only for
-    rows x vocabulary x k of 128 Ki elements a thread, so at 5-32 rows of an 8,000-piece vocabulary one thread
-    scans them all for k = 1. Asking for the k that lets ``threads`` threads (at most one a row) share the scan
-    is faster there (SMALL, 8 and 16 rows: 1.07-1.08x a whole decode); above ``GREEDY_MAX_WIDTH`` the wider
-    heap and its copy cost more than the split saves, and 1 stays."""
-    share = min(threads, rows)
-    if share < 2:
-        return 1
-    width = -(-share * TOP_K_ELEMENTS_A_THREAD // (rows * vocab))
-    return width if width <= GREEDY_MAX_WIDTH else 1
-
-
-def intra_op_threads(model: Any) -> int:
-    """The threads of ``model``'s decoder session's pool (its setting; 0, the default, is a thread a core)."""
-    return model.sessions["decoder"].get_session_options().intra_op_num_threads or os.cpu_count() or 1
 
 
 def moved_on(positions: np.ndarray, steps: int, ceilings: np.ndarray | None) -> np.ndarray:
