@@ -70,7 +70,8 @@ the sentences that finish.
 
 Metrics: ``nmt_running_rows`` (rows in the decode), ``nmt_admission_wait_steps`` (steps the decode ran
 while a sentence waited to join), and the batch families per admission (one encoder call): sentences,
-source positions, padding; ``nmt_inference_duration_seconds`` per encoder call and per run of steps.
+source positions, padding; ``nmt_inference_duration_seconds`` per encoder call (stage ``encode``), per joining
+of an admission's rows to the decode after it (``join``) and per run of steps (``decode``).
 """
 
 from __future__ import annotations
