@@ -97,11 +97,11 @@ class VersionSeries:
     general_steps: Any
 
 
-# The families labelled by model and version alone (their series come and go with the version): the fields of
-# VersionSeries but the stages of nmt_inference_duration_seconds and the selections of nmt_decode_steps
-VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries)
-                         if f.name not in ("encode_duration", "join_duration", "decode_duration", "plain_steps",
-                                       "general_steps"))
+# The fields of VersionSeries that are one label value of a family with a third label: the stages of
+# nmt_inference_duration_seconds and the selections of nmt_decode_steps
+LABELLED_SERIES = ("encode_duration", "join_duration", "decode_duration", "plain_steps", "general_steps")
+# The families labelled by model and version alone (their series come and go with the version)
+VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries) if f.name not in LABELLED_SERIES)
 
 
 class Children:
