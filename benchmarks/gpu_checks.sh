@@ -85,5 +85,5 @@ step batching_beam1_no_overlap 120 python3 benchmarks/batching.py $serve --beam-
 step batching_beam1_no_hold 120 python3 benchmarks/batching.py $serve --beam-size 1 --serve-args "--hold-ended off"
 step batching_beam4 170 python3 benchmarks/batching.py $serve --beam-size 4
 # last, where the call's time allows: the beam-1 cell with the server's steps captured as CUDA graphs (its encoder
-# calls back on the worker: --cuda-graphs turns the overlap off), against the two beam-1 cells above
+# calls still beside the decode, waiting only for the worker's captures), against the beam-1 cells above
 step batching_beam1_graphs 120 python3 benchmarks/batching.py $serve --beam-size 1 --serve-args=--cuda-graphs

@@ -114,7 +114,8 @@ class ServerConfig:
         "auto", "continuous batching: run the encoder call of the sentences joining the running decode on a thread "
         "of its own while the decode steps on, instead of between two steps (on: where the decode's steps leave "
         "the device idle, a GPU; off: on a CPU the encoder would take the decode's cores); auto: on for CUDA, "
-        "off for the CPU. Off with --cuda-graphs, whose captures another thread's device allocations spoil",
+        "off for the CPU. With --cuda-graphs its calls wait for the worker's graph captures, which another "
+        "thread's device allocations would spoil",
         choices=ENCODER_OVERLAP)
     hold_ended: str = option(
         "auto", "continuous batching: a sentence that ends in a run of plain arg-max steps (by EOS or at its output "

@@ -12,6 +12,7 @@ import logging
 import shutil
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from server.config import ServerConfig
 from server.controls import Controls
 from server.core.admission import DecodeLoad, Pending, admit_to_decode
 from server.core.scheduler import ModelScheduler
+from server.engine import cuda_graphs
 from server.engine.engine import Engine
 from server.errors import Cancelled, DeadlineExceeded, Internal
 from server.frontend.translate import translate_texts
@@ -191,16 +193,77 @@ def test_after_shutdown_the_worker_encodes_what_joins(tiny_models: dict[str, Pat
     assert batcher.batch._offers.get_nowait() == ([sentence], [pending], None)
 
 
-def test_no_encoder_thread_beside_cuda_graph_captures(tiny_models: dict[str, Path],
-                                                     caplog: pytest.LogCaptureFixture) -> None:
-    """A model that captures CUDA graphs on the worker keeps its encoder calls there, with a log line: a capture
-    is global to the process, and another thread's device allocation during one spoils it."""
-    engine = engine_with(tiny_models["transformer"])
-    engine.model.cuda_graphs = True
-    with caplog.at_level(logging.INFO, logger="nmt.server"):
-        scheduler = continuous(engine, encoder_overlap="on")
-    assert scheduler._continuous._encoder is None
-    assert any(r.getMessage().startswith("encoder overlap is off: --cuda-graphs") for r in caplog.records)
+class _CapturesTimed:
+    """A decoder session whose runs that may capture a CUDA graph (a graph id's first ``CAPTURE_CALLS``) take
+    ``seconds`` and record when they ran; it stands in for CUDA's graph-enabled session on the CPU."""
+
+    def __init__(self, session: Any, seconds: float, spans: list[tuple[float, float]]) -> None:
+        self.session, self.seconds, self.spans, self.calls = session, seconds, spans, Counter()
+
+    def run_with_iobinding(self, binding: Any, options: Any = None) -> None:
+        graph_id = options.get_run_config_entry("gpu_graph_id") if options is not None else str(cuda_graphs.SKIP)
+        if graph_id != str(cuda_graphs.SKIP) and self.calls[graph_id] < cuda_graphs.CAPTURE_CALLS:
+            self.calls[graph_id] += 1
+            start = time.perf_counter()
+            time.sleep(self.seconds)
+            self.session.run_with_iobinding(binding, options)
+            self.spans.append((start, time.perf_counter()))
+            return
+        self.session.run_with_iobinding(binding, options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+
+def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_models: dict[str, Path]) -> None:
+    """With ``--cuda-graphs`` the encoder still runs on its own thread (``--encoder-overlap``), but never while the
+    worker's session run may be capturing a graph (a capture is global to the process: another thread's device
+    allocation spoils it): the two take turns at ``CAPTURE_GATE``. On the CPU's sessions, captures forced as a
+    CUDA version's would be, both slowed so that they would overlap without the gate; the translations stay
+    those of the sentences alone."""
+    engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, device_state=True,
+                         device_search=True, cuda_graphs=True)
+    model = engine.model
+    captures: list[tuple[float, float]] = []
+    encoder_calls: list[tuple[float, float]] = []
+    model.sessions["decoder_graphs"] = _CapturesTimed(model.sessions["decoder"], 0.004, captures)
+    model.capture.reason = ""  # as a CUDA version's would be
+    encode = model.encode
+
+    def slow_encode(src: np.ndarray) -> Any:
+        start = time.perf_counter()
+        time.sleep(0.01)
+        try:
+            return encode(src)
+        finally:
+            if threading.current_thread().name.startswith("encoder"):
+                encoder_calls.append((start, time.perf_counter()))
+
+    model.encode = slow_encode
+    texts = [" ".join(SHORT[: 1 + i % 4]) + " " + SHORT[i % 4] for i in range(12)]
+
+    async def scenario() -> list[Any]:
+        scheduler = continuous(engine, encoder_overlap="on", max_wait_seconds=0.0)
+        scheduler.start()
+        long = asyncio.ensure_future(translate(scheduler, [LONG], long_options(1)))
+        await until(lambda: scheduler._continuous.batch.steps)
+        calls = []
+        for i, text in enumerate(texts):
+            calls.append(asyncio.ensure_future(translate(scheduler, [text], DecodingOptions(beam_size=1 + i % 2 * 3))))
+            await asyncio.sleep(0.006)
+        outcomes = await asyncio.gather(long, *calls)
+        await scheduler.close(timeout=5)
+        return outcomes
+
+    long, *short = asyncio.run(scenario())
+    assert encoder_calls and captures, "encoder calls on the encoder's thread, and runs that may capture"
+    overlapping = [(c, e) for c in captures for e in encoder_calls if c[0] < e[1] and e[0] < c[1]]
+    assert not overlapping, f"{len(overlapping)} captures overlapped an encoder call"
+    for got, (text, beam) in zip([long, *short], [(LONG, 1), *((t, 1 + i % 2 * 3) for i, t in enumerate(texts))],
+                                 strict=True):
+        options = long_options(beam) if text == LONG else DecodingOptions(beam_size=beam)
+        [alone] = engine.translate([text], options)
+        assert got[0].hypotheses[0].tokens == alone.hypotheses[0].tokens
 
 
 class SharedPosition(StepModel):

@@ -253,7 +253,22 @@ def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(beam
     """The default on CUDA: continuous batching with the joining sentences encoded on a thread of their own
     (``--encoder-overlap``), the encoder's session running beside the decoder's, and ended rows running on unread
     (``--hold-ended``), greedy also without; every sentence decodes as on the CPU alone."""
-    engine = gpu["transformer"]
+    decode_beside_encoder_calls(gpu["transformer"], cpu["transformer"], beam, hold)
+
+
+@pytest.mark.parametrize("beam", [1, 2], ids=["greedy", "beam-2"])
+def test_cuda_graph_captures_take_turns_with_the_encoder_beside_the_decode(beam, cpu, tiny_models):
+    """``--cuda-graphs`` with the encoder beside the decode: the worker's runs that may capture and the encoder's
+    calls take turns (``cuda_graphs.CAPTURE_GATE``), so no capture fails and every sentence decodes as on the CPU."""
+    engine = Engine.load(tiny_models["transformer"], provider="cuda", device_search=True, cuda_graphs=True)
+    assert engine.model.capture.enabled, engine.model.capture.reason
+    decode_beside_encoder_calls(engine, cpu["transformer"], beam, "on")
+    assert engine.model.capture.captured_runs > 0 and engine.model.capture.failures == 0
+
+
+def decode_beside_encoder_calls(engine: Engine, cpu_engine: Engine, beam: int, hold: str) -> None:
+    """Sentences arriving 2 ms apart into ``engine``'s continuous scheduler (encoder beside the decode), each
+    translated as ``cpu_engine`` translates it alone."""
     scheduler = ModelScheduler(engine, policy=BatchPolicy(max_wait_seconds=0.0, hold_ended=hold))
     assert scheduler.batching == "continuous" and scheduler._continuous._encoder is not None
     texts = [text for _ in range(4) for text in TEXTS]
@@ -269,7 +284,7 @@ def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(beam
         await scheduler.close(timeout=10)
         return results
 
-    for got, expected in zip(asyncio.run(scenario()), cpu["transformer"].translate(texts, options), strict=True):
+    for got, expected in zip(asyncio.run(scenario()), cpu_engine.translate(texts, options), strict=True):
         assert got[0].hypotheses[0].token_ids == expected.hypotheses[0].token_ids
         assert got[0].hypotheses[0].score == pytest.approx(expected.hypotheses[0].score, abs=TOLERANCE)
 

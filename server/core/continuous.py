@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -89,13 +88,12 @@ from typing import Any
 import numpy as np
 
 from server.core.admission import DecodeLoad, Pending, admit_to_decode, resolve
+from server.engine.cuda_graphs import beside_captures
 from server.engine.decode import RunningDecode
 from server.engine.engine import SourceBatch, generated_tokens
 from server.engine.forced import admit, decode, runs_apart
 from server.engine.search import BeamSentence
 from server.types import SearchResult, SentenceRequest
-
-log = logging.getLogger("nmt.server")
 
 
 @dataclass
@@ -263,9 +261,10 @@ def encode_now(engine: Any, requests: Sequence[SentenceRequest]) -> tuple[tuple[
 
 def encode(engine: Any, requests: Sequence[SentenceRequest]) -> Encoded:
     """:func:`encode_now`, or the error it raised: what :meth:`RunningBatch.offer` takes from the encoder's own
-    thread (``--encoder-overlap``)."""
+    thread (``--encoder-overlap``), never during the worker's CUDA graph captures (:func:`beside_captures`)."""
     try:
-        return encode_now(engine, requests)
+        with beside_captures(engine.model):
+            return encode_now(engine, requests)
     except Exception as error:  # noqa: BLE001 - raised on the worker, where an encoder call's error goes
         return error
 
@@ -291,10 +290,6 @@ class ContinuousBatcher:
         """The thread that encodes the sentences offered to the decode (``--encoder-overlap``), if any."""
         s = self.scheduler
         if s.policy.encoder_overlap != "on":
-            return None
-        if getattr(s.engine.model, "cuda_graphs", False):
-            log.info("encoder overlap is off: --cuda-graphs captures on the worker, which another thread's device "
-                     "allocations spoil", extra={"fields": {"model": s.labels[0], "version": s.labels[1]}})
             return None
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"encoder-{s.labels[0]}-{s.labels[1]}")
 

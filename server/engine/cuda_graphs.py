@@ -19,15 +19,21 @@ replay reads and writes exactly the buffers the capture saw, at the shapes it sa
 
 A run that cannot capture runs its steps as ordinary runs (``gpu_graph_id`` -1) and says why once
 (:meth:`GraphCapture.unavailable`, :meth:`GraphCapture.failed`): on the CPU, on a runtime without CUDA graphs, or
-when a capture fails (CUDA captures are global to the process: another thread's allocation during one
-invalidates it)."""
+when a capture fails.
+
+ONNX Runtime captures in CUDA's global mode: while a capture is under way, another thread's device allocation or
+synchronous copy fails and spoils the capture. So a session run that may capture holds :data:`CAPTURE_GATE`
+(:meth:`KeptRun._run`: a graph id's first :data:`CAPTURE_CALLS` runs), and so does the encoder's thread beside the
+decode (``--encoder-overlap``, :func:`beside_captures`): a capture then waits for an encoder call to end, and an
+encoder call for a capture. Replays and ordinary runs need no gate."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,9 @@ BUCKET_FLOOR = 16  # the smallest bucket of a length
 BUCKETED_DIMS = ("src_len", "capacity")  # the axes (named in the step graph's inputs) a bucket rounds up
 MAX_CAPTURED_RUNS = 256  # runs that capture graphs, at most, where the runtime cannot release a captured graph
 SKIP = -1  # gpu_graph_id: an ordinary run, no capture and no replay
+CAPTURE_CALLS = 3  # a graph id's session runs that may capture (ONNX Runtime runs an id ordinarily twice, then
+# captures; a version that captures on a run's own second pass does so within these); later ones replay
+CAPTURE_GATE = threading.Lock()  # held by a session run that may capture and by encoder calls beside the decode
 
 
 def bucket(size: int, floor: int = BUCKET_FLOOR) -> int:
@@ -116,6 +125,13 @@ class GraphCapture:
             log.warning(message, *args)
 
 
+def beside_captures(model: Any) -> AbstractContextManager[Any]:
+    """What a thread other than the decode's holds around its device work for ``model`` (the encoder's, with
+    ``--encoder-overlap``): :data:`CAPTURE_GATE` where the model's runs capture CUDA graphs, else nothing."""
+    capture = getattr(model, "capture", None)
+    return CAPTURE_GATE if capture is not None and capture.enabled and model.cuda_graphs else nullcontext()
+
+
 def run_options(graph_id: int) -> ort.RunOptions:
     """Run options that name ``graph_id`` (:data:`SKIP`: an ordinary run)."""
     options = ort.RunOptions()
@@ -173,6 +189,7 @@ class KeptRun:
         self.graph_ids = graph_ids  # the graphs this run's session runs may capture (released by drop())
         self.capturing = bool(graph_ids)  # its session runs name graphs (captured on their third run, then replayed)
         self.nbytes = 0  # device memory of the run's buffers
+        self._calls: Counter[tuple[int, int]] = Counter()  # runs so far of each (session, parity): of each graph id
 
     def drop(self) -> None:
         """Release the graphs this run's session runs captured (its buffers go with the run)."""
@@ -182,9 +199,18 @@ class KeptRun:
                     session.release_captured_graph(graph_id)
 
     def _run(self, session: int, binding: ort.IOBinding, parity: int = 0) -> None:
-        """Run session ``session`` with ``binding`` and the run options of ``parity``. A run that names a graph and
-        fails (a capture that failed) sends this run's bucket to ordinary runs, said once, and runs again: during
-        a capture nothing ran."""
+        """Run session ``session`` with ``binding`` and the run options of ``parity``, holding
+        :data:`CAPTURE_GATE` while the run may capture (its graph id's first :data:`CAPTURE_CALLS`). A run that names
+        a graph and fails (a capture that failed) sends this run's bucket to ordinary runs, said once, and runs
+        again: during a capture nothing ran."""
+        if self.capturing and self._calls[session, parity] < CAPTURE_CALLS:
+            self._calls[session, parity] += 1
+            with CAPTURE_GATE:
+                self._run_once(session, binding, parity)
+        else:
+            self._run_once(session, binding, parity)
+
+    def _run_once(self, session: int, binding: ort.IOBinding, parity: int) -> None:
         try:
             self.sessions[session].run_with_iobinding(binding, self.options[parity])
         except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
