@@ -11,6 +11,7 @@ client nor kills the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -113,15 +114,17 @@ async def abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate an async servicer method (unary or async-generator) so typed errors become statuses.
 
-    ``asyncio.CancelledError`` (the client went away) and ``grpc.aio.AbortError`` propagate untouched.
+    ``asyncio.CancelledError`` (the client went away) and ``grpc.aio.AbortError`` propagate untouched. A stream
+    closed early closes the method's own generator (its clean-up runs then).
     """
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                async for response in method(self, request, context):
-                    yield response
+                async with contextlib.aclosing(method(self, request, context)) as responses:
+                    async for response in responses:
+                        yield response
             except grpc.aio.AbortError:
                 raise
             except Exception as error:  # noqa: BLE001 - the one catch-all of the server

@@ -26,6 +26,7 @@ A body over :data:`MAX_BODY_BYTES` is the RPC's INVALID_ARGUMENT, like any reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -337,8 +338,8 @@ class HttpFace:
             events: web.StreamResponse | None = None
             failure: tuple[grpc.StatusCode, str] | None = None
             try:
-                async with asyncio.timeout(timeout):
-                    async for item in behavior(message, context):
+                async with asyncio.timeout(timeout), contextlib.aclosing(behavior(message, context)) as items:
+                    async for item in items:  # a client gone or the deadline closes the responses at once
                         if events is None:
                             events = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                                  "Cache-Control": "no-cache", **context.headers()})

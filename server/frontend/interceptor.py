@@ -38,6 +38,7 @@ last one resolved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
@@ -112,7 +113,8 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str:
 def code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
     """The status code of a finished call: the one set on the call (an abort), else OK without an error,
     DEADLINE_EXCEEDED for a cancellation once the deadline has passed (gRPC cancels such a handler),
-    else the error's own code (:func:`server.errors.status_of`)."""
+    CANCELLED for a stream whose consumer stopped early (``GeneratorExit``), else the error's own code
+    (:func:`server.errors.status_of`)."""
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
@@ -122,10 +124,12 @@ def code_name(context: grpc.aio.ServicerContext, error: BaseException | None) ->
                 return status.name
     if error is None:
         return "OK"
-    if isinstance(error, asyncio.CancelledError):
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: the consumer stopped early
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             return "DEADLINE_EXCEEDED"
+        if isinstance(error, GeneratorExit):
+            return "CANCELLED"
     return status_of(error)[0].name
 
 
@@ -136,7 +140,7 @@ async def _refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> No
 
 def _error_message(context: grpc.aio.ServicerContext, error: BaseException | None) -> str | None:
     """What a failed call told its client (None for a success or a cancellation)."""
-    if error is None or isinstance(error, asyncio.CancelledError):
+    if error is None or isinstance(error, (asyncio.CancelledError, GeneratorExit)):
         return None
     return context.details() or status_of(error)[1]
 
@@ -321,14 +325,20 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
-            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def responses(request: Any, context: Any) -> AsyncIterator[Any]:
+                """The call's responses, accounted when they end; a consumer that stops early closes them
+                (``contextlib.aclosing``), which closes the handler's own generator."""
                 start, record = begin(context)
                 error = None
                 try:
                     result = behavior(await admit(request, context, record), context)
                     if hasattr(result, "__aiter__"):
-                        async for response in result:
-                            yield response
+                        try:
+                            async for response in result:
+                                yield response
+                        finally:
+                            if hasattr(result, "aclose"):
+                                await result.aclose()
                     elif inspect.isawaitable(result):  # a coroutine that writes with context.write()
                         await result
                     else:  # a plain iterator
@@ -340,7 +350,15 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     finish(context, start, record, error)
 
-            wrapped = streaming
+            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> None:
+                """gRPC's handler: a coroutine that writes each response. grpc.aio leaves an async generator
+                that it stops iterating (a cancellation while it writes) to the garbage collector; here the
+                cancellation lands in this coroutine and the responses are closed at once."""
+                async with contextlib.aclosing(responses(request, context)) as items:
+                    async for response in items:
+                        await context.write(response)
+
+            wrapped = responses if http else streaming
         else:
             behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
