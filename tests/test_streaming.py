@@ -10,8 +10,11 @@ server's streaming is tested in ``tests/test_split.py``.
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
 import shutil
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -196,6 +199,28 @@ def test_a_stable_prefix_never_retracts(tiny_models, arch):
             assert seen[-1] == best
         early += request_.options.beam_size > 1 and bool(seen)
     assert early > 0  # beam search decided tokens before the end in some sentences
+
+
+def test_an_event_stream_client_that_goes_away_frees_the_decode(repository):
+    """The HTTP face's server-sent events: a client that closes its connection after the first event ends the call
+    (its translation cancelled, its rows freed), counted CANCELLED."""
+    h = ServerHarness(test_config(repository, default_model="transformer", http_listen="127.0.0.1:0"),
+                      wrapping_loader(lambda e: SlowEngine(e, poll_seconds=0.02)))
+    try:
+        body = json.dumps({"texts": [" ".join(TEXTS * 8)], "model": "transformer",
+                           "options": {"maxLength": 200, "minLength": 190}})
+        connection = http.client.HTTPConnection("127.0.0.1", h.server.http_port, timeout=30)
+        connection.request("POST", "/v1/translate:stream", body=body, headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")  # the first event
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        cancelled = {"model": "transformer", "version": "1"}
+        wait_for(lambda: h.metric("nmt_cancelled_sentences_total", cancelled) == 1)
+        wait_for(lambda: h.metric("nmt_requests_total", {"model": "transformer", "method": "http:TranslateStreaming",
+                                                         "code": "CANCELLED"}) == 1)
+    finally:
+        h.close()
 
 
 def test_cancelling_mid_stream_frees_the_decode(repository):
