@@ -95,7 +95,7 @@ def traced_server(trace: str, arguments: list[str]) -> None:
         def wrapper(self: object, requests: object) -> object:
             stamp("engine_in")
             if traffic.size and owner is null_engine.NullEngine:
-                traffic.__iadd__(1.0)  # reads and writes every byte, as a model's run streams its weights
+                np.add(traffic, 1.0, out=traffic)  # reads and writes every byte, as a model's run streams its weights
             try:
                 return function(self, requests)
             finally:
