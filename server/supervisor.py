@@ -92,6 +92,13 @@ def reserve_port(address: str) -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
+def announce_ready(ready_file: Path, fields: dict[str, Any]) -> None:
+    """Write a worker's ready file atomically: the supervisor never reads it half written."""
+    partial = ready_file.with_name(ready_file.name + ".partial")
+    partial.write_text(json.dumps(fields))
+    os.replace(partial, ready_file)
+
+
 def with_port(address: str, port: int) -> str:
     return f"{address.rpartition(':')[0]}:{port}"
 

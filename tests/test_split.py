@@ -37,6 +37,7 @@ from server.controls import Controls
 from server.errors import ResourceExhausted
 from server.ipc import Cancel, Channel, Done, Failed, Submit, WireSentence, decode, encode
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
+from server.supervisor import announce_ready
 from server.types import DecodingOptions, ScoredSequence, SearchResult, TargetPrefix
 from tests.conftest import SERVED_MODEL
 from tests.harness import ServerHarness
@@ -180,6 +181,33 @@ def test_the_messages_of_one_turn_leave_in_one_write_and_arrive_in_order() -> No
 
     arrived, count = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert arrived == list(range(101)) and count == 2
+
+
+def test_the_supervisor_never_reads_a_ready_file_half_written(tmp_path: Path) -> None:
+    """A worker announces itself while the supervisor polls for the file: the poll must see all of it or none.
+
+    A plain ``write_text`` creates the file empty before it writes (a CI run failed on that empty read);
+    in this loop it was read half written in most of the rounds."""
+    rounds, fields = 300, {"models": ["demo"] * 50, "default_model": "demo"}
+    unreadable: list[int] = []
+
+    def poll() -> None:
+        for i in range(rounds):
+            ready = tmp_path / f"core.{i}.ready"
+            while not ready.exists():
+                time.sleep(0)
+            try:
+                assert json.loads(ready.read_text()) == fields
+            except ValueError:
+                unreadable.append(i)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    for i in range(rounds):
+        announce_ready(tmp_path / f"core.{i}.ready", fields)
+    poller.join(30)
+    assert not poller.is_alive() and unreadable == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"core.{i}.ready" for i in range(rounds))
 
 
 def test_frontends_never_import_onnxruntime() -> None:

@@ -14,7 +14,6 @@ as JSON), ``NMT_CORE_ADDRESS`` (the socket to bind) and ``NMT_READY_FILE`` (writ
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from server.ipc import CoreEndpoint
 from server.logs import configure_logging
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy
+from server.supervisor import announce_ready
 
 log = logging.getLogger("nmt.server")
 
@@ -75,7 +75,7 @@ async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, repository.scan_soon)
     repository.watch(config.reload_interval)
-    ready_file.write_text(json.dumps({"models": repository.names, "default_model": repository.default_model}))
+    announce_ready(ready_file, {"models": repository.names, "default_model": repository.default_model})
     log.info("engine core serving", extra={"fields": {
         "address": address, "models": [f"{mv.name}/{mv.version}" for mv in repository]}})
     await stop.wait()

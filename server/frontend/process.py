@@ -14,7 +14,6 @@ JSON, ports resolved, no metrics port: the supervisor serves ``/metrics``), ``NM
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -26,6 +25,7 @@ from server.config import ServerConfig
 from server.frontend.app import TranslationServer
 from server.frontend.remote import RemoteRepository
 from server.logs import configure_logging
+from server.supervisor import announce_ready
 
 log = logging.getLogger("nmt.server")
 CATALOG_TIMEOUT_SECONDS = 30.0  # how long a new front-end waits for the core's catalog
@@ -38,7 +38,7 @@ async def run_frontend(config: ServerConfig, address: str, ready_file: Path) -> 
     server.install_signal_handlers()
     await server.start()
     pauses = collector.watch(server.repository, server.metrics.gc_pause, frozen=config.gc_freeze)
-    ready_file.write_text(json.dumps({"pid": os.getpid(), "port": server.port, "http_port": server.http_port}))
+    announce_ready(ready_file, {"pid": os.getpid(), "port": server.port, "http_port": server.http_port})
     await server.wait_for_termination()
     pauses.cancel()
 
