@@ -23,6 +23,7 @@ from nmt.errors import NmtError
 from server.config import ServerConfig
 from server.controls import Controls
 from server.core.admission import DecodeLoad, Pending, admit_to_decode
+from server.core.continuous import Progress, RunningBatch
 from server.core.scheduler import ModelScheduler
 from server.engine import cuda_graphs
 from server.engine.engine import Engine
@@ -347,8 +348,6 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
         decode.on_ended = recorded
         outcomes = await asyncio.gather(*(translate(scheduler, [text], o) for text, o in zip(texts, options,
                                                                                              strict=True)))
-        # a stretch's steps are counted when it ends, which with held rows comes after its sentences were handed out
-        await until(lambda: sum(steps().values()) > 0)
         await scheduler.close(timeout=5)
         return outcomes, handed
 
@@ -364,6 +363,33 @@ def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Pa
         [alone] = engine.translate([text], o)
         assert got.hypotheses[0].token_ids == alone.hypotheses[0].token_ids
         assert got.hypotheses[0].score == pytest.approx(alone.hypotheses[0].score, abs=1e-5)
+
+
+def test_close_waits_for_the_workers_run_and_keeps_its_metrics(tiny_models: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run can outlast its sentences (held rows are handed out before the run ends, and its stretch is reported
+    as it ends): closing right after the last caller's translation waits for the run, so its steps are counted.
+    The report is slowed (as a busy host slows it) so that closing comes first; before, the report was dropped."""
+    engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)
+    report = RunningBatch._report
+
+    def slow_report(progress: Progress, to: Any) -> None:
+        time.sleep(0.2)
+        report(progress, to)
+
+    monkeypatch.setattr(RunningBatch, "_report", staticmethod(slow_report))
+    metrics = ServerMetrics()
+
+    async def scenario() -> None:
+        scheduler = ModelScheduler(engine, policy=BatchPolicy(batching="continuous", hold_ended="on"), metrics=metrics)
+        scheduler.start()
+        await asyncio.gather(*(translate(scheduler, [text], DecodingOptions(max_length=3)) for text in SHORT))
+        await scheduler.close(timeout=5)
+
+    asyncio.run(scenario())
+    steps = sum(s.value for family in metrics.registry.collect() for s in family.samples
+                if s.name == "nmt_decode_steps_total")
+    assert steps >= 3
 
 
 def test_cancelled_and_expired_requests_free_their_rows(tiny_models: dict[str, Path]) -> None:

@@ -428,7 +428,7 @@ class ModelRepository(VersionIndex[ModelVersion]):
             if not await mv.wait_unused(self.grace_seconds):
                 log.warning("grace period over with requests on a removed model version; closing it",
                             extra={"fields": {"model": mv.name, "version": mv.version, "users": mv.users}})
-            await mv.scheduler.close(timeout=0)
+            await mv.scheduler.close(timeout=max(0.0, self.grace_seconds - (time.monotonic() - started)))
         finally:
             if unpublish:
                 self._unpublish(mv)

@@ -165,13 +165,15 @@ class ModelScheduler:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher-{self.labels}")
 
     async def close(self, timeout: float | None = None) -> None:
-        """Refuse new work, let queued and running sentences finish (up to ``timeout``), then stop; the
-        sentences still queued or running then get UNAVAILABLE (their callers never hang)."""
+        """Refuse new work, let queued and running sentences finish and the worker end its run (up to ``timeout``),
+        then stop; the sentences still queued or running then get UNAVAILABLE (their callers never hang).
+
+        The worker's run can outlast its sentences (rows held to the end of a run, ``--hold-ended``; the
+        stretch's metrics are reported as the run ends): waiting for it keeps the last stretch's metrics."""
         self._closed = True
         self._arrived.set()
-        if self._queue or self._running:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_idle(), timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._finish(), timeout)
         left = [*self._queue, *self._running]  # out of time: queued, and in the batch still running
         self._queue.clear()
         self._update_depth()
@@ -184,10 +186,13 @@ class ModelScheduler:
         if self._continuous is not None:
             self._continuous.close()
 
-    async def _wait_idle(self) -> None:
+    async def _finish(self) -> None:
+        """Wait until no sentence is queued or running, then for the worker thread's run to end (the single worker
+        takes a no-op after it; what the run handed to the event loop comes before the no-op's answer)."""
         while self._queue or self._running:
             self._idle.clear()
             await self._idle.wait()
+        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
 
     @property
     def queue_depth(self) -> int:

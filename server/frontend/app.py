@@ -269,7 +269,7 @@ class TranslationServer:
         if self.http is not None:
             await self.http.stop()
         if self.repository is not None:
-            await self.repository.close(timeout=0)
+            await self.repository.close(timeout=max(0.0, deadline - time.monotonic()))
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
