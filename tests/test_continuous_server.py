@@ -385,6 +385,7 @@ def test_close_waits_for_the_workers_run_and_keeps_its_metrics(tiny_models: dict
         scheduler.start()
         await asyncio.gather(*(translate(scheduler, [text], DecodingOptions(max_length=3)) for text in SHORT))
         await scheduler.close(timeout=5)
+        await scheduler.close(timeout=5)  # a second close does nothing (its worker takes no more runs)
 
     asyncio.run(scenario())
     steps = sum(s.value for family in metrics.registry.collect() for s in family.samples

@@ -136,7 +136,8 @@ class ModelScheduler:
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model}-{version}")
         self._task: asyncio.Task | None = None
-        self._closed = False
+        self._closed = False  # refusing new work
+        self._executor_down = False  # closed: the worker thread takes no more runs
         self._running: list[Pending] = []
         self._running_since = 0.0
         self._free_since = 0.0  # when the worker last finished a batch
@@ -169,7 +170,10 @@ class ModelScheduler:
         then stop; the sentences still queued or running then get UNAVAILABLE (their callers never hang).
 
         The worker's run can outlast its sentences (rows held to the end of a run, ``--hold-ended``; the
-        stretch's metrics are reported as the run ends): waiting for it keeps the last stretch's metrics."""
+        stretch's metrics are reported as the run ends): waiting for it keeps the last stretch's metrics. Closing
+        a closed scheduler does nothing."""
+        if self._executor_down:
+            return
         self._closed = True
         self._arrived.set()
         with contextlib.suppress(TimeoutError):
@@ -183,6 +187,7 @@ class ModelScheduler:
         for pending in left:
             resolve(pending, error=Unavailable("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor_down = True
         if self._continuous is not None:
             self._continuous.close()
 
