@@ -9,20 +9,34 @@ from server.types import Attention, WordAlignment
 
 
 def word_groups(pieces: list[str]) -> list[list[int]]:
-    """Indices of the pieces forming each word: a new word starts at a piece beginning with '▁'."""
+    """Indices of the pieces forming each word: a new word starts at a piece beginning with '▁'.
+
+    A group that spells nothing (bare '▁' marks, as SentencePiece emits before a digit or at the end of an
+    output) is no word: its pieces join the word before it, or the one after it when it comes first, and
+    pieces that spell nothing at all form no word.
+    """
     groups: list[list[int]] = []
     for i, piece in enumerate(pieces):
         if not groups or piece.startswith(WORD_START):
             groups.append([i])
         else:
             groups[-1].append(i)
-    return groups
+    kept: list[list[int]] = []
+    pending: list[int] = []  # pieces of empty groups before the first word
+    for group in groups:
+        if any(pieces[i] != WORD_START * len(pieces[i]) for i in group):
+            kept.append(pending + group)
+            pending = []
+        elif kept:
+            kept[-1].extend(group)
+        else:
+            pending.extend(group)
+    return kept
 
 
 def word_count(pieces: list[str]) -> int:
-    """How many groups :func:`word_groups` makes of ``pieces``, without making them."""
-    starts = sum(1 for piece in pieces if piece.startswith(WORD_START))
-    return starts + (bool(pieces) and not pieces[0].startswith(WORD_START))  # a first piece that starts no word
+    """How many words :func:`word_groups` makes of ``pieces``."""
+    return len(word_groups(pieces))
 
 
 def words(pieces: list[str], groups: list[list[int]]) -> list[str]:

@@ -217,6 +217,24 @@ def test_word_merging_on_a_hand_made_example():
     assert attention.pharaoh() == "0-0 1-1"
 
 
+def test_bare_word_marks_make_no_empty_word():
+    """SentencePiece emits a bare '▁' before digits and sometimes alone: it spells no word of its own (a lone
+    '▁' output is the empty text with no words, not one empty word)."""
+    assert segment_words(["\u2581"], "") == [] and word_groups(["\u2581"]) == []
+    assert segment_words(["\u2581", "9"], "9") == ["9"]
+    assert word_groups(["\u2581", "\u2581nine", "\u2581"]) == [[0, 1, 2]]
+    attention = merge_to_words(np.full((2, 2), 0.5), ["\u2581nine"], ["\u2581"])
+    assert attention.target_words == [] and attention.alignments == [] and attention.weights.shape == (0, 1)
+
+
+@given(st.lists(st.sampled_from(["\u2581a", "d", "\u2581", "\u2581\u2581"]), max_size=8))
+def test_every_word_spells_something_and_every_piece_of_a_word_is_kept(pieces):
+    groups = word_groups(pieces)
+    assert all(word for word in words(pieces, groups))
+    spelled = [i for i, piece in enumerate(pieces) if piece.strip("\u2581")]
+    assert sorted(i for group in groups for i in group) == (list(range(len(pieces))) if spelled else [])
+
+
 PIECES = st.lists(st.sampled_from(["\u2581a", "\u2581bc", "d", "e\u2581", "\u2581", ",", "<unk>"]), max_size=8)
 
 
