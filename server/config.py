@@ -52,9 +52,10 @@ class ServerConfig:
     cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
                                "(CORS); empty: none but the server's own page")
     max_connection_age: float = option(
-        0.0, "seconds after which a client connection is closed gracefully (GOAWAY; its calls get "
-        "--grace-seconds to finish), so clients that balance over a DNS name re-resolve it and reach new "
-        "replicas; 0: never")
+        60.0, "seconds after which a client connection is closed gracefully (GOAWAY, with gRPC's +-10% jitter): "
+        "the client opens a new one for its next calls while the calls and streams on the old one run to their "
+        "end, so new replicas, and a front-end restarted under --frontends N, get their share of long-lived "
+        "clients. Costs each client a reconnection (and TLS handshake) per period; 0: never")
     # security
     tls_cert: str = option("", "PEM certificate chain of the gRPC port (leaf first); with --tls-key, the port "
                            "speaks TLS only (empty: plaintext)")

@@ -156,6 +156,7 @@ class Supervisor:
         self._metrics_dir = self._dir / "metrics"
         self._metrics_dir.mkdir()
         self._address = str(self._dir / "core.sock")  # the core's Unix socket (server.ipc)
+        self._all_drained = self._dir / "frontends.drained"  # written once every front-end has drained
         self._held: list[socket.socket] = []
         self._metrics_http: Any = None
         self._watchers: list[asyncio.Task] = []
@@ -219,7 +220,8 @@ class Supervisor:
         ready_file = self._dir / f"{worker.role}.{worker.restarts}.ready"
         kind = worker.role.split("-")[0]
         env = dict(os.environ, NMT_WORKER_CONFIG=self._configs[kind], NMT_CORE_ADDRESS=self._address,
-                   NMT_READY_FILE=str(ready_file), PROMETHEUS_MULTIPROC_DIR=str(self._metrics_dir))
+                   NMT_READY_FILE=str(ready_file), PROMETHEUS_MULTIPROC_DIR=str(self._metrics_dir),
+                   NMT_DRAINED_FILE=str(self._drained_file(worker)), NMT_ALL_DRAINED_FILE=str(self._all_drained))
         worker.process = await asyncio.create_subprocess_exec(sys.executable, "-m", worker.module, env=env)
         worker.started = time.monotonic()
         deadline = worker.started + START_TIMEOUT_SECONDS
@@ -293,11 +295,26 @@ class Supervisor:
         log.info("stopped")
         self._stopped.set()
 
+    def _drained_file(self, worker: Worker) -> Path:
+        return self._dir / f"{worker.role}.{worker.restarts}.drained"
+
     async def _stop_all(self) -> None:
         self._stopping = True
         grace = self.config.grace_seconds + KILL_AFTER_SECONDS
+        release = asyncio.get_running_loop().create_task(self._release_frontends(self.config.grace_seconds))
         await asyncio.gather(*(_terminate(w, grace) for w in self.frontends))
+        release.cancel()
         await _terminate(self.core, grace)
+
+    async def _release_frontends(self, timeout: float) -> None:
+        """Tell the draining front-ends when all of them are done (each waits for that before it closes its
+        health watches), as one process keeps its watches until its last call has ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+                w.process is None or w.process.returncode is not None or self._drained_file(w).exists()
+                for w in self.frontends):
+            await asyncio.sleep(0.02)
+        announce_ready(self._all_drained, {})
 
     def _cleanup(self) -> None:
         if self._metrics_http is not None:

@@ -82,6 +82,11 @@ class VersionIndex(Generic[V]):
         over the requests that name none; if this one is removed, the first name left becomes the default."""
         return self._default_model
 
+    @property
+    def available(self) -> bool:
+        """Whether whatever decodes is there: always in one process; a front-end's core may be away."""
+        return True
+
     def serving(self, name: str) -> bool:
         """Whether requests for ``name`` that name no version can be served: its newest version is healthy."""
         versions = self._models.get(name)

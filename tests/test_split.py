@@ -9,6 +9,7 @@ nothing, and front-ends that never import ONNX Runtime.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -28,13 +29,16 @@ from typing import Any
 import grpc
 import msgspec
 import numpy as np
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.completion import Completion
 from server.controls import Controls
+from server.config import ServerConfig
 from server.errors import ResourceExhausted
+from server.frontend.app import server_options
 from server.ipc import Cancel, Channel, Done, Failed, Submit, WireSentence, decode, encode
 from server.protos import SERVICE_NAME, pb2, pb2_grpc
 from server.supervisor import announce_ready
@@ -120,7 +124,8 @@ def until(condition: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def split(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SplitServer]:
-    server = SplitServer(repository, tmp_path_factory.mktemp("split"))
+    # connections age out after a second (the default is 60 s): a restarted front-end gets its share quickly
+    server = SplitServer(repository, tmp_path_factory.mktemp("split"), 2, "--max-connection-age", "1")
     try:
         yield server
     finally:
@@ -328,15 +333,30 @@ def test_cancelling_a_call_frees_its_rows_in_the_core(split: SplitServer) -> Non
     assert time.monotonic() - start < 2
 
 
+def test_connections_age_out_by_default() -> None:
+    """Without an age, a long-lived client never leaves the front-end (or replica) it first reached."""
+    assert ("grpc.max_connection_age_ms", 60_000) in server_options(ServerConfig())
+
+
+def connections(pid: int, port: int) -> int:
+    """The established client connections of process ``pid`` on ``port``."""
+    return sum(1 for c in psutil.Process(pid).net_connections("tcp")
+               if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
+
+
 def test_a_killed_frontend_loses_only_its_calls_and_is_replaced(split: SplitServer) -> None:
     victim = split.pids["frontend-0"]
+    long_lived = [split.stub() for _ in range(9)]  # clients that keep their channel, opened before the kill
+    for stub in long_lived:
+        stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
     outcomes: list[str] = []
     stop = threading.Event()
 
     def load() -> None:
         while not stop.is_set():
             try:
-                split.stub().Translate(pb2.TranslateRequest(texts=TEXTS[:2]), timeout=30)
+                with grpc.insecure_channel(split.address) as channel:
+                    pb2_grpc.TranslatorStub(channel).Translate(pb2.TranslateRequest(texts=TEXTS[:2]), timeout=30)
                 outcomes.append("OK")
             except grpc.RpcError as error:
                 outcomes.append(error.code().name)
@@ -355,7 +375,16 @@ def test_a_killed_frontend_loses_only_its_calls_and_is_replaced(split: SplitServ
     split.pids["frontend-0"] = restarted["pid"]
     assert set(outcomes) <= {"OK", "UNAVAILABLE"} and outcomes.count("OK") > len(outcomes) // 2
     for _ in range(8):  # every connection is served again
-        assert split.stub().Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30).translations
+        with grpc.insecure_channel(split.address) as channel:
+            assert pb2_grpc.TranslatorStub(channel).Translate(pb2.TranslateRequest(texts=TEXTS[:1]),
+                                                              timeout=30).translations
+    # the long-lived clients' connections age out and spread again: the new front-end gets some of them
+    deadline = time.monotonic() + 20
+    while connections(restarted["pid"], split.port) == 0:
+        assert time.monotonic() < deadline, "no long-lived client reached the restarted front-end"
+        for stub in long_lived:
+            stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
+        time.sleep(0.3)
 
 
 def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServer) -> None:
@@ -371,12 +400,19 @@ def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServ
         stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=5)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 1.0
     assert not split.ready()
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(split.address))
-    assert health.Check(health_pb2.HealthCheckRequest(service=SERVED_MODEL), timeout=5).status == \
-        health_pb2.HealthCheckResponse.NOT_SERVING
+    # the services a readiness probe and the client's health-checked balancing read ("" and the Translator),
+    # and the model's, on every front-end (each channel is a connection of its own: the kernel spreads them)
+    healths = [health_pb2_grpc.HealthStub(grpc.insecure_channel(split.address)) for _ in range(6)]
+    services = ("", SERVICE_NAME, SERVED_MODEL)
+
+    def statuses() -> set[int]:
+        return {h.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status for h in healths for s in services}
+
+    until(lambda: statuses() == {health_pb2.HealthCheckResponse.NOT_SERVING}, 1, "health NOT_SERVING on the core's death")
     restarted = split.wait_log(lambda e: e["message"] == "worker process restarted" and e["worker"] == "core", 120)
     split.pids["core"] = restarted["pid"]
     until(split.ready, 30, "ready again")
+    until(lambda: statuses() == {health_pb2.HealthCheckResponse.SERVING}, 10, "health SERVING again")
     assert stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30).translations
 
 
@@ -388,9 +424,29 @@ def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path:
             texts=[LONG.texts[0]] * 2, options=pb2.DecodingOptions(beam_size=4, max_length=200, min_length=190)),
             timeout=60) for _ in range(12)]
         until(lambda: server.metrics()[("nmt_inflight_requests", ())] >= 6, 10, "calls in flight")
+        # health watches on connections of their own (on both front-ends): none may end while calls still run,
+        # as in one process, whose watches stay open until its last call has ended
+        watch_ends: list[float] = []
+
+        def watch() -> None:
+            stream = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address)).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=60)
+            with contextlib.suppress(grpc.RpcError):
+                for _ in stream:
+                    pass
+            watch_ends.append(time.monotonic())
+
+        watchers = [threading.Thread(target=watch) for _ in range(6)]
+        for thread in watchers:
+            thread.start()
+        time.sleep(0.3)
         server.process.send_signal(signal.SIGTERM)
         assert all(len(call.result(timeout=60).translations) == 2 for call in calls)
+        last_call = time.monotonic()
         assert server.process.wait(60) == 0
+        for thread in watchers:
+            thread.join(10)
+        assert len(watch_ends) == 6 and min(watch_ends) >= last_call - 0.05, (min(watch_ends) - last_call)
         messages = [(e["message"], e.get("worker", "")) for e in server.logs()]
         assert messages[-1] == ("stopped", "")
         order = [m for m, _ in messages]

@@ -68,13 +68,14 @@ MIN_PING_INTERVAL_MS = 10_000  # clients may send HTTP/2 keepalive pings this of
 
 def server_options(config: ServerConfig, *, reuse_port: bool = False) -> list[tuple[str, int]]:
     """gRPC server channel arguments: accept the clients' keepalive pings (also on connections with no call,
-    e.g. a proxy's pooled ones) and, with ``max_connection_age``, close connections after that age. The port
-    is shared (SO_REUSEPORT) only with ``reuse_port``: the front-ends of one server; else a taken port fails."""
+    e.g. a proxy's pooled ones) and, with ``max_connection_age``, send GOAWAY after that age; the calls already
+    on the connection keep it until they end (gRPC's unbounded default grace: a long stream is never cut). The
+    port is shared (SO_REUSEPORT) only with ``reuse_port``: the front-ends of one server; else a taken port
+    fails."""
     options = [("grpc.so_reuseport", int(reuse_port)), ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
     if config.max_connection_age > 0:
-        options += [("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
-                    ("grpc.max_connection_age_grace_ms", int(config.grace_seconds * 1000))]
+        options.append(("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)))
     return options
 
 
@@ -114,6 +115,9 @@ class TranslationServer:
         self._shutdown_task: asyncio.Task | None = None
         self._signal_task: asyncio.Task | None = None
         self._health_models: set[str] = set()  # model names given a health status
+        # --frontends N: after this front-end's drain, wait (until the deadline) for the other front-ends' drains,
+        # so that no health watch ends while the server still answers calls (server.frontend.process)
+        self.after_drain: Callable[[float], Awaitable[None]] | None = None
         self._stopped = asyncio.Event()
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -135,8 +139,6 @@ class TranslationServer:
                                       options=server_options(config, reuse_port=self.reuse_port))
         pb2_grpc.add_TranslatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        for service in ["", SERVICE_NAME]:
-            await self.health.set(service, SERVING)
         await self._sync_health()
         self.repository.add_listener(self._sync_health)
         if config.reflection:
@@ -233,9 +235,13 @@ class TranslationServer:
         return await self.repository.reload_version(name, version)
 
     async def _sync_health(self) -> None:
-        """Per-model health: SERVING while the model's newest version works, NOT_SERVING otherwise and once
-        its last version is gone."""
+        """Health of the server (``""``) and of the Translator service: SERVING while something decodes (a
+        front-end's engine core may be away, and then nothing here can answer). Per model: SERVING while the
+        model's newest version works, NOT_SERVING otherwise and once its last version is gone."""
         assert self.repository is not None
+        overall = SERVING if self.repository.available else NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, overall)
         names = set(self.repository.names)
         for name in sorted(names | self._health_models):
             await self.health.set(name, SERVING if self.repository.serving(name) else NOT_SERVING)
@@ -262,6 +268,8 @@ class TranslationServer:
             drained = await self.interceptor.wait_idle(remaining, quiet=DRAIN_QUIET_SECONDS)
             if not drained:
                 log.warning("grace period over with requests in flight; cancelling them")
+            if self.after_drain is not None:
+                await self.after_drain(deadline)
         if self.server is not None:
             # Translator calls are done (or out of time); what is left are health watches and reflection
             # streams, which never end by themselves: give them a moment, not the rest of the grace period.

@@ -99,6 +99,10 @@ class RemoteRepository(VersionIndex[RemoteVersion]):
     async def reload_version(self, name: str, version: str) -> Any:
         raise NmtError("the engine core reloads model versions: send SIGHUP to the nmt serve process")
 
+    @property
+    def available(self) -> bool:
+        return self.client.up
+
     def serving(self, name: str) -> bool:
         return self.client.up and self._serving.get(name, False)
 
