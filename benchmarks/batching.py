@@ -72,9 +72,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
 
+from bench_common import (  # noqa: E402
+    host,  # noqa: E402
+    sentences,
+    start_server,
+)
 from core_profile import CoreProfile  # noqa: E402
-from engine_throughput import host  # noqa: E402
-from server_load import marian_repository, sentences, start_server  # noqa: E402
+from server_load import marian_repository  # noqa: E402
 
 from server.policy import BY_DEVICE  # noqa: E402
 

@@ -38,7 +38,7 @@ from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_throughput import host  # noqa: E402
+from bench_common import host  # noqa: E402
 
 SHAPES = {"SMALL": (4, 64), "BASE": (8, 64)}  # heads, head dim of engine_throughput.py's sizes
 ELEMENT = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}

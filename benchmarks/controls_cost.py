@@ -26,8 +26,8 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 
 from benchmarks.engine_throughput import host  # noqa: E402
+from common.model_format.manifest import LOGITS_OUTPUT, sha256_file  # noqa: E402
 from export.graph_passes import remove_output  # noqa: E402
-from nmt.model_format.manifest import LOGITS_OUTPUT, sha256_file  # noqa: E402
 from server.controls import Controls  # noqa: E402
 from server.engine.engine import Engine  # noqa: E402
 

@@ -41,9 +41,11 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_common import (
+    host,  # noqa: E402
+    sentences,  # noqa: E402
+)
 from emulated_device.sitecustomize import emulate  # noqa: E402
-from engine_throughput import host  # noqa: E402
-from server_load import sentences  # noqa: E402
 
 from server.engine import decode  # noqa: E402
 from server.engine.engine import Engine  # noqa: E402

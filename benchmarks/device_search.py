@@ -40,7 +40,8 @@ from onnxruntime import OrtValue
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_throughput import SIZES, export_project, host, marian_model, sources  # noqa: E402
+from bench_common import host  # noqa: E402
+from engine_throughput import SIZES, export_project, marian_model, sources  # noqa: E402
 
 _read = [0]  # bytes brought to the host by OrtValue.numpy() since the counter was reset
 _quiet = [0, 0]  # quiet steps of the device's selection and the bytes they read

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import SIZES, export_project, host, marian_model  # noqa: E402
+from bench_common import host  # noqa: E402
+from engine_throughput import SIZES, export_project, marian_model  # noqa: E402
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 TOKEN_BUCKET = 16

@@ -55,6 +55,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 
+from bench_common import host  # noqa: E402
+
 SIZES = {
     "TINY": dict(d_model=32, layers=1, heads=2, ffn=64, vocab=64),  # for the benchmark's own test
     "SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
@@ -136,7 +138,7 @@ def placeholder_tokenizer(size: int):
     vocabulary matches the model's."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
-    from nmt.model_format.tokenizer import Tokenizer, train_tokenizer
+    from common.model_format.tokenizer import Tokenizer, train_tokenizer
 
     proto = spm_pb2.ModelProto()
     proto.ParseFromString(train_tokenizer(["a b c d e f g"] * 10, vocab_size=20).model_proto)
@@ -155,9 +157,9 @@ def placeholder_tokenizer(size: int):
 def export_project(model, work: Path, quantize: str | None, precision: str = "fp32") -> tuple[Path, Path]:
     """Load the Marian weights into this project's Transformer and export a model version; returns the
     version directory and the PyTorch checkpoint."""
+    from common.model_format.layout import BEST_CHECKPOINT, TEST_SPLIT_FILE
     from export.options import ExportOptions
     from export.pipeline import export_model
-    from nmt.model_format.layout import BEST_CHECKPOINT, TEST_SPLIT_FILE
     from training.models.checkpoint import build_model, save_checkpoint
     from training.models.transformer import marian_state_dict
 
@@ -204,22 +206,6 @@ def export_baseline(checkout: Path, model, work: Path, quantize: str | None) -> 
 def sources(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, vocab - 1, SOURCE_TOKENS).tolist() for _ in range(batch)]
-
-
-def host() -> str:
-    """CPU model and the widest vector instruction set it offers (from /proc/cpuinfo)."""
-    model, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo", encoding="utf-8") as info:
-        for line in info:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"),
-                                        ("avx", "AVX")) if flag in flags), "SSE")
-    extras = [flag for flag in ("avx512_vnni", "avx512_bf16", "avx_vnni") if flag in flags]
-    return f"{model}, {os.cpu_count()} cores, {isa}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 @dataclass

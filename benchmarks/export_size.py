@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.engine_throughput import host  # noqa: E402
 from benchmarks.server_load import start_server  # noqa: E402
-from nmt.model_format.decoding import max_target_length  # noqa: E402
+from common.model_format.decoding import max_target_length  # noqa: E402
 
 SIZES = {
     "OPUS": dict(d_model=512, layers=6, heads=8, ffn=2048, vocab=58101),

@@ -30,8 +30,13 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_throughput import host  # noqa: E402
-from server_load import bench_server, percentiles, sentences, start_server  # noqa: E402
+from bench_common import (  # noqa: E402
+    host,  # noqa: E402
+    percentiles,
+    sentences,
+    start_server,
+)
+from server_load import bench_server  # noqa: E402
 
 from server import collector  # noqa: E402
 

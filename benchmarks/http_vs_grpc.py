@@ -20,8 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
-from engine_throughput import host
-from server_load import sentences, start_server
+from bench_common import host, sentences, start_server
 
 from loadtests.cli import free_port
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's packages, run as a script
 
-from engine_throughput import host  # noqa: E402
+from bench_common import host  # noqa: E402
 
-from nmt.model_format.layout import FORCED_GRAPH  # noqa: E402
+from common.model_format.layout import FORCED_GRAPH  # noqa: E402
 from server.engine.engine import Engine  # noqa: E402
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix  # noqa: E402
 

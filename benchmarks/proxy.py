@@ -34,9 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 from benchmarks.server_load import sentences
 from clients.channel import channel_target, service_config
+from common.errors import NmtError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
-from nmt.errors import NmtError
 from server.protos import SERVICE_NAME
 
 

@@ -32,8 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 
-from engine_throughput import host  # noqa: E402
-from server_load import free_port, sentences, wait_serving  # noqa: E402
+from bench_common import (  # noqa: E402
+    free_port,
+    host,  # noqa: E402
+    sentences,
+    wait_serving,
+)
 
 STAMPS = ["handler_in", "enqueue", "execute", "engine_in", "engine_out", "back_on_loop", "handler_out"]
 SEGMENTS = [  # (label, from, to)
@@ -193,7 +197,7 @@ def echo_round_trip(texts: list[str], warmup: int) -> float:
 def bare_engine(repository: str, model: str, texts: list[str], beam: int, warmup: int) -> float:
     """Median time (us) of the same sentences through ``Engine.translate_batch`` one at a time, in this process
     with the server's default settings: what issue 31's 1.2x compares with."""
-    from nmt.model_format.layout import discover_versions
+    from common.model_format.layout import discover_versions
     from server.engine.engine import Engine
     from server.types import DecodingOptions, SentenceRequest
 

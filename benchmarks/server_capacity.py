@@ -40,35 +40,10 @@ import threading
 import time
 from pathlib import Path
 
-from server_load import batch_totals, free_port, percentiles, sentences, start_server
+from bench_common import batch_totals, free_port, percentiles, sentences, start_server, tree_cpu_seconds
 
 SERVER_LOAD = Path(__file__).resolve().with_name("server_load.py")  # the command line: its internal flags run
 # the load workers (--load-worker) and the echo servicer (--echo-server)
-
-
-def tree_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds of ``pid`` and every descendant, by pid: utime + stime + the reaped children's cutime + cstime.
-
-    Summed over the tree, the difference of two snapshots is exact even if a process exits in between
-    (its time moves to its parent's cutime) or starts in between (it is counted whole).
-    """
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = path.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        stats[int(path.parent.name)] = fields
-        children.setdefault(int(fields[1]), []).append(int(path.parent.name))
-    tick = os.sysconf("SC_CLK_TCK")
-    tree, todo = {}, [pid]
-    while todo:
-        current = todo.pop()
-        if current in stats:
-            tree[current] = sum(int(stats[current][i]) for i in (11, 12, 13, 14)) / tick
-            todo += children.get(current, [])
-    return tree
 
 
 def host_busy_seconds() -> float:

@@ -34,33 +34,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 
-from loadtests.cli import free_port, wait_serving  # noqa: E402
-from nmt.errors import NmtError  # noqa: E402
-
-
-def sentences(count: int, seed: int = 0) -> list[str]:
-    """Dates and numbers like the demo corpus (English side), rendered without Babel."""
-    rng = random.Random(seed)
-    days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-    months = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-              "October", "November", "December"]
-    return [f"{rng.choice(days)}, {rng.choice(months)} {rng.randint(1, 28)}, {rng.randint(1900, 2099)}"
-            for _ in range(count)]
+from bench_common import (  # noqa: E402
+    batch_totals,
+    free_port,
+    percentiles,
+    process_cpu_seconds,
+    sentences,
+    start_server,
+    tree_cpu_seconds,
+)
 
 
 def serve_echo(port: int) -> None:
@@ -124,11 +118,6 @@ def marian_repository(args: argparse.Namespace, work: Path) -> Callable[[int, in
     export_project(marian_model(args.marian), work, None, args.precision)  # work/models/bench-fp32/1
     args.model_repository, args.model = str(work / "models"), f"bench-{args.precision}"
     return placeholder_sentences(SIZES[args.marian]["vocab"])
-
-
-def percentiles(latencies: list[float]) -> tuple[float, float, float]:
-    p50, p95, p99 = np.percentile(np.array(latencies) * 1000, [50, 95, 99])
-    return float(p50), float(p95), float(p99)
 
 
 def bench_engine(engine, texts: list[str], callers: int, beam: int) -> dict[str, float]:
@@ -197,32 +186,9 @@ def paired_single_latency(engine, address: str, model: str, texts: list[str], be
     return float(np.median(bare)), float(np.median(served))
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def batch_totals(metrics_address: str) -> tuple[float, float]:
-    """(sentences batched, batches run) so far, from the server's ``nmt_batch_size_sentences``."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == "nmt_batch_size_sentences":
-            for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
-                    count += sample.value
-    return total, count
-
-
 def measure_server(process: subprocess.Popen, address: str, metrics: str, model: str, texts: list[str],
                    callers: int, beam: int) -> dict[str, float]:
     """:func:`bench_server` plus CPU per request on both sides and the server's mean batch size."""
-    from server_capacity import tree_cpu_seconds
-
     def server_cpu() -> float:  # every process of the server (the supervisor, core and front-ends of --frontends)
         return sum(tree_cpu_seconds(process.pid).values())
 
@@ -233,23 +199,6 @@ def measure_server(process: subprocess.Popen, address: str, metrics: str, model:
     result["server_cpu_ms"] = (server1 - server0) / len(texts) * 1000
     result["mean_batch"] = (sent1 - sent0) / max(batches1 - batches0, 1)
     return result
-
-
-def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """``nmt serve`` with ``flags`` on free loopback ports, once healthy: (process, address, metrics address)."""
-    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
-         "--metrics-listen", metrics, "--http-listen", "", *flags],
-        env=env, stdout=subprocess.DEVNULL,
-    )
-    try:
-        wait_serving(address, process, timeout=60)
-    except NmtError:
-        process.kill()
-        raise
-    return process, address, metrics
 
 
 def main() -> None:

@@ -36,8 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling benchmark modules
 
-from engine_throughput import host  # noqa: E402
-from server_load import sentences, start_server  # noqa: E402
+from bench_common import (  # noqa: E402
+    host,  # noqa: E402
+    sentences,
+    start_server,
+)
 
 MIX = {"short greedy": 50, "beam 4 + attention": 25, "8 texts": 15, "long beam 4": 5, "oversized": 5}
 RSS_TOLERANCE = 0.10

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.protos import SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024  # n-best attention matrices of 64 long texts exceed gRPC's 4 MiB default

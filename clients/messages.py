@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.protos import pb2
 
 

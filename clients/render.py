@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 if TYPE_CHECKING:
     from clients.messages import Attention

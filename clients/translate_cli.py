@@ -185,7 +185,7 @@ def read_input(args: argparse.Namespace, stdin: TextIO) -> tuple[list[str] | Ite
 
     Arguments and piped stdin are read at once; an interactive terminal is translated line by line.
     """
-    from nmt.errors import NmtError
+    from common.errors import NmtError
 
     if args.texts:
         return list(args.texts), BATCH_SIZE, len(args.texts) > 1
@@ -275,7 +275,7 @@ def connect(args: argparse.Namespace) -> Any:
     ``--plot``'s format first."""
     from clients.client import TranslatorClient
     from clients.render import FORMATS
-    from nmt.errors import NmtError
+    from common.errors import NmtError
 
     if args.plot and Path(args.plot).suffix.lower() not in FORMATS:
         raise NmtError(f"--plot {args.plot}: use one of {', '.join(FORMATS)}")
@@ -308,7 +308,7 @@ def save_plot(args: argparse.Namespace, translation: Any, index: int, *, numbere
 
 def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
         stderr: TextIO | None = None) -> int:
-    from nmt.errors import NmtError
+    from common.errors import NmtError
 
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     with connect(args) as client:

@@ -4,7 +4,7 @@ The recurrent layers export as ONNX ``GRU`` nodes (PyTorch's gate order and ``li
 are handled by the exporter): two in the encoder (forward and, over each sentence reversed within its
 length, backward), one with sequence length 1 in the decoder step. No Loop or Scan anywhere.
 
-Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
+Graph I/O (the contract of :mod:`common.model_format.manifest`):
 
 * encoder: ``src_ids`` int64 [batch, src_len] -> ``memory`` [batch, src_len, 2 * encoder_hidden],
   ``keys`` [batch, src_len, K] (``U h``, computed once per sentence; ``K`` = attention_dim for additive,
@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from export.graph_passes import count_ops, remove_output, set_io_shapes
 from export.graphs import GraphSet
 from export.tracing import example_source, stored, torch_to_onnx, untie
-from nmt.errors import NmtError
-from nmt.model_format.manifest import StateTensor
-from nmt.model_format.weights import WeightStore
+from common.errors import NmtError
+from common.model_format.manifest import StateTensor
+from common.model_format.weights import WeightStore
 from training.models.bahdanau import Bahdanau
 
 STATIC = ["memory", "keys", "src_mask"]

@@ -9,8 +9,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from export.graph_passes import producers
-from nmt.errors import NmtError
-from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
+from common.errors import NmtError
+from common.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
 
 
 def add_top_k(model: onnx.ModelProto, eos_id: int) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from nmt.model_format.manifest import StateTensor
+from common.model_format.manifest import StateTensor
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmt.model_format.manifest import Manifest
+from common.model_format.manifest import Manifest
 
 STAGE_LINE = "nmt-export-stage:"  # a line of a stage process's stdout naming the stage it starts
 

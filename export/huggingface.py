@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import MARIAN_CONFIG, MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
-from nmt.model_format.tokenizer import MarianTokenizer, Tokenizer
+from common.errors import NmtError
+from common.model_format.layout import MARIAN_CONFIG, MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
+from common.model_format.tokenizer import MarianTokenizer, Tokenizer
 from training.models.transformer import (
     ACTIVATIONS,
     Transformer,

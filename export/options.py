@@ -1,13 +1,13 @@
 """What ``nmt export`` takes: one dataclass whose fields document themselves and generate the flags
-(:mod:`nmt.options`). Standard library only, so ``nmt export --help`` needs no torch."""
+(:mod:`common.options`). Standard library only, so ``nmt export --help`` needs no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmt.model_format.layout import MARIAN_CONFIG
-from nmt.options import option
+from common.model_format.layout import MARIAN_CONFIG
+from common.options import option
 
 LOGIT_TOLERANCE = 1e-4  # fp32 parity: max |log-prob difference| and max |attention difference|
 OPSETS = range(18, 23)  # opset 23 turns SDPA into ONNX Attention, which ORT's CPU kernel rejects with our masks

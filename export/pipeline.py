@@ -12,10 +12,10 @@
    ``decoder.onnx`` (one step), ``decoder_attention.onnx`` (the same step plus ``attention``) and, for the
    Transformer, ``decoder_forced.onnx`` (every given target position in one call) with fused attention,
    their weights written to a scratch store as they are traced (the I/O contract is described in
-   :mod:`nmt.model_format.manifest`); then the PyTorch model is freed;
+   :mod:`common.model_format.manifest`); then the PyTorch model is freed;
 4. **edit graphs**: graph passes (:mod:`export.graph_passes`) pack parallel projections and add the
    decoder's in-graph top-k, one graph at a time, reading each weight from the scratch store when a pass
-   needs it, and store every weight once (:class:`nmt.model_format.weights.WeightStore`);
+   needs it, and store every weight once (:class:`common.model_format.weights.WeightStore`);
 5. **verify parity**: the version is written and loaded with the serving engine, which must match
    PyTorch's reference (:mod:`export.verify`);
 6. optionally **reduce precision** (dynamic int8 for CPUs or fp16 for GPUs, :mod:`export.quantize`),
@@ -50,9 +50,9 @@ from tqdm import tqdm
 
 from export.handoff import STAGE_LINE, ExportResult
 from export.options import OPSETS, ExportOptions, source_format
-from nmt.errors import NmtError
-from nmt.model_format.layout import next_version
-from nmt.model_format.manifest import Manifest
+from common.errors import NmtError
+from common.model_format.layout import next_version
+from common.model_format.manifest import Manifest
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

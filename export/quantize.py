@@ -11,7 +11,7 @@ from onnx import TensorProto
 from export.fp16_casts import block_fp16_inputs, fold_casts
 from export.graph_passes import gemm_to_matmul, undo_one_position_gemms
 from export.tracing import MAX_IR_VERSION, quiet
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 
 def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:

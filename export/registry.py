@@ -11,7 +11,7 @@ from collections.abc import Callable
 from export.bahdanau_graphs import export_bahdanau
 from export.graphs import GraphSet
 from export.transformer_graphs import export_transformer
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 GraphExporter = Callable[..., GraphSet]  # (model, opset, store=None) -> GraphSet
 EXPORTERS: dict[str, GraphExporter] = {"transformer": export_transformer, "bahdanau": export_bahdanau}

@@ -1,5 +1,5 @@
 """Graph edits that keep equal weights one tensor across a version's graphs, so that
-:class:`nmt.model_format.weights.WeightStore` stores (and the server loads) each once.
+:class:`common.model_format.weights.WeightStore` stores (and the server loads) each once.
 
 A model whose output projection shares the embedding (Marian, OPUS-MT, this project's Transformer) is
 traced as separate, equal tensors: the ``Gather`` tables of the encoder and the decoders and the decoders'

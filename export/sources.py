@@ -19,9 +19,9 @@ import torch
 
 from export.huggingface import load_marian
 from export.options import ExportOptions, source_format
-from nmt.errors import NmtError
-from nmt.model_format.layout import BEST_CHECKPOINT, SUMMARY_FILE, TEST_SPLIT_FILE, TOKENIZER_FILE
-from nmt.model_format.tokenizer import AnyTokenizer, Tokenizer
+from common.errors import NmtError
+from common.model_format.layout import BEST_CHECKPOINT, SUMMARY_FILE, TEST_SPLIT_FILE, TOKENIZER_FILE
+from common.model_format.tokenizer import AnyTokenizer, Tokenizer
 from training.data import load_tsv
 from training.models.checkpoint import load_checkpoint
 from training.models.interface import Seq2SeqModel

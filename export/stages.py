@@ -47,11 +47,11 @@ from export.shared_tensors import align_packed_blocks, gemm_weights, packed_bloc
 from export.sources import ExportInputs, load_inputs, parity_pairs, return_freed_memory, training_info
 from export.tracing import torch_threads
 from export.verify import TorchReference, check_parity, greedy_texts, torch_reference
-from nmt.errors import NmtError
-from nmt.model_format.layout import GRAPH_FILES, OPTIONAL_GRAPH_FILES, TOKENIZER_FILE
-from nmt.model_format.manifest import Manifest, read_manifest, sha256_file, write_manifest
-from nmt.model_format.tokenizer import Tokenizer
-from nmt.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
+from common.errors import NmtError
+from common.model_format.layout import GRAPH_FILES, OPTIONAL_GRAPH_FILES, TOKENIZER_FILE
+from common.model_format.manifest import Manifest, read_manifest, sha256_file, write_manifest
+from common.model_format.tokenizer import Tokenizer
+from common.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
 from server.engine.engine import Engine
 from training.train import bleu
 

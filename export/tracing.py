@@ -15,8 +15,8 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from nmt.errors import NmtError
-from nmt.model_format.weights import MIN_BYTES, WEIGHTS_FILE, WeightStore
+from common.errors import NmtError
+from common.model_format.weights import MIN_BYTES, WEIGHTS_FILE, WeightStore
 from training.models.interface import Seq2SeqModel
 
 MAX_IR_VERSION = 10  # what onnxruntime >= 1.20 reads; onnx 1.23 would write a newer one for edited graphs
@@ -41,7 +41,7 @@ def untie(model: Seq2SeqModel, projection: str, embedding: str) -> Seq2SeqModel:
 
     A projection tied to the embedding is traced as one initializer read by both a Gather and a transposed
     MatMul/Gemm; dynamic int8 quantization then rewrites the shared tensor and breaks the Gather. Untied,
-    they are two initializers of equal bytes, which :func:`nmt.model_format.weights.store_once` stores once.
+    they are two initializers of equal bytes, which :func:`common.model_format.weights.store_once` stores once.
     """
     layer = getattr(model.eval(), projection)
     if layer.weight is getattr(model, embedding).weight:

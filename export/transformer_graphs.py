@@ -15,7 +15,7 @@ residual + LayerNorm pairs to ``SkipLayerNormalization``. Three edits follow on 
   ``cross_key_i`` (not from MultiHeadAttention's optional ``qk`` output, which CUDA leaves unwritten
   when a key padding mask is given).
 
-Graph I/O (the contract of :mod:`nmt.model_format.manifest`):
+Graph I/O (the contract of :mod:`common.model_format.manifest`):
 
 * encoder: ``src_ids`` int64 [batch, src_len] -> ``src_mask`` int32 [batch, src_len] (1 = token, 0 = pad),
   ``cross_key_{i}``, ``cross_value_{i}`` float32 [batch, heads, src_len, head_dim];
@@ -54,9 +54,9 @@ from torch import Tensor, nn
 from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
 from export.graphs import GraphSet
 from export.tracing import example_source, stored, torch_to_onnx, untie
-from nmt.errors import NmtError
-from nmt.model_format.manifest import StateTensor
-from nmt.model_format.weights import WeightStore
+from common.errors import NmtError
+from common.model_format.manifest import StateTensor
+from common.model_format.weights import WeightStore
 from training.models.transformer import Transformer
 
 MHA = "MultiHeadAttention"

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from export.options import LOGIT_TOLERANCE
-from nmt.model_format.layout import FORCED_GRAPH
+from common.model_format.layout import FORCED_GRAPH
 from server.engine.engine import Engine
 from server.types import DecodingOptions, ScoredSequence, SentenceRequest
 from training.models.interface import Seq2SeqModel

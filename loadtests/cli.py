@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 DEFAULT_MODEL = "demo-transformer"

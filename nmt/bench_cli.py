@@ -7,7 +7,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 SCRIPTS = {
     "train": "train_quality.py",

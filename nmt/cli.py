@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 # subcommand -> module that defines add_parser(subparsers); order is the order in --help.
 SUBCOMMANDS: dict[str, str] = {

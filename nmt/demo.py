@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nmt.model_format.layout import discover_versions, has_models
+from common.model_format.layout import discover_versions, has_models
 
 if TYPE_CHECKING:
     from server.frontend.app import TranslationServer

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import discover_versions
+from common.errors import NmtError
+from common.model_format.layout import discover_versions
 from server.config import ServerConfig
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nmt.model_format.tokenizer import WORD_START
+from common.model_format.tokenizer import WORD_START
 from server.types import Attention, WordAlignment
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nmt.model_format.tokenizer import WORD_START
+from common.model_format.tokenizer import WORD_START
 
 WORD_END = re.compile(r"\w+$")
 # alternatives: partial words the word search keeps per word asked for (some make no word, some spell one

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from nmt.errors import NmtError
-from nmt.options import (
+from common.errors import NmtError
+from common.options import (
     add_arguments,
     canonicalize_choices,
     env_name,

@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, multiprocess,
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.config import ServerConfig, split_host_port
 from server.metrics import current_versions_only
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from nmt.model_format.manifest import Manifest, read_manifest
-from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
+from common.model_format.manifest import Manifest, read_manifest
+from common.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.errors import InvalidArgument

@@ -7,7 +7,7 @@ import resource
 import numpy as np
 import pytest
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.config import ServerConfig
 from server.engine.allocator import retain_freed_memory
 

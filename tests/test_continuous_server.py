@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.config import ServerConfig
 from server.controls import Controls
 from server.core.admission import DecodeLoad, Pending, admit_to_decode

@@ -364,7 +364,7 @@ def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(r
     """``--cuda-graphs`` and ``--cuda-graph-pool-mib`` (and their environment variables) reach every version's engine,
     which keeps its beam runs; ``nmt_cuda_graph_*`` follow them (on the CPU nothing captures: no runs given graph
     ids, no failures)."""
-    from nmt.errors import NmtError
+    from common.errors import NmtError
     from server.config import ServerConfig
     from server.core.repository import default_engine_loader
     from server.protos import pb2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from training.data import (
     CorpusError,
     Pair,

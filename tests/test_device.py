@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from grpc_health.v1 import health_pb2
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.core.process import open_repository
 from server.engine.device import CPU, CUDA, DeviceSettings, is_out_of_memory, log_runtime, probe_provider, provider_list
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
+from common.model_format.manifest import LOGITS_OUTPUT, TOP_K_OUTPUTS, ManifestError
 from server.alignment import merge_to_words, segment_words, word_groups, words
 from server.controls import Controls
 from server.engine.engine import Engine, OnnxStepModel, length_runs

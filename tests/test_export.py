@@ -29,11 +29,11 @@ from export.registry import EXPORTERS, graph_exporter
 from export.sources import load_inputs
 from export.verify import check_parity, engine_step_log_probs, engine_translate_ids, torch_reference
 from nmt.cli import main as nmt_main
-from nmt.errors import NmtError
-from nmt.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
-from nmt.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
-from nmt.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from nmt.model_format.weights import WEIGHTS_FILE, stored_tensors
+from common.errors import NmtError
+from common.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
+from common.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
+from common.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from common.model_format.weights import WEIGHTS_FILE, stored_tensors
 from server.engine.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint, save_checkpoint

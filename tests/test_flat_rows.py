@@ -12,7 +12,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from export.flat_rows import flatten_rows
-from nmt.model_format.manifest import read_manifest
+from common.model_format.manifest import read_manifest
 
 D, V = 8, 11
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nmt.cli import main as nmt_main
-from nmt.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
-from nmt.model_format.manifest import read_manifest, write_manifest
+from common.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
+from common.model_format.manifest import read_manifest, write_manifest
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
 from server.controls import Controls

@@ -14,8 +14,8 @@ import torch
 from onnx import TensorProto, helper
 
 from export.options import LOGIT_TOLERANCE
-from nmt.model_format.layout import MANIFEST_FILE
-from nmt.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
+from common.model_format.layout import MANIFEST_FILE
+from common.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
 from server.engine.engine import Engine
 from server.engine.step_models import INITIAL_CAPACITY
 from server.types import DecodingOptions

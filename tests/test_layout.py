@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("nmt", "training", "export", "server", "clients", "loadtests")
+PACKAGES = ("common", "nmt", "training", "export", "server", "clients", "loadtests")
+# The floors of the design, bottom up: a module imports only from its own floor and the ones below. The model
+# format and the shared base stand on nothing; the ``nmt`` command stands on everything.
+FLOORS = {"common": 0, "server": 1, "training": 1, "clients": 2, "export": 2, "loadtests": 3, "nmt": 4}
 # what export/ may take from server/: the engine it verifies with, and the types of the engine's API
 EXPORT_MAY_USE = {"server.engine.engine", "server.engine.search", "server.types"}
 
@@ -104,6 +107,27 @@ def test_the_import_graph_has_no_circles() -> None:
     assert circles(edges) == []
 
 
+def arrows_up(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower floor to a higher one (:data:`FLOORS`)."""
+    floor = {module: FLOORS[module.split(".")[0]] for module in edges}
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if floor[b] > floor[a])
+
+
+def test_no_arrow_points_up_a_floor() -> None:
+    edges, _ = import_graph()
+    assert set(FLOORS) == set(PACKAGES)
+    assert arrows_up(edges) == []
+    assert arrows_up({"common.errors": {"nmt.cli"}, "nmt.cli": set()}) == ["common.errors -> nmt.cli"]  # it can fail
+
+
+def test_the_benchmarks_import_no_circle() -> None:
+    """The benchmark scripts import each other by file name (``nmt bench`` puts the folder on the path)."""
+    scripts = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    edges = {name: {n.split(".")[0] for n in imported_names(path)} & set(scripts) - {name}
+             for name, path in scripts.items()}
+    assert len(edges) > 5 and circles(edges) == []
+
+
 def test_arrows_point_down_the_design() -> None:
     edges, external = import_graph()
     for module in edges:
@@ -116,8 +140,8 @@ def test_arrows_point_down_the_design() -> None:
             assert not {m for m in edges[module] if m.split(".")[0] in ("server", "export")}, module
         if package == "export":
             assert {m for m in edges[module] if m.split(".")[0] == "server"} <= EXPORT_MAY_USE, module
-        if module.startswith("nmt.model_format"):  # the shared format stands on nothing but nmt's own base
-            assert all(m.startswith("nmt.") for m in edges[module]), module
+        if package == "common":  # the shared format and base stand on nothing of the project
+            assert all(m.startswith("common.") for m in edges[module]), module
 
 
 # server/: three parts and what they share. The front-end (gRPC, HTTP, tokenizing, responses) never reaches the
@@ -195,7 +219,7 @@ def test_nothing_on_the_serving_path_unpickles(tmp_path: Path) -> None:
     """Models reach the server as ONNX and SentencePiece protobufs and JSON; no serving module may load a
     pickle. The probe finds a planted one."""
     serving = {m: p for m, p in project_modules().items()
-               if m.split(".")[0] in ("server", "clients") or m.startswith("nmt.model_format")}
+               if m.split(".")[0] in ("server", "clients") or m.startswith("common.model_format")}
     assert serving
     assert {m: unpickling_uses(p) for m, p in serving.items() if unpickling_uses(p)} == {}
     planted = tmp_path / "planted.py"

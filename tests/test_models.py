@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint
 from training.search import greedy_batch, translate_ids
 from training.train import collate

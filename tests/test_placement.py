@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from nmt.cli import main as nmt_main
-from nmt.model_format.manifest import read_manifest
+from common.model_format.manifest import read_manifest
 from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
 from server.engine.portable_attention import needs_portable_attention
 from server.engine.session_graphs import session_graph

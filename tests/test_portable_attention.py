@@ -15,7 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.engine.engine import Engine
 from server.engine.portable_attention import GQA, inline_self_attention, needs_portable_attention
 from server.engine.session_graphs import EXTERNAL_DATA_FOLDER, session_graph

@@ -331,7 +331,7 @@ def test_start_refuses_broken_versions_and_fails_only_when_nothing_loads(repo: P
     finally:
         h.close()
     tamper(repo / MODEL / "1")
-    from nmt.errors import NmtError
+    from common.errors import NmtError
 
     with pytest.raises(NmtError, match="holds no model that loads.*tiny/1: cannot load"):
         serve(repo)

@@ -37,7 +37,7 @@ from clients.client import TranslatorClient
 from clients.messages import TranslationError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.metrics import HTTP_LABEL_PREFIX
 from server.protos import SERVICE_NAME
 from tests.conftest import SERVED_MODEL

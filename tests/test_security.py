@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import TranslatorClient
 from clients.messages import TranslationError
 from nmt.cli import main as nmt_main
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.config import ServerConfig
 from server.frontend.auth import Authenticator
 from server.protos import SERVICE_NAME, pb2, pb2_grpc

@@ -687,7 +687,7 @@ def test_config_flags_env_and_validation(tmp_path: Path) -> None:
     import argparse
 
     from nmt.cli import build_parser
-    from nmt.errors import NmtError
+    from common.errors import NmtError
 
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser, environ={"NMT_LISTEN": "0.0.0.0:6000", "NMT_MAX_BEAM": "4"})

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from nmt.cli import main
-from nmt.model_format.tokenizer import Tokenizer, train_tokenizer
+from common.model_format.tokenizer import Tokenizer, train_tokenizer
 from training.config import TrainConfig
 from training.train import learning_rate, make_batches
 

@@ -1,12 +1,12 @@
 """The configuration of a training run: one dataclass whose fields document themselves and generate the
-``nmt train`` flags (:mod:`nmt.options`). No torch here, so ``nmt train --help`` is fast."""
+``nmt train`` flags (:mod:`common.options`). No torch here, so ``nmt train --help`` is fast."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from nmt.options import option
+from common.options import option
 from training.data import DATES_SIZE
 
 ARCHITECTURES = ("transformer", "bahdanau")

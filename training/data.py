@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 __all__ = [
     "DING_PATH",

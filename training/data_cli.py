@@ -11,7 +11,7 @@ import random
 import sys
 from pathlib import Path
 
-from nmt.model_format.layout import TEST_SPLIT_FILE
+from common.model_format.layout import TEST_SPLIT_FILE
 from training.data import DATES_SIZE, MAX_WORDS, CorpusError, clean, load_corpus, split, write_tsv
 
 DESCRIPTION = """\

@@ -1,7 +1,7 @@
 """Reference greedy and beam search in PyTorch: the oracle the ONNX engine must reproduce.
 
 Clarity over speed: one sentence at a time, beams as the batch. The length and scoring rules are
-those of :mod:`nmt.model_format.decoding`, shared with the serving engine (:mod:`server.engine.search`).
+those of :mod:`common.model_format.decoding`, shared with the serving engine (:mod:`server.engine.search`).
 Beam search keeps the best ``beam_size`` finished hypotheses and stops once it has that many and
 the best live beam, scored as if it ended now, is no better than the worst of them (or when no live
 beam is left). A forced target prefix takes its tokens first, each reported with its model
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from nmt.model_format.decoding import max_target_length, normalized_score
+from common.model_format.decoding import max_target_length, normalized_score
 from training.models.interface import DecoderState, Seq2SeqModel
 
 # step(previous tokens [k], state) -> (log-probabilities [k, V], attention [k, S] or None, new state)

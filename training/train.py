@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import (
+from common.errors import NmtError
+from common.model_format.layout import (
     BEST_CHECKPOINT,
     CURVES_FILE,
     HISTORY_FILE,
@@ -30,7 +30,7 @@ from nmt.model_format.layout import (
     SUMMARY_FILE,
     TEST_SPLIT_FILE,
 )
-from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from common.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from training.config import ARCHITECTURES, TrainConfig
 from training.data import Pair, clean, load_corpus, split, write_tsv
 from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nmt.errors import NmtError
-from nmt.options import add_arguments, values_from_args
+from common.errors import NmtError
+from common.options import add_arguments, values_from_args
 from training.config import TrainConfig
 from training.presets import PRESETS
 

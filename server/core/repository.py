@@ -15,7 +15,7 @@ resolution to response, so a version is closed only once nobody uses it.
 One path loads a version, at start-up and later alike (:meth:`ModelRepository.scan`):
 
 1. **load**: the engine loader reads ``manifest.json``, checks the sha256 of every listed file
-   (:func:`nmt.model_format.manifest.read_manifest`) and only then opens the ONNX Runtime sessions;
+   (:func:`common.model_format.manifest.read_manifest`) and only then opens the ONNX Runtime sessions;
 2. **smoke test**: one short sentence is translated through the new engine;
 3. **register**: its scheduler starts, it is put beside the model's other versions (the newest
    becomes the latest), its metric series appear and the change listeners run (health).
@@ -41,8 +41,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import discover_versions, version_key
+from common.errors import NmtError
+from common.model_format.layout import discover_versions, version_key
 from server.core.scheduler import ModelScheduler, smoke_test
 from server.errors import NotFound
 from server.metrics import ServerMetrics

@@ -2,7 +2,7 @@
 
 :mod:`server.engine.decode` keeps the books (rows, histories, finished hypotheses, who leaves); this module only
 picks, on arrays, the way fairseq's ``Search.step`` picks for its ``SequenceGenerator``. The rules are
-those of :mod:`nmt.model_format.decoding`, as in the PyTorch reference ``training/search.py``:
+those of :mod:`common.model_format.decoding`, as in the PyTorch reference ``training/search.py``:
 
 * a sentence's ``2 * beam`` best continuations are among its rows' ``2 * beam`` best tokens, ranked by
   the hypothesis' summed log-probability (a forced prefix's tokens add nothing to it);
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nmt.model_format.decoding import normalized_score
+from common.model_format.decoding import normalized_score
 from server.engine.search import NEG_INF
 from server.types import ScoredSequence
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.manifest import TOP_K_OUTPUTS, StateTensor
+from common.model_format.manifest import TOP_K_OUTPUTS, StateTensor
 from server.engine.bound_steps import BoundSteps
 from server.engine.search import NEG_INF
 

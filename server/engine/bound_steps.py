@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS
+from common.model_format.manifest import TOP_K_INPUT, TOP_K_OUTPUTS
 
 
 class BoundSteps:

@@ -19,7 +19,7 @@ from typing import Any
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 log = logging.getLogger("nmt.server")
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.manifest import TOP_K_OUTPUTS
+from common.model_format.manifest import TOP_K_OUTPUTS
 from server.engine.bound_steps import moved_on
 from server.engine.cuda_graphs import KeptRun, Slot
 from server.engine.device_search import numpy_type

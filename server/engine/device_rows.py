@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from nmt.model_format.manifest import StateTensor
+from common.model_format.manifest import StateTensor
 from server.engine.cuda_graphs import graph_options
 from server.engine.device_search import ELEMENT_TYPES
 from server.engine.search import concat_rows

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.layout import FORCED_GRAPH
-from nmt.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest
+from common.model_format.layout import FORCED_GRAPH
+from common.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS, Manifest
 from server.engine.bound_steps import moved_on
 from server.engine.cuda_graphs import (
     SKIP,

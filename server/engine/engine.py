@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from nmt.errors import NmtError
-from nmt.model_format.manifest import Manifest, read_manifest
-from nmt.model_format.tokenizer import AnyTokenizer, load_tokenizer
+from common.errors import NmtError
+from common.model_format.manifest import Manifest, read_manifest
+from common.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
 from server.engine.cuda_graphs import graph_options
 from server.engine.device import (

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nmt.model_format.decoding import normalized_score
+from common.model_format.decoding import normalized_score
 from server.engine.alternatives import alternatives
 from server.engine.decode import RunningDecode, beam_search
 from server.engine.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput

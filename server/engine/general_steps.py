@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nmt.model_format.decoding import normalized_score
+from common.model_format.decoding import normalized_score
 from server.controls import sample
 from server.engine.beam_select import select_beam, sentence_done
 from server.engine.search import NEG_INF

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nmt.model_format.decoding import normalized_score
+from common.model_format.decoding import normalized_score
 from server.engine.beam_select import sentence_done
 from server.engine.beam_steps import QuietChoice, quiet_selection
 from server.engine.device_search import Books, DeviceBeamRun

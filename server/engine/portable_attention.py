@@ -33,7 +33,7 @@ import math
 import onnx
 from onnx import TensorProto, helper
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.engine.placement import nodes_without_cuda_kernel
 
 GQA = "GroupQueryAttention"

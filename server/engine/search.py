@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmt.model_format.decoding import max_target_length
+from common.model_format.decoding import max_target_length
 from server.completion import WordPieces
 from server.controls import Controls
 from server.types import StableReport

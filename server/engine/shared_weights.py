@@ -1,5 +1,5 @@
 """A loaded version's weights held once: one read-only memory map of ``weights.bin`` (see
-:mod:`nmt.model_format.weights`) and one ``OrtValue`` per stored range, given to every session of the
+:mod:`common.model_format.weights`) and one ``OrtValue`` per stored range, given to every session of the
 version through ``SessionOptions.add_initializer``.
 
 ONNX Runtime uses such an initializer's buffer as it is (no copy). Its CPU kernels still pre-pack each
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.weights import WEIGHTS_FILE, StoredTensor, stored_tensors
+from common.model_format.weights import WEIGHTS_FILE, StoredTensor, stored_tensors
 
 log = logging.getLogger("nmt.server")
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from nmt.model_format.layout import FORCED_GRAPH
-from nmt.model_format.manifest import (
+from common.model_format.layout import FORCED_GRAPH
+from common.model_format.manifest import (
     FORMAT,
     LOGITS_OUTPUT,
     TOP_K_INPUT,

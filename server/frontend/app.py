@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.config import ServerConfig, split_host_port
 from server.frontend.auth import Authenticator
 from server.frontend.interceptor import RequestInterceptor

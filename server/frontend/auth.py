@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.errors import PermissionDenied, Unauthenticated
 
 AUTHORIZATION_KEY = "authorization"

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server import collector
 from server.config import ServerConfig
 from server.frontend.app import TranslationServer

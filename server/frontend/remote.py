@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from server.ipc import Catalog, CoreClient, VersionInfo
 from server.policy import RequestHandle
 from server.text import TextCodec

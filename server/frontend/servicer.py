@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from nmt.model_format.decoding import normalized_score
+from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
 from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 
 def tls_mode(config: Any) -> str:

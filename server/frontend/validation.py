@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nmt.model_format.decoding import max_target_length
+from common.model_format.decoding import max_target_length
 from server.completion import WIDTH
 from server.config import ServerConfig
 from server.controls import Controls

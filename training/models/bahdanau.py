@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from common.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from training.models.interface import DecoderState, EncoderOutput, Seq2SeqModel
 
 SCORES = ("additive", "general", "dot")

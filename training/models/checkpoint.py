@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 from training.models.bahdanau import Bahdanau, BahdanauConfig
 from training.models.interface import Seq2SeqModel
 from training.models.transformer import Transformer, TransformerConfig

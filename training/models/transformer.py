@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from common.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from training.models.interface import DecoderState, EncoderOutput, Seq2SeqModel
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu}

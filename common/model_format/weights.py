@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from nmt.model_format.layout import WEIGHTS_FILE
+from common.model_format.layout import WEIGHTS_FILE
 
 ALIGNMENT = 4096
 MIN_BYTES = 1024  # smaller initializers (shapes, scalars, biases of small layers) stay inside their graph

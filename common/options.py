@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}

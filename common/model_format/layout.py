@@ -4,7 +4,7 @@ A training run directory (``nmt train --out RUN``) holds :data:`TOKENIZER_FILE`,
 :data:`LAST_CHECKPOINT`, :data:`HISTORY_FILE`, :data:`CURVES_FILE`, :data:`SUMMARY_FILE` and the held-out
 split :data:`TEST_SPLIT_FILE`. A model repository is laid out like Triton's:
 ``<repository>/<name>/<version>/`` with :data:`MANIFEST_FILE` (written last), the graphs of
-:data:`GRAPH_FILES`, their weights in :data:`WEIGHTS_FILE` (:mod:`nmt.model_format.weights`) and
+:data:`GRAPH_FILES`, their weights in :data:`WEIGHTS_FILE` (:mod:`common.model_format.weights`) and
 :data:`TOKENIZER_FILE`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nmt.errors import NmtError
+from common.errors import NmtError
 
 # a model version
 MANIFEST_FILE = "manifest.json"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB, TOKENIZER_FILE
+from common.errors import NmtError
+from common.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB, TOKENIZER_FILE
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 LANGUAGE_TOKEN = re.compile(r"^>>([^<>\s]+)<<$")  # Marian's target-language tokens, e.g. >>deu<<

@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmt.errors import NmtError
-from nmt.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
-from nmt.model_format.tokenizer import TOKENIZERS
+from common.errors import NmtError
+from common.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
+from common.model_format.tokenizer import TOKENIZERS
 
 FORMAT = "nmt-model/2"  # /2 added "buffer" state entries and decoder_positions (the in-place KV cache)
 READABLE_FORMATS = ("nmt-model/1", FORMAT)
