@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from export.graph_passes import count_ops, remove_output, set_io_shapes
-from export.graphs import GraphSet
-from export.tracing import example_source, stored, torch_to_onnx, untie
 from common.errors import NmtError
 from common.model_format.manifest import StateTensor
 from common.model_format.weights import WeightStore
+from export.graph_passes import count_ops, remove_output, set_io_shapes
+from export.graphs import GraphSet
+from export.tracing import example_source, stored, torch_to_onnx, untie
 from training.models.bahdanau import Bahdanau
 
 STATIC = ["memory", "keys", "src_mask"]

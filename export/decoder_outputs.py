@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.graph_passes import producers
 from common.errors import NmtError
 from common.model_format.manifest import LOGITS_OUTPUT, TOP_K_INPUT, TOP_K_OUTPUTS
+from export.graph_passes import producers
 
 
 def add_top_k(model: onnx.ModelProto, eos_id: int) -> None:

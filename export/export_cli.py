@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from export.options import ExportOptions
 from common.errors import NmtError
 from common.options import add_arguments, values_from_args
+from export.options import ExportOptions
 
 DESCRIPTION = """\
 Export a trained checkpoint to ONNX with fused attention and write a model version directory

@@ -48,11 +48,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from export.handoff import STAGE_LINE, ExportResult
-from export.options import OPSETS, ExportOptions, source_format
 from common.errors import NmtError
 from common.model_format.layout import next_version
 from common.model_format.manifest import Manifest
+from export.handoff import STAGE_LINE, ExportResult
+from export.options import OPSETS, ExportOptions, source_format
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -8,10 +8,10 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from common.errors import NmtError
 from export.fp16_casts import block_fp16_inputs, fold_casts
 from export.graph_passes import gemm_to_matmul, undo_one_position_gemms
 from export.tracing import MAX_IR_VERSION, quiet
-from common.errors import NmtError
 
 
 def quantize_int8(source: Path, target: Path, *, per_channel: bool) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from common.errors import NmtError
 from export.bahdanau_graphs import export_bahdanau
 from export.graphs import GraphSet
 from export.transformer_graphs import export_transformer
-from common.errors import NmtError
 
 GraphExporter = Callable[..., GraphSet]  # (model, opset, store=None) -> GraphSet
 EXPORTERS: dict[str, GraphExporter] = {"transformer": export_transformer, "bahdanau": export_bahdanau}

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from export.huggingface import load_marian
-from export.options import ExportOptions, source_format
 from common.errors import NmtError
 from common.model_format.layout import BEST_CHECKPOINT, SUMMARY_FILE, TEST_SPLIT_FILE, TOKENIZER_FILE
 from common.model_format.tokenizer import AnyTokenizer, Tokenizer
+from export.huggingface import load_marian
+from export.options import ExportOptions, source_format
 from training.data import load_tsv
 from training.models.checkpoint import load_checkpoint
 from training.models.interface import Seq2SeqModel

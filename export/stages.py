@@ -25,6 +25,11 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
+from common.errors import NmtError
+from common.model_format.layout import GRAPH_FILES, OPTIONAL_GRAPH_FILES, TOKENIZER_FILE
+from common.model_format.manifest import Manifest, read_manifest, sha256_file, write_manifest
+from common.model_format.tokenizer import Tokenizer
+from common.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
 from export.decoder_outputs import add_logits, add_top_k
 from export.flat_rows import flatten_rows
 from export.graph_passes import (
@@ -47,11 +52,6 @@ from export.shared_tensors import align_packed_blocks, gemm_weights, packed_bloc
 from export.sources import ExportInputs, load_inputs, parity_pairs, return_freed_memory, training_info
 from export.tracing import torch_threads
 from export.verify import TorchReference, check_parity, greedy_texts, torch_reference
-from common.errors import NmtError
-from common.model_format.layout import GRAPH_FILES, OPTIONAL_GRAPH_FILES, TOKENIZER_FILE
-from common.model_format.manifest import Manifest, read_manifest, sha256_file, write_manifest
-from common.model_format.tokenizer import Tokenizer
-from common.model_format.weights import WEIGHTS_FILE, WeightStore, store_once
 from server.engine.engine import Engine
 from training.train import bleu
 

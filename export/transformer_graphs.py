@@ -51,12 +51,12 @@ import torch
 from onnx import TensorProto, helper
 from torch import Tensor, nn
 
-from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
-from export.graphs import GraphSet
-from export.tracing import example_source, stored, torch_to_onnx, untie
 from common.errors import NmtError
 from common.model_format.manifest import StateTensor
 from common.model_format.weights import WeightStore
+from export.graph_passes import cancel_transposes, count_ops, perm, producers, prune, set_io_shapes
+from export.graphs import GraphSet
+from export.tracing import example_source, stored, torch_to_onnx, untie
 from training.models.transformer import Transformer
 
 MHA = "MultiHeadAttention"

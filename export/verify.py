@@ -40,8 +40,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from export.options import LOGIT_TOLERANCE
 from common.model_format.layout import FORCED_GRAPH
+from export.options import LOGIT_TOLERANCE
 from server.engine.engine import Engine
 from server.types import DecodingOptions, ScoredSequence, SentenceRequest
 from training.models.interface import Seq2SeqModel

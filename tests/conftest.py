@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.model_format.tokenizer import PAD_ID, train_tokenizer
 from export.options import ExportOptions
 from export.pipeline import export_model
 from nmt.cli import main as nmt_main
-from common.model_format.tokenizer import PAD_ID, train_tokenizer
 from server.config import ServerConfig
 from tests.harness import ServerHarness
 from tests.marian import MODEL, build_marian_dir

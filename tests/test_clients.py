@@ -30,8 +30,8 @@ import pytest
 from clients.client import AsyncTranslatorClient, RetryPolicy, TranslatorClient
 from clients.messages import Attention, Hypothesis, ModelInfo, Translation, TranslationError
 from clients.render import alignment_grid, save_heatmap
-from nmt.cli import main as nmt_main
 from common.errors import NmtError
+from nmt.cli import main as nmt_main
 from server.config import ServerConfig
 from server.protos import pb2, pb2_grpc
 from tests.harness import ServerHarness

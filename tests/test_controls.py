@@ -14,9 +14,9 @@ import onnx
 import pytest
 
 from clients.client import TranslatorClient
+from common.model_format.manifest import LOGITS_OUTPUT, sha256_file
 from export.graph_passes import remove_output
 from nmt.cli import main as nmt_main
-from common.model_format.manifest import LOGITS_OUTPUT, sha256_file
 from server.config import ServerConfig
 from server.protos import pb2
 from tests.harness import ServerHarness

@@ -19,6 +19,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from common.errors import NmtError
+from common.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
+from common.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
+from common.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from common.model_format.weights import WEIGHTS_FILE, stored_tensors
 from export.fp16_casts import fold_casts
 from export.graph_passes import fuse_silu, one_position_gemms, pack_parallel_matmuls, undo_one_position_gemms
 from export.graphs import GraphSet
@@ -29,11 +34,6 @@ from export.registry import EXPORTERS, graph_exporter
 from export.sources import load_inputs
 from export.verify import check_parity, engine_step_log_probs, engine_translate_ids, torch_reference
 from nmt.cli import main as nmt_main
-from common.errors import NmtError
-from common.model_format.layout import GRAPH_FILES, MANIFEST_FILE, OPTIONAL_GRAPH_FILES, next_version
-from common.model_format.manifest import LOGITS_OUTPUT, ManifestError, read_manifest, sha256_file
-from common.model_format.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from common.model_format.weights import WEIGHTS_FILE, stored_tensors
 from server.engine.engine import Engine
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 from training.models.checkpoint import load_checkpoint, save_checkpoint

@@ -11,8 +11,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from export.flat_rows import flatten_rows
 from common.model_format.manifest import read_manifest
+from export.flat_rows import flatten_rows
 
 D, V = 8, 11
 

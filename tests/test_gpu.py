@@ -330,9 +330,9 @@ def test_fp16_every_node_but_shape_arithmetic_runs_on_cuda(fp16, tmp_path):
 
 
 def test_an_int8_version_is_refused_on_cuda(tiny_runs, tmp_path):
+    from common.errors import NmtError
     from export.options import ExportOptions
     from export.pipeline import export_model
-    from common.errors import NmtError
 
     result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-int8",
                                         model_repository=str(tmp_path), quantize="int8", parity_sentences=2,

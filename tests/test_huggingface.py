@@ -21,12 +21,12 @@ import pytest
 import sentencepiece as spm
 
 from clients.client import TranslatorClient
-from export.options import ExportOptions
-from export.pipeline import export_model
-from nmt.cli import main as nmt_main
 from common.errors import NmtError
 from common.model_format.manifest import read_manifest
 from common.model_format.tokenizer import WORD_START, MarianTokenizer
+from export.options import ExportOptions
+from export.pipeline import export_model
+from nmt.cli import main as nmt_main
 from server.alignment import segment_words
 from server.engine.engine import Engine
 from server.protos import pb2

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from nmt.cli import main as nmt_main
 from common.model_format.layout import FORCED_GRAPH, OPTIONAL_GRAPH_FILES
 from common.model_format.manifest import read_manifest, write_manifest
+from nmt.cli import main as nmt_main
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
 from server.controls import Controls

@@ -13,9 +13,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from export.options import LOGIT_TOLERANCE
 from common.model_format.layout import MANIFEST_FILE
 from common.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
+from export.options import LOGIT_TOLERANCE
 from server.engine.engine import Engine
 from server.engine.step_models import INITIAL_CAPACITY
 from server.types import DecodingOptions

@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from nmt.cli import main as nmt_main
 from common.model_format.manifest import read_manifest
+from nmt.cli import main as nmt_main
 from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
 from server.engine.portable_attention import needs_portable_attention
 from server.engine.session_graphs import session_graph

@@ -35,9 +35,9 @@ from prometheus_client.samples import Sample
 from clients.channel import channel_target, service_config
 from clients.client import TranslatorClient
 from clients.messages import TranslationError
+from common.errors import NmtError
 from deploy.nginx import standalone_config
 from loadtests.cli import free_port, wait_serving
-from common.errors import NmtError
 from server.metrics import HTTP_LABEL_PREFIX
 from server.protos import SERVICE_NAME
 from tests.conftest import SERVED_MODEL

@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import TranslatorClient
 from clients.messages import TranslationError
-from nmt.cli import main as nmt_main
 from common.errors import NmtError
+from nmt.cli import main as nmt_main
 from server.config import ServerConfig
 from server.frontend.auth import Authenticator
 from server.protos import SERVICE_NAME, pb2, pb2_grpc

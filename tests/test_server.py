@@ -686,8 +686,8 @@ def test_a_call_is_answered_once_in_order_and_a_withdrawn_one_never() -> None:
 def test_config_flags_env_and_validation(tmp_path: Path) -> None:
     import argparse
 
-    from nmt.cli import build_parser
     from common.errors import NmtError
+    from nmt.cli import build_parser
 
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser, environ={"NMT_LISTEN": "0.0.0.0:6000", "NMT_MAX_BEAM": "4"})

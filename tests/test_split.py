@@ -35,8 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.completion import Completion
-from server.controls import Controls
 from server.config import ServerConfig
+from server.controls import Controls
 from server.errors import ResourceExhausted
 from server.frontend.app import server_options
 from server.ipc import Cancel, Channel, Done, Failed, Submit, WireSentence, decode, encode
@@ -408,7 +408,7 @@ def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServ
     def statuses() -> set[int]:
         return {h.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status for h in healths for s in services}
 
-    until(lambda: statuses() == {health_pb2.HealthCheckResponse.NOT_SERVING}, 1, "health NOT_SERVING on the core's death")
+    until(lambda: statuses() == {health_pb2.HealthCheckResponse.NOT_SERVING}, 1, "NOT_SERVING on the core's death")
     restarted = split.wait_log(lambda e: e["message"] == "worker process restarted" and e["worker"] == "core", 120)
     split.pids["core"] = restarted["pid"]
     until(split.ready, 30, "ready again")

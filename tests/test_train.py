@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from nmt.cli import main
 from common.model_format.tokenizer import Tokenizer, train_tokenizer
+from nmt.cli import main
 from training.config import TrainConfig
 from training.train import learning_rate, make_batches
 

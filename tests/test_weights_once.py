@@ -19,10 +19,10 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from export.graph_passes import digest, fold_embedding_scale
-from export.shared_tensors import align_packed_blocks, packed_blocks
 from common.model_format.manifest import ManifestError, read_manifest, sha256_file
 from common.model_format.weights import ALIGNMENT, MIN_BYTES, WEIGHTS_FILE, store_once, stored_tensors
+from export.graph_passes import digest, fold_embedding_scale
+from export.shared_tensors import align_packed_blocks, packed_blocks
 from server.engine.engine import Engine
 from server.types import DecodingOptions
 
