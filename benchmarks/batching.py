@@ -18,12 +18,12 @@ flight nearly all the time), and the server's mean decoder rows: for continuous 
 ``nmt_running_rows`` sampled every 50 ms while the cell runs, for static batching the mean batch size
 (sentences x beam) from ``nmt_batch_size_sentences``; and how busy the server's inference worker was (its
 ``nmt_inference_duration_seconds``, encoder calls, joins and runs of steps, over the cell's time) with its encoder
-calls a second (static: batches; continuous: admissions; with ``--encoder-overlap`` the encoder calls run beside
+calls a second (static: batches; continuous: admissions; on a device the encoder calls run beside
 the steps, so it passes 100 %) and what one took, and (continuous) what joining an admission's rows to the running
 decode took on the worker after its encoder call (stage ``join``). A worker busy nearly all the time bounds the
 server by its compute and what surrounds each step; one often idle, by the serving layer's turnaround. Last, the
 share of the continuous decode's steps whose hypotheses the host's general selection chose
-(``nmt_decode_steps_total``): each ends a run of plain steps (``--hold-ended`` holds ended rows to keep it low).
+(``nmt_decode_steps_total``): each ends a run of plain steps (a device holds ended rows to keep it low).
 Then the ratios continuous / static the targets are stated in, and the single-caller p50 of both servers over
 the bare engine's p50 on the same sentences (one at a time, alternating).
 

@@ -152,7 +152,7 @@ async def serve(config: ServerConfig, on_started: Callable[[Any], None] | None =
     server = Server(config, opener=open_repository)
     server.install_signal_handlers()
     await server.start()
-    pauses = collector.watch(server.repository, server.metrics.gc_pause, frozen=config.gc_freeze)
+    pauses = collector.watch(server.repository, server.metrics.gc_pause)
     if on_started is not None:
         on_started(server)
     await server.wait_for_termination()

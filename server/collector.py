@@ -4,7 +4,7 @@ its pauses measured.
 A full collection walks every object the collector tracks and stops every thread meanwhile (the event loop and the
 decode thread alike, the interpreter lock held). Once the demo models, gRPC, NumPy and ONNX Runtime are loaded a
 process tracks ~50,000 objects, and a full collection took 8-12 ms there idle and 25-30 ms under load on the
-development host, every ~1,000-1,500 requests (``nmt bench gc``): a pause in the middle of some requests. Those
+development host, every ~1,000-1,500 requests (docs/decisions.md): a pause in the middle of some requests. Those
 objects (modules, the versions' sessions, manifests and tokenizers, gRPC's descriptors) live as long as the process
 or their version, so :func:`freeze` moves them into the collector's permanent generation once start-up is done, and
 again after each change of the model repository (unfrozen and collected first, so the cycles of a version that left
@@ -31,17 +31,16 @@ log = logging.getLogger("nmt.server")
 FLUSH_SECONDS = 1.0  # how often the pauses measured are written into the histogram
 
 
-def watch(repository: Any, histogram: Any, *, frozen: bool = True) -> asyncio.Task:
-    """For the process's lifetime (call it once start-up is done): with ``frozen``, :func:`freeze` now and after
-    each change of ``repository`` (its listeners); every collection's pause into ``histogram`` (the task's)."""
+def watch(repository: Any, histogram: Any) -> asyncio.Task:
+    """For the process's lifetime (call it once start-up is done): :func:`freeze` now and after each change of
+    ``repository`` (its listeners); every collection's pause into ``histogram`` (the task's)."""
 
     async def changed() -> None:
         freeze()
 
-    if frozen:
-        log.info("start-up's objects frozen out of the garbage collector's reach",
-                 extra={"fields": {"objects": freeze(), "pid": os.getpid()}})
-        repository.add_listener(changed)
+    log.info("start-up's objects frozen out of the garbage collector's reach",
+             extra={"fields": {"objects": freeze(), "pid": os.getpid()}})
+    repository.add_listener(changed)
     return asyncio.get_running_loop().create_task(Pauses(histogram).run(), name="gc-pauses")
 
 

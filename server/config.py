@@ -32,7 +32,6 @@ ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BATCHING = ("auto", "static", "continuous")
-ENCODER_OVERLAP = HOLD_ENDED = ("auto", "on", "off")
 ENGINES = ("onnx", "null")
 
 
@@ -78,13 +77,11 @@ class ServerConfig:
                                 "needs more fails with RESOURCE_EXHAUSTED and the model stays healthy")
     cuda_tf32: bool = option(False, "let CUDA run fp32 MatMul in TF32 (faster on Ampere and later, ~1e-3 relative "
                              "error in the scores)")
-    device_search: bool = option(False, "run beam search's selection in a graph on the device (CUDA versions): the "
-                                 "host reads a byte a sentence per step instead of each row's best tokens; level "
-                                 "with the host's selection on an H200 alone, for use with --cuda-graphs")
-    cuda_graphs: bool = option(False, "with --device-search, capture the device's beam and arg-max steps as CUDA "
-                               "graphs and replay them (lengths in buckets of powers of two and 1.5x them; one "
-                               "decoder session more); a bucket that cannot capture runs ordinary steps and says so "
-                               "once; the engine's runs 1.4-2.9x faster on an H200, the server not yet measured there")
+    cuda_graphs: bool = option(False, "experimental: run beam search's selection on the device and capture the "
+                               "device's beam and arg-max steps as CUDA graphs, replayed by length bucket (powers "
+                               "of two and 1.5x them; one decoder session more); a bucket that cannot capture runs "
+                               "ordinary steps and says so once. Off until a GPU run of the server shows it pays "
+                               "(docs/gpu.md)")
     cuda_graph_pool_mib: int = option(1024, "MiB of device memory the runs kept for CUDA graphs may hold (the least "
                                       "recently used bucket goes first)")
     intra_op_threads: int = option(0, "ONNX Runtime intra-op threads per model version (0: runtime default)")
@@ -98,9 +95,6 @@ class ServerConfig:
                                    "32 MiB served from its heap: large batches then reuse their arrays' pages "
                                    "instead of faulting in fresh ones (1.07-1.10x at beam 4, batch 8-32, BASE "
                                    "int8); 0 leaves malloc as it is")
-    gc_freeze: bool = option(True, "move the objects start-up made (again after each model repository change) out "
-                             "of reach of Python's cyclic garbage collector, whose full collections then walk only "
-                             "what requests made instead of stopping every thread for 10-30 ms (server/collector.py)")
     reload_interval: float = option(
         10.0, "seconds between scans of the model repository for new, changed and removed versions "
         "(hot reload; SIGHUP scans at once); 0 disables polling")
@@ -111,20 +105,6 @@ class ServerConfig:
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
         "falls back to static, with a log line); auto: continuous on CUDA, static on the CPU (where each "
         "measured ahead)", choices=BATCHING)
-    encoder_overlap: str = option(
-        "auto", "continuous batching: run the encoder call of the sentences joining the running decode on a thread "
-        "of its own while the decode steps on, instead of between two steps (on: where the decode's steps leave "
-        "the device idle, a GPU; off: on a CPU the encoder would take the decode's cores); auto: on for CUDA, "
-        "off for the CPU. With --cuda-graphs its calls wait for the worker's graph captures, which another "
-        "thread's device allocations would spoil",
-        choices=ENCODER_OVERLAP)
-    hold_ended: str = option(
-        "auto", "continuous batching: a sentence that ends in a run of plain arg-max steps (by EOS or at its output "
-        "limit) gets its translation at once, but its row runs on unread until the run ends (at the next "
-        "admission, in practice), so that the sentences ending between two admissions leave the decode in one "
-        "general step instead of one each (on: for a device, whose step costs the same at any row count while a "
-        "general step costs the host ~0.8 ms on an H200; off: a CPU's step costs its rows); auto: on for CUDA, off "
-        "for the CPU. Static batches on a device always hold them", choices=HOLD_ENDED)
     max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
                                  "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
                                  "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
@@ -179,8 +159,6 @@ class ServerConfig:
                      "cuda_graph_pool_mib"):
             if getattr(self, name) < 0:
                 raise NmtError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.cuda_graphs and not self.device_search:
-            raise NmtError("cuda_graphs captures beam search's steps on the device: it needs device_search")
         if not 0 <= self.malloc_retain_mb < 2048:
             raise NmtError(f"malloc_retain_mb must be 0-2047 (glibc takes the bound as a C int of bytes), got "
                            f"{self.malloc_retain_mb}")
@@ -195,9 +173,8 @@ class ServerConfig:
         if least["decode_tokens"] < self.max_beam * (self.max_tokens + 1):
             raise NmtError(f"decode_tokens ({least['decode_tokens']}) must hold one sentence of max_tokens "
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
-        for name, choices in (("batching", BATCHING), ("encoder_overlap", ENCODER_OVERLAP), ("hold_ended", HOLD_ENDED)):
-            if getattr(self, name) not in choices:
-                raise NmtError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.batching not in BATCHING:
+            raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         if self.engine not in ENGINES:

@@ -68,8 +68,7 @@ class BatchPolicy:
                    max_tokens=config.max_tokens, batch_work=config.batch_work,
                    max_request_work=config.max_request_work, max_response_bytes=config.max_response_bytes,
                    batching=config.batching, max_batch_rows=config.max_batch_rows,
-                   decode_tokens=config.decode_tokens, encoder_overlap=config.encoder_overlap,
-                   hold_ended=config.hold_ended)
+                   decode_tokens=config.decode_tokens)
 
 
 class RequestHandle:

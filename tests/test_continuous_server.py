@@ -490,16 +490,11 @@ def test_batching_flag_environment_and_validation(tmp_path: Path) -> None:
     assert ServerConfig.from_env({"NMT_BATCHING": "Continuous"}).batching == "continuous"
     with pytest.raises(Exception, match="batching must be one of"):
         ServerConfig(batching="dynamic").validate()
-    assert ServerConfig.from_env({"NMT_ENCODER_OVERLAP": "off"}).encoder_overlap == "off"
-    with pytest.raises(Exception, match="encoder_overlap must be one of"):
-        ServerConfig(encoder_overlap="always").validate()
-    assert ServerConfig().hold_ended == "auto" and ServerConfig.from_env({"NMT_HOLD_ENDED": "On"}).hold_ended == "on"
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser, environ={})
-    config = ServerConfig.from_args(parser.parse_args(["--hold-ended", "off"]))
-    assert BatchPolicy.from_config(config).for_device("cuda:0").hold_ended == "off"
-    with pytest.raises(Exception, match="hold_ended must be one of"):
-        ServerConfig(hold_ended="always").validate()
+    for removed in ("--hold-ended", "--encoder-overlap", "--device-search", "--gc-freeze"):  # rules, not flags
+        with pytest.raises(SystemExit):
+            parser.parse_args([removed, "on"] if removed != "--gc-freeze" else [removed])
     with pytest.raises(Exception, match="max_batch_rows"):
         ServerConfig(max_batch_rows=4, max_beam=8).validate()
     with pytest.raises(Exception, match="decode_tokens"):

@@ -363,20 +363,16 @@ def test_without_cuda_graphs_runs_are_exact_and_not_kept(tiny_models):
 def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(repository):
     """``--cuda-graphs`` and ``--cuda-graph-pool-mib`` (and their environment variables) reach every version's engine,
     which keeps its beam runs; ``nmt_cuda_graph_*`` follow them (on the CPU nothing captures: no runs given graph
-    ids, no failures)."""
-    from common.errors import NmtError
+    ids, no failures). The flag also moves beam search's selection onto the device, which the graphs capture."""
     from server.config import ServerConfig
     from server.core.repository import default_engine_loader
     from server.protos import pb2
     from tests.harness import ServerHarness
 
-    config = ServerConfig.from_env({"NMT_DEVICE_SEARCH": "true", "NMT_CUDA_GRAPHS": "true",
-                                    "NMT_CUDA_GRAPH_POOL_MIB": "32"})
+    config = ServerConfig.from_env({"NMT_CUDA_GRAPHS": "true", "NMT_CUDA_GRAPH_POOL_MIB": "32"})
     assert config.cuda_graphs and config.cuda_graph_pool_mib == 32
-    with pytest.raises(NmtError, match="needs device_search"):
-        ServerConfig(cuda_graphs=True).validate()
     config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
-                          device_search=True, cuda_graphs=True, cuda_graph_pool_mib=32, intra_op_threads=1)
+                          cuda_graphs=True, cuda_graph_pool_mib=32, intra_op_threads=1)
     harness = ServerHarness(config, lambda path, **settings: default_engine_loader(path, device_state=True, **settings))
     try:
         options = pb2.DecodingOptions(beam_size=4, num_hypotheses=2, max_length=30)
@@ -384,7 +380,7 @@ def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(r
             reply = harness.stub.Translate(pb2.TranslateRequest(texts=["three four five"], options=options), timeout=30)
             assert len(reply.translations[0].hypotheses) == 2
         model = harness.engine().model
-        assert model.pool.budget == 32 << 20 and model.pool.reused >= 1
+        assert model.device_beam and model.pool.budget == 32 << 20 and model.pool.reused >= 1
         version = harness.model_version("", "")
         labels = {"model": version.name, "version": version.version}
         assert harness.metric("nmt_cuda_graph_run_reuses_total", labels) == model.pool.reused

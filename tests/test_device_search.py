@@ -7,10 +7,7 @@ every node of the selection graph with a CUDA kernel."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -164,28 +161,6 @@ def test_mixed_beams_and_attention_keep_the_hosts_selection_while_they_last(engi
     assert not selections
 
 
-def test_the_servers_flag_reaches_the_engine(repository, selections):
-    """``--device-search`` (``NMT_DEVICE_SEARCH``) goes to every version's engine; a beam request through gRPC then
-    selects on the device (its state kept as on a device: the CUDA versions' path, forced on the CPU here)."""
-    from server.config import ServerConfig
-    from server.core.repository import default_engine_loader
-    from server.protos import pb2
-    from tests.harness import ServerHarness
-
-    assert ServerConfig.from_env({"NMT_DEVICE_SEARCH": "true"}).device_search
-    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
-                          device_search=True, intra_op_threads=1)
-    harness = ServerHarness(config, lambda path, **settings: default_engine_loader(path, device_state=True, **settings))
-    try:
-        options = pb2.DecodingOptions(beam_size=4, num_hypotheses=2, max_length=30)
-        reply = harness.stub.Translate(pb2.TranslateRequest(texts=["three four five"], options=options), timeout=30)
-        assert len(reply.translations[0].hypotheses) == 2
-        assert harness.engine().model.device_beam
-    finally:
-        harness.close()
-    assert selections
-
-
 def test_a_runs_buffers_go_with_it(engines, selections):
     """Every buffer a run of device steps allocates is freed when the decode ends: a second decode leaves as many
     ``OrtValue`` s alive as the first."""
@@ -197,16 +172,3 @@ def test_a_runs_buffers_go_with_it(engines, selections):
     device.translate(["one two three", "four five"], options)
     assert live_ortvalues() == before
     assert selections
-
-
-def test_the_benchmark_compares_the_selections_and_counts_the_reads():
-    """``nmt bench device-search --cuda-graphs`` on a tiny random model: the three ways agree (it exits otherwise),
-    and a quiet step of the device's reads one byte a sentence."""
-    root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, str(root / "benchmarks" / "device_search.py"), "--size", "TINY", "--batches", "3",
-               "--beams", "2", "--repeats", "1", "--threads", "1", "--cuda-graphs"]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert any(line.startswith("# ") and " cores, " in line for line in result.stdout.splitlines())  # the host
-    row = next(line for line in result.stdout.splitlines() if line.startswith("| 3 | 2 |")).split(" | ")
-    assert row[4].endswith("x") and row[9] == "3" and row[11].endswith("x")

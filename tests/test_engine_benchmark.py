@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,79 +65,3 @@ def test_a_worker_that_loaded_torch_says_so(tmp_path: Path) -> None:
     beside_torch, _ = bench.run_worker("ctranslate2", model, job, load_torch=True)
     assert (alone["torch_loaded"], beside_torch["torch_loaded"]) == (False, True)
     assert alone["check"] == beside_torch["check"] and len(alone["check"][0]) == 24
-
-
-def test_the_cache_reorder_benchmark_checks_both_attention_nodes_first() -> None:
-    """``nmt bench cache-reorder``: DecoderMaskedMultiHeadAttention over a cache read through a random indirection
-    table agrees with GroupQueryAttention over that cache's rows gathered (it exits otherwise), then both are
-    timed beside the rows' copy, with the host named."""
-    root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "nmt", "bench", "cache-reorder", "--sizes", "SMALL", "--batches", "1", "2",
-               "--runs", "5", "--threads", "1"]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert " cores, " in result.stdout.splitlines()[0]
-    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| SMALL |")]
-    assert [row[1] for row in rows] == ["1", "2"] and [row[2] for row in rows] == ["4", "8"]
-    assert all(float(row[-1].rstrip(" |")) <= 1e-4 and row[-2].endswith("x") for row in rows)
-
-
-@pytest.mark.parametrize("device_state", [False, True])
-def test_the_decode_cuts_benchmark_counts_the_cuts_and_splits_their_time(model_version_dir: Path,
-                                                                         device_state: bool) -> None:
-    """``nmt bench decode-cuts`` on the tiny Transformer: the steps of one batch, the ``step()`` calls they took
-    (at least one, at most one a step), and the calls' time split into ONNX Runtime's runs and the host's."""
-    root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "nmt", "bench", "decode-cuts", "--model-version", str(model_version_dir),
-               "--sentences", "6", "--repeats", "1", "--threads", "1", *(["--device-state"] if device_state else [])]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert " cores, " in result.stdout.splitlines()[0]
-    assert ("DeviceStepModel" in result.stdout.splitlines()[0]) == device_state
-    row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |")).strip("| \n").split(" | ")
-    steps, calls, in_step, in_runs, host_ms = int(row[1]), int(row[2]), float(row[3]), float(row[4]), float(row[5])
-    assert 1 <= calls <= steps
-    assert 0 < in_runs <= in_step and abs(in_step - in_runs - host_ms) <= 0.11
-
-
-def test_the_decode_cuts_benchmark_holds_ended_rows_on_the_emulated_device(model_version_dir: Path) -> None:
-    """``--hold-ended`` decodes the same steps in fewer ``step()`` calls than cutting the run at every sentence's
-    end; ``--emulate-step-ms`` makes every step last at least that long."""
-    root = Path(__file__).resolve().parent.parent
-    rows = {}
-    for hold in (False, True):
-        command = [sys.executable, "-m", "nmt", "bench", "decode-cuts", "--model-version", str(model_version_dir),
-                   "--sentences", "12", "--repeats", "1", "--threads", "1", "--emulate-step-ms", "2",
-                   *(["--hold-ended"] if hold else [])]
-        result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert ("ended rows held" in result.stdout) == hold and "emulated device" in result.stdout
-        row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |")).strip("| \n").split(" | ")
-        rows[hold] = int(row[1]), int(row[2]), float(row[4])  # steps, step() calls, ms in ONNX Runtime
-    (steps, cut_calls, _), (held_steps, held_calls, held_runs_ms) = rows[False], rows[True]
-    assert held_steps == steps and held_calls < cut_calls
-    assert held_runs_ms >= 2 * steps
-
-
-def test_the_encoder_shapes_benchmark_times_new_seen_and_bucketed_shapes() -> None:
-    """``nmt bench encoder-shapes`` on the tiny Marian model: a row per way, each call timed, the padding of a
-    bucket keeping every sentence's tokens and filling the other rows with EOS."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from encoder_shapes import bucket, padded
-
-    assert bucket(3, 17) == (4, 32) and bucket(16, 16) == (16, 16) and bucket(1, 1) == (1, 16)
-    src = np.arange(6, dtype=np.int64).reshape(2, 3) + 10
-    out = padded(src, (4, 16), pad_id=9, eos_id=0)
-    assert out.shape == (4, 16) and (out[:2, :3] == src).all() and (out[:2, 3:] == 9).all()
-    assert (out[2:, 0] == 0).all() and (out[2:, 1:] == 9).all()
-
-    command = [sys.executable, "-m", "nmt", "bench", "encoder-shapes", "--size", "TINY", "--shapes", "6",
-               "--threads", "1"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert " cores, " in lines[0] and "6 shapes" in lines[0]
-    rows = {cells[0]: cells[1:] for cells in (line.strip("| ").split(" | ") for line in lines[3:])}
-    assert list(rows) == ["new", "again", "bucket"]
-    assert all(float(cells[0].replace(",", "")) > 0 and float(cells[1]) > 0 for cells in rows.values())
-    assert rows["again"][2] == "1.00x"

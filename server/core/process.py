@@ -54,7 +54,7 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
                             inter_op_threads=config.inter_op_threads, spinning=config.ort_spinning,
                             prepack=config.ort_prepack,
                             device={"device_id": config.device_id, "gpu_mem_limit": config.gpu_mem_limit,
-                                    "cuda_tf32": config.cuda_tf32, "device_search": config.device_search,
+                                    "cuda_tf32": config.cuda_tf32, "device_search": config.cuda_graphs,
                                     "cuda_graphs": config.cuda_graphs, "graph_pool_mib": config.cuda_graph_pool_mib},
                             engine_loader=engine_loader, policy=BatchPolicy.from_config(config), metrics=metrics)
     return await ModelRepository.open(config.model_repository, settings=settings, default_model=config.default_model,
@@ -68,7 +68,7 @@ async def run_core(config: ServerConfig, address: str, ready_file: Path) -> None
     repository.start()
     endpoint = CoreEndpoint(repository, address)
     await endpoint.start()
-    pauses = collector.watch(repository, metrics.gc_pause, frozen=config.gc_freeze)
+    pauses = collector.watch(repository, metrics.gc_pause)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -55,7 +55,7 @@ async def run_frontend(config: ServerConfig, address: str, ready_file: Path,
     server.repository = await RemoteRepository(address, metrics=server.metrics).open(CATALOG_TIMEOUT_SECONDS)
     server.install_signal_handlers()
     await server.start()
-    pauses = collector.watch(server.repository, server.metrics.gc_pause, frozen=config.gc_freeze)
+    pauses = collector.watch(server.repository, server.metrics.gc_pause)
     announce_ready(ready_file, {"pid": os.getpid(), "port": server.port, "http_port": server.http_port})
     await server.wait_for_termination()
     pauses.cancel()

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' shared modules
 
 
 def worker(checkout: str, versions: list[str], job_path: str) -> None:

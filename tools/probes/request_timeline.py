@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' shared modules
 
 from bench_common import (  # noqa: E402
     free_port,
@@ -177,8 +178,8 @@ def echo_round_trip(texts: list[str], warmup: int) -> float:
     from server.protos import pb2, pb2_grpc
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("server_load.py")), "--echo-server",
-                                str(port)])
+    server_load = Path(__file__).resolve().parents[2] / "benchmarks" / "server_load.py"
+    process = subprocess.Popen([sys.executable, str(server_load), "--echo-server", str(port)])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=30)

@@ -36,7 +36,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' shared modules
 
 from bench_common import host  # noqa: E402
 

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 from onnxruntime import OrtValue
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' shared modules
 
 from bench_common import host  # noqa: E402
 from engine_throughput import SIZES, export_project, marian_model, sources  # noqa: E402
