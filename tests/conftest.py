@@ -126,11 +126,12 @@ def tiny_repository(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tiny_runs, tiny_repository):
     """Both architectures exported once: Transformer through the API, Bahdanau through ``nmt export``."""
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
                                         model_repository=str(tiny_repository), parity_sentences=PARITY_SENTENCES,
                                         progress=False))
     assert result.version_dir == tiny_repository / "tiny-transformer" / "1"
-    status = nmt_main(["export", str(tiny_runs["bahdanau"]), "--name", "tiny-bahdanau",
+    status = nmt_main(["export", "--no-stage-processes", str(tiny_runs["bahdanau"]), "--name", "tiny-bahdanau",
                        "--model-repository", str(tiny_repository), "--parity-sentences", str(PARITY_SENTENCES),
                        "--no-progress"])
     assert status == 0
@@ -162,7 +163,8 @@ def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def marian_repository(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Marian directory imported into a model repository through ``nmt export`` (detected from config.json)."""
     repository = tmp_path_factory.mktemp("hf-models")
-    assert nmt_main(["export", str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
+    assert nmt_main(["export", "--no-stage-processes",
+                     str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
                      "--no-progress"]) == 0
     return repository
 

@@ -14,14 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from export.options import ExportOptions
-from export.pipeline import export_model
 from server.config import ServerConfig
 from tests.harness import ServerHarness
 from tests.test_server import SlowEngine, default_loader, wrapping_loader
-from training.config import TrainConfig
-from training.presets import PRESETS
-from training.train import train
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -37,14 +32,11 @@ DATES_MODEL = "dates-transformer"
 
 
 @pytest.fixture(scope="session")
-def dates_repository(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Path:
-    """A repository with the small dates Transformer (trained and exported once) and the tiny Bahdanau."""
-    root = tmp_path_factory.mktemp("explorer")
-    run = root / "run"
-    train(TrainConfig(**PRESETS["dates-transformer-small"], out=str(run), progress=False), log=lambda line: None)
-    repository = root / "models"
-    export_model(ExportOptions(checkpoint=str(run), name=DATES_MODEL, model_repository=str(repository),
-                               parity_sentences=4, progress=False))
+def dates_repository(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path],
+                     dates_models: dict[str, Path]) -> Path:
+    """A repository with the session's small dates Transformer and the tiny Bahdanau."""
+    repository = tmp_path_factory.mktemp("explorer") / "models"
+    shutil.copytree(dates_models["transformer"], repository / DATES_MODEL / "1")
     shutil.copytree(tiny_models["bahdanau"], repository / "tiny-bahdanau" / "1")
     return repository
 

@@ -518,9 +518,11 @@ def test_tampered_files_are_rejected(tiny_models, tmp_path):
 def test_refuses_to_overwrite_and_numbers_versions(tiny_runs, tiny_models, tiny_repository, capsys):
     before = (tiny_models["transformer"] / MANIFEST_FILE).read_bytes()
     with pytest.raises(NmtError, match="already exists; use --force"):
-        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer", version="1",
+        export_model(ExportOptions(stage_processes=False,
+                                   checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer", version="1",
                                    model_repository=str(tiny_repository), progress=False))
-    status = nmt_main(["export", str(tiny_runs["transformer"]), "--name", "tiny-transformer", "--version", "1",
+    status = nmt_main(["export", "--no-stage-processes",
+                       str(tiny_runs["transformer"]), "--name", "tiny-transformer", "--version", "1",
                        "--model-repository", str(tiny_repository), "--no-progress"])
     assert status == 2 and "already exists" in capsys.readouterr().err
     assert (tiny_models["transformer"] / MANIFEST_FILE).read_bytes() == before
@@ -533,17 +535,17 @@ def test_checkpoint_problems_are_clear_errors(tiny_runs, tmp_path):
     lonely = tmp_path / "lonely"
     lonely.mkdir()
     shutil.copy(tiny_runs["bahdanau"] / "best.pt", lonely / "model.pt")
-    options = dict(name="x", model_repository=str(tmp_path / "models"), progress=False)
+    options = dict(name="x", model_repository=str(tmp_path / "models"), progress=False, stage_processes=False)
     with pytest.raises(NmtError, match="tokenizer not found"):
-        export_model(ExportOptions(checkpoint=str(lonely / "model.pt"), **options))
+        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely / "model.pt"), **options))
     with pytest.raises(NmtError, match="holds no best.pt"):
-        export_model(ExportOptions(checkpoint=str(tmp_path), **options))
+        export_model(ExportOptions(stage_processes=False, checkpoint=str(tmp_path), **options))
     (lonely / "best.pt").write_bytes(b"junk")
     shutil.copy(tiny_runs["bahdanau"] / "spm.model", lonely / "spm.model")
     with pytest.raises(NmtError, match="cannot read checkpoint"):
-        export_model(ExportOptions(checkpoint=str(lonely), **options))
+        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely), **options))
     with pytest.raises(NmtError, match="bad model name"):
-        export_model(ExportOptions(checkpoint=str(lonely), **{**options, "name": "../x"}))
+        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely), **{**options, "name": "../x"}))
     assert not (tmp_path / "models").exists()
 
 
@@ -569,7 +571,8 @@ def test_int8_export_records_quantization(tiny_runs, tmp_path):
     stale = tiny_repository / "tiny-transformer" / "int8"
     stale.mkdir(parents=True)
     (stale / "leftover.txt").write_text("an older export")
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
                                         version="int8", model_repository=str(tiny_repository), quantize="int8",
                                         force=True, parity_sentences=4, bleu_sentences=12, progress=False))
     assert result.version_dir == stale and not (stale / "leftover.txt").exists(), "--force replaces the directory"
@@ -603,7 +606,8 @@ FP16_ATTENTION_TOLERANCE = 5e-3
 def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository, tmp_path):
     """Into a repository of its own: an fp16 version of ``tiny-transformer`` in the session's repository became the
     version later tests loaded, whose forced pass and steps then differed by fp16's ~1e-2, not their 1e-5."""
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
                                         model_repository=str(tmp_path), precision="fp16",
                                         parity_sentences=8, bleu_sentences=12, progress=False))
     manifest = read_manifest(result.version_dir)
@@ -644,14 +648,15 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
     [continued] = engine.translate_batch([prefix]).translations
     assert continued.hypotheses[0].token_ids[:2] == whole.hypotheses[0].token_ids[:2]
     with pytest.raises(NmtError, match="exclude each other"):
-        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
+        export_model(ExportOptions(stage_processes=False,
+                                   checkpoint=str(tiny_runs["transformer"]), name="x", precision="fp16",
                                    quantize="int8", model_repository=str(tiny_repository), progress=False))
 
 
 def test_a_second_bahdanau_export_in_one_process_keeps_source_lengths_dynamic(tiny_models, tiny_runs, tmp_path):
     """``tiny_models`` exported this run once in this process already; a second export traced the encoder's
     source length as a constant (torch.arange over it), and its parity check then failed on other lengths."""
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["bahdanau"]), name="again",
+    result = export_model(ExportOptions(stage_processes=False, checkpoint=str(tiny_runs["bahdanau"]), name="again",
                                         model_repository=str(tmp_path), parity_sentences=PARITY_SENTENCES,
                                         progress=False))
     session = ort.InferenceSession(str(result.version_dir / "encoder.onnx"), providers=["CPUExecutionProvider"])
@@ -679,7 +684,8 @@ def test_a_confident_model_passes_parity_and_a_corrupted_graph_fails(tiny_runs, 
     """Compared absolutely, this model's log-probabilities differed by 2.4e-4 and its export was refused; relative
     to their magnitude beyond 1 they differ by ~1e-6. A graph with one weight matrix scaled by 1 % still fails."""
     run, model = confident_copy(tiny_runs["transformer"], tmp_path / "run")
-    result = export_model(ExportOptions(checkpoint=str(run), name="confident", model_repository=str(tmp_path / "m"),
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(run), name="confident", model_repository=str(tmp_path / "m"),
                                         parity_sentences=PARITY_SENTENCES, progress=False))
     assert result.manifest.parity["max_logit_diff"] <= LOGIT_TOLERANCE
     assert result.manifest.parity["max_forced_diff"] <= LOGIT_TOLERANCE
@@ -703,7 +709,7 @@ def test_a_confident_model_passes_parity_and_a_corrupted_graph_fails(tiny_runs, 
 def test_releasing_the_model_frees_weights_that_others_still_reference(tiny_runs):
     """The export frees the PyTorch model before it loads a version; the exporter's libraries keep references
     to some of a traced module's parameters, so releasing empties every parameter in place."""
-    inputs = load_inputs(ExportOptions(checkpoint=str(tiny_runs["transformer"]), progress=False))
+    inputs = load_inputs(ExportOptions(stage_processes=False, checkpoint=str(tiny_runs["transformer"]), progress=False))
     kept = [*inputs.model.parameters(), *inputs.model.buffers()]  # as onnxscript's fusion rules keep some
     assert sum(tensor.numel() for tensor in kept) > 10_000
     inputs.release_model()
@@ -713,7 +719,7 @@ def test_releasing_the_model_frees_weights_that_others_still_reference(tiny_runs
 
 def test_a_refused_export_names_the_measure_and_the_way_out(tiny_runs, tmp_path):
     with pytest.raises(NmtError) as refused:
-        export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="strict",
+        export_model(ExportOptions(stage_processes=False, checkpoint=str(tiny_runs["transformer"]), name="strict",
                                    model_repository=str(tmp_path), parity_sentences=2, parity_tolerance=1e-12,
                                    progress=False))
     message = str(refused.value)

@@ -309,7 +309,8 @@ def fp16(tiny_runs, tmp_path_factory) -> Iterator[Path]:
     from export.options import ExportOptions
     from export.pipeline import export_model
 
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-fp16",
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-fp16",
                                         model_repository=str(tmp_path_factory.mktemp("fp16")), precision="fp16",
                                         parity_sentences=4, bleu_sentences=12, progress=False))
     yield result.version_dir
@@ -334,7 +335,8 @@ def test_an_int8_version_is_refused_on_cuda(tiny_runs, tmp_path):
     from export.options import ExportOptions
     from export.pipeline import export_model
 
-    result = export_model(ExportOptions(checkpoint=str(tiny_runs["transformer"]), name="tiny-int8",
+    result = export_model(ExportOptions(stage_processes=False,
+                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-int8",
                                         model_repository=str(tmp_path), quantize="int8", parity_sentences=2,
                                         bleu_sentences=4, progress=False))
     with pytest.raises(NmtError, match="int8 version cannot run on CUDA"):

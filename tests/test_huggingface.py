@@ -215,7 +215,8 @@ def test_unsupported_config_and_missing_tokenizer_are_named(marian_dir: Path, tm
         return directory
 
     def export(directory: Path) -> None:
-        export_model(ExportOptions(checkpoint=str(directory), name="x", model_repository=str(tmp_path / "repo"),
+        export_model(ExportOptions(stage_processes=False,
+                                   checkpoint=str(directory), name="x", model_repository=str(tmp_path / "repo"),
                                    progress=False))
 
     with pytest.raises(NmtError, match="normalize_before=true is not supported"):

@@ -36,7 +36,8 @@ def fp16_models(tiny_runs, tmp_path_factory) -> dict[str, Path]:
     versions in this process already)."""
     repository = tmp_path_factory.mktemp("fp16")
     for arch, run in tiny_runs.items():
-        assert nmt_main(["export", str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
+        assert nmt_main(["export", "--no-stage-processes",
+                         str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
                          "--precision", "fp16", "--parity-sentences", str(PARITY_SENTENCES), "--bleu-sentences",
                          "12", "--no-progress"]) == 0
     return {arch: repository / f"tiny-{arch}-fp16" / "1" for arch in tiny_runs}
