@@ -127,3 +127,19 @@ def add_arguments(
 def values_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The flag fields of ``cls`` present on ``args``."""
     return {f.name: getattr(args, f.name) for f in cli_fields(cls) if hasattr(args, f.name)}
+
+
+def flags_table(cls: type, env_prefix: str | None = None) -> str:
+    """The Markdown reference of the :func:`option` fields of ``cls``: flag, environment variable, default, help."""
+    rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
+    for f in cli_fields(cls):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        if field_type(f) is bool:
+            flag = f"{flag}, --no-{flag[2:]}"
+        env = env_name(f, env_prefix)
+        default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+        help_text = f.metadata["help"] + (f" (one of: {', '.join(f.metadata['choices'])})"
+                                          if f.metadata.get("choices") else "")
+        cells = [f"`{flag}`", f"`{env}`" if env else "-", f"`{default}`", help_text.replace("|", "\\|")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)

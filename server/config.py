@@ -22,11 +22,12 @@ from common.options import (
     canonicalize_choices,
     env_name,
     field_type,
+    flags_table,
     option,
     parse_value,
     values_from_args,
 )
-from server.policy import BY_DEVICE
+from server.policy import AUTO_BY_DEVICE, BY_DEVICE, DEVICE_RULE_REASONS
 
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
@@ -51,7 +52,7 @@ class ServerConfig:
     cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
                                "(CORS); empty: none but the server's own page")
     max_connection_age: float = option(
-        60.0, "seconds after which a client connection is closed gracefully (GOAWAY, with gRPC's +-10% jitter): "
+        60.0, "seconds after which a client connection is closed gracefully (GOAWAY, with gRPC's jitter of a tenth): "
         "the client opens a new one for its next calls while the calls and streams on the old one run to their "
         "end, so new replicas, and a front-end restarted under --frontends N, get their share of long-lived "
         "clients. Costs each client a reconnection (and TLS handshake) per period; 0: never")
@@ -89,12 +90,12 @@ class ServerConfig:
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
                                 "runs (they stop when it returns); off where other processes need the cores")
     ort_prepack: bool = option(True, "let ONNX Runtime's CPU kernels keep each session's MatMul/Gemm weights in a "
-                               "re-laid-out copy of their own (1.2-2x faster steps); off: a loaded version "
-                               "holds each weight once (for hosts that keep many versions in memory)")
+                               "re-laid-out copy of their own (faster steps); off: a loaded version holds "
+                               "each weight once, for hosts that keep many versions in memory")
     malloc_retain_mb: int = option(1024, "MiB of freed memory glibc's malloc keeps for the next batch, arrays up to "
                                    "32 MiB served from its heap: large batches then reuse their arrays' pages "
-                                   "instead of faulting in fresh ones (1.07-1.10x at beam 4, batch 8-32, BASE "
-                                   "int8); 0 leaves malloc as it is")
+                                   "instead of faulting in fresh ones (the process then keeps its peak "
+                                   "memory up to this bound); 0 leaves malloc as it is")
     reload_interval: float = option(
         10.0, "seconds between scans of the model repository for new, changed and removed versions "
         "(hot reload; SIGHUP scans at once); 0 disables polling")
@@ -103,18 +104,16 @@ class ServerConfig:
         "auto", "static: a batch is formed and decoded to its end while later sentences wait; continuous: "
         "one running decode per model version that sentences join between decoding steps and leave as soon as "
         "they finish (--max-batch-rows, --decode-tokens; a model that cannot decode rows at different steps "
-        "falls back to static, with a log line); auto: continuous on CUDA, static on the CPU (where each "
-        "measured ahead)", choices=BATCHING)
+        "falls back to static, with a log line); auto: by device (the device rules below)", choices=BATCHING)
     max_batch_rows: int = option(0, "continuous batching: most decoder rows in the running decode (a sentence "
-                                 "holds beam_size rows); beyond what the device computes in parallel (a few dozen "
-                                 "on a CPU), more rows only slow every sentence down. 0: by the device, 32 on the "
-                                 "CPU, 512 on CUDA (128 beam-4 sentences, as many as static batches hold)")
+                                 "holds beam_size rows); beyond what the device computes in parallel, more rows "
+                                 "only slow every sentence down. 0: by device (the device rules below)")
     decode_tokens: int = option(0, "continuous batching: token budget of the running decode, rows x (widest "
                                 "source + longest target so far), checked when sentences join (bounds its "
-                                "memory). 0: by the device, 65536 on the CPU, 262144 on CUDA")
+                                "memory). 0: by device (the device rules below)")
     batch_tokens: int = option(0, "token budget of a batch: source tokens including padding (longest x count); "
                                "continuous: of the sentences encoded together to join the running decode. 0: by "
-                               "the device, 4096 on the CPU, 32768 on CUDA")
+                               "device (the device rules below)")
     max_batch_sentences: int = option(64, "most sentences in one batch")
     max_wait_ms: float = option(5.0, "longest a sentence waits for companions before its batch starts; continuous: "
                                 "how long sentences gather before they join a running decode (one encoder call)")
@@ -122,7 +121,7 @@ class ServerConfig:
     batch_work: int = option(0, "most decoder work in one batch, in row-steps (beam_size x longest allowed "
                              "output, summed over sentences): bounds how long one batch holds the worker, so "
                              "large requests are split into batches that interleave with other requests. 0: by "
-                             "the device, 16384 on the CPU, 262144 on CUDA")
+                             "device (the device rules below)")
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")
@@ -231,6 +230,15 @@ class ServerConfig:
         return cls(**values).validate()
 
 
+def flags_reference() -> str:
+    """The reference of ``nmt serve``'s flags and of the device rules that their 0 or ``auto`` leave to the device
+    (``docs/flags.md``, checked by ``tests/test_docs.py``)."""
+    rules = ["| setting | on the CPU | on CUDA | why |", "|---|---|---|---|"]
+    for name, values in {**BY_DEVICE, **AUTO_BY_DEVICE}.items():
+        rules.append(f"| `{name}` | {values['cpu']} | {values['cuda']} | {DEVICE_RULE_REASONS[name]} |")
+    return flags_table(ServerConfig, ENV_PREFIX) + "\n\n### Device rules\n\n" + "\n".join(rules)
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     """``"127.0.0.1:50051"`` -> ``("127.0.0.1", 50051)``; IPv6 as ``[::1]:50051``."""
     host, _, port = address.rpartition(":")
@@ -240,3 +248,7 @@ def split_host_port(address: str) -> tuple[str, int]:
 def _is_host_port(value: str) -> bool:
     host, sep, port = value.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+if __name__ == "__main__":
+    print(flags_reference())

@@ -10,27 +10,35 @@ from typing import Any
 
 from server.errors import Cancelled, DeadlineExceeded, ServingError
 
-# The batching limits whose 0 (the server's default) means "by the device": a CPU computes a few dozen rows in
-# parallel, a GPU hundreds, in the time of one (benchmarks/README.md). On CUDA: 512 rows are 128 beam-4 sentences, as
-# many as the first GPU run's static batches held; a static batch's work, 512 rows for 512 steps, holds the worker
-# about as long as the CPU's 32 rows for 512 steps; its encoder call, 128 sentences of 256 tokens; the running
-# decode's tokens, 512 rows of 512 (its KV cache: ~3 GiB for a 6-layer d-512 fp16 model). The CPU's budgets hold 24
-# beam-4 sentences of 170 tokens in a static batch and at most 261 rows in the running decode while a sentence of 81
-# source pieces and 170 target tokens decodes (the GPU runs' long sentences), where the bare engine held 444 rows.
+# The device rules: the limits whose 0 (the server's default) and the choices whose "auto" mean "by the device", and
+# the choices that are the device's alone (no flag: encoder_overlap, hold_ended). A CPU computes a few dozen rows in
+# parallel, a GPU hundreds in the time of one; the figures behind each rule are in benchmarks/README.md and
+# docs/decisions.md.
 BY_DEVICE = {
     "max_batch_rows": {"cpu": 32, "cuda": 512},
     "batch_tokens": {"cpu": 4096, "cuda": 32768},
     "batch_work": {"cpu": 16384, "cuda": 262144},
     "decode_tokens": {"cpu": 65536, "cuda": 262144},
 }
-# The choices whose "auto" (the server's default) means "by the device". batching: where each measured no worse
-# (benchmarks/README.md: continuous 1.28-2.41x static's throughput on an H200; 0.6-1.0x on 2 CPU cores);
-# encoder_overlap: where a decoding step leaves the device idle enough to run the encoder beside it; hold_ended:
-# where a row that runs on unread costs nothing (a step costs the same at any row count), and a general step does.
 AUTO_BY_DEVICE = {
     "batching": {"cpu": "static", "cuda": "continuous"},
     "encoder_overlap": {"cpu": "off", "cuda": "on"},
     "hold_ended": {"cpu": "off", "cuda": "on"},
+}
+DEVICE_RULE_REASONS = {
+    "max_batch_rows": "decoder rows of the running decode: 32 are 8 beam-4 sentences, what a CPU computes at once; "
+                      "512 are 128 beam-4 sentences, as many as a GPU's static batches hold",
+    "batch_tokens": "source tokens of one encoder call: 128 sentences of 256 tokens on CUDA",
+    "batch_work": "row-steps one static batch may hold the worker for: 32 rows for 512 steps on the CPU, 512 rows "
+                  "for 512 steps on CUDA, where a step costs about the same at any row count",
+    "decode_tokens": "rows x (widest source + longest target) of the running decode, which bounds its KV cache "
+                     "(512 rows of 512 on CUDA: ~3 GiB for a 6-layer d-512 fp16 model)",
+    "batching": "continuous batching pays where a step's cost hardly grows with its rows (a GPU); on a CPU it "
+                "adds admissions and saves nothing",
+    "encoder_overlap": "encoding the sentences that join beside the decode's steps uses a GPU's idle time; on a "
+                       "CPU it would take the decode's cores",
+    "hold_ended": "a sentence that ends in plain arg-max steps leaves at once while its row runs on unread to the "
+                  "next admission: free on a GPU, whose step costs the same at any row count; a CPU pays per row",
 }
 
 

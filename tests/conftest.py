@@ -7,7 +7,9 @@ alignments are not the diagonal); the session exports each once into a temporary
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
 import socket
@@ -112,6 +114,17 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Train the session's larger models (dates, Marian) on every core, then go back to one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
@@ -156,7 +169,8 @@ def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Marian directory of :mod:`tests.marian`, trained once per session (about 30 s)."""
-    return build_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-en-de-dates")
+    with torch_threads(os.cpu_count() or 1):
+        return build_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-en-de-dates")
 
 
 @pytest.fixture(scope="session")
@@ -206,7 +220,8 @@ def dates_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     versions = {}
     for arch, settings in (("transformer", PRESETS["dates-transformer-small"]), ("bahdanau", DATES_BAHDANAU_SMALL)):
         run = root / "runs" / arch
-        train(TrainConfig(**settings, out=str(run), progress=False), log=lambda line: None)
+        with torch_threads(os.cpu_count() or 1):
+            train(TrainConfig(**settings, out=str(run), progress=False), log=lambda line: None)
         result = export_model(ExportOptions(checkpoint=str(run), name=f"dates-{arch}",
                                             model_repository=str(root / "models"), parity_sentences=4,
                                             progress=False))

@@ -537,15 +537,15 @@ def test_checkpoint_problems_are_clear_errors(tiny_runs, tmp_path):
     shutil.copy(tiny_runs["bahdanau"] / "best.pt", lonely / "model.pt")
     options = dict(name="x", model_repository=str(tmp_path / "models"), progress=False, stage_processes=False)
     with pytest.raises(NmtError, match="tokenizer not found"):
-        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely / "model.pt"), **options))
+        export_model(ExportOptions(checkpoint=str(lonely / "model.pt"), **options))
     with pytest.raises(NmtError, match="holds no best.pt"):
-        export_model(ExportOptions(stage_processes=False, checkpoint=str(tmp_path), **options))
+        export_model(ExportOptions(checkpoint=str(tmp_path), **options))
     (lonely / "best.pt").write_bytes(b"junk")
     shutil.copy(tiny_runs["bahdanau"] / "spm.model", lonely / "spm.model")
     with pytest.raises(NmtError, match="cannot read checkpoint"):
-        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely), **options))
+        export_model(ExportOptions(checkpoint=str(lonely), **options))
     with pytest.raises(NmtError, match="bad model name"):
-        export_model(ExportOptions(stage_processes=False, checkpoint=str(lonely), **{**options, "name": "../x"}))
+        export_model(ExportOptions(checkpoint=str(lonely), **{**options, "name": "../x"}))
     assert not (tmp_path / "models").exists()
 
 

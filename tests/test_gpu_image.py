@@ -2,8 +2,8 @@
 
 Each onnxruntime-gpu release links one CUDA major (1.31.1: ``libcudart.so.13``); a base image of another major
 starts a container whose CUDA provider cannot load. The pin lives in pyproject.toml's ``gpu`` extra, what each
-version links in ``docker/onnxruntime-gpu.toml`` (read from the wheels); ``docker/Dockerfile.gpu``, the README
-and the deployment files are checked against those two.
+version links in ``docker/onnxruntime-gpu.toml`` (read from the wheels); ``docker/Dockerfile.gpu``, the README,
+docs/gpu.md and the deployment files are checked against those two.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile.gpu"
 FACTS = ROOT / "docker" / "onnxruntime-gpu.toml"
-README = ROOT / "README.md"
+README, GPU_PAGE, OPERATIONS = ROOT / "README.md", ROOT / "docs" / "gpu.md", ROOT / "docs" / "operations.md"
 DEPLOYMENT = [ROOT / "docker-compose.yml", ROOT / "deploy" / "k8s" / "translator-gpu.yaml"]
 DISTRIBUTION = "onnxruntime-gpu"
 BASE_IMAGE = re.compile(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.(\d+)-(\w+)-runtime-ubuntu[\d.]+$", re.MULTILINE)
@@ -76,13 +76,15 @@ def test_every_stated_cuda_and_cudnn_major_agrees() -> None:
         assert set(re.findall(r"cuDNN (\d+)\b", text)) <= {str(entry["cudnn"])}, path.name
 
 
-def test_the_readme_states_the_pinned_pair() -> None:
-    readme = README.read_text(encoding="utf-8")
+def test_the_docs_state_the_pinned_pair() -> None:
+    readme = GPU_PAGE.read_text(encoding="utf-8")
     version, entry = pinned_version(), facts()
     major = cuda_of(entry)[0]
-    assert set(SPEC.findall(readme)) == {("==", version)}, "the README's install command must use the pin"
+    for page in (README, GPU_PAGE):
+        assert set(SPEC.findall(page.read_text(encoding="utf-8"))) == {("==", version)}, page.name
     assert re.findall(r"pinned onnxruntime-gpu ([\w.]+) links CUDA (\d+)", readme) == [(version, str(major))]
-    [row] = [line for line in readme.splitlines() if line.startswith("| `translator-gpu`")]
+    [row] = [line for line in OPERATIONS.read_text(encoding="utf-8").splitlines()
+             if line.startswith("| `translator-gpu`")]
     assert f"CUDA {major} + cuDNN {entry['cudnn']}, onnxruntime-gpu {version})" in row, row
 
 

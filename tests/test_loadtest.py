@@ -35,7 +35,7 @@ def test_loadtest_runs_every_scenario_and_writes_reports(repository: Path, tmp_p
     texts = tmp_path / "test.tsv"  # a held-out split: pairs the tiny model never trained on
     texts.write_text("".join(f"{s}\t{t}\n" for s, t in number_pairs(50, seed=7)), encoding="utf-8")
     results = tmp_path / "run"
-    assert loadtest(repository, texts, results, "--run-time", "15s", "--slo-p95-ms", "5000",
+    assert loadtest(repository, texts, results, "--run-time", "6s", "--slo-p95-ms", "5000",
                     "--slo-p99-ms", "10000") == 0
     with open(results / "locust_stats.csv", encoding="utf-8", newline="") as f:
         rows = {row["Name"]: row for row in csv.DictReader(f)}
@@ -47,7 +47,7 @@ def test_loadtest_runs_every_scenario_and_writes_reports(repository: Path, tmp_p
     assert "SLO: met" in (results / "summary.md").read_text(encoding="utf-8")
     # the gate can fail: an impossible SLO makes the run exit non-zero
     impossible = tmp_path / "impossible"
-    assert loadtest(repository, texts, impossible, "--run-time", "5s", "--slo-p95-ms", "0.01") == 1
+    assert loadtest(repository, texts, impossible, "--run-time", "2s", "--slo-p95-ms", "0.01") == 1
     assert "SLO: MISSED" in (impossible / "summary.md").read_text(encoding="utf-8")
 
 
