@@ -9,7 +9,7 @@ import torch
 from server.controls import Controls
 from server.engine.beam_select import select_beam, sentence_done
 from server.engine.decode import beam_search
-from server.engine.search import BeamSentence, StepOutput, take_rows
+from server.engine.search import BeamSentence, Capabilities, StepOutput, take_rows
 from server.types import ScoredSequence
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model
@@ -30,6 +30,8 @@ class TableModel:
 
     static_names: list[str] = []
     state_names = ["prefix"]
+    static_src_axes: dict[str, int] = {}
+    capabilities = Capabilities()
 
     def __init__(self, logit_offset: float = 0.0) -> None:
         self.logit_offset = logit_offset
@@ -100,6 +102,8 @@ class TorchStepModel:
     def __init__(self, model):
         self.model = model
         self.state_names = None
+        self.static_src_axes: dict[str, int] = {}
+        self.capabilities = Capabilities()
 
     def encode(self, src):
         with torch.no_grad():

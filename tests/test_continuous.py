@@ -12,7 +12,7 @@ from server.controls import Controls
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.row_layout import fill_holes, lay_out
-from server.engine.search import concat_rows
+from server.engine.search import Capabilities, concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
 CONTINUOUS = ["bahdanau", "transformer"]  # both step models take per-row positions
@@ -256,10 +256,11 @@ def test_fill_holes_moves_only_a_last_sentence_of_the_hole_s_width():
 class SharedPosition:
     """A step model that decodes all rows at one position (as a Transformer exported before the in-place cache)."""
 
-    per_row_positions = False
+    capabilities = Capabilities()  # no per-row positions, no plain runs
 
     def __init__(self, model) -> None:
         self.model, self.static_names, self.state_names = model, model.static_names, model.state_names
+        self.static_src_axes = model.static_src_axes
 
     def step(self, *args, **kwargs):
         assert "positions" not in kwargs

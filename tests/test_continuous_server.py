@@ -27,6 +27,7 @@ from server.core.continuous import Progress, RunningBatch
 from server.core.scheduler import ModelScheduler
 from server.engine import cuda_graphs
 from server.engine.engine import Engine
+from server.engine.search import Capabilities
 from server.errors import Cancelled, DeadlineExceeded, Internal
 from server.frontend.translate import translate_texts
 from server.metrics import ServerMetrics
@@ -61,7 +62,9 @@ class StepModel:
     def __init__(self, model: Any, delay: float = 0.0, poison: list[int] | None = None) -> None:
         self.model, self.delay, self.poison = model, delay, poison
         self.static_names, self.state_names = model.static_names, model.state_names
-        self.per_row_positions = model.per_row_positions
+        # every step through step() (no plain runs, which would bypass the delay and the fault)
+        self.capabilities = Capabilities(per_row_positions=model.capabilities.per_row_positions)
+        self.static_src_axes = model.static_src_axes
         self.has_logits = model.has_logits
         self.most_rows = 0
 
@@ -272,7 +275,7 @@ class SharedPosition(StepModel):
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        self.per_row_positions = False
+        self.capabilities = Capabilities()
 
 
 def test_a_model_without_per_row_positions_batches_statically(tiny_models: dict[str, Path],
@@ -539,7 +542,7 @@ def test_a_budget_left_to_the_device_is_checked_at_its_smallest() -> None:
 def test_grpc_cancel_leaves_the_running_decode(mixed_repository: Path) -> None:
     def slow_loader(path: Path, **kwargs: Any) -> Engine:
         engine = default_loader()(path, **kwargs)
-        if engine.model.per_row_positions:
+        if engine.model.capabilities.per_row_positions:
             engine.model = StepModel(engine.model, delay=0.02)
         return engine
 

@@ -127,7 +127,7 @@ def test_sentences_joining_a_running_decode_in_kept_runs(engines, runs, seed):
     """Sentences join between runs (continuous batching's admissions): each join starts a run of another bucket,
     or the same one again, and the hypotheses stay the host's."""
     host, device = engines
-    if not host.model.per_row_positions:
+    if not host.model.capabilities.per_row_positions:
         pytest.skip("this model decodes all rows at one step: sentences join only an empty decode")
     src, specs = batch(host, 300 + seed)
     src, specs = np.concatenate([src, src]), specs + specs
@@ -229,7 +229,7 @@ def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_model
     engine = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
                          device_state=True, device_search=True, cuda_graphs=True)
     model = engine.model
-    if not model.plain_greedy:
+    if not model.capabilities.greedy_steps:
         pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
     step = _CaptureFailsOnce(model.sessions["decoder"])
     model.sessions["decoder_graphs"], model.capture.reason = step, ""  # as a CUDA version's would be
@@ -262,7 +262,7 @@ def test_held_greedy_runs_in_blocks_end_rows_at_their_limits(engines, tiny_model
     host, _ = engines
     engine = Engine.load(tiny_models[host.manifest.architecture], provider="cpu", intra_op_threads=1,
                          device_state=True, cuda_graphs=True)
-    if not engine.model.plain_greedy:
+    if not engine.model.capabilities.greedy_steps:
         pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
     rng = random.Random(5)
     requests = [SentenceRequest(host.tokenize(" ".join(rng.choices(WORDS, k=rng.randint(2, 9)))),
@@ -290,7 +290,7 @@ def test_greedy_blocks_read_in_part_continue_from_the_last_step_read(engines):
     last step read), and the state handed back stands there."""
     host, device = engines
     model = device.model
-    if not model.plain_greedy:
+    if not model.capabilities.greedy_steps:
         pytest.skip("this model has no in-place cache: its greedy steps are the general step's")
     src, _ = batch(host, seed=3)
     rows = len(src)
@@ -380,7 +380,7 @@ def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(r
             reply = harness.stub.Translate(pb2.TranslateRequest(texts=["three four five"], options=options), timeout=30)
             assert len(reply.translations[0].hypotheses) == 2
         model = harness.engine().model
-        assert model.device_beam and model.pool.budget == 32 << 20 and model.pool.reused >= 1
+        assert model.capabilities.device_beam and model.pool.budget == 32 << 20 and model.pool.reused >= 1
         version = harness.model_version("", "")
         labels = {"model": version.name, "version": version.version}
         assert harness.metric("nmt_cuda_graph_run_reuses_total", labels) == model.pool.reused

@@ -38,7 +38,7 @@ def test_benchmarks_readme_is_a_table_per_benchmark() -> None:
 
 
 def test_docs_tell_no_history() -> None:
-    """Pages say how things are; when a figure was measured is in benchmarks/README.md's stamps and docs/decisions.md."""
+    """Pages say how things are; when a figure was measured is in benchmarks/README.md's stamps and decisions.md."""
     for page in PAGES:
         if page.name in ("decisions.md",) or page.parent.name == "benchmarks":
             continue

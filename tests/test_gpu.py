@@ -223,7 +223,7 @@ def test_captured_runs_decode_like_the_cpu(arch, beam, tiny_models, cpu, caplog)
                 assert [h.token_ids for h in on_gpu.hypotheses] == [h.token_ids for h in on_cpu.hypotheses]
                 for a, b in zip(on_gpu.hypotheses, on_cpu.hypotheses, strict=True):
                     assert a.score == pytest.approx(b.score, abs=TOLERANCE)
-    if beam == 1 and not model.plain_greedy:
+    if beam == 1 and not model.capabilities.greedy_steps:
         return  # its arg-max steps are the general step's, which runs no graph
     assert model.capture.failures == 0 and model.capture.captured_runs > 0 and model.pool.reused > 0
     assert not [r for r in caplog.records if r.getMessage().startswith("CUDA graphs")]

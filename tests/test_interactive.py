@@ -26,7 +26,7 @@ from server.controls import Controls
 from server.engine.alternatives import FLOOR
 from server.engine.engine import Engine
 from server.engine.forced import decode, stepwise_force
-from server.engine.search import Alternatives, BeamSentence, take_rows
+from server.engine.search import Alternatives, BeamSentence, Capabilities, take_rows
 from server.frontend.validation import check_budget
 from server.protos import pb2
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
@@ -105,6 +105,8 @@ class NextPieceTable:
 
     static_names: list[str] = []
     state_names = ["pieces"]
+    static_src_axes: dict[str, int] = {}
+    capabilities = Capabilities()
 
     def step(self, tokens, static, state, need_attention, k, full=False, positions=None, logits=False):
         pieces = np.concatenate([state["pieces"], tokens[:, None]], 1)

@@ -50,7 +50,7 @@ def test_rows_at_different_positions_decode_as_alone(engines, device_state):
     zero-padded), give each row the next-token distribution it has alone, within 1e-5."""
     engine = engines[device_state]
     model = engine.model
-    assert model.per_row_positions
+    assert model.capabilities.per_row_positions
     targets = {"one two three": [engine.start_id] + list(range(5, 5 + INITIAL_CAPACITY + 3)),  # grown once
                "seven": [engine.start_id, 7], "eight nine ten one two": [engine.start_id]}
     rows = []
@@ -216,7 +216,7 @@ def test_versions_exported_before_decode_as_before(concat_version, engines, tiny
     """An nmt-model/1 version (concatenating cache) still loads and decodes: the same hypotheses,
     scores and attention as the in-place version of the same weights."""
     legacy = Engine.load(concat_version, provider="cpu", intra_op_threads=1, device_state=device_state)
-    assert legacy.manifest.format == "nmt-model/1" and not legacy.model.per_row_positions
+    assert legacy.manifest.format == "nmt-model/1" and not legacy.model.capabilities.per_row_positions
     assert legacy.model.state_names == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
     for beam in (1, 4):
         options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from server.engine import plain_steps
+from server.engine import decode as plain_steps
 from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
 from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode
@@ -251,7 +251,7 @@ def test_the_quiet_selection_walks_candidates_as_the_general_one():
 def test_a_device_state_keeps_the_general_step(model_version_dir):
     """The plain beam steps move host rows; a version whose state lives on the device does not take them."""
     engine = Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, device_state=True)
-    assert not engine.model.plain_beam
+    assert not engine.model.capabilities.beam_steps
     src, specs = batch(engine, seed=2, n=2)
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)
     assert not decode.plain_beam

@@ -148,7 +148,7 @@ class ModelScheduler:
         self._graph_counts = (0, 0, 0)  # the engine's CUDA graph counts as last recorded (record_graphs)
         self._continuous: ContinuousBatcher | None = None
         if self.policy.batching == "continuous":
-            if getattr(getattr(engine, "model", None), "per_row_positions", False):
+            if engine.model is not None and engine.model.capabilities.per_row_positions:
                 self._continuous = ContinuousBatcher(self)
             else:
                 log.info("continuous batching needs a model that decodes rows at different steps; this version "
@@ -452,11 +452,10 @@ class ModelScheduler:
 
     def record_graphs(self) -> None:
         """The CUDA graph metrics of the engine's kept beam runs (``--cuda-graphs``), brought up to date."""
-        model = getattr(self.engine, "model", None)
-        capture, pool = getattr(model, "capture", None), getattr(model, "pool", None)
-        series = self.series
-        if series is None or capture is None or pool is None:
+        model, series = self.engine.model, self.series
+        if series is None or model is None or not model.capabilities.kept_runs:
             return
+        capture, pool = model.capture, model.pool
         counts = (capture.captured_runs, capture.failures, pool.reused)
         for counter, now, before in zip((series.cuda_graph_runs, series.cuda_graph_failures, series.cuda_graph_reuses),
                                         counts, self._graph_counts, strict=True):

@@ -1,5 +1,5 @@
 """Decoding steps that run with an I/O binding of their own over a fixed set of rows: the plain steps of
-:class:`server.engine.decode.RunningDecode` (:mod:`server.engine.plain_steps`).
+:class:`server.engine.decode.RunningDecode` (:meth:`server.engine.decode.RunningDecode._plain`).
 
 :class:`BoundSteps` holds what every such run shares: the token ids and positions in arrays bound once, the
 in-place KV cache bound as each ``past_*`` input and its ``present_*`` output, the cache grown when a row
@@ -141,7 +141,7 @@ def binds_each_step(model: Any) -> bool:
     """Whether steps of ``model`` bind their ids and positions again before each run: a binding copies a host
     value to the device whose nodes read it when it is bound, not at each run (ONNX Runtime's
     ``IOBinding::BindInput``), so on a device; on the CPU a step reads the arrays themselves."""
-    return getattr(model, "device", "cpu") != "cpu"
+    return model.capabilities.on_device
 
 
 def bind_input(binding: ort.IOBinding, bound: dict[str, Any], name: str, value: np.ndarray | ort.OrtValue) -> None:

@@ -128,8 +128,8 @@ class GraphCapture:
 def beside_captures(model: Any) -> AbstractContextManager[Any]:
     """What a thread other than the decode's holds around its device work for ``model`` (the encoder's, with
     ``--encoder-overlap``): :data:`CAPTURE_GATE` where the model's runs capture CUDA graphs, else nothing."""
-    capture = getattr(model, "capture", None)
-    return CAPTURE_GATE if capture is not None and capture.enabled and model.cuda_graphs else nullcontext()
+    kept = model is not None and model.capabilities.kept_runs
+    return CAPTURE_GATE if kept and model.capture.enabled else nullcontext()
 
 
 def run_options(graph_id: int) -> ort.RunOptions:

@@ -16,7 +16,7 @@ Where a step of a block is not quiet (some row chose EOS) or the decode must sto
 step read (:meth:`DeviceGreedyRun.read`): the block's later steps are undone by that alone, since the cache entries
 they wrote lie past every row's position, where attention never reads and the next steps write again. Rows past
 the decode's (a bucket's padding) copy its first row and are never read. The interface is :class:`GreedySteps`'s,
-so :meth:`server.engine.plain_steps.PlainSteps._plain_greedy` runs either."""
+so :meth:`server.engine.decode.RunningDecode._plain_greedy` runs either."""
 
 from __future__ import annotations
 

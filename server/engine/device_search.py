@@ -21,10 +21,10 @@ The host reads only the ``done`` flags, one byte a sentence (:attr:`DeviceBeamRu
 crosses): a step in which no sentence is done is *quiet* and stays on the device. The first step that is not
 quiet comes back as a :class:`server.engine.search.StepOutput` with the books (history, totals, finished
 hypotheses) as they were before it, and the general selection takes it, as after the plain steps
-(:mod:`server.engine.plain_steps`); so the results are the general search's. Scores are summed in float64 as
-there. Not in the graph (the host path keeps them): decoding controls, target prefixes within their forced
-steps, attention, streaming, a row's last step (only EOS may follow), decodes mixing beam sizes, and the
-beam-1 sentences of the lean arg-max path.
+(:meth:`server.engine.decode.RunningDecode._device_beam`); so the results are the general search's. Scores
+are summed in float64 as there. Not in the graph (the host path keeps them): decoding controls, target prefixes
+within their forced steps, attention, streaming, a row's last step (only EOS may follow), decodes mixing beam
+sizes, and the beam-1 sentences of the lean arg-max path.
 """
 
 from __future__ import annotations

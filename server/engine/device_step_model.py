@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,11 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
                  graph_pool_bytes: int = 0, device_id: int = 0) -> None:
         super().__init__(manifest, sessions, weights)
         self.device, self.device_id = device, device_id  # where every OrtValue of the decode is made and bound
-        self._device_search = device_search  # beam search's selection on the device (device_beam)
+        # beam search's selection on the device (not for the concatenating cache of nmt-model/1, whose state grows
+        # every step); no plain beam runs: their reorder moves host rows, a device's is the general step's Gather
+        self.capabilities = replace(
+            self.capabilities, beam_steps=False, on_device=device != "cpu", kept_runs=cuda_graphs,
+            device_beam=device_search and not any(e.init == "empty" and 0 in (e.shape or []) for e in self.state))
         self.cuda_graphs = cuda_graphs  # keep runs for CUDA graphs (their captures are global to the process)
         self.capture = GraphCapture(
             "" if "decoder_graphs" in sessions else
@@ -141,12 +146,6 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         for entry in self.state:
             binding.bind_ortvalue_input(entry.input, state[entry.input])
         binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
-
-    @property
-    def device_beam(self) -> bool:
-        """Beam search's selection runs on the device (``device_search``; not for the concatenating cache of
-        nmt-model/1, whose state grows every step)."""
-        return self._device_search and not any(e.init == "empty" and 0 in (e.shape or []) for e in self.state)
 
     @contextmanager
     def beam_run(self, beam: int, eos_id: int, start_id: int, books: Books, penalties: list[float],
@@ -336,10 +335,3 @@ class DeviceStepModel(DeviceRows, OnnxStepModel):
         return ForcedOutput(outputs["target_log_probs"].numpy(), outputs["last_log_probs"].numpy(),
                             outputs["attention"].numpy() if need_attention else None,
                             self.state_from_forced(outputs, inputs.shape[1]))
-
-
-    @property
-    def plain_beam(self) -> bool:
-        """No plain beam steps: their reorder moves host rows (a device keeps the general step's ``Gather``, or
-        with ``device_search`` selects there: :attr:`device_beam`)."""
-        return False

@@ -24,7 +24,7 @@ class NullEngine:
     device = "cpu"
     runtime_build = "none"
     has_logits = True
-    model = None  # no per-row positions: the scheduler batches statically
+    model = None  # no step model: the scheduler batches statically and records no CUDA graphs
 
     def __init__(self, text: TextCodec) -> None:
         self.text = text

@@ -48,6 +48,19 @@ class StepOutput:
     logits: np.ndarray | None = None  # float [R, V]: the softmax's input, when asked for (``logits``)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a step model can do, as it declares it: the decode and the scheduler choose their paths from these and
+    never probe a model for methods or attributes."""
+
+    per_row_positions: bool = False  # one step decodes rows at different positions: sentences join a running decode
+    greedy_steps: bool = False  # ``greedy_steps()``: plain arg-max runs (the in-place cache)
+    beam_steps: bool = False  # ``beam_steps()``: plain beam runs over host arrays
+    device_beam: bool = False  # ``beam_run()``: beam search's selection on the device
+    on_device: bool = False  # the state lives on a device, whose step costs about the same at any row count
+    kept_runs: bool = False  # runs kept for CUDA graphs: ``capture`` and ``pool`` (server.engine.cuda_graphs)
+
+
 class StepModel(Protocol):
     """What beam search needs from a model.
 
@@ -58,6 +71,8 @@ class StepModel(Protocol):
 
     static_names: list[str]  # encoder outputs fed unchanged every step, [N, ...] per sentence
     state_names: list[str]  # recurrent state, [R, ...] per row
+    static_src_axes: dict[str, int]  # static input -> its source-length axis (cut when the widest sources leave)
+    capabilities: Capabilities
 
     def step(
         self, tokens: np.ndarray, static: dict[str, Any], state: dict[str, Any], need_attention: bool, k: int,
@@ -69,7 +84,7 @@ class StepModel(Protocol):
         with ``full`` the whole [R, V] distribution and with ``logits`` the [R, V] logits it is the
         log-softmax of (for the decoding controls). ``positions`` int64
         [R]: each row's own target position (tokens it has decoded), passed only to a model whose
-        ``per_row_positions`` is true; None: all rows are at the same step."""
+        ``capabilities.per_row_positions`` is true; None: all rows are at the same step."""
 
     def select_rows(self, tensors: dict[str, Any], rows: np.ndarray, in_place: bool = False) -> dict[str, Any]:
         """Rows ``rows`` (int64 [R']) of every [R, ...] tensor, in that order: finished sentences
@@ -81,7 +96,7 @@ class StepModel(Protocol):
         """The rows of ``first`` followed by those of ``second`` (sentences joining a running decode); a
         non-row axis on which they differ (source length, cache capacity) is zero-padded first, and zero
         must mean padding there (a source mask's 0). :func:`concat_rows` for NumPy arrays. Needed only by
-        a model whose ``per_row_positions`` is true (one that can decode rows at different steps)."""
+        a model whose ``capabilities.per_row_positions`` is true (one that can decode rows at different steps)."""
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, Any], state: dict[str, Any],
               need_attention: bool) -> Any:

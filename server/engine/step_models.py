@@ -46,7 +46,7 @@ from common.model_format.manifest import (
 from server.engine.beam_steps import BeamSteps
 from server.engine.bound_steps import GreedySteps, bind_input, shape_of
 from server.engine.forced import stepwise_force
-from server.engine.search import ForcedOutput, StepOutput
+from server.engine.search import Capabilities, ForcedOutput, StepOutput
 from server.engine.shared_weights import SharedWeights
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
@@ -84,6 +84,14 @@ class OnnxStepModel:
         # versions exported before the ``logits`` output: no repetition penalty (it scales logits)
         self.has_logits = all(LOGITS_OUTPUT in {o.name for o in sessions[role].get_outputs()}
                               for role in ("decoder", "decoder_attention"))
+        # per-row positions: the in-place cache, or a position-free state (an RNN's, all from the encoder); plain
+        # arg-max runs: the in-place cache (a concatenating one is new every step); plain beam runs: its buffers all of
+        # one shape and type (they share one block: server.engine.beam_steps.CacheBlock)
+        self.capabilities = Capabilities(
+            per_row_positions=bool(self.positions) or all(entry.init == "encoder" for entry in self.state),
+            greedy_steps=bool(self.positions),
+            beam_steps=bool(self.positions) and len({(tuple(e.shape or ()), e.dtype, e.capacity_axis)
+                                                     for e in self.buffers.values()}) == 1)
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         """``src`` [B, S] int64 -> the decoder's static inputs and initial state, per sentence (batch first)."""
@@ -97,12 +105,6 @@ class OnnxStepModel:
         if self.positions:
             encoded[self.positions] = np.zeros(batch, dtype=np.int64)
         return encoded
-
-    @property
-    def per_row_positions(self) -> bool:
-        """Can one step decode rows at different positions: the in-place cache, or a position-free state
-        (an RNN's, all from the encoder)?"""
-        return bool(self.positions) or all(entry.init == "encoder" for entry in self.state)
 
     def step(
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
@@ -209,29 +211,17 @@ class OnnxStepModel:
         return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Whether :meth:`greedy_steps` can run: the in-place cache (a concatenating one is new every step)."""
-        return bool(self.positions)
-
     @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
                      positions: np.ndarray, steps: int, ceilings: np.ndarray | None = None) -> Iterator[GreedySteps]:
         """Up to ``steps`` arg-max steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]), no row's
         position moving past its ``ceilings`` entry, with every array bound once (:class:`GreedySteps`, this
-        thread's for ``R`` rows); needs :attr:`plain_greedy`."""
+        thread's for ``R`` rows); needs ``capabilities.greedy_steps``."""
         run = self._bindings.__dict__.get("greedy")
         if run is None or run.rows != len(tokens):
             run = self._bindings.__dict__["greedy"] = GreedySteps(self, len(tokens))
         run.start(tokens, positions, static, state, steps, ceilings)
         yield run
-
-    @property
-    def plain_beam(self) -> bool:
-        """Whether :meth:`beam_steps` can run: the in-place cache in host arrays, its buffers all of one shape
-        and type (they share one block: :class:`server.engine.beam_steps.CacheBlock`)."""
-        return bool(self.positions) and len({(tuple(e.shape or ()), e.dtype, e.capacity_axis)
-                                             for e in self.buffers.values()}) == 1
 
     def beam_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
                    positions: np.ndarray, k: int, steps: int) -> BeamSteps:
