@@ -7,7 +7,8 @@ A decode runs its quiet steps in plain runs (``RunningDecode.step(until_leave=Tr
 :meth:`server.engine.decode.RunningDecode._plain`). A step in which a sentence ends cuts the run. The general
 step then selects that step, moves the rows of the sentences that stay (``_advance``), lays the rows out again,
 and the next plain run is set up. This decodes one static batch of ``--sentences`` of the benchmark's sentences
-(``server_load.py``'s mix of dates, numbers and words) with ``--beam``, ``--repeats`` times after a warm-up, and prints per call:
+(``server_load.py``'s mix of dates, numbers and words) with ``--beam``, ``--repeats`` times after a warm-up, and
+prints per call:
 
 * the steps, and the ``step()`` calls they took (each call after the first follows a cut);
 * the time of those calls, split into the time inside ONNX Runtime's runs (step graphs, and the row ``Gather``
