@@ -262,9 +262,9 @@ def bare_closed_loop(repository: str, model: str, texts: list, beam: int, caller
     per step, mean rows per step and encoder calls and ms, all detokenized as the servers do."""
     from collections import deque
 
-    from server.engine.bound_steps import GreedySteps
     from server.engine.decode import RunningDecode
     from server.engine.engine import Engine
+    from server.engine.host_runs import GreedySteps
     from server.types import DecodingOptions, SentenceRequest
 
     version = sorted(Path(repository, model).glob("*/manifest.json"))[-1].parent

@@ -9,7 +9,7 @@ import torch
 from server.controls import Controls
 from server.engine.beam_select import select_beam, sentence_done
 from server.engine.decode import beam_search
-from server.engine.search import BeamSentence, Capabilities, StepOutput, take_rows
+from server.engine.step_model import BeamSentence, Capabilities, StepOutput, take_rows
 from server.types import ScoredSequence
 from tests.test_search import BOS, EOS, TABLE, VOCAB, A, B
 from training.models.checkpoint import build_model

@@ -12,7 +12,7 @@ from server.controls import Controls
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.row_layout import fill_holes, lay_out
-from server.engine.search import Capabilities, concat_rows
+from server.engine.step_model import Capabilities, concat_rows
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
 CONTINUOUS = ["bahdanau", "transformer"]  # both step models take per-row positions
@@ -358,7 +358,7 @@ def test_a_forced_pass_state_joins_a_running_decode(arch, beam, engines):
     into the in-place buffers, every row's position set) joins a decode already running through
     ``admit(resume=)`` (Resume without a first step: the search feeds the prefix's last piece) and gets
     what the static path gives it alone; so does the sentence it joined."""
-    from server.engine.search import Resume
+    from server.engine.step_model import Resume
 
     engine = engines[arch]
     decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id)

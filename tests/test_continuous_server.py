@@ -27,7 +27,7 @@ from server.core.continuous import Progress, RunningBatch
 from server.core.scheduler import ModelScheduler
 from server.engine import cuda_graphs
 from server.engine.engine import Engine
-from server.engine.search import Capabilities
+from server.engine.step_model import Capabilities
 from server.errors import Cancelled, DeadlineExceeded, Internal
 from server.frontend.translate import translate_texts
 from server.metrics import ServerMetrics

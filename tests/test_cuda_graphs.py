@@ -15,8 +15,7 @@ import pytest
 from server.engine import cuda_graphs
 from server.engine.cuda_graphs import GraphCapture, RunPool, bucket, bucketed_shape, graph_options
 from server.engine.decode import RunningDecode
-from server.engine.device_greedy import DeviceGreedyRun
-from server.engine.device_search import DeviceBeamRun, RunShapes
+from server.engine.device_runs import DeviceBeamRun, DeviceGreedyRun, RunShapes
 from server.engine.engine import Engine
 from server.types import DecodingOptions, SentenceRequest
 from tests.harness import live_ortvalues
@@ -222,7 +221,7 @@ def test_runs_name_their_graphs_and_a_failed_capture_falls_back_once(tiny_models
 
 
 def test_greedy_runs_in_buckets_decode_as_the_host_and_fall_back_once(tiny_models, engines, monkeypatch, caplog):
-    """Arg-max steps in kept runs (:class:`server.engine.device_greedy.DeviceGreedyRun`: ids and positions written
+    """Arg-max steps in kept runs (:class:`server.engine.device_runs.DeviceGreedyRun`: ids and positions written
     into device buffers, best tokens read back, padded rows never read): the host's tokens and scores, a bucket
     started again on the same buffers, and a capture failing once falling back, said once."""
     host, _ = engines

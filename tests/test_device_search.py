@@ -1,4 +1,4 @@
-"""Beam search's selection on the device (:mod:`server.engine.device_search`), run on the CPU through the device
+"""Beam search's selection on the device (:mod:`server.engine.device_runs`), run on the CPU through the device
 step model (``Engine.load(device_state=True)``, the code path CUDA versions take): the general search's
 hypotheses and scores for both architectures, beams 2-8, n-best, length penalties, patience, output limits,
 target prefixes and sentences joining a running decode; the host reading one byte per sentence a quiet step;
@@ -15,10 +15,10 @@ import pytest
 from onnx import TensorProto
 
 from server.engine.decode import RunningDecode
-from server.engine.device_search import DeviceBeamRun, selection_graph
+from server.engine.device import nodes_without_cuda_kernel
+from server.engine.device_runs import DeviceBeamRun, selection_graph
 from server.engine.engine import Engine
-from server.engine.placement import nodes_without_cuda_kernel
-from server.engine.search import BeamSentence
+from server.engine.step_model import BeamSentence
 from server.types import DecodingOptions, SentenceRequest
 from tests.harness import live_ortvalues
 

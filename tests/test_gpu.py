@@ -25,13 +25,21 @@ import onnxruntime as ort
 import pytest
 
 from server.core.scheduler import ModelScheduler
-from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode
-from server.engine.device import CUDA, DeviceSettings, cuda_unavailable_reason, probe_provider, provider_list
-from server.engine.device_search import DeviceBeamRun
+from server.engine.device import (
+    CUDA,
+    DeviceSettings,
+    cuda_unavailable_reason,
+    nodes_without_cuda_kernel,
+    probe_provider,
+    provider_list,
+    shape_arithmetic,
+    with_node_names,
+)
+from server.engine.device_runs import DeviceBeamRun
 from server.engine.engine import DeviceStepModel, Engine, OnnxStepModel, session_options
-from server.engine.placement import nodes_without_cuda_kernel, shape_arithmetic, with_node_names
-from server.engine.portable_attention import inline_self_attention, needs_portable_attention
+from server.engine.host_runs import GreedySteps
+from server.engine.session_graphs import inline_self_attention, needs_portable_attention
 from server.frontend.translate import translate_texts
 from server.policy import BatchPolicy
 from server.types import DecodingOptions, SentenceRequest
@@ -88,7 +96,7 @@ def test_weights_are_held_once_in_device_memory(arch, gpu):
 
 def _off_cuda(version_dir: Path, tmp_path: Path) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
     """(node, op) of the nodes ONNX Runtime's profile saw run off CUDA, shape arithmetic left out, and of the
-    nodes :func:`server.engine.placement.nodes_without_cuda_kernel` predicts from the kernel table, over every graph
+    nodes :func:`server.engine.device.nodes_without_cuda_kernel` predicts from the kernel table, over every graph
     of the version after a beam-4 translation. The rule of what shape arithmetic is applies to the graph the
     session ran (ONNX Runtime's optimized graph, saved beside the profile)."""
     engine = Engine.load(version_dir, provider="cuda")  # manifest and tokenizer

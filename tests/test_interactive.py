@@ -26,7 +26,7 @@ from server.controls import Controls
 from server.engine.alternatives import FLOOR
 from server.engine.engine import Engine
 from server.engine.forced import decode, stepwise_force
-from server.engine.search import Alternatives, BeamSentence, Capabilities, take_rows
+from server.engine.step_model import Alternatives, BeamSentence, Capabilities, take_rows
 from server.frontend.validation import check_budget
 from server.protos import pb2
 from server.types import DecodingOptions, SentenceRequest, TargetPrefix
@@ -101,7 +101,7 @@ NEXT: dict[tuple[int, ...], dict[int, float]] = {
 
 
 class NextPieceTable:
-    """:class:`server.engine.search.StepModel` of :data:`NEXT`; its state is each row's pieces so far."""
+    """:class:`server.engine.step_model.StepModel` of :data:`NEXT`; its state is each row's pieces so far."""
 
     static_names: list[str] = []
     state_names = ["pieces"]

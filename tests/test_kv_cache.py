@@ -17,7 +17,7 @@ from common.model_format.layout import MANIFEST_FILE
 from common.model_format.manifest import Manifest, ManifestError, read_manifest, sha256_file
 from export.options import LOGIT_TOLERANCE
 from server.engine.engine import Engine
-from server.engine.step_models import INITIAL_CAPACITY
+from server.engine.onnx_step_model import INITIAL_CAPACITY
 from server.types import DecodingOptions
 from training.models.checkpoint import load_checkpoint
 

@@ -1,5 +1,5 @@
 """CUDA placement checked without a GPU: every graph each GPU precision writes, read against the CUDA kernel
-table of the pinned ONNX Runtime (:mod:`server.engine.placement`, ``server/engine/data/cuda_kernels_ort-1.31.toml``).
+table of the pinned ONNX Runtime (:mod:`server.engine.device`, ``server/engine/data/cuda_kernels_ort-1.31.toml``).
 
 fp32 and fp16 are the precisions that run on CUDA; an int8 version is refused there at load
 (``tests/test_gpu.py::test_an_int8_version_is_refused_on_cuda``: its ``MatMulInteger`` nodes have no CUDA
@@ -19,9 +19,8 @@ from onnx import TensorProto, helper
 
 from common.model_format.manifest import read_manifest
 from nmt.cli import main as nmt_main
-from server.engine.placement import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
-from server.engine.portable_attention import needs_portable_attention
-from server.engine.session_graphs import session_graph
+from server.engine.device import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
+from server.engine.session_graphs import needs_portable_attention, session_graph
 from tests.conftest import PARITY_SENTENCES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +79,7 @@ def test_fp32_transformer_decoder_group_query_attention_has_no_cuda_kernel(tiny_
 
 def test_fp32_transformer_is_placed_once_its_self_attention_is_portable(tiny_models):
     """What an fp32 version's sessions open on CUDA (``Engine.load``'s default there): the step graphs with
-    their self-attention in standard operators (:mod:`server.engine.portable_attention`). Every node of
+    their self-attention in standard operators (:mod:`server.engine.session_graphs`). Every node of
     every graph then has a CUDA kernel."""
     version = tiny_models["transformer"]
     for name in sorted(GRAPH_FILES["transformer"]):

@@ -1,4 +1,4 @@
-"""Plain beam steps on the in-place cache (:mod:`server.engine.beam_steps`): the general search's hypotheses and
+"""Plain beam steps on the in-place cache (:mod:`server.engine.host_runs`): the general search's hypotheses and
 scores, exactly, with one model run per step, a selection in plain Python and cache rows copied only for an
 origin's second and later continuations."""
 
@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from server.engine import decode as plain_steps
-from server.engine.beam_steps import BeamSteps, CacheBlock, quiet_selection
-from server.engine.bound_steps import GreedySteps
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
+from server.engine.host_runs import BeamSteps, CacheBlock, GreedySteps, quiet_selection
 from server.engine.row_layout import PLAIN_BEAM_SENTENCES
-from server.engine.search import BeamSentence
+from server.engine.step_model import BeamSentence
 from tests.harness import count_calls
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]

@@ -1,4 +1,4 @@
-"""Plain arg-max decoding on the in-place cache (:class:`server.engine.bound_steps.GreedySteps`): the same
+"""Plain arg-max decoding on the in-place cache (:class:`server.engine.host_runs.GreedySteps`): the same
 tokens and scores as the general search, with one model run per step and each row's token and score read."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from server.engine import bound_steps
-from server.engine.bound_steps import BoundSteps, GreedySteps
+from server.engine import host_runs as bound_steps
 from server.engine.decode import RunningDecode, beam_search
 from server.engine.engine import Engine
-from server.engine.search import BeamSentence
+from server.engine.host_runs import BoundSteps, GreedySteps
+from server.engine.step_model import BeamSentence
 from tests.harness import count_calls
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]

@@ -1,4 +1,4 @@
-"""The decoder self-attention in standard operators (:mod:`server.engine.portable_attention`), which an fp32
+"""The decoder self-attention in standard operators (:mod:`server.engine.session_graphs`), which an fp32
 version runs on CUDA because ONNX Runtime's ``GroupQueryAttention`` CUDA kernel takes fp16/bf16 only.
 
 Checked here on the CPU, where both forms run: the rewritten graphs decode exactly as the fused ones (same
@@ -17,8 +17,13 @@ import pytest
 
 from common.errors import NmtError
 from server.engine.engine import Engine
-from server.engine.portable_attention import GQA, inline_self_attention, needs_portable_attention
-from server.engine.session_graphs import EXTERNAL_DATA_FOLDER, session_graph
+from server.engine.session_graphs import (
+    EXTERNAL_DATA_FOLDER,
+    GQA,
+    inline_self_attention,
+    needs_portable_attention,
+    session_graph,
+)
 from server.types import DecodingOptions, SentenceRequest
 from tests.test_engine import TEXTS
 

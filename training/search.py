@@ -1,7 +1,7 @@
 """Reference greedy and beam search in PyTorch: the oracle the ONNX engine must reproduce.
 
 Clarity over speed: one sentence at a time, beams as the batch. The length and scoring rules are
-those of :mod:`common.model_format.decoding`, shared with the serving engine (:mod:`server.engine.search`).
+those of :mod:`common.model_format.decoding`, shared with the serving engine (:mod:`server.engine.step_model`).
 Beam search keeps the best ``beam_size`` finished hypotheses and stops once it has that many and
 the best live beam, scored as if it ended now, is no better than the worst of them (or when no live
 beam is left). A forced target prefix takes its tokens first, each reported with its model
@@ -26,7 +26,7 @@ StepFn = Callable[[Tensor, DecoderState], tuple[Tensor, Tensor | None, DecoderSt
 
 @dataclass
 class ScoredSequence:
-    """A finished output of the search (the serving engine's :class:`server.engine.search.ScoredSequence` twin)."""
+    """A finished output of the search (the serving engine's :class:`server.engine.step_model.ScoredSequence` twin)."""
 
     tokens: list[int]  # generated ids, ending with EOS
     score: float  # length-normalised

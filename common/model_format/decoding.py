@@ -1,5 +1,5 @@
 """Decoding rules every search implements: the PyTorch reference (:mod:`training.search`) and the
-serving engine (:mod:`server.engine.search`) must agree on them to produce identical hypotheses.
+serving engine (:mod:`server.engine.step_model`) must agree on them to produce identical hypotheses.
 
 * A hypothesis' score is its summed token log-probability over ``length ** length_penalty``, where
   ``length`` counts generated tokens including EOS (:func:`normalized_score`). The serving search's

@@ -24,24 +24,20 @@ The loop (the scheduler's batcher task; inference on the version's single worker
    in one encoder call instead of one each), the worker *asks* the event loop for sentences
    (``call_soon_threadsafe``, with the decode's load) and goes on decoding. The loop admits what fits
    (step 2) and offers it (:meth:`RunningBatch.offer`, a thread-safe queue); the worker takes the offer
-   before its next step and encodes it in. With ``--encoder-overlap`` (on CUDA by default) the offer is
-   encoded first, on a thread of its own, while the worker decodes on: a GPU's steps leave it idle enough
-   to run the encoder beside them, and the worker only joins the encoded rows (on an H200 the encoder calls
-   took ~20 % of the worker's time at 128 greedy callers). So the worker never stops for the event loop while it has
-   rows (returning to the loop for every admission left it idle for as long as the busy loop took to
-   come back to it: on 2 cores the server serves 1.04-1.16x the sentences/s at 128 callers with the
-   ask, 1.12x at 32, in paired runs).
+   before its next step and encodes it in. On a device (``BatchPolicy.encoder_overlap``, a device rule) the offer
+   is encoded first, on a thread of its own, while the worker decodes on: a GPU's steps leave it idle enough
+   to run the encoder beside them, and the worker only joins the encoded rows. So the worker never stops for the
+   event loop while it has rows: returning to the loop for every admission would leave it idle for as long as
+   the busy loop takes to come back to it.
    A decode that empties waits for the answer to its ask (``OFFER_WAIT_SECONDS`` at most), and returns
    to the loop only when empty with nothing asked; the loop then waits for arrivals.
-5. A sentence that ends leaves at once, by default. With ``--hold-ended`` (``BatchPolicy.hold_ended``) one that
-   ends in a run of plain arg-max steps (by EOS, or at its output limit) gets its result at once (the decode's
+5. A sentence that ends leaves at once, on the CPU. On a device (``BatchPolicy.hold_ended``, a device rule) one
+   that ends in a run of plain arg-max steps (by EOS, or at its output limit) gets its result at once (the decode's
    ``on_ended``) while its row runs on unread until the run ends, which an admission's ``stop()`` does: the
    sentences that end between two admissions leave the decode in one selection and one move of the rows, as a
    static batch on a device leaves them (``RunningDecode.hold_ended``), and a held sentence's rows do not count
-   against the next admission. ``auto`` holds on CUDA, not on the CPU, whose step costs its rows; not yet
-   measured on a GPU. (The eighteenth session's try, which held EOS ends only and their results too, for at most
-   ``max_wait``, could not show anything there: the GPU cell's random-weight model never chooses EOS, so its
-   sentences all end at their limits.) ``nmt_decode_steps_total`` counts the steps by selection.
+   against the next admission. The CPU does not hold: its step costs its rows. ``nmt_decode_steps_total``
+   counts the steps by selection.
 6. The sentences that leave are handed to the event loop right after their step
    (``call_soon_threadsafe``): their callers get their translations (or errors) at once, while the
    worker goes on decoding; so is each stretch's :class:`Progress` (an admission and the steps after
@@ -92,7 +88,7 @@ from server.engine.cuda_graphs import beside_captures
 from server.engine.decode import RunningDecode
 from server.engine.engine import SourceBatch, generated_tokens
 from server.engine.forced import admit, decode, runs_apart
-from server.engine.search import BeamSentence
+from server.engine.step_model import BeamSentence
 from server.types import SearchResult, SentenceRequest
 
 

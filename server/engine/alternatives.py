@@ -33,7 +33,7 @@ import numpy as np
 from server.completion import WIDTH, WordPieces
 from server.controls import process
 from server.engine.decode import beam_search
-from server.engine.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.engine.step_model import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 FLOOR = 0.01  # a word less likely than this times the most likely next word is not offered

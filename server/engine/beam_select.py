@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.model_format.decoding import normalized_score
-from server.engine.search import NEG_INF
+from server.engine.step_model import NEG_INF
 from server.types import ScoredSequence
 
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the decode's runs on the device: shape buckets, a pool of runs kept for reuse, graph ids.
 
-A device beam run (:class:`server.engine.device_search.DeviceBeamRun`) makes three session runs a step (the step
-graph, the selection, the state's ``Gather``) and an arg-max run (:class:`server.engine.device_greedy.
+A device beam run (:class:`server.engine.device_runs.DeviceBeamRun`) makes three session runs a step (the step
+graph, the selection, the state's ``Gather``) and an arg-max run (:class:`server.engine.device_runs.
 DeviceGreedyRun`) one, each some tens to a hundred kernels launched one by one. ONNX Runtime's CUDA provider can
 capture a session run as a CUDA graph and replay it with one launch (``enable_cuda_graph``; run option
 ``gpu_graph_id`` names the graph: its first two runs are ordinary, the third captures, the later ones replay). A

@@ -27,7 +27,7 @@ without controls, prefix, attention or streaming, the model's own arg-max steps 
 (:meth:`RunningDecode._plain_greedy`): the host reads each row's token and score, and only the step in
 which a sentence may leave goes through the selection. When some sentence searches a beam of 2 or more,
 none has those, and the wider beams have expanded, the quiet steps are plain beam steps
-(:meth:`RunningDecode._plain_beam`, :mod:`server.engine.beam_steps`): the same selection in plain Python
+(:meth:`RunningDecode._plain_beam`, :mod:`server.engine.host_runs`): the same selection in plain Python
 lists while no EOS is among a sentence's best, and only the others go through
 :func:`server.engine.beam_select.select_beam`.
 
@@ -41,7 +41,7 @@ hypothesis' attention is [its tokens, its own source length]: it never depends o
 Given tokens. A forced target prefix is decoded like any token (one row, its token whatever its
 probability) but adds nothing to the hypothesis' score, whose length counts it (CTranslate2's rule). A
 sentence may also join after its first ``T`` tokens were decided by a forced pass (:mod:`server.engine.forced`,
-:class:`server.engine.search.Resume`): it starts at step ``T`` from the pass's state; when the pass already ran
+:class:`server.engine.step_model.Resume`): it starts at step ``T`` from the pass's state; when the pass already ran
 step ``T`` (``Resume.first``), the decode reads that step off it instead of calling the model, which
 requires those sentences to be all the decode holds (the static batch); ``first=None`` joins anywhere.
 
@@ -55,28 +55,36 @@ results come back together at its end anyway, and continuous batching hands each
 ``on_ended`` at the step it ended, so its caller does not wait for the run's end (the next admission, in practice).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
-prefix when it grew (:mod:`server.engine.stable_prefix`).
+prefix when it grew (:mod:`server.engine.decode`).
 
 
 Plain runs. When nothing in the decode needs the general step, its steps run as a plain run whose host work is
 cut to reading each row's best tokens (:meth:`RunningDecode._plain` picks one):
 
 * plain arg-max steps (:meth:`RunningDecode._plain_greedy`): every sentence at beam 1; the model's own arg-max
-  feeds the next step (:class:`server.engine.bound_steps.GreedySteps`) and the host reads each row's token
+  feeds the next step (:class:`server.engine.host_runs.GreedySteps`) and the host reads each row's token
   and score;
 * plain beam steps (:meth:`RunningDecode._plain_beam`): some sentence at a beam of 2 or more, every such sentence
   expanded (a beam-1 sentence is a beam of one row there); the selection runs in plain Python lists
-  (:mod:`server.engine.beam_steps`);
+  (:mod:`server.engine.host_runs`);
 * the selection on the device (:meth:`RunningDecode._device_beam`): every sentence at one beam of 2 or more,
   expanded, on a model that keeps its state on a device and selects there; the host reads the done flags
-  (:mod:`server.engine.device_search`).
+  (:mod:`server.engine.device_runs`).
 
 All run while their steps are *quiet* (no sentence ends, is done or is cancelled; the beam paths finish
 hypotheses within them), write the quiet steps into the books together, and hand the first step that is not
 quiet back to the general selection (:meth:`RunningDecode._greedy`, :meth:`RunningDecode._beam`), so the results
 are the general search's, token for token, scores summed in the same order. None runs for decoding controls,
 target prefixes, attention or streaming. Which runs a model has, it declares
-(:class:`server.engine.search.Capabilities`).
+(:class:`server.engine.step_model.Capabilities`).
+
+
+The stable prefix of a sentence in a beam search: the tokens no later step can change.
+
+A sentence's result is one of its finished hypotheses or a continuation of a live one, so the tokens that
+every live hypothesis and every finished one share are the start of its result, whatever the next steps
+decide. With one live hypothesis and none finished (greedy decoding, sampling) that is every token so far.
+:meth:`server.engine.decode.RunningDecode._report_stable` reports it to streaming sentences.
 """
 
 from __future__ import annotations
@@ -91,11 +99,10 @@ import numpy as np
 from common.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
-from server.engine.beam_steps import QuietChoice, quiet_selection
-from server.engine.device_search import Books, DeviceBeamRun
+from server.engine.device_runs import Books, DeviceBeamRun
+from server.engine.host_runs import QuietChoice, quiet_selection
 from server.engine.row_layout import Layout, fill_holes, lay_out
-from server.engine.search import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
-from server.engine.stable_prefix import stable_length
+from server.engine.step_model import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 
@@ -179,7 +186,7 @@ class RunningDecode:
         self.plain_beam = plain_beam and capabilities.beam_steps  # False: beam sentences
         # take the general step every step (tests compare both)
         self.device_beam = plain_beam and capabilities.device_beam  # their selection on the
-        # device (server.engine.device_search)
+        # device (server.engine.device_runs)
         self.per_row_positions = capabilities.per_row_positions
         self.greedy_steps = capabilities.greedy_steps
         self._sentences: list[_Sentence] = []  # one per row block, in row order
@@ -336,7 +343,7 @@ class RunningDecode:
 
     def _report_stable(self) -> None:
         """Give each streaming sentence (``on_stable``) its stable prefix when it grew
-        (:func:`server.engine.stable_prefix.stable_length`)."""
+        (:func:`server.engine.decode.stable_length`)."""
         streaming = [j for j, s in enumerate(self._sentences) if s.spec.on_stable is not None]
         if not streaming:
             return
@@ -477,7 +484,7 @@ class RunningDecode:
         allows them (:attr:`Layout.plain`, :attr:`Layout.plain_beam`, :attr:`Layout.device_beam`) past its
         controls' and prefixes' steps, no row at its last step (but where arg-max steps hold ended rows: they end
         such rows themselves), on a model that has them
-        (:meth:`server.engine.step_models.OnnxStepModel.greedy_steps`, ``beam_steps``,
+        (:meth:`server.engine.onnx_step_model.OnnxStepModel.greedy_steps`, ``beam_steps``,
         :meth:`server.engine.device_step_model.DeviceStepModel.beam_run`)."""
         age = self._age
         if not (layout.full_for <= age and age >= layout.given_for and self._given is None):
@@ -496,8 +503,8 @@ class RunningDecode:
     def _plain_greedy(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                       ) -> StepOutput | None:
         """Plain arg-max steps (:meth:`_plain`), the host's work per step cut to reading each row's token and
-        score (:class:`server.engine.bound_steps.GreedySteps`; on a device, steps launched in blocks and read in
-        one copy: :mod:`server.engine.device_greedy`): a step in which no row chose EOS (or nothing)
+        score (:class:`server.engine.host_runs.GreedySteps`; on a device, steps launched in blocks and read in
+        one copy: :mod:`server.engine.device_runs`): a step in which no row chose EOS (or nothing)
         and no sentence was cancelled is *quiet*, and the quiet steps go into the books together. Runs one
         step, or with ``until_leave`` steps until one that is not quiet, the step before some row's last, or
         ``stop()`` after a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to
@@ -606,7 +613,7 @@ class RunningDecode:
 
     def _plain_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                     ) -> StepOutput | None:
-        """Plain beam steps (:meth:`_plain`, :mod:`server.engine.beam_steps`): each step's hypotheses are chosen
+        """Plain beam steps (:meth:`_plain`, :mod:`server.engine.host_runs`): each step's hypotheses are chosen
         in plain Python while the step is *quiet*: no sentence leaves (done, cancelled) and no beam-1 sentence
         chooses EOS. Hypotheses that end in EOS join their sentence's finished ones (:class:`_Finished` until
         the books are written), and the quiet steps go into the books together. Runs one step, or with
@@ -649,7 +656,7 @@ class RunningDecode:
 
     def _device_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
                      ) -> StepOutput | None:
-        """Beam steps whose selection runs on the device (:mod:`server.engine.device_search`): the step's best
+        """Beam steps whose selection runs on the device (:mod:`server.engine.device_runs`): the step's best
         tokens, the histories, the finished hypotheses and the cache's reorder stay there, and the host reads
         whether some sentence is done. A step in which none is done or cancelled is *quiet*; the quiet steps'
         books come back together at the end of the run. Runs one step, or with ``until_leave`` steps until one
@@ -872,3 +879,16 @@ class _Finished:
 
 def _score(hypothesis: Any) -> float:
     return hypothesis.score
+
+
+def stable_length(live: np.ndarray, finished: Sequence[ScoredSequence]) -> int:
+    """How many leading tokens ``live`` ([live hypotheses, tokens so far]) and ``finished`` all share."""
+    length = live.shape[1]
+    if live.shape[0] > 1:
+        agree = (live == live[0]).all(axis=0)
+        length = length if agree.all() else int(np.argmin(agree))
+    for done in finished:
+        n = min(length, len(done.tokens))
+        same = np.asarray(done.tokens[:n]) == live[0, :n]
+        length = n if same.all() else int(np.argmin(same))
+    return length

@@ -6,7 +6,7 @@ No torch here. The engine is architecture-agnostic: the manifest names the decod
 CPU the state lives in NumPy arrays that share ONNX Runtime's memory; with CUDA it stays on the GPU
 (:class:`DeviceStepModel`).
 
-The step models live in :mod:`server.engine.step_models` (with the in-place KV cache of ``nmt-model/2``) and
+The step models live in :mod:`server.engine.onnx_step_model` (with the in-place KV cache of ``nmt-model/2``) and
 :mod:`server.engine.device_step_model`.
 
 The provider an :class:`Engine` reports is the one its sessions really got (:mod:`server.engine.device`).
@@ -41,10 +41,10 @@ from server.engine.device import (
 )
 from server.engine.device_step_model import DeviceStepModel
 from server.engine.forced import decode
-from server.engine.search import Alternatives, BeamSentence
+from server.engine.onnx_step_model import OnnxStepModel
 from server.engine.session_graphs import session_graph
 from server.engine.shared_weights import SharedWeights
-from server.engine.step_models import OnnxStepModel
+from server.engine.step_model import Alternatives, BeamSentence
 from server.errors import DeviceMemoryExhausted
 from server.text import TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
@@ -159,7 +159,7 @@ class Engine:
         between steps (:class:`DeviceStepModel`, I/O binding). Default: on for CUDA, off for the CPU.
 
         ``device_search``: with the state on the device, beam search's selection runs there too
-        (:mod:`server.engine.device_search`); off by default: alone it measured level with the host's selection on an
+        (:mod:`server.engine.device_runs`); off by default: alone it measured level with the host's selection on an
         H200 (a step's time there is its launches), and what it is for is ``cuda_graphs``.
 
         ``cuda_graphs`` (with ``device_search``): beam runs on the device are kept for reuse by shape bucket,
@@ -183,7 +183,7 @@ class Engine:
         has needed, for the next (off: the export's checks, a few large calls, give it back after each).
 
         ``portable_attention``: run the decoder's self-attention over the in-place cache in standard operators
-        (:mod:`server.engine.portable_attention`) instead of ``GroupQueryAttention``. Default: where CUDA is
+        (:mod:`server.engine.session_graphs`) instead of ``GroupQueryAttention``. Default: where CUDA is
         the first provider and that operator's CUDA kernel does not take the cache's type (fp32 versions);
         the CPU keeps the fused operator, its fastest.
         """

@@ -4,7 +4,7 @@ A sentence whose target prefix ends with EOS (Score's whole translations) is rea
 never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. pn`` (each position's
 log-probability of the next given piece, the alignment attention, the decoder state after them, and
 the whole distribution after ``pn``); the search then resumes at step ``n`` from that state, its first
-step read off the pass (:class:`server.engine.search.Resume`), exactly as if it had forced the pieces one step
+step read off the pass (:class:`server.engine.step_model.Resume`), exactly as if it had forced the pieces one step
 at a time. With alternatives the pass's state and last distribution go to the next-word search
 (:mod:`server.engine.alternatives`), each of whose words becomes a hypothesis of its own.
 
@@ -28,7 +28,7 @@ import numpy as np
 from common.model_format.decoding import normalized_score
 from server.engine.alternatives import alternatives
 from server.engine.decode import RunningDecode, beam_search
-from server.engine.search import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
+from server.engine.step_model import BeamSentence, ForcedOutput, Resume, StepModel, StepOutput
 from server.types import ScoredSequence, SearchResult
 
 

@@ -43,11 +43,11 @@ class Layout:
     # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
     plain_beam: bool  # some sentence searches a beam > 1, every such sentence has expanded, none asks for
     # attention, a penalty, sampling or streaming, and the decode holds at most PLAIN_BEAM_SENTENCES: past the
-    # controls' and prefixes' margins, the quiet steps can be plain beam steps (server.engine.beam_steps; a beam-1
+    # controls' and prefixes' margins, the quiet steps can be plain beam steps (server.engine.host_runs; a beam-1
     # sentence there is a beam of one row)
     device_beam: bool  # every sentence searches one beam > 1 and has expanded, none asks for attention, a
     # penalty, sampling or streaming: on a model that keeps its state on a device, the quiet steps' selection
-    # can run there (server.engine.device_search), whatever the number of sentences
+    # can run there (server.engine.device_runs), whatever the number of sentences
 
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:

@@ -7,7 +7,7 @@ field starting with ``#`` begins a comment::
     # operators: every model
     0c8f5b1e2d7a4c9b8e6f3a2d1c0b9a87
     # the partner's token: only these two models
-    Zx9-partner_token.v2  demo-transformer demo-bahdanau   # renewed 2026-11
+    Zx9-partner_token.v2  demo-transformer demo-bahdanau   # a comment may follow
 
 A token is at least 16 characters of ``A-Z a-z 0-9 - . _ ~ + /`` (optionally ending in ``=``), the
 ``b64token`` of RFC 6750, so it travels unchanged in a header.

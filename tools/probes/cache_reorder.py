@@ -4,7 +4,7 @@
     python benchmarks/cache_reorder.py --provider cuda --precision fp16  # on a GPU
 
 After each beam step a hypothesis may continue another row's hypothesis, so its self-attention cache must read
-that row's past keys and values. The engine's plain beam steps (``server/engine/beam_steps.py``) copy the rows of
+that row's past keys and values. The engine's plain beam steps (``server/engine/host_runs.py``) copy the rows of
 second continuations (all layers in one NumPy call) and run ``com.microsoft.GroupQueryAttention`` over the cache
 in place. ONNX Runtime's ``com.microsoft.DecoderMaskedMultiHeadAttention`` could instead read each position
 through a ``cache_indirection`` table (``[batch, beam, capacity]``: which beam of the sentence holds that

@@ -11,12 +11,12 @@ two ways, alternating call by call in this process (``--repeats`` calls each, me
 
 * ``host``: each step's best tokens come to the host, which selects the hypotheses
   (:func:`server.engine.beam_select.select_beam`) and sends the rows back for the cache's ``Gather``;
-* ``device``: the selection graph (:mod:`server.engine.device_search`) chooses on the device; the host reads one
+* ``device``: the selection graph (:mod:`server.engine.device_runs`) chooses on the device; the host reads one
   byte a sentence per step;
 * ``graphs`` (with ``--cuda-graphs``): as ``device``, on an engine loaded with ``cuda_graphs``
   (:mod:`server.engine.cuda_graphs`: runs padded to their shape bucket and kept; on CUDA each step's three
   session runs captured once and replayed; at beam 1 the arg-max steps, in blocks launched back to back,
-  :mod:`server.engine.device_greedy`; on the CPU nothing captures, so the column shows what the padding and the
+  :mod:`server.engine.device_runs`; on the CPU nothing captures, so the column shows what the padding and the
   copies in and out cost).
 
 Per cell: tokens/s, milliseconds a step, the host's bytes read from the device per step (every
@@ -70,7 +70,7 @@ def decode(engine, src: np.ndarray, beam: int, max_length: int, device: bool) ->
     """One static batch; returns its token lists, seconds, steps (every output runs to its limit: the longest
     output's length) and bytes read."""
     from server.engine.decode import beam_search
-    from server.engine.search import BeamSentence
+    from server.engine.step_model import BeamSentence
 
     specs = [BeamSentence(int((row > 0).sum()), max_length=max_length, beam_size=beam) for row in src]
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def main() -> None:
                         help="a third way: the device's selection with CUDA graphs (cuda_graphs=True)")
     args = parser.parse_args()
 
-    from server.engine.device_search import DeviceBeamRun
+    from server.engine.device_runs import DeviceBeamRun
     from server.engine.engine import Engine
 
     OrtValue.numpy = _counting_numpy(OrtValue.numpy)

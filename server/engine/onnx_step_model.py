@@ -1,4 +1,4 @@
-"""The :class:`server.engine.search.StepModel` of an exported model version: ONNX Runtime sessions driven step by step.
+"""The :class:`server.engine.step_model.StepModel` of an exported model version: ONNX Runtime sessions, step by step.
 
 :class:`OnnxStepModel` keeps the static inputs and the recurrent state as NumPy arrays that share ONNX
 Runtime's memory (the CPU); :class:`server.engine.device_step_model.DeviceStepModel` keeps them on the execution
@@ -16,7 +16,7 @@ within the same arrays reaches the next step without binding them again.
 Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
 decode as they always did.
 
-:class:`server.engine.bound_steps.GreedySteps` runs plain arg-max steps on the in-place cache with a binding of
+:class:`server.engine.host_runs.GreedySteps` runs plain arg-max steps on the in-place cache with a binding of
 its own, the step graph's top-1 output bound to the next step's ``input_ids``.
 
 ``decoder_forced.onnx`` runs given target tokens in one call (:meth:`OnnxStepModel.force`); its K/V of
@@ -43,17 +43,16 @@ from common.model_format.manifest import (
     ManifestError,
     StateTensor,
 )
-from server.engine.beam_steps import BeamSteps
-from server.engine.bound_steps import GreedySteps, bind_input, shape_of
 from server.engine.forced import stepwise_force
-from server.engine.search import Capabilities, ForcedOutput, StepOutput
+from server.engine.host_runs import BeamSteps, GreedySteps, bind_input, shape_of
 from server.engine.shared_weights import SharedWeights
+from server.engine.step_model import Capabilities, ForcedOutput, StepOutput
 
 INITIAL_CAPACITY = 16  # positions an in-place KV cache holds before it first grows (it doubles)
 
 
 class OnnxStepModel:
-    """The :class:`server.engine.search.StepModel` of an exported model version: encoder + one-step decoder.
+    """The :class:`server.engine.step_model.StepModel` of an exported model version: encoder + one-step decoder.
 
     With an in-place KV cache (``manifest.decoder_positions``) the state also holds each row's position
     (int64 [R], under that input's name), so rows carry their own lengths through :meth:`select_rows`
@@ -86,7 +85,7 @@ class OnnxStepModel:
                               for role in ("decoder", "decoder_attention"))
         # per-row positions: the in-place cache, or a position-free state (an RNN's, all from the encoder); plain
         # arg-max runs: the in-place cache (a concatenating one is new every step); plain beam runs: its buffers all of
-        # one shape and type (they share one block: server.engine.beam_steps.CacheBlock)
+        # one shape and type (they share one block: server.engine.host_runs.CacheBlock)
         self.capabilities = Capabilities(
             per_row_positions=bool(self.positions) or all(entry.init == "encoder" for entry in self.state),
             greedy_steps=bool(self.positions),
@@ -110,7 +109,7 @@ class OnnxStepModel:
         self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, np.ndarray], need_attention: bool,
         k: int, full: bool = False, positions: np.ndarray | None = None, logits: bool = False,
     ) -> StepOutput:
-        """One decoding step (see :class:`server.engine.search.StepModel`): only the ``k`` best tokens of each
+        """One decoding step (see :class:`server.engine.step_model.StepModel`): only the ``k`` best tokens of each
         row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it.
         ``positions`` (int64 [R]) overrides the positions the state carries; a concatenating cache takes
         only its own."""
@@ -133,7 +132,7 @@ class OnnxStepModel:
 
     def force(self, inputs: np.ndarray, targets: np.ndarray, static: dict[str, np.ndarray],
               state: dict[str, np.ndarray], need_attention: bool) -> ForcedOutput:
-        """Given tokens in one ``decoder_forced`` call (see :class:`server.engine.search.StepModel`), or step by
+        """Given tokens in one ``decoder_forced`` call (see :class:`server.engine.step_model.StepModel`), or step by
         step for a version without that graph (the RNN, Transformers exported before it)."""
         session = self.sessions.get(FORCED_GRAPH)
         if session is None:
@@ -226,7 +225,7 @@ class OnnxStepModel:
     def beam_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
                    positions: np.ndarray, k: int, steps: int) -> BeamSteps:
         """Up to ``steps`` beam steps from ``tokens`` (int64 [R]) at ``positions`` (int64 [R]), each row's ``k``
-        best tokens read (:class:`server.engine.beam_steps.BeamSteps`); needs :attr:`plain_beam`."""
+        best tokens read (:class:`server.engine.host_runs.BeamSteps`); needs :attr:`plain_beam`."""
         run = self._bindings.__dict__.get("beam")
         if run is None or (run.rows, run.k) != (len(tokens), k):
             run = self._bindings.__dict__["beam"] = BeamSteps(self, len(tokens), k)
@@ -387,7 +386,7 @@ def _append_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a``'s rows then ``b``'s (:meth:`OnnxStepModel.concat_rows`). When ``a`` has spare rows behind it
     (:func:`_spare_rows`) for ``b``'s rows and ``b`` is no wider on any other axis, ``b``'s rows go there,
     zero-padded; otherwise both are copied into a new zeroed array with as many spare rows again, ``b``
-    zero-padded as in :func:`server.engine.search.concat_rows`, and its leading view is returned."""
+    zero-padded as in :func:`server.engine.step_model.concat_rows`, and its leading view is returned."""
     rows = len(a) + len(b)
     owner = _spare_rows(a)
     if len(owner) >= rows and all(have <= room for have, room in zip(b.shape[1:], a.shape[1:], strict=True)):
