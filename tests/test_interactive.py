@@ -25,7 +25,7 @@ from server.config import ServerConfig
 from server.controls import Controls
 from server.engine.alternatives import FLOOR
 from server.engine.engine import Engine
-from server.engine.forced import decode, stepwise_force
+from server.engine.forced import decode_batch, stepwise_force
 from server.engine.step_model import Alternatives, BeamSentence, Capabilities, take_rows
 from server.frontend.validation import check_budget
 from server.protos import pb2
@@ -129,7 +129,7 @@ def next_words(prefix: tuple[int, ...], count: int, *, space: bool, beam: int = 
     words = WordPieces(PIECES, EOS)
     sentence = BeamSentence(source_length=2, beam_size=beam, alternatives=Alternatives(count, words),
                             controls=Controls(forced=prefix, completion=words.boundary(len(prefix)) if space else None))
-    [result] = decode(NextPieceTable(), {"pieces": np.zeros((1, 0), dtype=np.int64)}, [sentence], start_id=START,
+    [result] = decode_batch(NextPieceTable(), {"pieces": np.zeros((1, 0), dtype=np.int64)}, [sentence], start_id=START,
                       eos_id=EOS, pad_id=PAD)
     return result.hypotheses
 

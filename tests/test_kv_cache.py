@@ -135,7 +135,7 @@ def test_select_rows_moves_only_the_rows_that_moved(engines):
 
 
 def test_selections_from_a_fresh_state_do_not_share_memory(engines):
-    """Two groups picked from one encoder output (forced.decode, the continuous batcher's apart path) decode
+    """Two groups picked from one encoder output (forced.decode_batch, the continuous batcher's apart path) decode
     separately: nothing is in use yet, so each gets a buffer of its own."""
     engine = engines[False]
     model = engine.model

@@ -50,7 +50,7 @@ its K/V copied into the in-place buffers) and join the running decode from the s
 decoder row-step more than the static path, whose first step is read off the pass, which only works
 when every row starts there together). Whole targets (Score: the forced pass is their result) and
 alternatives (the pass branches a sentence into several) do not join: right after their encoder call
-the worker runs them through :func:`server.engine.forced.decode` on their own and delivers them, then decodes
+the worker runs them through :func:`server.engine.forced.decode_batch` on their own and delivers them, then decodes
 on; an alternatives request holds the running decode for its own (short) search.
 
 Attention: the attention graph runs while any sentence in the decode asked for it, which costs the
@@ -87,7 +87,7 @@ from server.core.admission import DecodeLoad, Pending, admit_to_decode, resolve
 from server.engine.cuda_graphs import beside_captures
 from server.engine.decode import RunningDecode
 from server.engine.engine import SourceBatch, generated_tokens
-from server.engine.forced import admit, decode, runs_apart
+from server.engine.forced import admit, decode_batch, runs_apart
 from server.engine.step_model import BeamSentence
 from server.types import SearchResult, SentenceRequest
 
@@ -236,10 +236,10 @@ class RunningBatch:
     def _run_apart(self, encoded: dict[str, Any], sentences: list[BeamSentence], tagged: list[tuple[Any, Any]],
                    apart: list[int], deliver: Callable[[Finished], None],
                    ) -> tuple[dict[str, Any], list[BeamSentence], list[tuple[Any, Any]]]:
-        """Decode sentences ``apart`` through :func:`server.engine.forced.decode` and deliver them; returns the
+        """Decode sentences ``apart`` through :func:`server.engine.forced.decode_batch` and deliver them; returns the
         encoder outputs, settings and tags of the others, which join the running decode."""
         engine, model = self.engine, self.engine.model
-        results = decode(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
+        results = decode_batch(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
                          start_id=engine.start_id, eos_id=engine.eos_id, pad_id=engine.pad_id)
         self.left += len(apart)
         deliver([(tagged[i][0], result) for i, result in zip(apart, results, strict=True)])

@@ -40,7 +40,7 @@ from server.engine.device import (
     session_provider,
 )
 from server.engine.device_step_model import DeviceStepModel
-from server.engine.forced import decode
+from server.engine.forced import decode_batch
 from server.engine.onnx_step_model import OnnxStepModel
 from server.engine.session_graphs import session_graph
 from server.engine.shared_weights import SharedWeights
@@ -317,7 +317,7 @@ class Engine:
         encoded, sentences, source = self.encode(requests)
         encode_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        results = decode(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
+        results = decode_batch(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
                          pad_id=self.pad_id)
         return results, source, encode_seconds, time.perf_counter() - start
 

@@ -54,9 +54,10 @@ def runs_apart(s: BeamSentence, eos_id: int) -> bool:
     return bool(s.alternatives) or (bool(forced) and forced[-1] == eos_id)
 
 
-def decode(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
-           eos_id: int, pad_id: int) -> list[SearchResult | None]:
-    """:func:`server.engine.decode.beam_search` for sentences with target prefixes, whole targets and alternatives
+def decode_batch(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
+                 eos_id: int, pad_id: int) -> list[SearchResult | None]:
+    """The engine's entry point for a static batch: :func:`server.engine.decode.beam_search` for sentences that
+    may have target prefixes, whole targets and alternatives
     (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
     each sentence keeps its own beam size and attention. Sentences needing the same pass length go through
     it, and then the search, together."""
