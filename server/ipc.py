@@ -73,7 +73,6 @@ class VersionInfo:
     provider: str = ""
     device: str = ""
     runtime_build: str = ""
-    has_logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class Catalog:
 def catalog_of(repository: Any) -> Catalog:
     """The catalog of a :class:`server.core.repository.ModelRepository`."""
     versions = tuple(VersionInfo(mv.name, mv.version, str(mv.path), tuple(mv.fingerprint), mv.is_latest, mv.healthy,
-                                 mv.provider, mv.device, mv.runtime_build, mv.has_logits) for mv in repository)
+                                 mv.provider, mv.device, mv.runtime_build) for mv in repository)
     return Catalog(versions, repository.default_model, {name: repository.serving(name) for name in repository.names})
 
 

@@ -65,7 +65,6 @@ class StepModel:
         # every step through step() (no plain runs, which would bypass the delay and the fault)
         self.capabilities = Capabilities(per_row_positions=model.capabilities.per_row_positions)
         self.static_src_axes = model.static_src_axes
-        self.has_logits = model.has_logits
         self.most_rows = 0
 
     def encode(self, src: np.ndarray) -> Any:

@@ -1,5 +1,5 @@
 """The Transformer's in-place KV cache (nmt-model/2): rows at their own positions, buffers that grow and
-move only the rows that moved, and versions exported before it (nmt-model/1, the concatenating cache)."""
+move only the rows that moved; versions exported before it (nmt-model/1, the concatenating cache) are refused."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from common.model_format.manifest import Manifest, ManifestError, read_manifest,
 from export.options import LOGIT_TOLERANCE
 from server.engine.engine import Engine
 from server.engine.onnx_step_model import INITIAL_CAPACITY
-from server.types import DecodingOptions
 from training.models.checkpoint import load_checkpoint
 
 TEXTS = ["one two", "three four five six", "seven", "eight nine ten one two", "two two three"]
@@ -211,33 +210,19 @@ def concat_version(model_version_dir, tmp_path_factory) -> Path:
     return concat_layout(model_version_dir, tmp_path_factory.mktemp("legacy") / "1")
 
 
-@pytest.mark.parametrize("device_state", [False, True])
-def test_versions_exported_before_decode_as_before(concat_version, engines, tiny_runs, device_state):
-    """An nmt-model/1 version (concatenating cache) still loads and decodes: the same hypotheses,
-    scores and attention as the in-place version of the same weights."""
-    legacy = Engine.load(concat_version, provider="cpu", intra_op_threads=1, device_state=device_state)
-    assert legacy.manifest.format == "nmt-model/1" and not legacy.model.capabilities.per_row_positions
-    assert legacy.model.state_names == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
-    for beam in (1, 4):
-        options = DecodingOptions(beam_size=beam, num_hypotheses=beam, return_attention=True)
-        for ours, theirs in zip(legacy.translate(TEXTS, options), engines[False].translate(TEXTS, options),
-                                strict=True):
-            assert [h.token_ids for h in ours.hypotheses] == [h.token_ids for h in theirs.hypotheses]
-            for a, b in zip(ours.hypotheses, theirs.hypotheses, strict=True):
-                assert a.score == pytest.approx(b.score, abs=1e-5)
-                np.testing.assert_allclose(a.attention.subword_weights, b.attention.subword_weights, atol=1e-5)
-    static, state = encode(legacy, "one two")
-    state = advance(legacy, static, state, [legacy.start_id, 5])
-    legacy.model.step(np.array([6]), static, state, False, 1, positions=np.array([2]))  # its own position: fine
-    with pytest.raises(ValueError, match="concatenating KV cache .* export it again"):
-        legacy.model.step(np.array([6]), static, state, False, 1, positions=np.array([1]))
+def test_versions_exported_before_are_refused_with_the_way_out(concat_version):
+    """An nmt-model/1 version (concatenating cache) is refused at load, the message saying how to export it again."""
+    with pytest.raises(ManifestError, match=r"'nmt-model/1' is no longer served .*export the model again from its "
+                                            r"training run: nmt export RUN"):
+        Engine.load(concat_version, provider="cpu", intra_op_threads=1)
 
 
 def test_manifest_buffer_entries_are_validated(model_version_dir):
     manifest = read_manifest(model_version_dir)
     data = manifest.to_dict()
-    assert Manifest.from_dict({**data, "format": "nmt-model/1"}).format == "nmt-model/1"
-    with pytest.raises(ManifestError, match=r"unsupported format 'nmt-model/3' .*nmt-model/1, nmt-model/2"):
+    with pytest.raises(ManifestError, match=r"'nmt-model/1' is no longer served"):
+        Manifest.from_dict({**data, "format": "nmt-model/1"})
+    with pytest.raises(ManifestError, match=r"unsupported format 'nmt-model/3' \(this server reads nmt-model/2\)"):
         Manifest.from_dict({**data, "format": "nmt-model/3"})
     with pytest.raises(ManifestError, match="decoder_positions"):
         Manifest.from_dict({**data, "decoder_positions": ""})

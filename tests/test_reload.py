@@ -278,6 +278,8 @@ def test_broken_version_is_refused_while_the_old_one_serves(repo: Path, version_
 
 def test_failing_smoke_translation_refuses_the_version(repo: Path, version_dir: Path, logs: list) -> None:
     class Mute:  # loads and verifies, but translates nothing
+        model = None
+
         def __init__(self, engine: Any) -> None:
             self.engine, self.manifest, self.provider = engine, engine.manifest, engine.provider
 

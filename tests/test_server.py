@@ -79,11 +79,12 @@ class SlowEngine:
 
     Batches without a poll (the repository's smoke translation at load) run untouched and unrecorded."""
 
+    model = None  # no step model of its own: batched statically, no CUDA graphs to record
+
     def __init__(self, engine: Any, poll_seconds: float) -> None:
         self.engine, self.poll_seconds = engine, poll_seconds
         self.manifest, self.tokenizer, self.provider = engine.manifest, engine.tokenizer, engine.provider
         self.text = engine.text
-        self.has_logits = engine.has_logits
         self.results: list[Any] = []
 
     def tokenize(self, text: str) -> list[int]:
@@ -590,6 +591,8 @@ class RecordingEngine:
     """A stand-in engine for batching-policy tests: records batch sizes, takes ``seconds`` per batch."""
 
     tokenizer = SimpleNamespace(max_piece_bytes=8)
+
+    model = None
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.batches = seconds, []

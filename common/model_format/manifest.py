@@ -21,9 +21,6 @@ graphs' I/O so the engine stays architecture-agnostic:
 * a decoder graph may also return ``logits`` float32 [batch, vocab], the input of the softmax (versions
   exported since the repetition penalty scales logits have it; the server refuses ``repetition_penalty``
   on a version without it);
-* a state entry whose ``init`` is ``"empty"`` starts as zeros of shape ``[batch, *shape]`` (a zero-length
-  KV cache that the decoder returns one entry longer: the concatenating layout of versions exported
-  before ``nmt-model/2``); its ``dtype`` is a NumPy dtype name;
 * a state entry whose ``init`` is ``"buffer"`` is a preallocated cache kept in place: zeros of shape
   ``[batch, *shape]`` with ``shape[capacity_axis - 1]`` set to the capacity the engine chooses (and grows);
   the decoder writes each row's new entry at that row's position and returns the same buffer, which the
@@ -53,10 +50,14 @@ from common.model_format.layout import MANIFEST_FILE, TOKENIZER_FILE
 from common.model_format.tokenizer import TOKENIZERS
 
 FORMAT = "nmt-model/2"  # /2 added "buffer" state entries and decoder_positions (the in-place KV cache)
-READABLE_FORMATS = ("nmt-model/1", FORMAT)
+READABLE_FORMATS = (FORMAT,)
+# formats earlier exports of this project wrote, which the server no longer reads: what to do instead
+RETIRED_FORMATS = {"nmt-model/1": "its KV cache grows by concatenation, so rows cannot decode at positions of their "
+                                  "own"}
+REEXPORT = "export the model again from its training run: nmt export RUN --name NAME"
 GRAPH_ROLES = ("encoder", "decoder", "decoder_attention")
 PRECISIONS = ("fp32", "fp16", "int8")
-STATE_INITS = ("empty", "encoder", "buffer")
+STATE_INITS = ("encoder", "buffer")
 SPECIAL_IDS = ("pad", "unk", "bos", "eos", "decoder_start")
 TOP_K_INPUT = "top_k"
 TOP_K_OUTPUTS = ["top_ids", "top_log_probs", "eos_log_prob"]
@@ -73,10 +74,10 @@ class StateTensor:
 
     input: str  # decoder input name, e.g. ``past_key_0`` or ``hidden``
     output: str  # decoder output name holding the next value, e.g. ``present_key_0``
-    init: str  # "empty": zeros [batch, *shape]; "encoder": the encoder output named like ``input``;
+    init: str  # "encoder": the encoder output named like ``input``;
     # "buffer": an in-place cache, zeros [batch, *shape] with a chosen capacity on ``capacity_axis``
-    shape: list[int] | None = None  # per-row shape without batch (init "empty" and "buffer")
-    dtype: str | None = None  # NumPy dtype name (init "empty" and "buffer")
+    shape: list[int] | None = None  # per-row shape without batch (init "buffer")
+    dtype: str | None = None  # NumPy dtype name (init "buffer")
     capacity_axis: int | None = None  # the buffer's position axis in [batch, *shape] (init "buffer" only)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,6 +136,9 @@ class Manifest:
         """Build and validate a manifest from parsed JSON; raises :class:`ManifestError`."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object")
+        if data.get("format") in RETIRED_FORMATS:
+            raise ManifestError(f"{where}: format {data['format']!r} is no longer served "
+                                f"({RETIRED_FORMATS[data['format']]}); {REEXPORT}")
         if data.get("format") not in READABLE_FORMATS:
             raise ManifestError(f"{where}: unsupported format {data.get('format')!r} (this server reads "
                                 f"{', '.join(READABLE_FORMATS)})")
@@ -214,7 +218,7 @@ def _state_from_dict(entry: dict[str, Any]) -> StateTensor:
     )
     if state.init not in STATE_INITS:
         raise ValueError(f"{state.input}: init must be one of {', '.join(STATE_INITS)}, not {state.init!r}")
-    if state.init in ("empty", "buffer") and (state.shape is None or state.dtype is None):
+    if state.init == "buffer" and (state.shape is None or state.dtype is None):
         raise ValueError(f"{state.input}: init {state.init!r} needs shape and dtype")
     if (state.init == "buffer") != (state.capacity_axis is not None):
         raise ValueError(f"{state.input}: capacity_axis goes with init 'buffer' (and only with it)")

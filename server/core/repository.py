@@ -128,11 +128,6 @@ class ModelVersion(ManifestFields, Held):
         return await self.scheduler.submit(sentences, work, request)
 
     @property
-    def has_logits(self) -> bool:
-        """Whether the decoder has the logits output (the repetition penalty needs it)."""
-        return bool(getattr(self.engine, "has_logits", True))
-
-    @property
     def provider(self) -> str:
         """The execution provider the sessions run on."""
         return str(getattr(self.engine, "provider", ""))

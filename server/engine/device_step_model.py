@@ -72,11 +72,10 @@ class DeviceStepModel(OnnxStepModel):
                  graph_pool_bytes: int = 0, device_id: int = 0) -> None:
         super().__init__(manifest, sessions, weights)
         self.device, self.device_id = device, device_id  # where every OrtValue of the decode is made and bound
-        # beam search's selection on the device (not for the concatenating cache of nmt-model/1, whose state grows
-        # every step); no plain beam runs: their reorder moves host rows, a device's is the general step's Gather
-        self.capabilities = replace(
-            self.capabilities, beam_steps=False, on_device=device != "cpu", kept_runs=cuda_graphs,
-            device_beam=device_search and not any(e.init == "empty" and 0 in (e.shape or []) for e in self.state))
+        # beam search's selection on the device with device_search; no plain beam runs: their reorder moves host rows,
+        # a device's is the general step's Gather
+        self.capabilities = replace(self.capabilities, beam_steps=False, on_device=device != "cpu",
+                                    kept_runs=cuda_graphs, device_beam=device_search)
         self.cuda_graphs = cuda_graphs  # keep runs for CUDA graphs (their captures are global to the process)
         self.capture = GraphCapture(
             "" if "decoder_graphs" in sessions else
@@ -100,7 +99,7 @@ class DeviceStepModel(OnnxStepModel):
         session.run_with_iobinding(binding)
         encoded: dict[str, ort.OrtValue | np.ndarray] = dict(zip(names, binding.get_outputs(), strict=True))
         for entry in self.state:
-            if entry.init in ("empty", "buffer"):
+            if entry.init == "buffer":
                 zeros = np.zeros(initial_shape(entry, src.shape[0]), dtype=entry.dtype or "float32")
                 encoded[entry.input] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device, self.device_id)
         if self.positions:  # positions stay on the host: the engine reads them to size the buffers
@@ -115,8 +114,6 @@ class DeviceStepModel(OnnxStepModel):
         if self.positions:
             positions = state[self.positions] if positions is None else positions.astype(np.int64, copy=False)
             state = self._reserve(state, int(positions.max()) + 1)
-        else:
-            self._check_shared_position(state, positions)
         extra = extra_outputs(full, logits)
         host = TOP_K_OUTPUTS + (["attention"] if need_attention else []) + extra
         outputs, new_state = self._run_step(tokens, static, state, need_attention, k, positions,

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from common.errors import NmtError
-from common.model_format.manifest import Manifest, read_manifest
+from common.model_format.manifest import REEXPORT, Manifest, ManifestError, read_manifest
 from common.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
 from server.engine.cuda_graphs import graph_options
@@ -123,7 +123,6 @@ class Engine:
         self.max_positions = int(manifest.dimensions.get("max_positions") or 0)  # 0: no position table
         ids = manifest.special_ids
         self.eos_id, self.pad_id, self.start_id = ids["eos"], ids["pad"], ids["decoder_start"]
-        self.has_logits = model.has_logits  # False: exported before the logits output, no repetition_penalty
         self.text = TextCodec(manifest, tokenizer)
         self.words = self.text.words  # which ids start a word (alternatives)
 
@@ -175,7 +174,7 @@ class Engine:
         reason; ``auto`` logs the fallback. An int8 version is refused on CUDA (its ``MatMulInteger``
         nodes run on the CPU, copying every step between host and device): export fp16 for GPUs.
 
-        A version that stores its weights once (``weights.bin``) gives every session the same buffers
+        A version stores its weights once (``weights.bin``, else it is refused): every session gets the same buffers
         (:class:`SharedWeights`; on CUDA, buffers in device memory, or host buffers where the sessions refuse
         those); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session (faster steps; the mapped
         pages only packing read are then released); without it the loaded version holds each weight once.
@@ -192,14 +191,14 @@ class Engine:
         settings = DeviceSettings(provider, device_id, gpu_mem_limit, cuda_tf32)
         providers = provider_list(settings)
         on_cuda = providers[0] != CPU
-        weights = (SharedWeights(version_dir, "cuda" if on_cuda else "cpu", device_id)
-                   if SharedWeights.present(version_dir) else None)
+        if not SharedWeights.present(version_dir):
+            raise ManifestError(f"{version_dir} keeps its weights inside each graph (an earlier export); {REEXPORT}")
+        weights = SharedWeights(version_dir, "cuda" if on_cuda else "cpu", device_id)
 
         def open_session(filename: str, providers: list[Any]) -> ort.InferenceSession:
             options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack,
                                       cpu_arena=cpu_arena)
-            if weights is not None:
-                weights.add_to(options, version_dir / filename)
+            weights.add_to(options, version_dir / filename)
             graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
             return ort.InferenceSession(graph, options, providers=providers)
 
@@ -216,12 +215,12 @@ class Engine:
         try:
             sessions = open_sessions()
         except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-            if weights is None or weights.device == "cpu":
+            if weights.device == "cpu":
                 raise
             log.warning("the sessions did not take weights in device memory (%s); each keeps its own copy", error)
             weights = SharedWeights(version_dir)
             sessions = open_sessions()
-        if weights is not None and prepack:  # the kernels hold packed copies: the pages only the packing read go
+        if prepack:  # the kernels hold packed copies: the pages only the packing read go
             weights.release_pages()
         got = session_provider(sessions)
         check_provider(provider, providers, got)

@@ -23,7 +23,6 @@ class NullEngine:
     provider = "null"
     device = "cpu"
     runtime_build = "none"
-    has_logits = True
     model = None  # no step model: the scheduler batches statically and records no CUDA graphs
 
     def __init__(self, text: TextCodec) -> None:

@@ -13,8 +13,6 @@ expansion and the sentences joining a running decode are written there, not into
 A running decode's static inputs move their rows in place too once they are its own
 (``select_rows(..., in_place=True)``); the step's I/O binding shares the arrays' memory, so a move
 within the same arrays reaches the next step without binding them again.
-Versions exported before (``nmt-model/1``: the cache concatenated one entry longer every step)
-decode as they always did.
 
 :class:`server.engine.host_runs.GreedySteps` runs plain arg-max steps on the in-place cache with a binding of
 its own, the step graph's top-1 output bound to the next step's ``input_ids``.
@@ -37,6 +35,7 @@ from common.model_format.layout import FORCED_GRAPH
 from common.model_format.manifest import (
     FORMAT,
     LOGITS_OUTPUT,
+    REEXPORT,
     TOP_K_INPUT,
     TOP_K_OUTPUTS,
     Manifest,
@@ -68,7 +67,7 @@ class OnnxStepModel:
         self.static_names = list(manifest.decoder_static)
         self.static_src_axes = dict(manifest.static_src_axes)  # static input -> its source-length axis
         self.state = list(manifest.decoder_state)
-        self.positions = manifest.decoder_positions  # "": the concatenating cache of nmt-model/1 (or none)
+        self.positions = manifest.decoder_positions  # "": no cache of positions (an RNN's state)
         self.buffers = {entry.input: entry for entry in self.state if entry.init == "buffer"}
         for role in ("decoder", "decoder_attention"):
             missing = set(TOP_K_OUTPUTS) - {o.name for o in sessions[role].get_outputs()}
@@ -80,12 +79,14 @@ class OnnxStepModel:
         self._bindings = threading.local()  # the in-place cache's persistent I/O bindings (see _binding)
         self._output_dtypes = {o.name: _NUMPY_TYPES[o.type] for o in sessions["decoder_attention"].get_outputs()
                                if o.type in _NUMPY_TYPES}
-        # versions exported before the ``logits`` output: no repetition penalty (it scales logits)
-        self.has_logits = all(LOGITS_OUTPUT in {o.name for o in sessions[role].get_outputs()}
-                              for role in ("decoder", "decoder_attention"))
+        missing = [role for role in ("decoder", "decoder_attention")
+                   if LOGITS_OUTPUT not in {o.name for o in sessions[role].get_outputs()}]
+        if missing:
+            raise ManifestError(f"the {' and '.join(missing)} graph lacks the {LOGITS_OUTPUT!r} output of the decoding "
+                                f"controls (an earlier export); {REEXPORT}")
         # per-row positions: the in-place cache, or a position-free state (an RNN's, all from the encoder); plain
-        # arg-max runs: the in-place cache (a concatenating one is new every step); plain beam runs: its buffers all of
-        # one shape and type (they share one block: server.engine.host_runs.CacheBlock)
+        # arg-max runs: the in-place cache; plain beam runs: its buffers all of one shape and type (they share one
+        # block: server.engine.host_runs.CacheBlock)
         self.capabilities = Capabilities(
             per_row_positions=bool(self.positions) or all(entry.init == "encoder" for entry in self.state),
             greedy_steps=bool(self.positions),
@@ -99,7 +100,7 @@ class OnnxStepModel:
         encoded = dict(zip(names, outputs, strict=True))
         batch = src.shape[0]
         for entry in self.state:
-            if entry.init in ("empty", "buffer"):
+            if entry.init == "buffer":
                 encoded[entry.input] = np.zeros(initial_shape(entry, batch), dtype=entry.dtype or "float32")
         if self.positions:
             encoded[self.positions] = np.zeros(batch, dtype=np.int64)
@@ -111,11 +112,10 @@ class OnnxStepModel:
     ) -> StepOutput:
         """One decoding step (see :class:`server.engine.step_model.StepModel`): only the ``k`` best tokens of each
         row leave ONNX Runtime, not the [R, V] distribution, unless ``full`` (and ``logits``) ask for it.
-        ``positions`` (int64 [R]) overrides the positions the state carries; a concatenating cache takes
-        only its own."""
+        ``positions`` (int64 [R]) overrides the positions the state carries (a state without positions, an
+        RNN's, has none to override)."""
         if self.positions:
             return self._step_in_place(tokens, static, state, need_attention, k, full, positions, logits)
-        self._check_shared_position(state, positions)
         session = self.sessions["decoder_attention" if need_attention else "decoder"]
         feeds = {"input_ids": tokens, **static, **state, TOP_K_INPUT: self._top_k(k)}
         output_names = TOP_K_OUTPUTS + [entry.output for entry in self.state]
@@ -258,19 +258,6 @@ class OnnxStepModel:
         if name == "attention":  # [rows, source length]
             return rows, self._source_width(static)
         return (rows,)  # eos_log_prob
-
-    def _check_shared_position(self, state: dict, positions: np.ndarray | None) -> None:
-        """A concatenating cache decodes every row at its length: refuse ``positions`` that differ from it."""
-        if positions is None:
-            return
-        for entry in self.state:
-            if entry.init == "empty" and 0 in entry.shape:
-                length = shape_of(state[entry.input])[1 + entry.shape.index(0)]
-                if (np.asarray(positions) != length).any():
-                    raise ValueError(f"{self.manifest.name}/{self.manifest.version} keeps a concatenating KV "
-                                     f"cache (format nmt-model/1): every row decodes at position {length}; "
-                                     "export it again with nmt export for per-row positions")
-                return
 
     def _reserve(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
         """``state`` whose buffers hold at least ``needed`` positions (grown to twice their capacity or more;

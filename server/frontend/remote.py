@@ -46,7 +46,6 @@ class RemoteVersion(ManifestFields, Held):
     provider = property(lambda self: self.info.provider)
     device = property(lambda self: self.info.device)
     runtime_build = property(lambda self: self.info.runtime_build)
-    has_logits = property(lambda self: self.info.has_logits)
 
     @property
     def manifest(self) -> Any:

@@ -188,8 +188,7 @@ class TranslatorService:
             record.model, record.version = model.name, model.version
             codec = model.codec
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
-                                      target_ids=codec.tokenizer.encode_target, unk_id=codec.tokenizer.unk_id,
-                                      logits=model.has_logits)
+                                      target_ids=codec.tokenizer.encode_target, unk_id=codec.tokenizer.unk_id)
             prefix = codec.language_prefix(call.target_language) if call.target_language else []
             forced = target_prefixes(call.texts, call.target_prefixes,
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any

@@ -35,12 +35,11 @@ def check_texts(texts: Sequence[str], config: ServerConfig) -> None:
 
 def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], config: ServerConfig, *,
                     max_positions: int = 0, target_ids: Callable[[str], list[int]] = lambda text: [],
-                    unk_id: int = 0, logits: bool = True) -> DecodingOptions:
+                    unk_id: int = 0) -> DecodingOptions:
     """Fill zeros from the model's defaults and check every option against the configured limits and the
     model's ``max_positions`` (its position table; 0: none, as in an RNN). Beyond that table CUDA's
     Gather reads zeros silently where the CPU raises, so a longer ``max_length`` is refused. The
-    decoding controls need the model's target tokenizer (``target_ids``) and unknown token (``unk_id``); the
-    repetition penalty needs the decoder's ``logits`` output (``logits``: the version has it)."""
+    decoding controls need the model's target tokenizer (``target_ids``) and unknown token (``unk_id``)."""
     sampling = requested.sampling_topk > 1 or 0 < requested.sampling_topp < 1  # samples: the default beam is 1
     beam = requested.beam_size or (1 if sampling else min(int(defaults.get("beam_size", 1) or 1), config.max_beam))
     if beam > config.max_beam:
@@ -66,9 +65,6 @@ def resolve_options(requested: RequestedOptions, defaults: dict[str, Any], confi
     if penalty == 0:
         penalty = float(defaults.get("length_penalty", 1.0))
     controls = resolve_controls(requested, beam, max_length, target_ids, unk_id)
-    if controls.repetition_penalty != 1.0 and not logits:
-        raise InvalidArgument("repetition_penalty scales the decoder's logits, which this model version does not "
-                              "output (it was exported before they were added): export it again with nmt export")
     patience = _bounded("patience", requested.patience, 1.0, MAX_PATIENCE) or 1.0
     if requested.return_alternatives and controls.repetition_penalty != 1.0:
         raise InvalidArgument("return_alternatives does not combine with repetition_penalty: the forced pass that "
