@@ -227,16 +227,3 @@ def dates_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                             progress=False))
         versions[arch] = result.version_dir
     return versions
-
-
-# With pytest-xdist (``./test.sh -n 2``), the tests that share one of the expensive session models run in one worker,
-# so that no model is trained twice: each worker process has session fixtures of its own.
-EXPENSIVE_FIXTURES = ("dates_models", "marian_dir")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        fixtures = getattr(item, "fixturenames", ())
-        group = next((name for name in EXPENSIVE_FIXTURES if name in fixtures), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
