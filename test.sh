@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, and CI through .ci/run): the Debian tools some tests run for real, where this shell can
-# install them, then the project with its test extras, then pytest. Arguments go to pytest (e.g. -k split, -n 2).
+# install them, then the project with its test extras, then pytest. Arguments go to pytest (e.g. -k split).
 set -euo pipefail
 cd "$(dirname "$0")"
 
