@@ -580,13 +580,27 @@ class RunningDecode:
         at = (np.arange(self.rows)[:, None],
               np.minimum(self._steps[:, None] + np.arange(count), self._history.shape[1] - 1))
         step_scores = np.array(scores)  # [steps, R]
-        self._history[at], self._history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
+        history, history_scores = self._history, self._history_scores
+        history[at], history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
         # summed step by step, as the general step adds them
-        self._totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
+        totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
+        self._write_books(count, history, history_scores, totals)
+
+    def _write_books(self, count: int, history: np.ndarray, history_scores: np.ndarray, totals: np.ndarray,
+                     tokens: np.ndarray | None = None, finished: list[list[Any]] | None = None) -> None:
+        """The one writer of the books after a plain run's ``count`` quiet steps, whichever run made them (arg-max,
+        beam or the device's): each row's history and its token scores, its summed log-probability, its last
+        token where the run changed it, each sentence's finished hypotheses where the run made them, and the
+        steps every row and sentence has decoded."""
+        self._history, self._history_scores, self._totals = history, history_scores, totals
+        if tokens is not None:
+            self._tokens = tokens
         self._steps = self._steps + count
         self._age += count
-        for s in self._sentences:
+        for i, s in enumerate(self._sentences):
             s.step += count
+            if finished is not None:
+                s.finished = finished[i]
 
     def _hold(self, rows: list[int], tokens: list[list[int]], scores: list[list[float]]) -> None:
         """The hypotheses of the sentences whose rows ``rows`` ended in EOS (chosen, or at their limits) at the last
@@ -691,13 +705,8 @@ class RunningDecode:
         if not count:
             return
         books = run.books()
-        self._tokens, self._totals = books.tokens, books.totals
-        self._history, self._history_scores = books.history, books.history_scores
-        self._steps = self._steps + count
-        self._age += count
-        for s, finished in zip(self._sentences, books.finished, strict=True):
-            s.step += count
-            s.finished = finished
+        assert len(books.finished) == len(self._sentences)
+        self._write_books(count, books.history, books.history_scores, books.totals, books.tokens, books.finished)
 
     def _quiet_finished(self, choice: QuietChoice, blocks: list[tuple[int, int]], step: int,
                         ) -> dict[int, list[Any]] | None:
@@ -738,14 +747,10 @@ class RunningDecode:
         for t in range(count - 1, -1, -1):
             step_tokens[:, t], step_scores[:, t] = tokens[t, lineage], scores[t, lineage]
             lineage = origins[t, lineage]
-        self._history, self._history_scores = self._history[lineage], self._history_scores[lineage]
+        history, history_scores = self._history[lineage], self._history_scores[lineage]
         at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-        self._history[at], self._history_scores[at] = step_tokens, step_scores
-        self._totals = np.array(totals)
-        self._steps = self._steps + count
-        self._age += count
-        for s in self._sentences:
-            s.step += count
+        history[at], history_scores[at] = step_tokens, step_scores
+        self._write_books(count, history, history_scores, np.array(totals))
 
     def _finished_hypothesis(self, finished: _Finished, steps: list[tuple[list[int], list[int], list[float]]],
                              ) -> ScoredSequence:
