@@ -115,6 +115,11 @@ def requests_ok(metrics: dict[tuple[str, tuple], float], method: str = "Translat
     return metrics.get(("nmt_requests_total", (("code", "OK"), ("method", method), ("model", SERVED_MODEL))), 0.0)
 
 
+def own_channel(address: str) -> grpc.Channel:
+    """A channel with a connection of its own: gRPC's channels share one connection per target by default."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def until(condition: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -346,7 +351,8 @@ def connections(pid: int, port: int) -> int:
 
 def test_a_killed_frontend_loses_only_its_calls_and_is_replaced(split: SplitServer) -> None:
     victim = split.pids["frontend-0"]
-    long_lived = [split.stub() for _ in range(9)]  # clients that keep their channel, opened before the kill
+    long_lived = [pb2_grpc.TranslatorStub(own_channel(split.address)) for _ in range(9)]  # clients that keep their
+    # channel (a connection each), opened before the kill
     for stub in long_lived:
         stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30)
     outcomes: list[str] = []
@@ -402,7 +408,7 @@ def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServ
     assert not split.ready()
     # the services a readiness probe and the client's health-checked balancing read ("" and the Translator),
     # and the model's, on every front-end (each channel is a connection of its own: the kernel spreads them)
-    healths = [health_pb2_grpc.HealthStub(grpc.insecure_channel(split.address)) for _ in range(6)]
+    healths = [health_pb2_grpc.HealthStub(own_channel(split.address)) for _ in range(6)]
     services = ("", SERVICE_NAME, SERVED_MODEL)
 
     def statuses() -> set[int]:
@@ -416,37 +422,59 @@ def test_a_killed_core_answers_unavailable_at_once_and_recovers(split: SplitServ
     assert stub.Translate(pb2.TranslateRequest(texts=TEXTS[:1]), timeout=30).translations
 
 
+def channels_by_frontend(server: SplitServer, count: int) -> dict[int, list[grpc.Channel]]:
+    """``count`` connected channels, by the pid of the front-end that holds each (read from both ends' sockets)."""
+    ours = psutil.Process()
+    frontends = [pid for role, pid in server.pids.items() if role.startswith("frontend")]
+    by_pid: dict[int, list[grpc.Channel]] = {pid: [] for pid in frontends}
+    for _ in range(count):
+        before = {c.laddr.port for c in ours.net_connections("tcp") if c.raddr and c.raddr.port == server.port}
+        channel = own_channel(server.address)
+        pb2_grpc.TranslatorStub(channel).ListModels(pb2.ListModelsRequest(), timeout=10)
+        [port] = {c.laddr.port for c in ours.net_connections("tcp")
+                  if c.raddr and c.raddr.port == server.port} - before
+        holder = next(pid for pid in frontends if any(c.raddr and c.raddr.port == port
+                                                      for c in psutil.Process(pid).net_connections("tcp")))
+        by_pid[holder].append(channel)
+    return by_pid
+
+
 def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path: Path) -> None:
     server = SplitServer(repository, tmp_path, 2)
     try:
-        # long enough (190 steps, beam 4) that the calls are still in flight when the signal comes
-        calls = [server.stub().Translate.future(pb2.TranslateRequest(
-            texts=[LONG.texts[0]] * 2, options=pb2.DecodingOptions(beam_size=4, max_length=200, min_length=190)),
-            timeout=60) for _ in range(12)]
+        by_pid = channels_by_frontend(server, 16)
+        (_, calling), (_, watching) = sorted(by_pid.items(), key=lambda item: -len(item[1]))[:2]
+        assert calling and watching, by_pid  # 16 connections over 2 front-ends: both hold some
+        # every call on one front-end, long enough (190 steps, beam 4) to run on for seconds after the signal
+        calls = [pb2_grpc.TranslatorStub(calling[i % len(calling)]).Translate.future(pb2.TranslateRequest(
+            texts=[LONG.texts[0]] * 8, options=pb2.DecodingOptions(beam_size=4, max_length=200, min_length=190)),
+            timeout=60) for i in range(12)]
         until(lambda: server.metrics()[("nmt_inflight_requests", ())] >= 6, 10, "calls in flight")
-        # health watches on connections of their own (on both front-ends): none may end while calls still run,
-        # as in one process, whose watches stay open until its last call has ended
+        # health watches on the other front-end, which has no call: none may end while the server still answers
+        # calls, as in one process, whose watches stay open until its last call has ended
         watch_ends: list[float] = []
 
-        def watch() -> None:
-            stream = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address)).Watch(
-                health_pb2.HealthCheckRequest(service=""), timeout=60)
+        def watch(channel: grpc.Channel) -> None:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
             with contextlib.suppress(grpc.RpcError):
                 for _ in stream:
                     pass
             watch_ends.append(time.monotonic())
 
-        watchers = [threading.Thread(target=watch) for _ in range(6)]
+        watchers = [threading.Thread(target=watch, args=(channel,)) for channel in watching]
         for thread in watchers:
             thread.start()
         time.sleep(0.3)
         server.process.send_signal(signal.SIGTERM)
-        assert all(len(call.result(timeout=60).translations) == 2 for call in calls)
+        signalled = time.monotonic()
+        assert all(len(call.result(timeout=60).translations) == 8 for call in calls)
         last_call = time.monotonic()
+        assert last_call - signalled > 2  # the calls outlast a front-end's own drain (0.5 s quiet) and stop (1 s)
         assert server.process.wait(60) == 0
         for thread in watchers:
             thread.join(10)
-        assert len(watch_ends) == 6 and min(watch_ends) >= last_call - 0.05, (min(watch_ends) - last_call)
+        assert len(watch_ends) == len(watching) and min(watch_ends) >= last_call - 0.05, (
+            min(watch_ends) - signalled, last_call - signalled)
         messages = [(e["message"], e.get("worker", "")) for e in server.logs()]
         assert messages[-1] == ("stopped", "")
         order = [m for m, _ in messages]
