@@ -448,7 +448,7 @@ def test_sigterm_drains_under_load_and_loses_nothing(repository: Path, tmp_path:
         # every call on one front-end, long enough (190 steps, beam 4) to run on for seconds after the signal
         calls = [pb2_grpc.TranslatorStub(calling[i % len(calling)]).Translate.future(pb2.TranslateRequest(
             texts=[LONG.texts[0]] * 8, options=pb2.DecodingOptions(beam_size=4, max_length=200, min_length=190)),
-            timeout=60) for i in range(12)]
+            timeout=60) for i in range(24)]
         until(lambda: server.metrics()[("nmt_inflight_requests", ())] >= 6, 10, "calls in flight")
         # health watches on the other front-end, which has no call: none may end while the server still answers
         # calls, as in one process, whose watches stay open until its last call has ended
