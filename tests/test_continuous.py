@@ -448,7 +448,7 @@ def test_the_worker_asks_for_sentences_and_decodes_on_while_the_answer_comes(arc
     """The continuous scheduler's hand-off (RunningBatch.advance with ``ask``): once ``until()`` holds, the
     worker asks once, with the decode's load, and goes on decoding; the sentences offered from another
     thread join at the next step, encoded by the worker or already encoded by the thread that offers them
-    (``--encoder-overlap``); an emptied decode waits for the answer instead of returning, and returns once it is
+    (the encoder beside the decode); an emptied decode waits for the answer instead of returning, and returns once it is
     empty with nothing asked. Everyone gets what they get alone."""
     import threading
 

@@ -152,9 +152,9 @@ def test_server_translations_equal_one_by_one(mixed_repository: Path, model: str
                          ids=["rnn", "transformer", "transformer-device-state"])
 def test_sentences_encoded_beside_the_decode_equal_one_by_one(mixed_repository: Path, model: str,
                                                               device_state: bool) -> None:
-    """``--encoder-overlap on``: the sentences that join a running decode are encoded on the encoder's own thread
-    while the worker steps on (the offer carries their encoder outputs: ``OrtValue`` s where the state is kept
-    as on a device), and decode as they do alone."""
+    """The encoder beside the decode (``encoder_overlap="on"``, a device rule): the sentences that join a running
+    decode are encoded on the encoder's own thread while the worker steps on (the offer carries their encoder
+    outputs: ``OrtValue`` s where the state is kept as on a device), and decode as they do alone."""
     engine = engine_with(mixed_repository / model / "1", device_state=device_state, delay=0.002)
     threads = set()
     encode = engine.model.encode
@@ -219,7 +219,7 @@ class _CapturesTimed:
 
 
 def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_models: dict[str, Path]) -> None:
-    """With ``--cuda-graphs`` the encoder still runs on its own thread (``--encoder-overlap``), but never while the
+    """With ``--cuda-graphs`` the encoder still runs on its own thread (a device rule), but never while the
     worker's session run may be capturing a graph (a capture is global to the process: another thread's device
     allocation spoils it): the two take turns at ``CAPTURE_GATE``. On the CPU's sessions, captures forced as a
     CUDA version's would be, both slowed so that they would overlap without the gate; the translations stay
@@ -327,9 +327,9 @@ def test_short_request_joins_and_finishes_before_the_long_one(tiny_models: dict[
 
 
 def test_held_rows_hand_out_their_translations_at_once(tiny_models: dict[str, Path]) -> None:
-    """``--hold-ended``: a sentence that ends in a run of plain arg-max steps (by EOS, or at its output limit) goes to
-    its caller from the step it ended (the decode's ``on_ended``) while its row runs on to the run's end; every
-    translation equals the sentence's lone decode."""
+    """Ended rows held (``hold_ended="on"``, a device rule): a sentence that ends in a run of plain arg-max steps
+    (by EOS, or at its output limit) goes to its caller from the step it ended (the decode's ``on_ended``) while its
+    row runs on to the run's end; every translation equals the sentence's lone decode."""
     engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1)
     texts = [*SHORT, LONG, *SHORT[::-1], "five six seven eight nine ten one two"]
     options = [DecodingOptions(max_length=[256, 2, 4][i % 3]) for i in range(len(texts))]
@@ -441,7 +441,7 @@ def test_rows_are_bounded_and_reused(tiny_models: dict[str, Path]) -> None:
 def test_fault_while_joining_fails_only_its_request(tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
                                                     overlap: str) -> None:
     """An encoder call that raises fails only its request, whether the worker made it or the encoder's own
-    thread (``--encoder-overlap``): the worker raises it as its own, and the running decode's requests run
+    thread (the encoder beside the decode): the worker raises it as its own, and the running decode's requests run
     again one by one."""
     base = Engine.load(tiny_models["bahdanau"], provider="cpu", intra_op_threads=1)
     poison = base.tokenize("nine nine nine nine nine")

@@ -259,8 +259,8 @@ def test_device_memory_levels_off(gpu):
 @pytest.mark.parametrize(("beam", "hold"), [(2, "on"), (1, "on"), (1, "off")], ids=["beam-2", "greedy", "greedy-cut"])
 def test_continuous_batching_on_cuda_encodes_beside_the_decode_like_the_cpu(beam, hold, cpu, gpu):
     """The default on CUDA: continuous batching with the joining sentences encoded on a thread of their own
-    (``--encoder-overlap``), the encoder's session running beside the decoder's, and ended rows running on unread
-    (``--hold-ended``), greedy also without; every sentence decodes as on the CPU alone."""
+    (a device rule), the encoder's session running beside the decoder's, and ended rows running on unread
+    (a device rule), greedy also without; every sentence decodes as on the CPU alone."""
     decode_beside_encoder_calls(gpu["transformer"], cpu["transformer"], beam, hold)
 
 

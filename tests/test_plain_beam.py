@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from server.engine import decode as plain_steps
+from server.engine import host_runs
 from server.engine.decode import RunningDecode
 from server.engine.engine import Engine
 from server.engine.host_runs import BeamSteps, CacheBlock, GreedySteps, quiet_selection
@@ -110,14 +110,14 @@ def test_hypotheses_finish_within_the_plain_beam_steps(engine, monkeypatch):
     """A step where some hypotheses end in EOS stays a plain step while their sentences go on: the finished
     hypotheses are written with their tokens when the steps end, equal to the general search's."""
     finishing = []
-    select = plain_steps.quiet_selection
+    select = host_runs.quiet_selection
 
     def counted(*args):
         choice = select(*args)
         finishing.append(choice is not None and bool(choice.finished))
         return choice
 
-    monkeypatch.setattr(plain_steps, "quiet_selection", counted)
+    monkeypatch.setattr("server.engine.decode.quiet_selection", counted)  # where the decode looks it up
     src, specs = batch(engine, seed=4, n=6)
     specs = [BeamSentence(s.source_length, num_hypotheses=4, max_length=256, beam_size=4, patience=2.0)
              for s in specs]

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from server.engine import host_runs as bound_steps
+from server.engine import host_runs
 from server.engine.decode import RunningDecode, beam_search
 from server.engine.engine import Engine
 from server.engine.host_runs import BoundSteps, GreedySteps
@@ -140,9 +140,9 @@ def test_sentences_that_reach_their_limit_in_held_rows_end_there(engine, counted
 def test_positions_stop_at_each_rows_ceiling():
     """A held row's position stops at its sentence's last step (its slot rewritten), never past the positions the
     model has: before each step and after the last."""
-    moved = bound_steps.moved_on(np.array([2, 5]), 4, np.array([3, 100]))
+    moved = host_runs.moved_on(np.array([2, 5]), 4, np.array([3, 100]))
     assert moved.tolist() == [[2, 5], [3, 6], [3, 7], [3, 8], [3, 9]]
-    assert bound_steps.moved_on(np.array([2, 5]), 2, None).tolist() == [[2, 5], [3, 6], [4, 7]]
+    assert host_runs.moved_on(np.array([2, 5]), 2, None).tolist() == [[2, 5], [3, 6], [4, 7]]
 
 
 def test_a_held_row_that_stops_at_its_ceiling_does_not_grow_the_cache(engine):
@@ -315,7 +315,7 @@ def test_ids_and_positions_bound_again_each_step_decode_alike(engine, monkeypatc
     Forced on the CPU, that path decodes exactly as binding them once: the code CUDA runs, without a GPU."""
     src, specs = batch(engine, seed=7, n=6)
     once = search(engine, src, specs, lean=True)
-    monkeypatch.setattr(bound_steps, "binds_each_step", lambda model: True)
+    monkeypatch.setattr(host_runs, "binds_each_step", lambda model: True)
     engine.model._bindings.__dict__.pop("greedy", None)  # the next plain steps are set up afresh, with the rule
     rebound = count_calls(monkeypatch, {"bind": (BoundSteps, "_bind_step_inputs"), "run": (GreedySteps, "run")})
     again = search(engine, src, specs, lean=True)

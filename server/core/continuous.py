@@ -257,7 +257,7 @@ def encode_now(engine: Any, requests: Sequence[SentenceRequest]) -> tuple[tuple[
 
 def encode(engine: Any, requests: Sequence[SentenceRequest]) -> Encoded:
     """:func:`encode_now`, or the error it raised: what :meth:`RunningBatch.offer` takes from the encoder's own
-    thread (``--encoder-overlap``), never during the worker's CUDA graph captures (:func:`beside_captures`)."""
+    thread (on a device), never during the worker's CUDA graph captures (:func:`beside_captures`)."""
     try:
         with beside_captures(engine.model):
             return encode_now(engine, requests)
@@ -283,7 +283,7 @@ class ContinuousBatcher:
         return RunningBatch(self.scheduler.engine, self.scheduler.policy.hold_ended == "on")
 
     def _encoder_thread(self) -> ThreadPoolExecutor | None:
-        """The thread that encodes the sentences offered to the decode (``--encoder-overlap``), if any."""
+        """The thread that encodes the sentences offered to the decode (on a device), if any."""
         s = self.scheduler
         if s.policy.encoder_overlap != "on":
             return None
@@ -363,7 +363,7 @@ class ContinuousBatcher:
             self._answer(batch, admitted)
 
     def _answer(self, batch: RunningBatch, admitted: list[Pending]) -> None:
-        """Offer ``admitted`` to ``batch``: encoded first on the encoder's thread (``--encoder-overlap``), or as
+        """Offer ``admitted`` to ``batch``: encoded first on the encoder's thread (on a device), or as
         they are, for the worker to encode (also once that thread has stopped, at shutdown)."""
         requests = [p.sentence for p in admitted]
         if admitted and self._encoder is not None:

@@ -169,7 +169,7 @@ class ModelScheduler:
         """Refuse new work, let queued and running sentences finish and the worker end its run (up to ``timeout``),
         then stop; the sentences still queued or running then get UNAVAILABLE (their callers never hang).
 
-        The worker's run can outlast its sentences (rows held to the end of a run, ``--hold-ended``; the
+        The worker's run can outlast its sentences (rows held to the end of a run, on a device; the
         stretch's metrics are reported as the run ends): waiting for it keeps the last stretch's metrics. Closing
         a closed scheduler does nothing."""
         if self._executor_down:

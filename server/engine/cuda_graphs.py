@@ -24,7 +24,7 @@ when a capture fails.
 ONNX Runtime captures in CUDA's global mode: while a capture is under way, another thread's device allocation or
 synchronous copy fails and spoils the capture. So a session run that may capture holds :data:`CAPTURE_GATE`
 (:meth:`KeptRun._run`: a graph id's first :data:`CAPTURE_CALLS` runs), and so does the encoder's thread beside the
-decode (``--encoder-overlap``, :func:`beside_captures`): a capture then waits for an encoder call to end, and an
+decode (a device rule, :func:`beside_captures`): a capture then waits for an encoder call to end, and an
 encoder call for a capture. Replays and ordinary runs need no gate."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class GraphCapture:
 
 def beside_captures(model: Any) -> AbstractContextManager[Any]:
     """What a thread other than the decode's holds around its device work for ``model`` (the encoder's, with
-    ``--encoder-overlap``): :data:`CAPTURE_GATE` where the model's runs capture CUDA graphs, else nothing."""
+    on a device): :data:`CAPTURE_GATE` where the model's runs capture CUDA graphs, else nothing."""
     kept = model is not None and model.capabilities.kept_runs
     return CAPTURE_GATE if kept and model.capture.enabled else nullcontext()
 
