@@ -24,6 +24,8 @@ _EXPORTS = {
     "TranslationError": "clients.messages",
     "Translation": "clients.messages",
     "Hypothesis": "clients.messages",
+    "Segment": "clients.messages",
+    "TextWord": "clients.messages",
     "Attention": "clients.messages",
     "ModelInfo": "clients.messages",
     "StreamDelta": "clients.messages",

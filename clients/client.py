@@ -237,8 +237,9 @@ class TranslatorClient(_ClientBase):
     def translate(self, texts: str | list[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
-                  target_prefixes: Sequence[str] = (), alternatives: bool = False,
-                  timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
+                  target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
+                  splitting: str = "", timeout: float | None = None,
+                  request_id: str | None = None) -> list[Translation]:
         """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
 
         Zero options mean the model's defaults; ``model``/``version`` empty: the server's default model, its
@@ -246,7 +247,8 @@ class TranslatorClient(_ClientBase):
         ``target_prefixes`` (none, or one per text, "" for none) force the start of each translation (a prefix
         ending inside a word is completed); ``alternatives``: the hypotheses are up to ``num_hypotheses`` most
         likely next words after the prefix, each continued (an editor's next-word suggestions; ``score`` is the
-        word's log-probability).
+        word's log-probability). ``text_format`` ("text", "html", "xml") and ``splitting`` ("sentences",
+        "no_newlines", "off") say how each text is read (:attr:`Translation.segments`: its sentences).
         ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
         ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
         """
@@ -254,7 +256,7 @@ class TranslatorClient(_ClientBase):
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
                                 target_language=target_language, target_prefixes=target_prefixes,
-                                alternatives=alternatives)
+                                alternatives=alternatives, text_format=text_format, splitting=splitting)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
@@ -369,13 +371,14 @@ class AsyncTranslatorClient(_ClientBase):
                         num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                         attention: bool = False, scores: bool = False, target_language: str = "",
                         target_prefixes: Sequence[str] = (), alternatives: bool = False,
-                        timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
+                        text_format: str = "", splitting: str = "", timeout: float | None = None,
+                        request_id: str | None = None) -> list[Translation]:
         """See :meth:`TranslatorClient.translate`."""
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
                                 target_language=target_language, target_prefixes=target_prefixes,
-                                alternatives=alternatives)
+                                alternatives=alternatives, text_format=text_format, splitting=splitting)
         response = await self._call(self._open().Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 

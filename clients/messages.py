@@ -58,13 +58,41 @@ class Hypothesis:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One sentence of a text: ``[start, end)`` of it in the text and of its translation in the translated
+    text (code points of the text content), and its own n-best (empty when the text is this one sentence:
+    they are the Translation's)."""
+
+    source: tuple[int, int]
+    target: tuple[int, int]
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+
+
+@dataclass(frozen=True)
+class TextWord:
+    """A word of a whole text or of its translation, with its span and the sentence that holds it."""
+
+    text: str
+    start: int
+    end: int
+    segment: int
+
+
+@dataclass(frozen=True)
 class Translation:
-    """The translation of one text: its source words (the attention's columns) and hypotheses, best first."""
+    """The translation of one text: its source words (the attention's columns) and hypotheses, best first;
+    its sentences (``segments``) and, with ``attention``, the words of the whole text and translation and
+    their alignments as ``(source_index, target_index)`` pairs into ``source_words`` / ``target_words``."""
 
     source_tokens: list[str]
     hypotheses: list[Hypothesis]
     model: str = ""  # the model and version that translated it
     model_version: str = ""
+    segments: tuple[Segment, ...] = ()
+    source_words: tuple[TextWord, ...] = ()
+    target_words: tuple[TextWord, ...] = ()
+    word_alignments: tuple[tuple[int, int], ...] = ()
 
     @property
     def best(self) -> Hypothesis:
@@ -146,10 +174,17 @@ def _count(name: str, value: int) -> int:
 def build_request(texts: str | Iterable[str], *, model: str = "", version: str = "", beam_size: int = 0,
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
-                  target_prefixes: Sequence[str] = (), alternatives: bool = False) -> Any:
+                  target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
+                  splitting: str = "") -> Any:
     """A ``TranslateRequest`` (zeros mean the model's defaults; ``target_language`` picks a multilingual
     model's output language; ``target_prefixes``, none or one per text, force each translation's start;
-    ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix)."""
+    ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix; ``text_format``:
+    "text" (the default), "html" or "xml"; ``splitting``: "sentences" (the default), "no_newlines" or "off")."""
+    if text_format not in TEXT_FORMATS:
+        raise ValueError(f"text_format must be one of {', '.join(repr(f) for f in TEXT_FORMATS if f)}, "
+                         f"got {text_format!r}")
+    if splitting not in SPLITTING:
+        raise ValueError(f"splitting must be one of {', '.join(repr(f) for f in SPLITTING if f)}, got {splitting!r}")
     if not math.isfinite(length_penalty) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a finite number >= 0 (0: the model's default), "
                          f"got {length_penalty!r}")
@@ -159,7 +194,12 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
         return_attention=bool(attention), return_scores=bool(scores), return_alternatives=bool(alternatives),
     )
     return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
-                                target_language=target_language, target_prefixes=list(target_prefixes))
+                                target_language=target_language, target_prefixes=list(target_prefixes),
+                                text_format=TEXT_FORMATS[text_format], sentence_splitting=SPLITTING[splitting])
+
+
+TEXT_FORMATS = {"": 0, "text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML, "xml": pb2.TEXT_FORMAT_XML}
+SPLITTING = {"": 0, "sentences": pb2.SPLIT_SENTENCES, "no_newlines": pb2.SPLIT_NO_NEWLINES, "off": pb2.SPLIT_OFF}
 
 
 def build_score_request(texts: str | Iterable[str], targets: str | Iterable[str], *, model: str = "",
@@ -210,11 +250,20 @@ def translations_from_pb(response: Any, *, scores: bool) -> list[Translation]:
     result = []
     for item in response.translations:
         source = list(item.source_tokens)
+        segments = tuple(Segment(
+            source=(s.source_start, s.source_end), target=(s.target_start, s.target_end),
+            source_tokens=list(s.source_tokens),
+            hypotheses=[hypothesis_from_pb(h, list(s.source_tokens), scores=scores) for h in s.hypotheses],
+        ) for s in item.segments)
         result.append(Translation(
             source_tokens=source,
             hypotheses=[hypothesis_from_pb(h, source, scores=scores) for h in item.hypotheses],
             model=response.model,
             model_version=response.model_version,
+            segments=segments,
+            source_words=tuple(TextWord(w.text, w.start, w.end, w.segment) for w in item.source_words),
+            target_words=tuple(TextWord(w.text, w.start, w.end, w.segment) for w in item.target_words),
+            word_alignments=tuple((a.source_index, a.target_index) for a in item.word_alignments),
         ))
     return result
 

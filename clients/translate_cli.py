@@ -25,7 +25,9 @@ BATCH_SIZE = 32  # texts per request when reading stdin (the server's default li
 
 DESCRIPTION = f"""\
 Translate texts with a running translation server (nmt serve). Texts come from the arguments, else
-from stdin, one per line (blank lines skipped; sent in requests of up to {BATCH_SIZE} lines).
+from stdin, one per line (blank lines skipped; sent in requests of up to {BATCH_SIZE} lines). With
+--file or --format, each input (a TEXT, the file, or all of stdin) is one document: cut into sentences,
+its markup kept (--format html|xml), and the translated document is written out as it is.
 
 Output: one translation per line; with --num-hypotheses above 1, --scores or --attention, the numbered
 hypotheses of each text with their scores, and with --attention the alignment grid (target words as
@@ -39,6 +41,8 @@ examples:
   nmt translate --prefix "Dienstag, 25. Apr" --alternatives 5 "Tuesday, April 25, 2045"   # next-word suggestions
   nmt translate --stream --beam-size 4 "Tuesday, April 25, 2045"        # words as they are decided
   nmt translate --json < sentences.txt > translations.jsonl
+  nmt translate --file page.html --format html > page.de.html          # a document, its markup kept
+  nmt translate --format text < ticket.txt                               # paragraphs, gaps kept exactly
   nmt translate --list-models
   nmt translate --server 10.0.0.1:50051,10.0.0.2:50051 "one two"          # round robin over two replicas
   nmt translate --server dns:///translator.nmt.svc.cluster.local:50051 "one two"   # a headless Service
@@ -135,6 +139,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           help="the N most likely next words after --prefix (or at the start), each continued "
                                "to a whole translation, in the order of that word's probability (its log-probability "
                                "is the score; fewer when the others are under 1%% of the first's probability)")
+    document = parser.add_argument_group("documents")
+    document.add_argument("--file", metavar="PATH",
+                          help="translate the whole file as one document ('-': stdin); implies --format text "
+                               "unless --format says otherwise")
+    document.add_argument("--format", dest="text_format", choices=("text", "html", "xml"), default=None,
+                          help="read each input as one document of this format: plain text (placeholders such "
+                               "as {0} and %%s kept), HTML or XML (markup carried to the translation)")
+    document.add_argument("--split", dest="splitting", choices=("sentences", "no_newlines", "off"),
+                          default="", help="how a document is cut into sentences: at sentence ends and newlines "
+                                           "(default), at sentence ends but not single newlines, or not at all")
     decoding.add_argument("--score", metavar="TARGET", default=None,
                           help="score TARGET as the translation of the one TEXT (kept for scripts; `nmt score "
                                "SOURCE TARGET` is the command for it)")
@@ -187,8 +201,20 @@ def read_input(args: argparse.Namespace, stdin: TextIO) -> tuple[list[str] | Ite
     """
     from common.errors import NmtError
 
+    if args.file is not None:
+        if args.texts:
+            raise NmtError("--file translates one file: leave out the TEXT arguments")
+        text = stdin.read() if args.file == "-" else _read_file(args.file)
+        if not text.strip():
+            raise NmtError(f"--file {args.file}: nothing to translate")
+        return [text], 1, False
     if args.texts:
         return list(args.texts), BATCH_SIZE, len(args.texts) > 1
+    if args.text_format is not None:
+        text = stdin.read()
+        if not text.strip():
+            raise NmtError("no text to translate: pass TEXT arguments or a document on stdin")
+        return [text], 1, False
     interactive = bool(getattr(stdin, "isatty", lambda: False)())
     if interactive:
         return _stdin_lines(stdin), 1, True
@@ -196,6 +222,15 @@ def read_input(args: argparse.Namespace, stdin: TextIO) -> tuple[list[str] | Ite
     if not texts:
         raise NmtError("no text to translate: pass TEXT arguments or lines on stdin")
     return texts, BATCH_SIZE, len(texts) > 1
+
+
+def _read_file(path: str) -> str:
+    from common.errors import NmtError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise NmtError(f"--file {path}: {error}") from None
 
 
 # ---- output --------------------------------------------------------------------------------------------------
@@ -241,8 +276,13 @@ def translation_json(source: str, translation: Any) -> dict[str, Any]:
         if "attention" in entry:
             entry["attention"]["alignments"] = [list(pair) for pair in entry["attention"]["alignments"]]
         hypotheses.append(entry)
-    return {"text": source, "model": translation.model, "model_version": translation.model_version,
-            "source_tokens": translation.source_tokens, "hypotheses": hypotheses}
+    result = {"text": source, "model": translation.model, "model_version": translation.model_version,
+              "source_tokens": translation.source_tokens, "hypotheses": hypotheses}
+    if len(translation.segments) > 1:
+        result["segments"] = [{"source": list(s.source), "target": list(s.target)} for s in translation.segments]
+    if translation.word_alignments:
+        result["word_alignments"] = [list(pair) for pair in translation.word_alignments]
+    return result
 
 
 def plot_path(base: str, index: int, numbered: bool) -> Path:
@@ -334,6 +374,11 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
         verbose = hypotheses > 1 or args.scores or args.attention or args.score is not None
         if args.stream and (args.score is not None or args.alternatives or args.json):
             raise NmtError("--stream prints words as they come: not with --score, --alternatives or --json")
+        documents = args.file is not None or args.text_format is not None
+        if documents and (args.stream or args.score is not None or args.prefix or args.alternatives):
+            raise NmtError("--file and --format translate documents: not with --stream, --score, --prefix or "
+                           "--alternatives, which apply to one sentence")
+        text_format = args.text_format or ("text" if documents else "")
         index = 0
         for batch in _batches(texts, 1 if args.stream else batch_size):
             if args.stream:
@@ -348,9 +393,15 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                                            max_length=args.max_length, length_penalty=args.length_penalty,
                                            attention=attention, scores=scores, target_language=args.target_language,
                                            target_prefixes=[args.prefix] * len(batch) if args.prefix else (),
-                                           alternatives=bool(args.alternatives))
+                                           alternatives=bool(args.alternatives), text_format=text_format,
+                                           splitting=args.splitting)
             for source, translation in zip(batch, results, strict=True):
                 index += 1
+                if documents and not verbose and not args.json:  # the document out, as it is
+                    text = translation.hypotheses[0].text if translation.hypotheses else ""
+                    stdout.write(text if text.endswith("\n") else text + "\n")
+                    save_plot(args, translation, index, numbered=numbered, stderr=stderr)
+                    continue
                 if args.stream and not verbose:  # its words are printed already
                     print(file=stdout)
                     save_plot(args, translation, index, numbered=numbered, stderr=stderr)

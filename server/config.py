@@ -125,7 +125,10 @@ class ServerConfig:
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")
-    max_chars: int = option(2000, "most characters in one text")
+    max_chars: int = option(20000, "most characters in one text")
+    max_request_chars: int = option(100000, "most characters in one request, over all its texts")
+    max_sentences: int = option(512, "most sentences in one request, over all its texts (a text is cut into "
+                                "sentences unless the request turns splitting off)")
     max_tokens: int = option(256, "most source subword tokens in one text (EOS excluded)")
     max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for; "
                              "the output is also capped at 2 x source tokens + 10")
@@ -148,7 +151,8 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         """Check ranges and cross-field rules; raise :class:`NmtError` naming the field and its limit."""
-        positive = ("max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars", "max_tokens",
+        positive = ("max_batch_sentences", "queue_size", "max_beam", "max_texts", "max_chars", "max_request_chars",
+                    "max_sentences", "max_tokens",
                     "max_length", "max_request_work", "max_response_bytes")
         for name in positive:
             if getattr(self, name) < 1:
@@ -176,6 +180,8 @@ class ServerConfig:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
+        if self.max_sentences > self.queue_size:
+            raise NmtError(f"queue_size ({self.queue_size}) must be at least max_sentences ({self.max_sentences})")
         if self.engine not in ENGINES:
             raise NmtError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.provider not in PROVIDERS:

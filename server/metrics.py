@@ -44,6 +44,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SENTENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SENTENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TEXT_FORMATS = ("text", "html", "xml")  # server.documents.model.TextFormat's values: nmt_text_sentences' labels
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # seconds
 STAGES = ("encode", "join", "decode")  # nmt_inference_duration_seconds
@@ -195,6 +197,9 @@ class ServerMetrics:
         self.stream_word_gap = Histogram("nmt_stream_word_gap_seconds", "TranslateStreaming: time between "
                                          "consecutive messages that carry text", ["model"], buckets=LATENCY_BUCKETS,
                                          registry=r)
+        self.text_sentences = Histogram("nmt_text_sentences", "Sentences per translated text, by text format (its "
+                                        "_count: texts by format)", ["model", "format"], buckets=SENTENCE_BUCKETS,
+                                        registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r,
                                 multiprocess_mode="livemax")
@@ -292,6 +297,14 @@ class ServerMetrics:
                 self.requests.labels(model, label, code)
         self.stream_first_word.labels(model)
         self.stream_word_gap.labels(model)
+        for text_format in TEXT_FORMATS:
+            self.text_sentences.labels(model, text_format)
+
+    def observe_texts(self, model: str, text_format: str, sentences: list[int]) -> None:
+        """A request's texts read as documents: each one's sentence count."""
+        histogram = self.text_sentences.labels(model, text_format)
+        for count in sentences:
+            histogram.observe(count)
 
     def serve_http(self, address: str) -> Any:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the HTTP server (``.server_port``)."""

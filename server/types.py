@@ -58,6 +58,8 @@ class TranslateCall:
     options: RequestedOptions = field(default_factory=RequestedOptions)
     target_language: str = ""  # a multilingual model's target language ("" = none)
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
+    text_format: str = "text"  # server.documents.model.TextFormat's values
+    splitting: str = ""  # server.documents.segmenter.Splitting's values; "": the default for the request
     score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
 
 
@@ -114,6 +116,35 @@ class Translation:
     source_tokens: list[str]  # subword pieces, EOS excluded
     source_words: list[str]  # words of the source text (server.alignment.segment_words)
     hypotheses: list[Hypothesis]
+    segments: list[Segment] = field(default_factory=list)  # a text read as a document: its sentences
+    document: DocumentAlignment | None = None  # a document's words and alignments (return_attention)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sentence of a text: its ``[start, end)`` in the text and in the translated text (code points of
+    the text content: markup left out, character references decoded) and its own translation."""
+
+    source: tuple[int, int]
+    target: tuple[int, int]
+    translation: Translation
+
+
+@dataclass(frozen=True)
+class DocumentWord:
+    text: str
+    start: int  # code points in the text content, as Segment's spans
+    end: int
+    segment: int
+
+
+@dataclass
+class DocumentAlignment:
+    """The words of a whole text and of its translation, and which source word each target word aligns to."""
+
+    source_words: list[DocumentWord]
+    target_words: list[DocumentWord]
+    alignments: list[WordAlignment]
 
 
 # A streaming sentence's stable prefix, whole, each time it grows: token ids, their log-probabilities and,

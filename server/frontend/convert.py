@@ -37,7 +37,14 @@ def from_pb(request: Any) -> TranslateCall:
         target_language=request.target_language,
         target_prefixes=list(request.target_prefixes),
         options=options_from_pb(request.options) if request.HasField("options") else DEFAULT_OPTIONS,
+        text_format=TEXT_FORMATS.get(request.text_format, ""),
+        splitting=SPLITTING.get(request.sentence_splitting, ""),
     )
+
+
+# enum numbers -> server.types.TranslateCall's strings; a number the proto does not name (a newer client) is ""
+TEXT_FORMATS = {0: "text", 1: "text", 2: "html", 3: "xml"}
+SPLITTING = {0: "", 1: "sentences", 2: "no_newlines", 3: "off"}
 
 
 DEFAULT_OPTIONS = RequestedOptions()  # a request without options: every field at its default
@@ -78,13 +85,25 @@ def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_atte
 def to_pb(translations: Sequence[Translation], model: Any, options: RequestedOptions) -> Any:
     """Translations by ``model`` -> ``TranslateResponse`` (the words are the engine's, copied)."""
     response = pb2.TranslateResponse(model=model.name, model_version=model.version)
+    asked = {"return_scores": options.return_scores, "return_attention": options.return_attention}
     for translation in translations:
         item = response.translations.add()
         item.source_tokens.extend(translation.source_words)
-        item.hypotheses.extend(
-            hypothesis_to_pb(h, return_scores=options.return_scores, return_attention=options.return_attention)
-            for h in translation.hypotheses
-        )
+        item.hypotheses.extend(hypothesis_to_pb(h, **asked) for h in translation.hypotheses)
+        for segment in translation.segments:
+            spans = item.segments.add(source_start=segment.source[0], source_end=segment.source[1],
+                                      target_start=segment.target[0], target_end=segment.target[1])
+            if segment.translation.hypotheses is not translation.hypotheses:  # else they are the text's, above
+                spans.source_tokens.extend(segment.translation.source_words)
+                spans.hypotheses.extend(hypothesis_to_pb(h, **asked) for h in segment.translation.hypotheses)
+        if translation.document is not None and options.return_attention:
+            document = translation.document
+            item.source_words.extend(pb2.TextWord(text=w.text, start=w.start, end=w.end, segment=w.segment)
+                                     for w in document.source_words)
+            item.target_words.extend(pb2.TextWord(text=w.text, start=w.start, end=w.end, segment=w.segment)
+                                     for w in document.target_words)
+            item.word_alignments.extend(pb2.WordAlignment(source_index=a.source_index, target_index=a.target_index)
+                                        for a in document.alignments)
     return response
 
 

@@ -29,6 +29,9 @@ import grpc
 
 from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
+from server.documents.model import TextFormat
+from server.documents.segmenter import Splitting
+from server.documents.translate import Reading, translate_documents
 from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.frontend.interceptor import Undecodable, current_call
@@ -196,12 +199,40 @@ class TranslatorService:
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             if stream is not None:
                 stream.bind(codec, scores=call.options.return_scores, attention=options.return_attention)
-            translations = await translate_texts(codec, model.submit, call.texts, options, handle,
-                                                 policy=self.policy, prefix=prefix, target_prefixes=forced,
-                                                 stream=stream)
+            reading = self._reading(call, codec.manifest.source_language, stream is not None)
+            if reading is not None:
+                translations = await translate_documents(
+                    codec, model.submit, call.texts, options, handle, reading=reading, policy=self.policy,
+                    prefix=prefix, max_sentences=self.config.max_sentences)
+                if self.metrics is not None:
+                    self.metrics.observe_texts(model.name, reading.format.value,
+                                               [len(t.segments) for t in translations])
+            else:
+                translations = await translate_texts(codec, model.submit, call.texts, options, handle,
+                                                     policy=self.policy, prefix=prefix, target_prefixes=forced,
+                                                     stream=stream)
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
             return to_pb(translations, model, call.options)
+
+
+    def _reading(self, call: TranslateCall, language: str, streaming: bool) -> Reading | None:
+        """How the call's texts are read (:mod:`server.documents`), or None for one model input per text: a
+        Score, a call with target prefixes or alternatives (which apply to one sentence) and, for now, a
+        stream of the stable prefix (one sentence)."""
+        text_format = TextFormat(call.text_format or "text")
+        one_sentence = ("target_prefixes" if any(call.target_prefixes) else
+                        "return_alternatives" if call.options.return_alternatives else
+                        "TranslateStreaming" if streaming else "")
+        if call.score:
+            return None
+        if one_sentence:
+            if call.splitting not in ("", Splitting.OFF.value) or text_format is not TextFormat.PLAIN:
+                raise InvalidArgument(f"{one_sentence} applies to one sentence of plain text: send it without "
+                                      "text_format and sentence_splitting (or with SPLIT_OFF)")
+            return None
+        splitting = Splitting(call.splitting or Splitting.SENTENCES.value)
+        return Reading(text_format, splitting, language, self.policy.max_tokens)
 
 
 def scored_whole(translation: Translation, length_penalty: float) -> Translation:

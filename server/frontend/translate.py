@@ -29,14 +29,16 @@ Submit = Callable[[Sequence[SentenceRequest], Sequence[int], RequestHandle], Awa
 async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
-    target_prefixes: Sequence[TargetPrefix] = (),
-    stream: StableStream | None = None,
+    target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
+    stream: StableStream | None = None, where: str = "texts",
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
     ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
-    return their translations in order. ``stream`` follows the (one) text's stable prefix
+    return their translations in order. ``aligned`` (none, or one per text): the texts whose attention is
+    computed although the options do not ask for it (:mod:`server.documents` places markup with it);
+    ``where`` names the texts in error messages. ``stream`` follows the (one) text's stable prefix
     (:mod:`server.frontend.streaming`)."""
     policy = policy or BatchPolicy()
 
@@ -44,15 +46,18 @@ async def translate_texts(
         return [*prefix, *codec.tokenize(text)]
 
     if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
-        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens)
+        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens, where)
     else:
-        sources = tokenize_texts(texts, tokenize, policy.max_tokens)
+        sources = tokenize_texts(texts, tokenize, policy.max_tokens, where)
     forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
     work = check_budget(texts, sources, options, piece_bytes=codec.tokenizer.max_piece_bytes,
                         max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
-                        prefix_steps=[target.steps() for target in forced])
-    sentences = [SentenceRequest(ids, options, None, text, target_prefix=target)
-                 for ids, text, target in zip(sources, texts, forced, strict=True)]
+                        prefix_steps=[target.steps() for target in forced], where=where.removesuffix("s"))
+    attention = replace(options, return_attention=True)
+    flags = list(aligned) or [False] * len(texts)
+    sentences = [SentenceRequest(ids, attention if align and not options.return_attention else options, None, text,
+                                 target_prefix=target)
+                 for ids, text, target, align in zip(sources, texts, forced, flags, strict=True)]
     if stream is not None:
         sentences[0] = replace(sentences[0], on_stable=stream.follow(sentences[0]))
     results = await submit(sentences, work, request or RequestHandle())

@@ -26,6 +26,10 @@ def check_texts(texts: Sequence[str], config: ServerConfig) -> None:
         raise InvalidArgument("no texts: send at least one text to translate")
     if len(texts) > config.max_texts:
         raise InvalidArgument(f"too many texts: {len(texts)}, the limit is {config.max_texts} per request")
+    total = sum(map(len, texts))
+    if total > config.max_request_chars:
+        raise InvalidArgument(f"texts have {total} characters in all, the limit is {config.max_request_chars} per "
+                              "request (max_request_chars)")
     for i, text in enumerate(texts):
         if not text.strip():
             raise InvalidArgument(f"texts[{i}] is empty or whitespace-only")
@@ -117,14 +121,16 @@ def resolve_controls(requested: RequestedOptions, beam: int, max_length: int,
     )
 
 
-def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], max_tokens: int) -> list[list[int]]:
-    """Subword ids of each text (EOS excluded); a text with no tokens or more than ``max_tokens`` is refused."""
+def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], max_tokens: int,
+                   where: str = "texts") -> list[list[int]]:
+    """Subword ids of each text (EOS excluded); a text with no tokens or more than ``max_tokens`` is refused
+    (``where`` names the texts: "texts", or "sentence" for a document's)."""
     ids = [tokenize(text) for text in texts]
     for i, sentence in enumerate(ids):
         if len(sentence) > max_tokens:
-            raise InvalidArgument(f"texts[{i}] has {len(sentence)} tokens, the limit is {max_tokens}")
+            raise InvalidArgument(f"{where}[{i}] has {len(sentence)} tokens, the limit is {max_tokens}")
         if not sentence:
-            raise InvalidArgument(f"texts[{i}] has no tokens")
+            raise InvalidArgument(f"{where}[{i}] has no tokens")
     return ids
 
 
@@ -173,7 +179,7 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
 
 def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options: DecodingOptions, *,
                  piece_bytes: int, max_work: int, max_response_bytes: int,
-                 prefix_steps: Sequence[int] = ()) -> list[int]:
+                 prefix_steps: Sequence[int] = (), where: str = "text") -> list[int]:
     """Refuse a request whose decoder work or response size could exceed the limits, or whose min_length no
     translation of a text could meet, before any compute; return each sentence's work (:func:`sentence_work`;
     ``prefix_steps``: each text's target prefix steps, which may go past the usual output limit)."""
@@ -182,7 +188,7 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
         longest = longest_output(len(ids) + 1, options, n)
         if options.controls.min_length >= longest:
             raise InvalidArgument(
-                f"min_length {options.controls.min_length} cannot be met for text {i}: its translation may have at "
+                f"min_length {options.controls.min_length} cannot be met for {where} {i}: its translation may have at "
                 f"most {longest - 1} pieces before the end of sentence (twice its {len(ids) + 1} source tokens + 10, "
                 f"and at most max_length); lower min_length")
     work = [sentence_work(len(ids) + 1, options, n) for ids, n in zip(sources, steps, strict=True)]

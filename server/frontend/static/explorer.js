@@ -2,7 +2,10 @@
 // alignment: a target x source heatmap of the attention weights, and source/target words linked by the hard
 // word alignments. With "Stream", each sentence goes to POST /v1/translate:stream (server-sent events): its
 // words appear as the search decides them and its heatmap grows row by row, then the whole result replaces
-// them. No dependencies, no build step.
+// them. A document (Input: plain text, HTML or XML) is one text: the translated document is shown as its text
+// content with every word linked to its partners across the document (sourceWords, targetWords,
+// wordAlignments), the output markup beside it, and each sentence's heatmap on demand. No dependencies, no
+// build step.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -143,14 +146,18 @@ function fail(message) {
 
 async function translate(event) {
   event.preventDefault();
-  const texts = $("texts").value.split("\n").map((t) => t.trim()).filter((t) => t);
+  const format = $("format").value;
+  const texts = format ? ($("texts").value.trim() ? [$("texts").value] : [])
+    : $("texts").value.split("\n").map((t) => t.trim()).filter((t) => t);
   showError("");
   if (!texts.length) { fail("Type a sentence first."); return; }
+  if (format && $("stream").checked) { fail("Stream translates sentences one per line; choose that input."); return; }
   const request = {
     texts, model: $("model").value, modelVersion: $("version").value,
     options: { beamSize: Number($("beam").value) || 0, numHypotheses: Number($("nbest").value) || 0,
       returnAttention: true, returnScores: true },
   };
+  if (format) request.textFormat = format;
   $("translate").disabled = true;
   $("status").textContent = "Translating…";
   const started = performance.now();
@@ -158,7 +165,8 @@ async function translate(event) {
     const response = $("stream").checked ? await streamAll(texts, request) : await call("POST", "v1/translate", request);
     $("status").textContent = `${response.model} version ${response.modelVersion}, ` +
       `${Math.round(performance.now() - started)} ms`;
-    render(response, texts);
+    if (format) renderDocument(response.translations[0], texts[0], format);
+    else render(response, texts);
   } catch (error) {
     fail(error.message);
   } finally {
@@ -192,6 +200,79 @@ function render(response, texts) {
     });
     results.append(section);
   });
+}
+
+// The text content of a document as the server counts it (markup left out, references decoded): a fragment
+// parsed in a <template>, as the server's parser reads a fragment, or XML inside a root.
+function textContent(markup, format) {
+  if (format === "TEXT_FORMAT_PLAIN") return markup;
+  if (format === "TEXT_FORMAT_XML") {
+    const parsed = new DOMParser().parseFromString(`<r>${markup.replace(/^\s*<\?xml[^>]*\?>/, "")}</r>`, "application/xml");
+    return parsed.documentElement.textContent;
+  }
+  const template = document.createElement("template");
+  template.innerHTML = markup;
+  return template.content.textContent;
+}
+
+// Words of ``text`` (spans in code points) as focusable spans, the text between them as it is.
+function wordSpans(text, words, side) {
+  const chars = [...text];
+  const box = el("div", { class: `document ${side}`, "aria-label": side === "src" ? "source document" : "translated document" });
+  let at = 0;
+  words.forEach((word, i) => {
+    const start = word.start || 0, end = word.end || 0;
+    if (start > at) box.append(document.createTextNode(chars.slice(at, start).join("")));
+    box.append(el("span", { class: `word ${side}`, tabindex: "0", "data-index": i, "data-segment": word.segment || 0 },
+      chars.slice(start, end).join("")));
+    at = Math.max(at, end);
+  });
+  if (at < chars.length) box.append(document.createTextNode(chars.slice(at).join("")));
+  return box;
+}
+
+function renderDocument(translation, source, format) {
+  const results = $("results");
+  results.replaceChildren();
+  const section = el("section", { class: "translation document-view" });
+  const best = translation.hypotheses[0] || { text: "" };
+  const pairs = translation.wordAlignments || [];
+  const src = wordSpans(textContent(source, format), translation.sourceWords || [], "src");
+  const tgt = wordSpans(textContent(best.text, format), translation.targetWords || [], "tgt");
+  const partners = (side, index) => pairs.filter((a) => ((side === "src" ? a.sourceIndex : a.targetIndex) || 0) === index)
+    .map((a) => (side === "src" ? a.targetIndex : a.sourceIndex) || 0);
+  for (const [box, other, side] of [[src, tgt, "src"], [tgt, src, "tgt"]]) {
+    box.querySelectorAll("span.word").forEach((node) => {
+      const index = Number(node.dataset.index);
+      const on = (flag) => {
+        node.classList.toggle("on", flag);
+        for (const j of partners(side, index)) {
+          const partner = other.querySelector(`span.word[data-index="${j}"]`);
+          if (partner) partner.classList.toggle("on", flag);
+        }
+      };
+      for (const [type, flag] of [["mouseenter", true], ["mouseleave", false], ["focus", true], ["blur", false]]) {
+        node.addEventListener(type, () => on(flag));
+      }
+    });
+  }
+  section.append(el("h2", {}, `${(translation.segments || []).length} sentences`), src, tgt);
+  if (format !== "TEXT_FORMAT_PLAIN") {
+    section.append(el("h3", {}, "Translated markup"), el("pre", { class: "markup" }, best.text));
+  }
+  (translation.segments || []).forEach((segment, k) => {
+    const own = segment.hypotheses && segment.hypotheses.length ? segment : translation;
+    const details = el("details", { class: "segment" });
+    const sourceText = [...textContent(source, format)].slice(segment.sourceStart || 0, segment.sourceEnd || 0).join("");
+    details.append(el("summary", {}, `Sentence ${k + 1}: ${sourceText}`));
+    details.addEventListener("toggle", () => {
+      if (details.open && details.children.length === 1) {
+        own.hypotheses.forEach((h, rank) => details.append(renderHypothesis(h, rank, own.sourceTokens)));
+      }
+    }, { once: false });
+    section.append(details);
+  });
+  results.append(section);
 }
 
 function renderHypothesis(hypothesis, rank, source) {
