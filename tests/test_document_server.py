@@ -238,11 +238,11 @@ def test_fuzzed_markup_gets_an_answer_or_invalid_argument(server: ServerHarness,
 
 
 @pytest.mark.parametrize("text", [
-    "<b>" * 5000 + "April" + "</b>" * 5000,  # deep nesting
-    '<img alt="' + "a" * 15000 + '">April 25, 2045',  # a huge attribute
-    "<p>April 25, 2045" * 300,  # unclosed tags
+    "<b>" * 5000 + "April" + "</b>" * 5000,
+    '<img alt="' + "a" * 15000 + '">April 25, 2045',
+    "<p>April 25, 2045" * 300,
     '<?xml version="1.0"?><!DOCTYPE r [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;">]><r>&b;</r>',
-])
+], ids=["deep nesting", "a huge attribute", "unclosed tags", "an entity bomb"])
 @pytest.mark.parametrize("text_format", [HTML, XML])
 def test_hostile_markup_is_answered_and_the_server_stays_up(server: ServerHarness, text: str,
                                                             text_format: int) -> None:

@@ -217,13 +217,13 @@ def test_explorer_hint_fits_and_an_error_clears_the_results(server: ServerHarnes
     assert best.find_element(By.CSS_SELECTOR, ".weight").text.startswith("25. ← April: 0.")
     assert assert_heatmaps_fit(browser)[0]["text"].startswith("25. ← April: 0.")
 
-    # a text over the server's limit (2000 characters): the service refuses it, and the page shows the error
+    # a text over the server's limit (20000 characters): the service refuses it, and the page shows the error
     # alone, without the previous request's results under it
-    browser.execute_script("document.getElementById('texts').value = 'x'.repeat(2001)")
+    browser.execute_script("document.getElementById('texts').value = 'x'.repeat(20001)")
     browser.find_element(By.ID, "translate").click()
     WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "error").is_displayed())
     message = browser.find_element(By.ID, "error").text
-    assert message.startswith("400 INVALID_ARGUMENT: texts[0] has 2001 characters"), message
+    assert message.startswith("400 INVALID_ARGUMENT: texts[0] has 20001 characters"), message
     results = browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis, #results table, #results svg")
     assert not [node for node in results if node.is_displayed()]
     assert browser.find_element(By.ID, "status").text == ""

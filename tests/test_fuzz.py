@@ -36,7 +36,7 @@ texts = st.one_of(
     st.text(st.characters(codec="utf-8", categories=["Cc", "Cf", "Zs", "Zl", "Zp", "Co", "So"]), max_size=30),
     st.lists(st.sampled_from(EN), min_size=1, max_size=8).map(" ".join),
     st.just(""),
-    st.integers(2001, 3000).map(lambda n: "seven " * (n // 6 + 1)),  # over max_chars
+    st.integers(20001, 21000).map(lambda n: "seven " * (n // 6 + 1)),  # over max_chars
     st.integers(60, 400).map(lambda n: "one " * n),  # over max_tokens or the work budget
 )
 options = st.builds(

@@ -298,9 +298,13 @@ ERROR_CASES = [
     ("empty text", {"texts": ["ok", ""]}, INVALID, "texts[1] is empty"),
     ("whitespace text", {"texts": [" \t\n"]}, INVALID, "texts[0] is empty or whitespace-only"),
     ("too many texts", {"texts": ["one"] * 65}, INVALID, "too many texts: 65, the limit is 64"),
-    ("too many characters", {"texts": ["a" * 2001]}, INVALID, "2001 characters, the limit is 2000"),
-    ("too many tokens", {"texts": [" ".join(["one"] * 300)]}, INVALID, "tokens, the limit is 256"),
-    ("too many tokens, large request", {"texts": ["day 1 of May"] * 4 + ["number 1 " * 222]}, INVALID,
+    ("too many characters", {"texts": ["a" * 20001]}, INVALID, "20001 characters, the limit is 20000"),
+    ("too many characters in all", {"texts": ["a" * 19000] * 6}, INVALID, "the limit is 100000 per request"),
+    # a text read as one sentence (a text cut into sentences has each too long one cut again)
+    ("too many tokens", {"texts": [" ".join(["one"] * 300)], "sentence_splitting": pb2.SPLIT_OFF}, INVALID,
+     "tokens, the limit is 256"),
+    ("too many tokens, large request", {"texts": ["day 1 of May"] * 4 + ["number 1 " * 222],
+                                        "sentence_splitting": pb2.SPLIT_OFF}, INVALID,
      "texts[4] has"),  # tokenized off the event loop
     ("beam over max", {"options": {"beam_size": 9}}, INVALID, "beam_size 9 is over the limit of 8"),
     ("n-best over beam", {"options": {"beam_size": 2, "num_hypotheses": 3}}, INVALID,
