@@ -123,8 +123,13 @@ def _parts(word: str) -> tuple[str, str, str]:
 
 
 def _majority(run: Run, positions: list[int]) -> int:
-    counts = Counter(run.owner[p] for p in positions)
-    return counts.most_common(1)[0][0] if counts else NO_ELEMENT
+    """The element most of these characters sit in (the first of them on a tie)."""
+    owners = [run.owner[p] for p in positions]
+    if not owners:
+        return NO_ELEMENT
+    if owners.count(owners[0]) == len(owners):
+        return owners[0]
+    return Counter(owners).most_common(1)[0][0]
 
 
 def render_run(run: Run, sentences: list[tuple[SourceSentence, TargetSentence]]) -> RenderedRun:
@@ -162,9 +167,16 @@ def _sentence(run: Run, k: int, source: SourceSentence, target: TargetSentence, 
     """A sentence's translation as pieces, each word's parts asking for its aligned source word's elements,
     the sentence's atoms before the words they precede in the source."""
     first = len(pieces)
-    if not target.words:  # not aligned: the sentence has one element (or none) and no atoms
+    if not target.words or not source.needs_alignment:  # one element (or none) and no atoms: nothing moves
         owner = run.owner[source.positions[0]] if source.positions else NO_ELEMENT
-        pieces.append(Piece(text=target.text, owner=owner, sentence=k))
+        cursor = 0
+        for i, (start, end) in enumerate(target.words):  # the words only for their spans
+            if start > cursor:
+                pieces.append(Piece(text=target.text[cursor:start], owner=owner, sentence=k))
+            pieces.append(Piece(text=target.text[start:end], owner=owner, sentence=k, word=i))
+            cursor = end
+        if cursor < len(target.text) or not target.words:
+            pieces.append(Piece(text=target.text[cursor:], owner=owner, sentence=k))
         for i in range(source.start, source.end):
             anchors[i] = first
         return
@@ -217,8 +229,9 @@ def _sentence(run: Run, k: int, source: SourceSentence, target: TargetSentence, 
         if j in first_target:
             following_piece = word_piece.get(first_target[j], following_piece)
         anchors.setdefault(word_starts[j], following_piece)
-    for i in range(source.start, source.end):
-        anchors.setdefault(i, min((anchors[s] for s in word_starts if s >= i), default=len(pieces)))
+    following = len(pieces)
+    for i in range(source.end - 1, source.start - 1, -1):  # any other position: where the next word went
+        following = anchors.setdefault(i, following)
     if len(pieces) == first:
         pieces.append(Piece(text="", owner=FREE, sentence=k))
 
