@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 from bench_common import host, sentences, start_server  # noqa: E402
 
 from clients.client import TranslatorClient  # noqa: E402
-from server.documents.model import TextFormat  # noqa: E402
-from server.documents.segmenter import Splitting  # noqa: E402
-from server.documents.translate import Reading, assemble, plan_text  # noqa: E402
+from server.frontend.documents.model import TextFormat  # noqa: E402
+from server.frontend.documents.segmenter import Splitting  # noqa: E402
+from server.frontend.documents.translate import Reading, assemble, plan_text  # noqa: E402
 from server.types import Attention, Hypothesis, Translation, WordAlignment  # noqa: E402
 
 

@@ -58,8 +58,8 @@ class TranslateCall:
     options: RequestedOptions = field(default_factory=RequestedOptions)
     target_language: str = ""  # a multilingual model's target language ("" = none)
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
-    text_format: str = "text"  # server.documents.model.TextFormat's values
-    splitting: str = ""  # server.documents.segmenter.Splitting's values; "": the default for the request
+    text_format: str = "text"  # server.frontend.documents.model.TextFormat's values
+    splitting: str = ""  # server.frontend.documents.segmenter.Splitting's values; "": the default for the request
     score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
 
 

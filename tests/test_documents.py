@@ -1,4 +1,4 @@
-"""Texts read as documents (:mod:`server.documents`), without a model: segmentation with the gaps kept, long
+"""Texts read as documents (:mod:`server.frontend.documents`), without a model: segmentation with the gaps kept, long
 sentences cut, placeholders, HTML and XML read safely, and tag transfer through given alignments, on known
 answers and as properties over random markup around the dates corpus' sentences."""
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.documents.markup import MAX_DEPTH, html_document, xml_document
-from server.documents.model import PLACEHOLDER, TextFormat
-from server.documents.segmenter import Splitting, cut_to_fit, sentence_spans
-from server.documents.translate import Reading, assemble, plan_text
+from server.frontend.documents.markup import MAX_DEPTH, html_document, xml_document
+from server.frontend.documents.model import PLACEHOLDER, TextFormat
+from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
+from server.frontend.documents.translate import Reading, assemble, plan_text
 from server.errors import InvalidArgument
 from server.types import Attention, Hypothesis, Translation, WordAlignment
 from training.data import generate_dates_corpus

@@ -29,9 +29,9 @@ import grpc
 
 from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
-from server.documents.model import TextFormat
-from server.documents.segmenter import Splitting
-from server.documents.translate import Reading, translate_documents
+from server.frontend.documents.model import TextFormat
+from server.frontend.documents.segmenter import Splitting
+from server.frontend.documents.translate import Reading, translate_documents
 from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
 from server.frontend.interceptor import Undecodable, current_call
@@ -217,7 +217,7 @@ class TranslatorService:
 
 
     def _reading(self, call: TranslateCall, language: str, streaming: bool) -> Reading | None:
-        """How the call's texts are read (:mod:`server.documents`), or None for one model input per text: a
+        """How the call's texts are read (:mod:`server.frontend.documents`), or None for one model input per text: a
         Score, a call with target prefixes or alternatives (which apply to one sentence) and, for now, a
         stream of the stable prefix (one sentence)."""
         text_format = TextFormat(call.text_format or "text")

@@ -37,7 +37,7 @@ async def translate_texts(
     ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
     return their translations in order. ``aligned`` (none, or one per text): the texts whose attention is
-    computed although the options do not ask for it (:mod:`server.documents` places markup with it);
+    computed although the options do not ask for it (:mod:`server.frontend.documents` places markup with it);
     ``where`` names the texts in error messages. ``stream`` follows the (one) text's stable prefix
     (:mod:`server.frontend.streaming`)."""
     policy = policy or BatchPolicy()

@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from server.documents.markup import html_document, xml_document
-from server.documents.model import Atom, Document, Run, TextFormat, plain_document
-from server.documents.segmenter import Splitting, cut_to_fit, sentence_spans
-from server.documents.transfer import SourceSentence, TargetSentence, render_run, source_sentence, word_spans
+from server.frontend.documents.markup import html_document, xml_document
+from server.frontend.documents.model import Atom, Document, Run, TextFormat, plain_document
+from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
+from server.frontend.documents.transfer import SourceSentence, TargetSentence, render_run, source_sentence, word_spans
 from server.errors import InvalidArgument
 from server.frontend.streaming import StableStream
 from server.frontend.translate import Submit, translate_texts

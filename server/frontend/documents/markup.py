@@ -1,4 +1,4 @@
-"""HTML and XML texts read into a :class:`~server.documents.model.Document`.
+"""HTML and XML texts read into a :class:`~server.frontend.documents.model.Document`.
 
 HTML is parsed by ``html5lib`` (MIT), the WHATWG algorithm browsers use: every input parses, a fragment as a
 fragment and a text that starts with ``<!DOCTYPE`` or ``<html`` as a document. XML is parsed by ``lxml``
@@ -26,7 +26,7 @@ from xml.etree import ElementTree
 import html5lib
 from lxml import etree
 
-from server.documents.model import NO_ELEMENT, Atom, Document, Element, Run, TextFormat, add_text_with_placeholders
+from server.frontend.documents.model import NO_ELEMENT, Atom, Document, Element, Run, TextFormat, add_text_with_placeholders
 from server.errors import InvalidArgument
 
 MAX_DEPTH = 100

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from html import escape
 from itertools import pairwise
 
-from server.documents.model import ATOM, NO_ELEMENT, Atom, Run
+from server.frontend.documents.model import ATOM, NO_ELEMENT, Atom, Run
 
 FREE = -2  # a piece of output with no element of its own (the whitespace between target words)
 

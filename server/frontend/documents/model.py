@@ -3,7 +3,7 @@
 A :class:`Run` is the content between two block boundaries: its characters, the inline element each character
 sits in, and :data:`ATOM` characters that stand for what is kept verbatim inside a sentence (a placeholder,
 an ``<img>``, a ``<code>`` element, a comment). Sentences are cut from runs; a run is put back together as a
-whole (:mod:`server.documents.transfer`), so an inline element may hold several sentences.
+whole (:mod:`server.frontend.documents.transfer`), so an inline element may hold several sentences.
 """
 
 from __future__ import annotations
