@@ -39,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "TranslateStream's time to the first word beside Translate's latency; interactive: completing from a "
             "target prefix, and Score against Translate; soak: a long run at a fraction of saturation (latency "
             "drift, memory); export: an OPUS-MT-sized import through nmt export and nmt serve (time, memory, "
-            "bytes); documents: a text of many sentences in one request against its sentences as texts of their own, and what reading and putting a document back cost per sentence; device-memory: a version's device memory on CUDA (needs a GPU)."
+            "bytes); documents: a text of many sentences in one request against its sentences as texts of their "
+            "own, and what reading and putting a document back cost per sentence; device-memory: a version's "
+            "device memory on CUDA (needs a GPU)."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

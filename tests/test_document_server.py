@@ -251,3 +251,29 @@ def test_hostile_markup_is_answered_and_the_server_stays_up(server: ServerHarnes
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert text_of(translate(server, [DATES[0]])) == ["Dienstag, 25. April 2045"]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_document_streams_sentence_after_sentence(server: ServerHarness, beam: int) -> None:
+    text = f"  {DATES[0]}.\n{DATES[1]}, {{0}} ok.\n\n{DATES[2]}.  "
+    request = pb2.TranslateRequest(texts=[text], model=TRANSFORMER,
+                                   options=pb2.DecodingOptions(beam_size=beam, return_scores=True))
+    deltas = list(server.stub.TranslateStreaming(request, timeout=60))
+    [expected] = server.stub.Translate(request, timeout=60).translations
+    final = deltas[-1].final.translations[0]
+    assert [d.HasField("final") for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert list(final.hypotheses) == list(expected.hypotheses)
+    assert "".join(d.text for d in deltas) == expected.hypotheses[0].text  # gaps, sentences, the placeholder
+    assert deltas[0].text == "  " and deltas[-1].text == "  "
+    first = expected.segments[0]
+    streamed = "".join(d.text for d in deltas[1:])
+    assert streamed.startswith(expected.hypotheses[0].text[first.target_start:first.target_end])
+    if beam == 1:  # the first sentence word by word
+        assert len([d for d in deltas if d.text.strip()]) > 3
+
+
+def test_a_stream_of_markup_is_invalid_argument(server: ServerHarness) -> None:
+    request = pb2.TranslateRequest(texts=["<b>April</b> 25, 2045"], model=TRANSFORMER, text_format=HTML)
+    with pytest.raises(grpc.RpcError) as error:
+        list(server.stub.TranslateStreaming(request, timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "plain text" in error.value.details()

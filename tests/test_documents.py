@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.errors import InvalidArgument
 from server.frontend.documents.markup import MAX_DEPTH, html_document, xml_document
 from server.frontend.documents.model import PLACEHOLDER, TextFormat
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
 from server.frontend.documents.translate import Reading, assemble, plan_text
-from server.errors import InvalidArgument
 from server.types import Attention, Hypothesis, Translation, WordAlignment
 from training.data import generate_dates_corpus
 

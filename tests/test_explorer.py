@@ -276,3 +276,46 @@ def test_explorer_streams_words_and_grows_the_heatmap(dates_repository: Path, br
         browser.save_screenshot(str(tmp_path / "explorer-stream.png"))
     finally:
         h.close()
+
+
+def translate_document(browser: webdriver.Chrome, text: str, text_format: str) -> None:
+    """Choose a document input, type ``text`` and wait for the translated document."""
+    wait = WebDriverWait(browser, 60)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#model option[value='{DATES_MODEL}']"))
+    browser.find_element(By.CSS_SELECTOR, f"#model option[value='{DATES_MODEL}']").click()
+    browser.find_element(By.CSS_SELECTOR, f"#format option[value='{text_format}']").click()
+    browser.execute_script("document.getElementById('texts').value = arguments[0];"
+                           "document.getElementById('results').replaceChildren()", text)
+    browser.find_element(By.ID, "translate").click()
+    wait.until(expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "#results .document.tgt")))
+
+
+def test_explorer_translates_a_paragraph_and_an_html_snippet(server: ServerHarness, browser: webdriver.Chrome,
+                                                            tmp_path: Path) -> None:
+    """A paragraph in: the translated document out, with its line break; hovering a word of the second sentence
+    lights its partner there; a sentence's heatmap opens on demand. An HTML snippet: the markup kept."""
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    translate_document(browser, "Tuesday, April 25, 2045.\nMonday, May 1, 2046.", "TEXT_FORMAT_PLAIN")
+    target = browser.find_element(By.CSS_SELECTOR, "#results .document.tgt")
+    first, second = target.text.split("\n")
+    assert first == "Dienstag, 25. April 2045." and second.endswith("2046.")
+    source_words = browser.find_elements(By.CSS_SELECTOR, "#results .document.src span.word")
+    assert [w.text for w in source_words] == ["Tuesday,", "April", "25,", "2045.", "Monday,", "May", "1,", "2046."]
+    may = next(w for w in source_words if w.text == "May")
+    webdriver.ActionChains(browser).move_to_element(may).perform()
+    lit = target.find_elements(By.CSS_SELECTOR, "span.word.on")
+    assert lit and all(w.text in second.split() for w in lit)  # its partners, in the second sentence
+    segments = browser.find_elements(By.CSS_SELECTOR, "#results details.segment")
+    assert len(segments) == 2
+    segments[1].find_element(By.TAG_NAME, "summary").click()
+    rows = segments[1].find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")
+    assert [r.find_element(By.TAG_NAME, "th").text for r in rows] == second.split()
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(tmp_path / "explorer-paragraph.png"))
+    shutil.copy(tmp_path / "explorer-paragraph.png", ARTIFACTS / "explorer-paragraph.png")
+
+    translate_document(browser, "<p><i>Tuesday</i>, April <b>25</b>, 2045</p>", "TEXT_FORMAT_HTML")
+    markup = browser.find_element(By.CSS_SELECTOR, "#results pre.markup").text
+    assert markup.startswith("<p><i>Dienstag</i>, ") and markup.count("<b>") == 1 and markup.endswith("</p>")
+    assert browser.find_element(By.CSS_SELECTOR, "#results .document.tgt").text == "Dienstag, 25. April 2045"
+    assert not browser.find_element(By.ID, "error").is_displayed()

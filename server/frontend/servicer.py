@@ -29,13 +29,13 @@ import grpc
 
 from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
-from server.frontend.documents.model import TextFormat
-from server.frontend.documents.segmenter import Splitting
-from server.frontend.documents.translate import Reading, translate_documents
 from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
+from server.frontend.documents.model import TextFormat
+from server.frontend.documents.segmenter import Splitting
+from server.frontend.documents.streaming import DocumentStream
+from server.frontend.documents.translate import Reading, translate_documents
 from server.frontend.interceptor import Undecodable, current_call
-from server.frontend.streaming import StableStream
 from server.frontend.translate import translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.metrics import ServerMetrics
@@ -111,7 +111,7 @@ class TranslatorService:
     ) -> AsyncIterator[Any]:
         """One text as the search decides it (:mod:`server.frontend.streaming`); a client that goes away
         cancels the translation, whose rows leave the decode at its next step."""
-        stream = StableStream()
+        stream = DocumentStream()
         translate = asyncio.ensure_future(self._run(request, from_pb, context, stream=stream))
         start, last = time.monotonic(), None
         try:
@@ -171,7 +171,7 @@ class TranslatorService:
         return await self._run(request, from_pb, context)
 
     async def _run(self, request: Any, parse: Callable[[Any], TranslateCall], context: grpc.aio.ServicerContext,
-                   stream: StableStream | None = None) -> Any:
+                   stream: DocumentStream | None = None) -> Any:
         """One request, read by ``parse`` -> its ``TranslateResponse``; with ``stream``, its one text's stable
         prefix is reported there as the search goes."""
         if self.draining:
@@ -203,7 +203,7 @@ class TranslatorService:
             if reading is not None:
                 translations = await translate_documents(
                     codec, model.submit, call.texts, options, handle, reading=reading, policy=self.policy,
-                    prefix=prefix, max_sentences=self.config.max_sentences)
+                    prefix=prefix, max_sentences=self.config.max_sentences, stream=stream)
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
                                                [len(t.segments) for t in translations])
@@ -217,13 +217,12 @@ class TranslatorService:
 
 
     def _reading(self, call: TranslateCall, language: str, streaming: bool) -> Reading | None:
-        """How the call's texts are read (:mod:`server.frontend.documents`), or None for one model input per text: a
-        Score, a call with target prefixes or alternatives (which apply to one sentence) and, for now, a
-        stream of the stable prefix (one sentence)."""
+        """How the call's texts are read (:mod:`server.frontend.documents`), or None for one model input per
+        text: a Score, and a call with target prefixes or alternatives, which apply to one sentence.
+        ``streaming`` (TranslateStreaming) reads plain text only."""
         text_format = TextFormat(call.text_format or "text")
         one_sentence = ("target_prefixes" if any(call.target_prefixes) else
-                        "return_alternatives" if call.options.return_alternatives else
-                        "TranslateStreaming" if streaming else "")
+                        "return_alternatives" if call.options.return_alternatives else "")
         if call.score:
             return None
         if one_sentence:
@@ -231,6 +230,8 @@ class TranslatorService:
                 raise InvalidArgument(f"{one_sentence} applies to one sentence of plain text: send it without "
                                       "text_format and sentence_splitting (or with SPLIT_OFF)")
             return None
+        if streaming and text_format is not TextFormat.PLAIN:
+            raise InvalidArgument("TranslateStreaming streams plain text; send HTML and XML to Translate")
         splitting = Splitting(call.splitting or Splitting.SENTENCES.value)
         return Reading(text_format, splitting, language, self.policy.max_tokens)
 

@@ -48,10 +48,16 @@ class StableStream:
         """The model version the request resolved to (its tokenizer and word starts) and its options."""
         self.codec, self.scores, self.attention = codec, scores, attention
 
-    def follow(self, sentence: SentenceRequest) -> StableReport:
-        """The sentence whose stable prefix this streams; returns its ``on_stable``."""
+    def follow(self, index: int, sentence: SentenceRequest) -> StableReport | None:
+        """The sentence whose stable prefix this streams (the first, the one a request streams); returns its
+        ``on_stable``."""
+        if index:
+            return None
         self.source = sentence
         return self.on_stable
+
+    def done(self, index: int, translation: object) -> None:
+        """The whole response comes from the request (:meth:`deltas`)."""
 
     def on_stable(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:
         """The engine's report of the sentence's stable prefix (:data:`server.types.StableReport`)."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
-from server.frontend.streaming import StableStream
 from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
-from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
+from server.types import DecodingOptions, SearchResult, SentenceRequest, StableReport, TargetPrefix, Translation
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
@@ -26,11 +26,22 @@ TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread
 Submit = Callable[[Sequence[SentenceRequest], Sequence[int], RequestHandle], Awaitable[list[SearchResult]]]
 
 
+class SentenceStream(Protocol):
+    """What follows a streamed request's sentences (:class:`server.frontend.streaming.StableStream`, or
+    :class:`server.frontend.documents.streaming.DocumentStream` for a document's)."""
+
+    def follow(self, index: int, sentence: SentenceRequest) -> StableReport | None:
+        """Sentence ``index``'s ``on_stable`` (None: its stable prefix is not reported)."""
+
+    def done(self, index: int, translation: Translation) -> None:
+        """Sentence ``index`` is decoded."""
+
+
 async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
-    stream: StableStream | None = None, where: str = "texts",
+    stream: SentenceStream | None = None, where: str = "texts",
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
@@ -38,8 +49,9 @@ async def translate_texts(
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
     return their translations in order. ``aligned`` (none, or one per text): the texts whose attention is
     computed although the options do not ask for it (:mod:`server.frontend.documents` places markup with it);
-    ``where`` names the texts in error messages. ``stream`` follows the (one) text's stable prefix
-    (:mod:`server.frontend.streaming`)."""
+    ``where`` names the texts in error messages. ``stream`` (:class:`SentenceStream`) follows the sentences'
+    stable prefixes and hears of each one's translation as soon as it is decoded (each is submitted alone; all
+    at once, so they still batch together)."""
     policy = policy or BatchPolicy()
 
     def tokenize(text: str) -> list[int]:
@@ -58,7 +70,21 @@ async def translate_texts(
     sentences = [SentenceRequest(ids, attention if align and not options.return_attention else options, None, text,
                                  target_prefix=target)
                  for ids, text, target, align in zip(sources, texts, forced, flags, strict=True)]
-    if stream is not None:
-        sentences[0] = replace(sentences[0], on_stable=stream.follow(sentences[0]))
-    results = await submit(sentences, work, request or RequestHandle())
-    return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
+    handle = request or RequestHandle()
+    if stream is None:
+        results = await submit(sentences, work, handle)
+        return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
+    sentences = [replace(s, on_stable=stream.follow(i, s)) for i, s in enumerate(sentences)]
+
+    async def one(i: int) -> Translation:  # a stream hears of each sentence as soon as it is decoded
+        [result] = await submit([sentences[i]], [work[i]], handle)
+        translation = codec.to_translation(sentences[i], result)
+        stream.done(i, translation)
+        return translation
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(sentences))]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # after a failure the other sentences stop too
+        for task in tasks:
+            task.cancel()

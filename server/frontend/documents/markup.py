@@ -26,8 +26,16 @@ from xml.etree import ElementTree
 import html5lib
 from lxml import etree
 
-from server.frontend.documents.model import NO_ELEMENT, Atom, Document, Element, Run, TextFormat, add_text_with_placeholders
 from server.errors import InvalidArgument
+from server.frontend.documents.model import (
+    NO_ELEMENT,
+    Atom,
+    Document,
+    Element,
+    Run,
+    TextFormat,
+    add_text_with_placeholders,
+)
 
 MAX_DEPTH = 100
 BLOCKS = frozenset({

@@ -21,6 +21,7 @@ from html import escape
 from itertools import pairwise
 
 from server.frontend.documents.model import ATOM, NO_ELEMENT, Atom, Run
+from server.types import Translation
 
 FREE = -2  # a piece of output with no element of its own (the whitespace between target words)
 
@@ -400,3 +401,19 @@ def _emit(run: Run, layout: _Layout, sentences: int) -> RenderedRun:
             place(index)
     words = [{i: (span[0], span[1]) for i, span in spans.items()} for spans in word_spans]
     return RenderedRun("".join(out), length, [(span[0], span[1]) for span in sentence_spans], words)
+
+
+def target_sentence(source: SourceSentence, translation: Translation) -> TargetSentence:
+    """A sentence's best translation as :func:`render_run` reads it: with its words and alignments when it
+    was aligned."""
+    if not translation.hypotheses:
+        return TargetSentence("")
+    best = translation.hypotheses[0]
+    if best.attention is None or not best.words or not translation.source_words:
+        return TargetSentence(best.text)
+    aligned = [0] * len(best.words)
+    for a in best.attention.alignments:
+        if a.target_index < len(aligned):
+            aligned[a.target_index] = min(a.source_index, len(translation.source_words) - 1)
+    return TargetSentence(best.text, word_spans(best.text, best.words),
+                          word_spans(source.text, translation.source_words), aligned)

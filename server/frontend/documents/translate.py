@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from server.errors import InvalidArgument
 from server.frontend.documents.markup import html_document, xml_document
 from server.frontend.documents.model import Atom, Document, Run, TextFormat, plain_document
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
-from server.frontend.documents.transfer import SourceSentence, TargetSentence, render_run, source_sentence, word_spans
-from server.errors import InvalidArgument
-from server.frontend.streaming import StableStream
+from server.frontend.documents.streaming import DocumentStream
+from server.frontend.documents.transfer import SourceSentence, render_run, source_sentence, target_sentence, word_spans
 from server.frontend.translate import Submit, translate_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
@@ -94,10 +94,10 @@ def _trim_atoms(run: Run, start: int, end: int) -> tuple[int, int]:
 async def translate_documents(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, reading: Reading, policy: BatchPolicy | None = None,
-    prefix: Sequence[int] = (), max_sentences: int = 1024, stream: StableStream | None = None,
+    prefix: Sequence[int] = (), max_sentences: int = 1024, stream: DocumentStream | None = None,
 ) -> list[Translation]:
     """Translate each text as a document (see the module docstring); InvalidArgument for a request of more
-    than ``max_sentences`` sentences."""
+    than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text."""
     limit = reading.max_tokens - len(prefix)
 
     def fits(sentence: str) -> bool:
@@ -111,6 +111,11 @@ async def translate_documents(
     if len(sentences) > max_sentences:
         raise InvalidArgument(f"request has {len(sentences)} sentences, the limit is {max_sentences} "
                               "(max_sentences); send fewer or shorter texts")
+    if stream is not None:
+        [plan] = plans
+        located = [(run, source) for run, sources in zip(plan.document.runs, plan.sentences, strict=True)
+                   for source in sources]
+        stream.read(texts[0], located, [(run.offsets[s.start], run.offsets[s.end - 1] + 1) for run, s in located])
     translations = await translate_texts(
         codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
@@ -190,19 +195,3 @@ def document_hypothesis(text: str, translations: Sequence[Translation]) -> Hypot
         score=sum(h.score for h in best) / len(best) if best else 0.0,
         token_scores=[s for h in best for s in h.token_scores],
     )
-
-
-def target_sentence(source: SourceSentence, translation: Translation) -> TargetSentence:
-    """A sentence's best translation as :func:`render_run` reads it: with its words and alignments when it
-    was aligned."""
-    if not translation.hypotheses:
-        return TargetSentence("")
-    best = translation.hypotheses[0]
-    if best.attention is None or not best.words or not translation.source_words:
-        return TargetSentence(best.text)
-    aligned = [0] * len(best.words)
-    for a in best.attention.alignments:
-        if a.target_index < len(aligned):
-            aligned[a.target_index] = min(a.source_index, len(translation.source_words) - 1)
-    return TargetSentence(best.text, word_spans(best.text, best.words),
-                          word_spans(source.text, translation.source_words), aligned)
