@@ -128,7 +128,7 @@ class ServerConfig:
     max_chars: int = option(20000, "most characters in one text")
     max_request_chars: int = option(100000, "most characters in one request, over all its texts")
     max_sentences: int = option(512, "most sentences in one request, over all its texts (a text is cut into "
-                                "sentences unless the request turns splitting off)")
+                                "sentences unless the request turns splitting off); at most queue_size")
     max_tokens: int = option(256, "most source subword tokens in one text (EOS excluded)")
     max_length: int = option(512, "largest max_length (generated tokens, EOS included) a request may ask for; "
                              "the output is also capped at 2 x source tokens + 10")
@@ -180,8 +180,6 @@ class ServerConfig:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
-        if self.max_sentences > self.queue_size:
-            raise NmtError(f"queue_size ({self.queue_size}) must be at least max_sentences ({self.max_sentences})")
         if self.engine not in ENGINES:
             raise NmtError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.provider not in PROVIDERS:

@@ -203,7 +203,8 @@ class TranslatorService:
             if reading is not None:
                 translations = await translate_documents(
                     codec, model.submit, call.texts, options, handle, reading=reading, policy=self.policy,
-                    prefix=prefix, max_sentences=self.config.max_sentences, stream=stream)
+                    prefix=prefix, stream=stream,
+                    max_sentences=min(self.config.max_sentences, self.config.queue_size))
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
                                                [len(t.segments) for t in translations])

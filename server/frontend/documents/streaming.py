@@ -105,12 +105,17 @@ class DocumentStream:
             return
         if not self._read.is_set():  # failed before the text was read
             translate.result()
-        for gap, stream, decoded in zip(self._gaps, self._streams, self._decoded, strict=False):
+        last = pb2.TranslationDelta()  # the last sentence's last delta goes out with the response
+        for index, (gap, stream, decoded) in enumerate(zip(self._gaps, self._streams, self._decoded, strict=False)):
             if gap:
                 yield pb2.TranslationDelta(text=gap)
             if stream is not None:
                 async for delta in stream.deltas(decoded):
-                    delta.ClearField("final")
+                    if delta.HasField("final"):  # the sentence's end: the rest of its text
+                        delta.ClearField("final")
+                        if index == len(self._streams) - 1:
+                            last = delta
+                            break
                     if delta.text or delta.subword_tokens:
                         yield delta
             else:
@@ -120,9 +125,13 @@ class DocumentStream:
                     delta = pb2.TranslationDelta(subword_tokens=best.subword_tokens, text=best.text)
                     if self.scores:
                         delta.token_scores.extend(best.token_scores[:len(best.subword_tokens)])
-                    yield delta
-        response = await translate
-        yield pb2.TranslationDelta(text=self._gaps[-1] if self._gaps else "", final=response)
+                    if index == len(self._streams) - 1:
+                        last = delta
+                    else:
+                        yield delta
+        last.text += self._gaps[-1] if self._gaps else ""
+        last.final.CopyFrom(await translate)
+        yield last
 
     def _fail_waiting(self, translate: asyncio.Future) -> None:
         """A request that failed or was cancelled ends the sentences still awaited with it."""

@@ -110,7 +110,7 @@ async def translate_documents(
     sentences = [sentence for plan in plans for sentence in plan.flat]
     if len(sentences) > max_sentences:
         raise InvalidArgument(f"request has {len(sentences)} sentences, the limit is {max_sentences} "
-                              "(max_sentences); send fewer or shorter texts")
+                              "(max_sentences, at most queue_size); send fewer or shorter texts")
     if stream is not None:
         [plan] = plans
         located = [(run, source) for run, sources in zip(plan.document.runs, plan.sentences, strict=True)
