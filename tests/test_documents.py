@@ -226,7 +226,7 @@ def tree(text: str) -> list:
     return sorted(shape(child) for child in root)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(markup(), st.sampled_from([identity, reversed_words]))
 def test_markup_survives_translation(text: str, model) -> None:
     result = document(text, TextFormat.HTML, model)
@@ -247,7 +247,7 @@ def content(text: str) -> str:
     return "".join(html5lib.parseFragment(text, treebuilder="etree", namespaceHTMLElements=False).itertext())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from(CORPUS), min_size=1, max_size=6),
        st.lists(st.sampled_from([". ", ".\n", ".\n\n", ".  ", ".\t"]), min_size=6, max_size=6),
        st.sampled_from(["", " ", "\n", "  \n"]))

@@ -298,7 +298,7 @@ def test_explorer_translates_a_paragraph_and_an_html_snippet(server: ServerHarne
     translate_document(browser, "Tuesday, April 25, 2045.\nMonday, May 1, 2046.", "TEXT_FORMAT_PLAIN")
     target = browser.find_element(By.CSS_SELECTOR, "#results .document.tgt")
     first, second = target.text.split("\n")
-    assert first == "Dienstag, 25. April 2045." and second.endswith("2046.")
+    assert first.startswith("Dienstag, 25. April") and second.startswith("Montag")
     source_words = browser.find_elements(By.CSS_SELECTOR, "#results .document.src span.word")
     assert [w.text for w in source_words] == ["Tuesday,", "April", "25,", "2045.", "Monday,", "May", "1,", "2046."]
     may = next(w for w in source_words if w.text == "May")

@@ -43,6 +43,7 @@ __all__ = [
 
 DING_PATH = Path("/usr/share/trans/de-en")
 DATES_SIZE = 30000  # pairs of the generated corpus, unless asked otherwise
+SENTENCE_STOPS = 0.25  # the dates that end with a full stop, so that sentences of a paragraph translate too
 MAX_WORDS = 60  # longest side kept by clean()
 
 CORPUS_FORMS = (
@@ -105,7 +106,8 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
     """Generate ``size`` distinct English->German pairs of dates and number words, deterministic in ``seed``.
 
     Half the pairs (as far as there are enough distinct numbers) are dates between 1900 and 2099
-    rendered by Babel in one of the CLDR formats full/long/medium/short (en_US -> de_DE); the other
+    rendered by Babel in one of the CLDR formats full/long/medium/short (en_US -> de_DE), one in four of
+    those written in words ending with a full stop on both sides, as a sentence of a paragraph does; the other
     half are numbers 0..9999 written out by num2words, three in four as cardinals ("ninety-seven" ->
     "siebenundneunzig"), one in four as ordinals ("twenty-first" -> "einundzwanzigste"), drawn with a
     bias towards small numbers so that 0..999 are well covered. Duplicate draws are redrawn.
@@ -116,6 +118,7 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
     from num2words import num2words
 
     rng = random.Random(seed)
+    stops = random.Random(seed + 1)  # a stream of its own: which dates end a sentence, the draws unchanged
     formats = [name for name, _ in _DATE_FORMATS]
     weights = [weight for _, weight in _DATE_FORMATS]
 
@@ -124,9 +127,9 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
         fmt = rng.choices(formats, weights)[0]
         if fmt == "medium" and day.month == 5:
             fmt = "long"  # "May 25, 2045" is both medium and long in English: keep one German rendering
-        return Pair(
-            format_date(day, format=fmt, locale="en_US"), format_date(day, format=fmt, locale="de_DE")
-        )
+        stop = "." if stops.random() < SENTENCE_STOPS and fmt != "short" else ""  # not after "2/12/91"
+        return Pair(format_date(day, format=fmt, locale="en_US") + stop,
+                    format_date(day, format=fmt, locale="de_DE") + stop)
 
     def draw_number() -> Pair:
         number = _random_number(rng)

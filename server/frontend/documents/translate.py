@@ -66,7 +66,8 @@ def read_document(text: str, text_format: TextFormat, where: str) -> Document:
 
 
 def plan_text(text: str, reading: Reading, fits: Callable[[str], bool], where: str = "text") -> Plan:
-    """Read ``text`` and cut its runs into sentences that fit the model (:func:`cut_to_fit`); a stretch with
+    """Read ``text`` and cut its runs into sentences that fit the model (:func:`cut_to_fit`, unless splitting is
+    off); a stretch with
     no letter or digit (a bullet, a dash, atoms alone) is no sentence and stays as it is."""
     document = read_document(text, reading.format, where)
     sentences = []
@@ -74,7 +75,9 @@ def plan_text(text: str, reading: Reading, fits: Callable[[str], bool], where: s
         chars = run.text
         found = []
         for start, end in sentence_spans(chars, reading.language, reading.splitting):
-            for s, e in cut_to_fit(chars, start, end, fits):
+            # not split: one sentence, whose length the token limit refuses
+            pieces = [(start, end)] if reading.splitting is Splitting.OFF else cut_to_fit(chars, start, end, fits)
+            for s, e in pieces:
                 s, e = _trim_atoms(run, s, e)
                 if any(char.isalnum() for char in chars[s:e]):
                     found.append(source_sentence(run, s, e))
@@ -119,7 +122,7 @@ async def translate_documents(
     translations = await translate_texts(
         codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
-        where="sentence") if sentences else []
+        document=True) if sentences else []
     results, position = [], 0
     for plan in plans:
         count = len(plan.flat)
