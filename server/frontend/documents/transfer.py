@@ -332,6 +332,7 @@ def _emit(run: Run, layout: _Layout, sentences: int) -> RenderedRun:
         inside.setdefault(element.parent, []).append(child)
     inserts: dict[tuple[int, int], list[int]] = {}  # (element, position) -> atom and shell pieces
     moved: set[int] = set()
+    space_after = {piece.after_atom: index for index, piece in enumerate(layout.pieces) if piece.after_atom >= 0}
     for index, piece in enumerate(layout.pieces):
         if piece.atom is not None or piece.shell >= 0:
             element, position = _settle(layout, index, piece.owner if piece.owner >= 0 else NO_ELEMENT)
@@ -355,6 +356,8 @@ def _emit(run: Run, layout: _Layout, sentences: int) -> RenderedRun:
             shell(piece.shell)
         else:
             track(index, piece.atom.markup, len(piece.atom.text))
+            if index in moved and index in space_after:  # its space goes with it
+                track(space_after[index], " ", 1)
 
     def track(index: int, markup: str, size: int) -> None:
         nonlocal length
