@@ -308,7 +308,8 @@ def test_explorer_translates_a_paragraph_and_an_html_snippet(server: ServerHarne
     segments = browser.find_elements(By.CSS_SELECTOR, "#results details.segment")
     assert len(segments) == 2
     segments[1].find_element(By.TAG_NAME, "summary").click()
-    rows = segments[1].find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")
+    best = segments[1].find_element(By.CSS_SELECTOR, ".hypothesis")
+    rows = best.find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")
     assert [r.find_element(By.TAG_NAME, "th").text for r in rows] == second.split()
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(tmp_path / "explorer-paragraph.png"))

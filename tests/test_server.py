@@ -305,7 +305,7 @@ ERROR_CASES = [
      "tokens, the limit is 256"),
     ("too many tokens, large request", {"texts": ["day 1 of May"] * 4 + ["number 1 " * 222],
                                         "sentence_splitting": pb2.SPLIT_OFF}, INVALID,
-     "texts[4] has"),  # tokenized off the event loop
+     "texts[4] sentence 0 has"),  # tokenized off the event loop
     ("beam over max", {"options": {"beam_size": 9}}, INVALID, "beam_size 9 is over the limit of 8"),
     ("n-best over beam", {"options": {"beam_size": 2, "num_hypotheses": 3}}, INVALID,
      "num_hypotheses 3 is larger than the beam size 2"),

@@ -21,6 +21,9 @@ class TrainConfig:
     corpus: str = option(help="dates | ding | FILE.tsv | SRC.txt,TGT.txt (required without --preset)")
     out: str = option(help="run directory", required=True)
     corpus_size: int = option(DATES_SIZE, "pairs to generate for the dates corpus", flag="--size")
+    sentence_stops: float = option(0.0, "share of the dates corpus' dates in words that end with a full stop on "
+                                   "both sides: a model that translates paragraphs sentence by sentence must have "
+                                   "seen sentence ends (the demo presets: 0.25)")
     seed: int = option(0, "random seed (corpus generation, initialisation, batch order)")
     vocab_size: int = option(8000, "SentencePiece vocabulary, an upper bound")
     model: dict[str, Any] = field(default_factory=dict)  # architecture config overrides (the model flags)

@@ -43,7 +43,6 @@ __all__ = [
 
 DING_PATH = Path("/usr/share/trans/de-en")
 DATES_SIZE = 30000  # pairs of the generated corpus, unless asked otherwise
-SENTENCE_STOPS = 0.25  # the dates that end with a full stop, so that sentences of a paragraph translate too
 MAX_WORDS = 60  # longest side kept by clean()
 
 CORPUS_FORMS = (
@@ -102,11 +101,11 @@ def _random_number(rng: random.Random) -> int:
     return rng.randint(1000, 9999)
 
 
-def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
+def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0, stops: float = 0.0) -> list[Pair]:
     """Generate ``size`` distinct English->German pairs of dates and number words, deterministic in ``seed``.
 
     Half the pairs (as far as there are enough distinct numbers) are dates between 1900 and 2099
-    rendered by Babel in one of the CLDR formats full/long/medium/short (en_US -> de_DE), one in four of
+    rendered by Babel in one of the CLDR formats full/long/medium/short (en_US -> de_DE), the share ``stops`` of
     those written in words ending with a full stop on both sides, as a sentence of a paragraph does; the other
     half are numbers 0..9999 written out by num2words, three in four as cardinals ("ninety-seven" ->
     "siebenundneunzig"), one in four as ordinals ("twenty-first" -> "einundzwanzigste"), drawn with a
@@ -114,11 +113,13 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
     """
     if size < 0:
         raise CorpusError(f"corpus size must be >= 0, got {size}")
+    if not 0.0 <= stops <= 1.0:
+        raise CorpusError(f"the share of dates ending with a full stop must be between 0 and 1, got {stops}")
     from babel.dates import format_date
     from num2words import num2words
 
     rng = random.Random(seed)
-    stops = random.Random(seed + 1)  # a stream of its own: which dates end a sentence, the draws unchanged
+    ends = random.Random(seed + 1)  # a stream of its own: which dates end a sentence, the draws unchanged
     formats = [name for name, _ in _DATE_FORMATS]
     weights = [weight for _, weight in _DATE_FORMATS]
 
@@ -127,7 +128,7 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
         fmt = rng.choices(formats, weights)[0]
         if fmt == "medium" and day.month == 5:
             fmt = "long"  # "May 25, 2045" is both medium and long in English: keep one German rendering
-        stop = "." if stops.random() < SENTENCE_STOPS and fmt != "short" else ""  # not after "2/12/91"
+        stop = "." if ends.random() < stops and fmt != "short" else ""  # not after "2/12/91"
         return Pair(format_date(day, format=fmt, locale="en_US") + stop,
                     format_date(day, format=fmt, locale="de_DE") + stop)
 
@@ -309,15 +310,15 @@ def _looks_like_path(spec: str) -> bool:
     return "/" in spec or "\\" in spec or "," in spec or Path(spec).suffix != "" or spec.startswith("~")
 
 
-def load_corpus(spec: str, *, size: int = DATES_SIZE, seed: int = 0) -> list[Pair]:
+def load_corpus(spec: str, *, size: int = DATES_SIZE, seed: int = 0, stops: float = 0.0) -> list[Pair]:
     """Load a corpus by name or path: ``dates``, ``ding``, ``PATH.tsv`` or ``SRC_PATH,TGT_PATH``.
 
-    ``size`` and ``seed`` apply to the generated ``dates`` corpus only. Raises CorpusError for a missing
+    ``size``, ``seed`` and ``stops`` apply to the generated ``dates`` corpus only. Raises CorpusError for a missing
     path, an unknown name or an empty corpus.
     """
     spec = spec.strip()
     if spec == "dates":
-        pairs = generate_dates_corpus(size, seed)
+        pairs = generate_dates_corpus(size, seed, stops)
     elif spec == "ding":
         pairs = load_ding()
     else:

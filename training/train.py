@@ -140,7 +140,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
 
 
 def load_splits(cfg: TrainConfig) -> tuple[list[Pair], list[Pair], list[Pair]]:
-    pairs = clean(load_corpus(cfg.corpus, size=cfg.corpus_size, seed=cfg.seed))
+    pairs = clean(load_corpus(cfg.corpus, size=cfg.corpus_size, seed=cfg.seed, stops=cfg.sentence_stops))
     splits = split(pairs)
     if not splits.train:
         raise NmtError(f"corpus {cfg.corpus!r} has no training pairs after cleaning")

@@ -41,7 +41,7 @@ async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
-    stream: SentenceStream | None = None, document: bool = False,
+    stream: SentenceStream | None = None, document: bool = False, names: Sequence[str] = (),
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
@@ -49,26 +49,27 @@ async def translate_texts(
     request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
     return their translations in order. ``aligned`` (none, or one per text): the texts whose attention is
     computed although the options do not ask for it (:mod:`server.frontend.documents` places markup with it);
-    ``document``: the texts are a document's sentences (so named in error messages), whose response also
-    carries the document's text, words and alignments, bounded as one hypothesis more per sentence.
+    ``document``: the texts are a document's sentences, whose response also carries the document's text, words
+    and alignments, bounded as one hypothesis more per sentence; ``names`` call the texts so in error messages
+    (e.g. "texts[2] sentence 3").
     ``stream`` (:class:`SentenceStream`) follows the sentences' stable prefixes and hears of each one's
     translation as soon as it is decoded (each is submitted alone; all at once, so they still batch
     together)."""
     policy = policy or BatchPolicy()
-    where = "sentence" if document else "texts"
+    where = "sentence" if document else "text"  # the min_length message
 
     def tokenize(text: str) -> list[int]:
         return [*prefix, *codec.tokenize(text)]
 
     if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
-        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens, where)
+        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens, names)
     else:
-        sources = tokenize_texts(texts, tokenize, policy.max_tokens, where)
+        sources = tokenize_texts(texts, tokenize, policy.max_tokens, names)
     forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
     budget = replace(options, num_hypotheses=options.num_hypotheses + 1) if document else options
     work = check_budget(texts, sources, budget, piece_bytes=codec.tokenizer.max_piece_bytes,
                         max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
-                        prefix_steps=[target.steps() for target in forced], where=where.removesuffix("s"))
+                        prefix_steps=[target.steps() for target in forced], where=where)
     attention = replace(options, return_attention=True)
     flags = list(aligned) or [False] * len(texts)
     sentences = [SentenceRequest(ids, attention if align and not options.return_attention else options, None, text,

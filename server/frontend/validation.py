@@ -122,15 +122,16 @@ def resolve_controls(requested: RequestedOptions, beam: int, max_length: int,
 
 
 def tokenize_texts(texts: Sequence[str], tokenize: Callable[[str], list[int]], max_tokens: int,
-                   where: str = "texts") -> list[list[int]]:
+                   names: Sequence[str] = ()) -> list[list[int]]:
     """Subword ids of each text (EOS excluded); a text with no tokens or more than ``max_tokens`` is refused
-    (``where`` names the texts: "texts", or "sentence" for a document's)."""
+    (``names``: what the messages call each text, by default ``texts[i]``)."""
     ids = [tokenize(text) for text in texts]
     for i, sentence in enumerate(ids):
+        name = names[i] if names else f"texts[{i}]"
         if len(sentence) > max_tokens:
-            raise InvalidArgument(f"{where}[{i}] has {len(sentence)} tokens, the limit is {max_tokens}")
+            raise InvalidArgument(f"{name} has {len(sentence)} tokens, the limit is {max_tokens}")
         if not sentence:
-            raise InvalidArgument(f"{where}[{i}] has no tokens")
+            raise InvalidArgument(f"{name} has no tokens")
     return ids
 
 

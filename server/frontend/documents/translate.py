@@ -122,7 +122,8 @@ async def translate_documents(
     translations = await translate_texts(
         codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
-        document=True) if sentences else []
+        document=True, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
+                              for k in range(len(plan.flat))]) if sentences else []
     results, position = [], 0
     for plan in plans:
         count = len(plan.flat)
