@@ -42,6 +42,7 @@ async def translate_texts(
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
     stream: SentenceStream | None = None, document: bool = False, names: Sequence[str] = (),
+    tokenize: Callable[[str], list[int]] | None = None,
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
@@ -51,20 +52,22 @@ async def translate_texts(
     computed although the options do not ask for it (:mod:`server.frontend.documents` places markup with it);
     ``document``: the texts are a document's sentences, whose response also carries the document's text, words
     and alignments, bounded as one hypothesis more per sentence; ``names`` call the texts so in error messages
-    (e.g. "texts[2] sentence 3").
+    (e.g. "texts[2] sentence 3"); ``tokenize``: the texts' ids when already known (default: the codec's).
     ``stream`` (:class:`SentenceStream`) follows the sentences' stable prefixes and hears of each one's
     translation as soon as it is decoded (each is submitted alone; all at once, so they still batch
     together)."""
     policy = policy or BatchPolicy()
     where = "sentence" if document else "text"  # the min_length message
 
-    def tokenize(text: str) -> list[int]:
-        return [*prefix, *codec.tokenize(text)]
+    ids_of = tokenize or codec.tokenize
+
+    def with_prefix(text: str) -> list[int]:
+        return [*prefix, *ids_of(text)]
 
     if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS:  # keep the event loop responsive
-        sources = await asyncio.to_thread(tokenize_texts, texts, tokenize, policy.max_tokens, names)
+        sources = await asyncio.to_thread(tokenize_texts, texts, with_prefix, policy.max_tokens, names)
     else:
-        sources = tokenize_texts(texts, tokenize, policy.max_tokens, names)
+        sources = tokenize_texts(texts, with_prefix, policy.max_tokens, names)
     forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
     budget = replace(options, num_hypotheses=options.num_hypotheses + 1) if document else options
     work = check_budget(texts, sources, budget, piece_bytes=codec.tokenizer.max_piece_bytes,

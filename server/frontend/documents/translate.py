@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from server.errors import InvalidArgument
 from server.frontend.documents.markup import html_document, xml_document
-from server.frontend.documents.model import Atom, Document, Run, TextFormat, plain_document
+from server.frontend.documents.model import ATOM, Atom, Document, Run, TextFormat, plain_document
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.transfer import SourceSentence, render_run, source_sentence, target_sentence, word_spans
@@ -103,8 +103,15 @@ async def translate_documents(
     than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text."""
     limit = reading.max_tokens - len(prefix)
 
-    def fits(sentence: str) -> bool:
-        return len(codec.tokenize(sentence)) <= limit
+    pieces: dict[str, list[int]] = {}  # model text -> its ids, measured while cutting and reused to decode
+
+    def tokenize(text: str) -> list[int]:
+        if text not in pieces:
+            pieces[text] = codec.tokenize(text)
+        return pieces[text]
+
+    def fits(span: str) -> bool:  # as the model will read it: without atoms, whitespace collapsed
+        return len(tokenize(" ".join(span.replace(ATOM, " ").split()))) <= limit
 
     def plan_all() -> list[Plan]:
         return [plan_text(text, reading, fits, f"texts[{i}]") for i, text in enumerate(texts)]
@@ -122,7 +129,7 @@ async def translate_documents(
     translations = await translate_texts(
         codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
-        document=True, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
+        document=True, tokenize=tokenize, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
                               for k in range(len(plan.flat))]) if sentences else []
     results, position = [], 0
     for plan in plans:
