@@ -16,6 +16,7 @@ processed distribution after temperature, top-k and top-p.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,10 +43,13 @@ class Controls:
     seed: int = 0  # sampling seed; 0: a fresh random seed
 
     @property
-    def reshapes(self) -> bool:
-        """Whether the distribution is changed, apart from a forced prefix (the search then needs it whole)."""
-        return bool(self.min_length or self.repetition_penalty != 1.0 or self.no_repeat_ngram_size
-                    or self.suppress or self.samples)
+    def reshapes_until(self) -> float:
+        """The steps before which the distribution is changed, apart from a forced prefix (the search then needs it
+        whole): every step for the repetition penalty, n-gram and sequence bans and sampling; ``min_length``'s
+        first steps only (after them EOS is allowed and nothing changes); 0 when nothing reshapes."""
+        if self.repetition_penalty != 1.0 or self.no_repeat_ngram_size or self.suppress or self.samples:
+            return math.inf
+        return self.min_length
 
     @property
     def samples(self) -> bool:
@@ -86,7 +90,7 @@ def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Contr
     raw = log_probs.astype(np.float64)
     out = raw.copy()
     for r, c in enumerate(controls):
-        if c.reshapes:
+        if step < c.reshapes_until:
             row = out[r]
             if c.repetition_penalty != 1.0 and step:
                 if logits is None:

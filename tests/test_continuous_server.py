@@ -202,11 +202,13 @@ class _CapturesTimed:
 
     def __init__(self, session: Any, seconds: float, spans: list[tuple[float, float]]) -> None:
         self.session, self.seconds, self.spans, self.calls = session, seconds, spans, Counter()
+        self.started = threading.Event()  # some run that may capture has begun
 
     def run_with_iobinding(self, binding: Any, options: Any = None) -> None:
         graph_id = options.get_run_config_entry("gpu_graph_id") if options is not None else str(cuda_graphs.SKIP)
         if graph_id != str(cuda_graphs.SKIP) and self.calls[graph_id] < cuda_graphs.CAPTURE_CALLS:
             self.calls[graph_id] += 1
+            self.started.set()
             start = time.perf_counter()
             time.sleep(self.seconds)
             self.session.run_with_iobinding(binding, options)
@@ -222,18 +224,22 @@ def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_model
     """With ``--cuda-graphs`` the encoder still runs on its own thread (a device rule), but never while the
     worker's session run may be capturing a graph (a capture is global to the process: another thread's device
     allocation spoils it): the two take turns at ``CAPTURE_GATE``. On the CPU's sessions, captures forced as a
-    CUDA version's would be, both slowed so that they would overlap without the gate; the translations stay
-    those of the sentences alone."""
+    CUDA version's would be, both slowed so that they would overlap without the gate; the short sentences'
+    encoder calls start once the decode has begun to capture (the long sentence's plain steps after its
+    min_length), whatever the host's speed. The translations stay those of the sentences alone."""
     engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, device_state=True,
                          device_search=True, cuda_graphs=True)
     model = engine.model
     captures: list[tuple[float, float]] = []
     encoder_calls: list[tuple[float, float]] = []
-    model.sessions["decoder_graphs"] = _CapturesTimed(model.sessions["decoder"], 0.004, captures)
+    timed = model.sessions["decoder_graphs"] = _CapturesTimed(model.sessions["decoder"], 0.004, captures)
     model.capture.reason = ""  # as a CUDA version's would be
     encode = model.encode
+    shorts = threading.Event()  # the short sentences are on their way
 
     def slow_encode(src: np.ndarray) -> Any:
+        if shorts.is_set() and threading.current_thread().name.startswith("encoder"):
+            timed.started.wait(timeout=30)
         start = time.perf_counter()
         time.sleep(0.01)
         try:
@@ -250,6 +256,7 @@ def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_model
         scheduler.start()
         long = asyncio.ensure_future(translate(scheduler, [LONG], long_options(1)))
         await until(lambda: scheduler._continuous.batch.steps)
+        shorts.set()
         calls = []
         for i, text in enumerate(texts):
             calls.append(asyncio.ensure_future(translate(scheduler, [text], DecodingOptions(beam_size=1 + i % 2 * 3))))

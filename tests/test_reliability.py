@@ -9,17 +9,19 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.core.scheduler import ModelScheduler, form_batch
+from server.frontend.documents.segmenter import Splitting, sentence_spans
 from server.frontend.validation import response_bytes_bound
 from server.metrics import metrics_table
 from server.policy import BatchPolicy, RequestHandle
@@ -213,6 +215,7 @@ def test_response_over_the_size_budget_is_refused_before_compute(repository: Pat
 @given(words=st.lists(st.sampled_from(EN + ["ü", "日本", "x" * 30, "?!", "ninety-seven"]), min_size=1, max_size=40),
        count=st.integers(1, 3), beam=st.integers(1, 4), extra=st.integers(0, 3), attention=st.booleans(),
        penalty=st.sampled_from([0.0, 1.0, 10.0]), max_length=st.sampled_from([0, 1, 5, 512]))
+@example(words=["one", "?!", "ü"], count=1, beam=1, extra=0, attention=False, penalty=0.0, max_length=5)  # 2 sentences
 def test_response_size_bound_holds_for_real_responses(harness: ServerHarness, words: list[str], count: int,
                                                       beam: int, extra: int, attention: bool, penalty: float,
                                                       max_length: int) -> None:
@@ -223,8 +226,12 @@ def test_response_size_bound_holds_for_real_responses(harness: ServerHarness, wo
     engine = harness.engine()
     options = DecodingOptions(beam_size=beam, num_hypotheses=hypotheses, return_attention=attention,
                               max_length=max_length or 256)
-    bound = sum(response_bytes_bound(t, len(engine.tokenize(t)) + 1, options, engine.tokenizer.max_piece_bytes)
-                for t in texts)
+    bound = 0
+    for text in texts:  # as the server reads it: a text of several sentences is a document, with its own hypothesis
+        sentences = [text[s:e] for s, e in sentence_spans(text, "en", Splitting.SENTENCES)]
+        each = replace(options, num_hypotheses=hypotheses + 1) if len(sentences) > 1 else options
+        bound += sum(response_bytes_bound(s, len(engine.tokenize(s)) + 1, each, engine.tokenizer.max_piece_bytes)
+                     for s in sentences)
     assert response.ByteSize() <= bound
 
 

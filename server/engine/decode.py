@@ -89,7 +89,6 @@ decide. With one live hypothesis and none finished (greedy decoding, sampling) t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -150,8 +149,8 @@ class _Sentence:
     limit: int
     quota: int  # finished hypotheses kept (beam x patience)
     rng: np.random.Generator | None
-    full_until: float  # steps that need the whole distribution: all (a control reshapes it), or the forced
-    # prefix and the partial word it ends with
+    full_until: float  # steps that need the whole distribution: those a control reshapes
+    # (Controls.reshapes_until), the forced prefix and the partial word it ends with
     forced_length: int  # the forced prefix's steps: their tokens add nothing to the score
     penalised: bool  # a repetition penalty: steps after the first need the logits
     step: int = 0  # tokens decoded so far
@@ -858,9 +857,8 @@ class RunningDecode:
 
 def _full_until(c: Controls) -> float:
     """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``)."""
-    if c.reshapes:
-        return math.inf
-    return max(len(c.forced), c.completion.start + c.completion.steps() if c.completion is not None else 0)
+    return max(c.reshapes_until, len(c.forced),
+               c.completion.start + c.completion.steps() if c.completion is not None else 0)
 
 
 def _grow(array: np.ndarray, rows: int, capacity: int) -> np.ndarray:
