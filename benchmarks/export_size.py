@@ -5,16 +5,20 @@ Builds a random-weight Hugging Face Marian directory shaped like ``Helsinki-NLP/
 58,101 pieces, of which most are in neither SentencePiece model, as in the real one), made confident as a
 trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..-4,000), then measures:
 
-- ``nmt export`` in its own process: wall time, peak RSS of its processes summed (sampled; against the
-  checkpoint's size; goal <= 3x) and of the largest alone;
+- ``nmt export`` in its own process: wall time, peak RSS of its processes summed (sampled to the end; against the
+  checkpoint's size; goal <= 3x) and of the largest alone, checked against GNU time's figure (within 5 %, or the
+  run fails);
 - the bytes the version holds against the checkpoint's (goal <= 1.1x);
-- ``nmt serve`` with the version loaded, after one translation, with and without ``--ort-prepack`` (the HTTP
-  face off, as in the other server benchmarks; once more with it on, which loads aiohttp): its RSS, and its
-  growth over the same server with ``--engine null`` (no weights), against the weights' fp32 bytes (goal <=
-  1.5x);
+- ``nmt serve`` memory (the HTTP face off, as in the other server benchmarks) with its defaults, with every
+  session pre-packed and none, and without malloc's retained memory: RSS with no version loaded (``--engine
+  null``), loaded, after a burst of all 20 sentences at beam 4, and the peak and end of a sustained mixed load
+  (``--callers`` callers for ``--load-seconds``: beam 1 or 4, one sentence or four long ones), against the
+  version's weights; and that load's sentences/s, the speed each setting trades;
 - greedy and beam-4 token ids of the serving engine against ``MarianMTModel.generate`` on 20 sentences;
-- what pre-packing buys: the engine with and without ``prepack`` (``--ort-prepack``), runs alternating,
-  median time to translate one sentence and all 20, greedy and beam 4.
+- what pre-packing buys: the engine with each ``--ort-prepack`` choice, runs alternating, median time to
+  translate all 20 sentences, greedy and beam 4, with and without attention;
+- what each decoding control costs: the engine's output tokens/s with ``min_length``, a repetition penalty and
+  no-repeat n-grams against none, greedy and beam 4, runs alternating.
 
 ``--size SMALL`` runs a reduced model (vocabulary 8,000) for a quick look.
 """
@@ -25,6 +29,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import random
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,8 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this checkout's packages
 
-from benchmarks.engine_throughput import host  # noqa: E402
-from benchmarks.server_load import start_server  # noqa: E402
+from benchmarks.bench_common import host, start_server  # noqa: E402
 from common.model_format.decoding import max_target_length  # noqa: E402
 
 SIZES = {
@@ -45,7 +51,13 @@ SIZES = {
 SENTENCES = 20
 MAX_LENGTH = 32
 NAME = "opus-like"
-HTTP_ON = "--no-ort-prepack --http-listen 127.0.0.1:0"  # the servers above run without the HTTP face (its aiohttp)
+GNU_TIME = "/usr/bin/time"  # Debian's ``time`` package: the check on the sampled peak of the export
+MEMORY_FLAGS = ("", "--ort-prepack all", "--ort-prepack none", "--malloc-retain-mb 0")
+CONTROLS = {  # a control's cost: each alone against none, on the same sentences
+    "min_length 6": dict(min_length=6),
+    "repetition_penalty 1.2": dict(repetition_penalty=1.2),
+    "no_repeat_ngram_size 3": dict(no_repeat_ngram_size=3),
+}
 
 
 def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
@@ -85,31 +97,44 @@ def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
     return directory, [source for source, _ in dates_split()[1]][:SENTENCES]
 
 
-def peak_rss_run(command: list[str]) -> tuple[float, int, int]:
+def peak_rss_run(command: list[str]) -> tuple[float, int, int, int | None]:
     """Run ``command``; (wall seconds, the peak RSS of its largest process, the peak of the RSS summed over it
-    and its child processes) in bytes, from its process tree sampled every 20 ms (:func:`process_tree`): each
-    process's own high-water mark (VmHWM, exact), and the sum of the processes' RSS at each sample. Not
-    ``os.wait4``'s ``ru_maxrss``: a child forked from this process starts with this process's memory
-    counted (the Marian model built here), and keeps that high-water mark across its exec."""
+    and its child processes, GNU time's maximum resident set size or None where ``/usr/bin/time`` is missing), in
+    bytes. The process tree is sampled every 20 ms (:func:`process_tree`) until the command ends: each process's
+    own high-water mark (VmHWM, exact while it lives) and the sum of the processes' RSS at each sample; a process
+    that has just exited is skipped, and a sampler that fails fails the run. Not this process's ``os.wait4``
+    ``ru_maxrss``: a child forked from here starts with this process's memory counted (the Marian model built
+    here) and keeps that mark across its exec; GNU time forks from a small process, so its figure is the largest
+    process's, the check on the sampled one."""
+    timed = Path(GNU_TIME).exists()
     start = time.perf_counter()
-    process = subprocess.Popen(command)
-    peak_sum, high_water, done = 0, 0, threading.Event()
+    with tempfile.TemporaryFile(mode="w+") as report:
+        process = subprocess.Popen([GNU_TIME, "-v", "-o", f"/dev/fd/{report.fileno()}", *command] if timed
+                                   else command, pass_fds=(report.fileno(),) if timed else ())
+        peak_sum, high_water, done, failure = 0, 0, threading.Event(), []
 
-    def sample() -> None:
-        nonlocal peak_sum, high_water
-        while not done.wait(0.02):
-            tree = [memory for pid in process_tree(process.pid) if (memory := rss(pid))]
-            peak_sum = max(peak_sum, sum(current for current, _ in tree))
-            high_water = max([high_water, *(peak for _, peak in tree)])
+        def sample() -> None:
+            nonlocal peak_sum, high_water
+            try:
+                while not done.wait(0.02):
+                    tree = [memory for pid in process_tree(process.pid) if (memory := rss(pid))]
+                    peak_sum = max(peak_sum, sum(current for current, _ in tree))
+                    high_water = max([high_water, *(peak for _, peak in tree)])
+            except BaseException as error:  # noqa: BLE001 - re-raised by the run below
+                failure.append(error)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    process.wait()
-    done.set()
-    sampler.join()
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed with {process.returncode}")
-    return time.perf_counter() - start, high_water, peak_sum
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        process.wait()
+        done.set()
+        sampler.join()
+        if failure:
+            raise RuntimeError("the memory sampler failed; its figures would be short") from failure[0]
+        if process.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed with {process.returncode}")
+        report.seek(0)
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", report.read()) if timed else None
+    return time.perf_counter() - start, high_water, peak_sum, int(found.group(1)) * 1024 if found else None
 
 
 def process_tree(pid: int) -> set[int]:
@@ -127,27 +152,90 @@ def process_tree(pid: int) -> set[int]:
 
 
 def rss(pid: int) -> tuple[int, int] | None:
-    """The process's resident set now and its high-water mark, in bytes (None once it is gone)."""
+    """The process's resident set now and its high-water mark, in bytes (None once it is gone or has exited:
+    a zombie's status has no memory lines)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            fields = dict(line.split(":", 1) for line in status)
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
     except OSError:
+        return None
+    if "VmRSS" not in fields or "VmHWM" not in fields:
         return None
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-def server_rss(repository: Path, text: str, flags: list[str]) -> int:
-    """RSS of ``nmt serve FLAGS`` over ``repository`` after translating ``text``."""
+def tree_rss(pid: int) -> int:
+    """The RSS of process ``pid`` and its descendants now, summed (a server's front-ends and engine core)."""
+    return sum(memory[0] for child in process_tree(pid) if (memory := rss(child)))
+
+
+@dataclasses.dataclass
+class ServerMemory:
+    """A server's RSS (its processes summed, bytes): with no version loaded (``--engine null``), loaded, after a
+    burst (all sentences in one request, beam 4), the peak and the end of a sustained mixed load; and that load's
+    sentences/s."""
+
+    empty: int
+    loaded: int
+    burst: int
+    peak: int
+    end: int
+    sentences_per_second: float
+
+
+def server_memory(repository: Path, texts: list[str], flags: list[str], seconds: float, callers: int) -> ServerMemory:
+    """``nmt serve FLAGS`` over ``repository`` (defaults otherwise, the HTTP face off) through a burst and then
+    ``seconds`` of ``callers`` callers, each sending one request after another: beam 1 or 4, one sentence or four
+    long ones (three of the texts joined by commas), drawn at random; RSS sampled every 0.25 s."""
     import grpc
 
     from server.protos import pb2, pb2_grpc
 
-    process, address, _ = start_server(str(repository), ["--max-batch-rows", "32", *flags])
+    empty_process, _, _ = start_server(str(repository), ["--engine", "null"])
     try:
+        empty = tree_rss(empty_process.pid)
+    finally:
+        empty_process.terminate()
+        empty_process.wait(30)
+    process, address, _ = start_server(str(repository), flags)
+    long = [", ".join(random.Random(i).sample(texts, 3)) for i in range(len(texts))]
+    try:
+        loaded = tree_rss(process.pid)
         with grpc.insecure_channel(address) as channel:
-            pb2_grpc.TranslatorStub(channel).Translate(
-                pb2.TranslateRequest(model=NAME, texts=[text], options=pb2.DecodingOptions(beam_size=4)), timeout=120)
-        return rss(process.pid)[0]
+            stub = pb2_grpc.TranslatorStub(channel)
+
+            def call(batch: list[str], beam: int) -> None:
+                stub.Translate(pb2.TranslateRequest(model=NAME, texts=batch, options=pb2.DecodingOptions(
+                    beam_size=beam, max_length=MAX_LENGTH * 3)), timeout=300)
+
+            call(texts, 4)
+            burst = tree_rss(process.pid)
+            samples, done, counts = [burst], threading.Event(), [0] * callers
+            deadline = time.perf_counter() + seconds
+
+            def caller(index: int) -> None:
+                draw = random.Random(index)
+                while time.perf_counter() < deadline:
+                    batch = draw.sample(long, 4) if draw.random() < 0.5 else [draw.choice(texts)]
+                    call(batch, draw.choice((1, 4)))
+                    counts[index] += len(batch)
+
+            def sample() -> None:
+                while not done.wait(0.25):
+                    samples.append(tree_rss(process.pid))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            start = time.perf_counter()
+            threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            elapsed = time.perf_counter() - start
+            done.set()
+            sampler.join()
+        return ServerMemory(empty, loaded, burst, max(samples), tree_rss(process.pid), sum(counts) / elapsed)
     finally:
         process.terminate()
         process.wait(30)
@@ -182,25 +270,53 @@ def engine_ids(version: Path, texts: list[str], beam: int) -> list[list[int]]:
 
 
 def prepack_speed(version: Path, texts: list[str], repeats: int) -> list[str]:
-    """Table rows: median seconds of the engine with and without pre-packing, runs alternating."""
-    import statistics
-
+    """Table rows: median time to translate all the texts with each ``--ort-prepack`` choice, greedy and beam 4,
+    with and without attention (which runs the attention decoder), runs alternating; against "all"."""
+    from server.config import PREPACK
     from server.engine.engine import Engine
 
-    engines = {packed: Engine.load(version, provider="cpu", intra_op_threads=2, inter_op_threads=1, prepack=packed)
-               for packed in (True, False)}
+    engines = {choice: Engine.load(version, provider="cpu", intra_op_threads=2, inter_op_threads=1, prepack=choice)
+               for choice in PREPACK}
     rows = []
-    for beam, count in ((1, 1), (1, len(texts)), (4, 1), (4, len(texts))):
-        times: dict[bool, list[float]] = {True: [], False: []}
+    for attention in (False, True):
+        for beam in (1, 4):
+            times: dict[str, list[float]] = {choice: [] for choice in engines}
+            for _ in range(repeats):
+                for choice, engine in engines.items():
+                    options = dataclasses.replace(engine.default_options(), beam_size=beam, max_length=MAX_LENGTH,
+                                                  return_attention=attention)
+                    start = time.perf_counter()
+                    engine.translate(texts, options)
+                    times[choice].append(time.perf_counter() - start)
+            median = {choice: statistics.median(spans) for choice, spans in times.items()}
+            rows.append(f"| beam {beam}{', attention' if attention else ''} | "
+                        + " | ".join(f"{median[c] * 1000:,.0f} ms ({median[c] / median['all']:.2f}x)" for c in PREPACK)
+                        + " |")
+    return rows
+
+
+def controls_speed(version: Path, texts: list[str], repeats: int) -> list[str]:
+    """Table rows: output tokens/s of the engine without controls and with each of :data:`CONTROLS`, greedy and
+    beam 4 over all the texts, runs alternating; the ratio of the medians."""
+    from server.controls import Controls
+    from server.engine.engine import Engine
+
+    engine = Engine.load(version, provider="cpu", intra_op_threads=2, inter_op_threads=1)
+    rows = []
+    for beam in (1, 4):
+        cells = {"none": Controls(), **{name: Controls(**given) for name, given in CONTROLS.items()}}
+        rates: dict[str, list[float]] = {name: [] for name in cells}
         for _ in range(repeats):
-            for packed, engine in engines.items():
-                options = dataclasses.replace(engine.default_options(), beam_size=beam, max_length=MAX_LENGTH)
+            for name, controls in cells.items():
+                options = dataclasses.replace(engine.default_options(), beam_size=beam, max_length=MAX_LENGTH,
+                                              controls=controls)
                 start = time.perf_counter()
-                engine.translate(texts[:count], options)
-                times[packed].append(time.perf_counter() - start)
-        packed, plain = statistics.median(times[True]), statistics.median(times[False])
-        rows.append(f"| beam {beam}, {count} sentence{'s' if count > 1 else ''} | {packed * 1000:,.0f} ms | "
-                    f"{plain * 1000:,.0f} ms | {plain / packed:.2f}x |")
+                translations = engine.translate(texts, options)
+                elapsed = time.perf_counter() - start
+                rates[name].append(sum(len(t.hypotheses[0].token_ids) for t in translations) / elapsed)
+        plain = statistics.median(rates["none"])
+        rows += [f"| {name} | {beam} | {statistics.median(rates[name]):,.0f} | {plain:,.0f} | "
+                 f"{statistics.median(rates[name]) / plain:.2f}x |" for name in CONTROLS]
     return rows
 
 
@@ -208,44 +324,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="OPUS")
     parser.add_argument("--work", help="keep the Marian directory and the repository here (default: a temp dir)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each engine in the pre-packing comparison")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each side in the engine comparisons")
+    parser.add_argument("--load-seconds", type=float, default=120.0, help="sustained load per server setting")
+    parser.add_argument("--callers", type=int, default=8, help="concurrent callers of the sustained load")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-export-") as scratch:
         work = Path(args.work or scratch)
         marian, texts = build_marian(work / "marian", args.size)
         checkpoint = (marian / "model.safetensors").stat().st_size
         repository = work / "models"
-        seconds, peak, peak_sum = peak_rss_run([sys.executable, "-m", "nmt", "export", str(marian), "--name", NAME,
-                                      "--model-repository", str(repository), "--no-progress", "--force",
-                                      "--version", "1"])
+        seconds, peak, peak_sum, timed = peak_rss_run([
+            sys.executable, "-m", "nmt", "export", str(marian), "--name", NAME, "--model-repository", str(repository),
+            "--no-progress", "--force", "--version", "1"])
+        if timed is not None and abs(peak - timed) > 0.05 * timed:
+            raise SystemExit(f"the sampled peak of the export's largest process ({peak >> 20} MiB) is not within 5 % "
+                             f"of GNU time's ({timed >> 20} MiB): the sampler missed memory")
         version = repository / NAME / "1"
         written = sum(path.stat().st_size for path in version.iterdir() if path.is_file())
-        idle = {http: server_rss(repository, texts[0], ["--engine", "null", *(HTTP_ON.split()[1:] if http else [])])
-                for http in (False, True)}  # the server without weights, HTTP face off and on
-        loaded = {flags: server_rss(repository, texts[0], flags.split())
-                  for flags in ("--ort-prepack", "--no-ort-prepack", HTTP_ON)}
+        weights = (version / "weights.bin").stat().st_size
+        memory = {flags: server_memory(repository, texts, flags.split(), args.load_seconds, args.callers)
+                  for flags in MEMORY_FLAGS}
         matches = {beam: sum(a == b for a, b in zip(engine_ids(version, texts, beam), generate_ids(marian, texts, beam),
                                                     strict=True))
                    for beam in (1, 4)}
         speed = prepack_speed(version, texts, args.repeats)
+        controls = controls_speed(version, texts, args.repeats)
         manifest = json.loads((version / "manifest.json").read_text())
         mib = 2**20
-        print(f"\n{host()}; model {args.size} {SIZES[args.size]}, checkpoint {checkpoint / mib:.0f} MiB")
+        print(f"\n{host()}; model {args.size} {SIZES[args.size]}, checkpoint {checkpoint / mib:.0f} MiB, the "
+              f"version's weights {weights / mib:.0f} MiB")
         print("| measure | value | against the checkpoint | goal |\n|---|---|---|---|")
         print(f"| export wall time | {seconds:.0f} s | | |")
         print(f"| export peak RSS, its processes summed (sampled every 20 ms) | {peak_sum / mib:,.0f} MiB | "
               f"{peak_sum / checkpoint:.2f}x | <= 3x |")
-        print(f"| export peak RSS, its largest process (VmHWM) | {peak / mib:,.0f} MiB | {peak / checkpoint:.2f}x | |")
+        print(f"| export peak RSS, its largest process (VmHWM; GNU time: "
+              f"{f'{timed / mib:,.0f} MiB' if timed else 'not installed'}) | {peak / mib:,.0f} MiB | "
+              f"{peak / checkpoint:.2f}x | |")
         print(f"| version bytes | {written / mib:,.0f} MiB | {written / checkpoint:.2f}x | <= 1.1x |")
-        for flags, size in loaded.items():
-            empty = idle[flags == HTTP_ON]
-            print(f"| server RSS, one version loaded, {flags} | {size / mib:,.0f} MiB (--engine null: "
-                  f"{empty / mib:,.0f}) | {size / checkpoint:.2f}x (growth {(size - empty) / checkpoint:.2f}x) "
-                  "| <= 1.5x |")
         print(f"| greedy / beam 4 equal to generate | {matches[1]}/{len(texts)}, {matches[4]}/{len(texts)} | | all |")
         print(f"parity recorded by the export: {manifest['parity']}")
-        print("\n| translating (CPU, 2 threads) | --ort-prepack | --no-ort-prepack | ratio |\n|---|---|---|---|")
+        print(f"\nServer RSS, MiB (its processes summed; x: against the version's weights); sustained: "
+              f"{args.callers} callers for {args.load_seconds:.0f} s, beam 1 or 4, one sentence or four long ones")
+        print("| flags | --engine null | loaded | after a burst | sustained peak | at the end | sentences/s |\n"
+              "|---|---|---|---|---|---|---|")
+        for flags, m in memory.items():
+            cells = " | ".join(f"{value / mib:,.0f} ({value / weights:.2f}x)"
+                               for value in (m.loaded, m.burst, m.peak, m.end))
+            print(f"| {flags or '(defaults)'} | {m.empty / mib:,.0f} | {cells} | {m.sentences_per_second:.1f} |")
+        print("\n| all 20 sentences (CPU, 2 threads) | --ort-prepack main | all | none |\n|---|---|---|---|")
         print("\n".join(speed))
+        print("\n| control | beam | tokens/s with it | without | ratio |\n|---|---|---|---|---|")
+        print("\n".join(controls))
 
 
 if __name__ == "__main__":

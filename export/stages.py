@@ -309,10 +309,10 @@ def _written_graphs(directory: Path, graph_files: dict[str, str], traced_nodes: 
 
 
 def _load_engine(version_dir: Path, options: ExportOptions) -> Engine:
-    """The version as ``nmt serve --no-ort-prepack`` loads it (CPU, ``options.threads`` threads): each weight
+    """The version as ``nmt serve --ort-prepack none`` loads it (CPU, ``options.threads`` threads): each weight
     held once, and without the CPU memory arena (the checks' largest calls give their memory back)."""
     return Engine.load(version_dir, provider="cpu", intra_op_threads=options.threads, inter_op_threads=1,
-                       prepack=False, cpu_arena=False)
+                       prepack="none", cpu_arena=False)
 
 
 REDUCTION_METHODS = {

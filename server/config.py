@@ -33,6 +33,9 @@ ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BATCHING = ("auto", "static", "continuous")
+# Which sessions' CPU kernels keep packed copies of their MatMul/Gemm weights (--ort-prepack): the encoder and the
+# decoder every translation runs ("main"), every session ("all"), or none; each packed session holds a copy.
+PREPACK = ("main", "all", "none")
 ENGINES = ("onnx", "null")
 
 
@@ -89,9 +92,13 @@ class ServerConfig:
     inter_op_threads: int = option(1, "ONNX Runtime inter-op threads per model version")
     ort_spinning: bool = option(True, "let idle ONNX Runtime threads busy-wait for the next operator while a graph "
                                 "runs (they stop when it returns); off where other processes need the cores")
-    ort_prepack: bool = option(True, "let ONNX Runtime's CPU kernels keep each session's MatMul/Gemm weights in a "
-                               "re-laid-out copy of their own (faster steps); off: a loaded version holds "
-                               "each weight once, for hosts that keep many versions in memory")
+    ort_prepack: str = option(
+        "main", "which sessions' ONNX Runtime CPU kernels keep a re-laid-out copy of their MatMul/Gemm weights "
+        "(faster steps; each decoder's copy is about the size of its weights). main: the encoder and the decoder "
+        "every translation runs, while the decoders for attention (alignments, markup) and target prefixes "
+        "read the stored weights; all: those too, for services whose requests mostly ask for alignments or "
+        "prefixes; none: a loaded version holds each weight once, for hosts that keep many versions in memory",
+        choices=PREPACK)
     malloc_retain_mb: int = option(1024, "MiB of freed memory glibc's malloc keeps for the next batch, arrays up to "
                                    "32 MiB served from its heap: large batches then reuse their arrays' pages "
                                    "instead of faulting in fresh ones (the process then keeps its peak "
@@ -176,6 +183,8 @@ class ServerConfig:
         if least["decode_tokens"] < self.max_beam * (self.max_tokens + 1):
             raise NmtError(f"decode_tokens ({least['decode_tokens']}) must hold one sentence of max_tokens "
                            f"({self.max_tokens}) plus EOS at max_beam ({self.max_beam}) rows")
+        if self.ort_prepack not in PREPACK:
+            raise NmtError(f"ort_prepack must be one of {', '.join(PREPACK)}, got {self.ort_prepack!r}")
         if self.batching not in BATCHING:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:

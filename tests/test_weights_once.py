@@ -23,6 +23,7 @@ from common.model_format.manifest import ManifestError, read_manifest, sha256_fi
 from common.model_format.weights import ALIGNMENT, MIN_BYTES, WEIGHTS_FILE, store_once, stored_tensors
 from export.graph_passes import digest, fold_embedding_scale
 from export.shared_tensors import align_packed_blocks, packed_blocks
+from server.config import PREPACK
 from server.engine.engine import Engine
 from server.types import DecodingOptions
 
@@ -73,10 +74,10 @@ def test_a_version_with_its_weights_inside_the_graphs_is_refused(tiny_models, tm
     with pytest.raises(ManifestError, match="weights inside each graph .*export the model again from its training"):
         Engine.load(old, provider="cpu")
     options = DecodingOptions(beam_size=4, return_attention=True)
-    engines = [Engine.load(tiny_models["transformer"], provider="cpu", prepack=prepack) for prepack in (True, False)]
+    engines = [Engine.load(tiny_models["transformer"], provider="cpu", prepack=prepack) for prepack in PREPACK]
     results = [[(h.token_ids, round(h.score, 4)) for t in engine.translate(TEXTS, options) for h in t.hypotheses]
                for engine in engines]
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
 
 
 def test_a_changed_weights_file_is_refused(tiny_models, tmp_path):

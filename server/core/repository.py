@@ -62,7 +62,7 @@ Fingerprint = tuple[tuple[str, int, int, int], ...]  # (file name, size, mtime_n
 
 def default_engine_loader(
     version_dir: Path, *, provider: str, intra_op_threads: int, inter_op_threads: int, spinning: bool = False,
-    prepack: bool = True, **device: Any,
+    prepack: str = "main", **device: Any,
 ) -> Any:
     """``Engine.load``; ``device``: its device_id, gpu_mem_limit, cuda_tf32, device_search, cuda_graphs and
     graph_pool_mib (when set)."""
@@ -88,7 +88,7 @@ class LoadSettings:
     intra_op_threads: int = 0
     inter_op_threads: int = 1
     spinning: bool = False
-    prepack: bool = True
+    prepack: str = "main"  # server.config.PREPACK
     device: dict[str, Any] = field(default_factory=dict)  # device_id, gpu_mem_limit, cuda_tf32, device_search, ...
     engine_loader: EngineLoader | None = None
     policy: BatchPolicy | None = None

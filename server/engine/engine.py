@@ -28,6 +28,7 @@ from common.errors import NmtError
 from common.model_format.manifest import REEXPORT, Manifest, ManifestError, read_manifest
 from common.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.completion import Completion
+from server.config import PREPACK
 from server.engine.cuda_graphs import graph_options
 from server.engine.device import (
     CPU,
@@ -88,6 +89,9 @@ def generated_tokens(result: SearchResult) -> int:
     return sum(len(h.tokens) for h in result.hypotheses)
 
 
+MAIN_SESSIONS = frozenset({"encoder", "decoder"})  # the sessions every translation runs (prepack "main")
+
+
 def session_options(intra_op_threads: int, inter_op_threads: int, *, spinning: bool,
                     prepack: bool = True, cpu_arena: bool = True) -> ort.SessionOptions:
     """ONNX Runtime options of a model version's sessions. With ``spinning``, idle workers busy-wait for
@@ -139,7 +143,7 @@ class Engine:
         device_id: int = 0,
         gpu_mem_limit: int = 0,
         cuda_tf32: bool = False,
-        prepack: bool = True,
+        prepack: str = "main",
         cpu_arena: bool = True,
         portable_attention: bool | None = None,
         device_search: bool = False,
@@ -176,8 +180,12 @@ class Engine:
 
         A version stores its weights once (``weights.bin``, else it is refused): every session gets the same buffers
         (:class:`SharedWeights`; on CUDA, buffers in device memory, or host buffers where the sessions refuse
-        those); ``prepack`` lets the CPU kernels keep a re-laid-out copy per session (faster steps; the mapped
-        pages only packing read are then released); without it the loaded version holds each weight once.
+        those). ``prepack`` (:data:`server.config.PREPACK`) says whose CPU kernels keep a re-laid-out copy of the
+        weights, one per session: faster steps, and a decoder's copy is about its weights' size. "main": the
+        encoder and the decoder every translation runs; the decoders that return attention and run forced
+        prefixes read the stored weights (their requests are slower, the version holds two copies fewer). "all":
+        every session; "none": the loaded version holds each weight once. Where some session packs, the mapped
+        pages only packing read are released (a session that reads them maps them again).
         ``cpu_arena``: ONNX Runtime's CPU memory arena, which keeps the most host memory any run of a session
         has needed, for the next (off: the export's checks, a few large calls, give it back after each).
 
@@ -195,18 +203,23 @@ class Engine:
             raise ManifestError(f"{version_dir} keeps its weights inside each graph (an earlier export); {REEXPORT}")
         weights = SharedWeights(version_dir, "cuda" if on_cuda else "cpu", device_id)
 
-        def open_session(filename: str, providers: list[Any]) -> ort.InferenceSession:
-            options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=prepack,
+        if prepack not in PREPACK:
+            raise ValueError(f"prepack must be one of {', '.join(PREPACK)}, got {prepack!r}")
+
+        def open_session(filename: str, providers: list[Any], role: str) -> ort.InferenceSession:
+            packs = prepack == "all" or (prepack == "main" and role in MAIN_SESSIONS)
+            options = session_options(intra_op_threads, inter_op_threads, spinning=spinning, prepack=packs,
                                       cpu_arena=cpu_arena)
             weights.add_to(options, version_dir / filename)
             graph = session_graph(version_dir / filename, options, portable_attention, on_cuda=on_cuda)
             return ort.InferenceSession(graph, options, providers=providers)
 
         def open_sessions() -> dict[str, ort.InferenceSession]:
-            sessions = {role: open_session(filename, providers) for role, filename in manifest.graphs.items()}
+            sessions = {role: open_session(filename, providers, role) for role, filename in manifest.graphs.items()}
             if cuda_graphs and device_search and on_cuda:  # the decoder once more, its runs captured as graphs
                 try:
-                    sessions["decoder_graphs"] = open_session(manifest.graphs["decoder"], graph_options(providers))
+                    sessions["decoder_graphs"] = open_session(manifest.graphs["decoder"], graph_options(providers),
+                                                              "decoder")
                 except Exception as error:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
                     log.warning("CUDA graphs: the graph-enabled decoder session did not open (%s); beam runs use "
                                 "ordinary session runs", error)
@@ -220,7 +233,7 @@ class Engine:
             log.warning("the sessions did not take weights in device memory (%s); each keeps its own copy", error)
             weights = SharedWeights(version_dir)
             sessions = open_sessions()
-        if prepack:  # the kernels hold packed copies: the pages only the packing read go
+        if prepack != "none":  # kernels hold packed copies: the pages only the packing read go
             weights.release_pages()
         got = session_provider(sessions)
         check_provider(provider, providers, got)

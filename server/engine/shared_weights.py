@@ -4,8 +4,9 @@ version through ``SessionOptions.add_initializer``.
 
 ONNX Runtime uses such an initializer's buffer as it is (no copy). Its CPU kernels still pre-pack each
 ``MatMul``/``Gemm`` weight into a layout of their own, a copy per session (three of the decoder, for the
-three decoder graphs): :meth:`server.engine.engine.Engine.load`'s ``prepack=False`` turns that off, so
-the version holds each weight once, at the cost of slower steps (benchmarks/README.md). With pre-packing
+three decoder graphs; by default only the encoder's and the main decoder's): :meth:`server.engine.engine.Engine.load`'s
+``prepack="none"`` turns that off, so the version holds each weight once, at the cost of slower steps
+(benchmarks/README.md). With pre-packing
 on, :meth:`SharedWeights.release_pages` gives the mapped pages that only the packing read back to the
 page cache once the sessions are built; the few the kernels read later come back on first touch.
 
