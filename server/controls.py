@@ -86,29 +86,40 @@ def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Contr
             eos_id: int, logits: np.ndarray | None = None) -> np.ndarray:
     """``log_probs`` [R, V] of one step -> the distribution searched (float64), row ``r`` under
     ``controls[r]`` with ``history[r, :step]`` its tokens so far; ``logits`` [R, V] (the log-softmax's
-    input) are needed when a row has a repetition penalty after its first step."""
-    raw = log_probs.astype(np.float64)
-    out = raw.copy()
+    input) are needed when a row has a repetition penalty after its first step.
+
+    A row whose only change is ``min_length`` barring EOS is renormalized by EOS's own probability
+    (log-probabilities minus log(1 - p(EOS))), with no pass over its vocabulary, where p(EOS) < 1/2 keeps that
+    exact to float rounding; other rows are log-softmaxed again after their changes."""
+    out = log_probs.astype(np.float64)
+    general = [r for r, c in enumerate(controls) if step < c.reshapes_until]
+    bars_eos = np.array([r for r in general if controls[r].reshapes_until == controls[r].min_length], dtype=np.int64)
+    if bars_eos.size:  # min_length alone, before its minimum
+        eos = out[bars_eos, eos_id]
+        cheap = bars_eos[eos < -math.log(2)]
+        out[cheap] -= np.log1p(-np.exp(out[cheap, eos_id]))[:, None]
+        out[cheap, eos_id] = NEG_INF
+        general = sorted(set(general) - set(cheap.tolist()))
+    for r in general:
+        c, row = controls[r], out[r]
+        if c.repetition_penalty != 1.0 and step:
+            if logits is None:
+                raise ValueError("the repetition penalty needs the step's logits")
+            row[:] = logits[r]
+            seen = np.unique(history[r, :step])
+            row[seen] = np.where(row[seen] < 0, row[seen] * c.repetition_penalty,
+                                 row[seen] / c.repetition_penalty)
+        banned = banned_tokens(c, history[r], step, eos_id)
+        if banned:
+            row[banned] = NEG_INF
+        if np.isfinite(row).any():
+            top = row.max()
+            row -= top + np.log(np.exp(row - top).sum())
     for r, c in enumerate(controls):
-        if step < c.reshapes_until:
-            row = out[r]
-            if c.repetition_penalty != 1.0 and step:
-                if logits is None:
-                    raise ValueError("the repetition penalty needs the step's logits")
-                row[:] = logits[r]
-                seen = np.unique(history[r, :step])
-                row[seen] = np.where(row[seen] < 0, row[seen] * c.repetition_penalty,
-                                     row[seen] / c.repetition_penalty)
-            banned = banned_tokens(c, history[r], step, eos_id)
-            if banned:
-                row[banned] = NEG_INF
-            if np.isfinite(row).any():
-                top = row.max()
-                row -= top + np.log(np.exp(row - top).sum())
         if step < len(c.forced):
             token = c.forced[step]
             out[r] = NEG_INF
-            out[r, token] = raw[r, token]
+            out[r, token] = log_probs[r, token]
         elif completing(c, step):
             allowed = c.completion.allowed(history[r, c.completion.start: step])
             if allowed is not None:
@@ -121,9 +132,23 @@ def process(log_probs: np.ndarray, history: np.ndarray, controls: Sequence[Contr
 
 def top_k(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best tokens of each row and their log-probabilities, best first, ties to the lower id
-    (as the exported graphs' ``TopK``)."""
-    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, : min(k, log_probs.shape[1])]
-    return ids, np.take_along_axis(log_probs, ids, 1)
+    (as the exported graphs' ``TopK``). A partition finds each row's ``k`` best in one pass over the vocabulary;
+    only they are sorted (a row tied at the ``k``-th value sorts every id tied there, to keep the lower ids)."""
+    rows, width = log_probs.shape
+    k = min(k, width)
+    if 4 * k >= width:  # a small vocabulary: sorting it whole is as cheap
+        ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
+        return ids, np.take_along_axis(log_probs, ids, 1)
+    best = np.argpartition(log_probs, width - k, axis=1)[:, width - k:]
+    values = np.take_along_axis(log_probs, best, 1)
+    order = np.lexsort((best, -values), axis=-1)  # best first, then the lower id
+    ids, values = np.take_along_axis(best, order, 1), np.take_along_axis(values, order, 1)
+    tied = np.flatnonzero((log_probs >= values[:, -1:]).sum(axis=1) > k)  # more ids share the k-th value
+    for row in tied:
+        candidates = np.flatnonzero(log_probs[row] >= values[row, -1])  # in id order
+        chosen = candidates[np.argsort(-log_probs[row, candidates], kind="stable")[:k]]
+        ids[row], values[row] = chosen, log_probs[row, chosen]
+    return ids, values
 
 
 def sample(log_probs: np.ndarray, c: Controls, rng: np.random.Generator) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import onnx
 import pytest
 
@@ -18,6 +19,7 @@ from common.model_format.manifest import LOGITS_OUTPUT, ManifestError, sha256_fi
 from export.graph_passes import remove_output
 from nmt.cli import main as nmt_main
 from server.config import ServerConfig
+from server.controls import NEG_INF, top_k
 from server.engine.engine import Engine
 from server.protos import pb2
 from tests.harness import ServerHarness
@@ -175,3 +177,17 @@ def test_a_version_without_logits_is_refused_with_the_way_out(harness: ServerHar
     (old / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="lacks the 'logits' output .*export the model again from its training"):
         Engine.load(old, provider="cpu", intra_op_threads=1)
+
+
+def test_top_k_equals_a_stable_sort_with_ties_to_the_lower_id() -> None:
+    """The partitioned top-k picks and orders exactly as a stable sort of the whole row (the graphs' ``TopK``):
+    rows with values rounded into ties, barred tokens (-inf) and k past the row's finite values."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        width, rows, k = int(rng.integers(2, 400)), int(rng.integers(1, 6)), int(rng.integers(1, 12))
+        log_probs = np.round(rng.normal(size=(rows, width)), int(rng.integers(0, 3)))
+        log_probs[rng.random((rows, width)) < 0.3] = NEG_INF
+        ids, values = top_k(log_probs, k)
+        expected = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
+        assert (ids == expected).all()
+        assert np.array_equal(values, np.take_along_axis(log_probs, expected, 1))
