@@ -246,6 +246,24 @@ def test_kubernetes_translators_drain_and_probe_as_the_server_does() -> None:
     assert ServerConfig.from_env({e["name"]: e["value"] for e in gpu["env"]}).frontends == 4  # as measured on an H200
 
 
+def mebibytes(quantity: str) -> float:
+    """A Kubernetes memory quantity (``1536Mi``, ``2Gi``) in MiB."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(Mi|Gi)", quantity).groups()
+    return float(number) * (1024 if unit == "Gi" else 1)
+
+
+def test_the_cpu_translators_memory_follows_the_measured_peak() -> None:
+    """The CPU Deployment's memory request holds the sustained peak the export benchmark measured for an
+    OPUS-MT-sized replica with the defaults, and its limit leaves a margin above it (benchmarks/README.md)."""
+    table = (ROOT / "benchmarks" / "README.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| (defaults: `--ort-prepack main`)"))
+    peak = float(row.split("|")[4].split()[0].replace(",", ""))  # the "sustained peak" column, MiB
+    [deployment] = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "translator"]
+    resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert mebibytes(resources["requests"]["memory"]) >= peak
+    assert mebibytes(resources["limits"]["memory"]) >= 1.25 * peak
+
+
 def test_kubernetes_service_budget_and_autoscaler_select_the_translators() -> None:
     from server.metrics import ServerMetrics
 
