@@ -7,11 +7,12 @@ cd "$(dirname "$0")"
 # tool -> Debian package, and the tests that run the tool
 declare -A PACKAGE=([promtool]=prometheus [docker-compose]=docker-compose [chromium]=chromium
                     [chromedriver]=chromium-driver [nginx]=nginx-light [node]=nodejs [npm]=npm
-                    [protoc]=protobuf-compiler)
+                    [protoc]=protobuf-compiler [redis-server]=redis-server)
 declare -A USERS=([promtool]="tests/test_prometheus.py" [docker-compose]="tests/test_deploy.py"
                   [chromium]="tests/test_explorer.py" [chromedriver]="tests/test_explorer.py"
                   [nginx]="tests/test_deploy.py, tests/test_scale.py" [node]="tests/test_proto_contract.py"
-                  [npm]="tests/test_proto_contract.py" [protoc]="tests/test_proto_contract.py")
+                  [npm]="tests/test_proto_contract.py" [protoc]="tests/test_proto_contract.py"
+                  [redis-server]="tests/test_cache.py")
 have() { command -v "$1" >/dev/null 2>&1 || { [ "$1" = nginx ] && [ -x /usr/sbin/nginx ]; }; }
 missing=()
 for tool in "${!PACKAGE[@]}"; do have "$tool" || missing+=("${PACKAGE[$tool]}"); done

@@ -28,6 +28,7 @@ from common.options import (
     values_from_args,
 )
 from server.policy import AUTO_BY_DEVICE, BY_DEVICE, DEVICE_RULE_REASONS
+from server.routing import parse_pair_models
 
 ENV_PREFIX = "NMT_"
 PROVIDERS = ("auto", "cpu", "cuda")
@@ -73,6 +74,11 @@ class ServerConfig:
     model_repository: str = option("models", "model repository directory: <repo>/<name>/<version>/manifest.json")
     default_model: str = option("", "model used when a request names none (default: the first by name at "
                                 "start-up)")
+    pair_models: str = option("", "the model a request naming a language pair and no model gets, where several "
+                              "serve the pair: comma-separated source:target=model (e.g. en:de=opus-mt-en-de); "
+                              "default: the default model if it serves the pair, else the first by name")
+    detect_default: str = option("", "source_language auto: the language taken for a text whose language cannot be "
+                                 "told (too short, too uncertain); empty: such a request is INVALID_ARGUMENT")
     provider: str = option("auto", "ONNX Runtime execution provider: cuda fails at start-up unless the sessions "
                            "really run on CUDA (naming the library that did not load); auto uses CUDA when it "
                            "runs, else the CPU (and logs why)", choices=PROVIDERS)
@@ -129,6 +135,14 @@ class ServerConfig:
                              "output, summed over sentences): bounds how long one batch holds the worker, so "
                              "large requests are split into batches that interleave with other requests. 0: by "
                              "device (the device rules below)")
+    # translation cache (docs/cache.md)
+    cache_mb: int = option(256, "MiB of sentence translations each serving process keeps (keyed on the model "
+                           "version's content, the options and the source tokens; least recently used out first); "
+                           "0: none")
+    cache_redis: str = option("", "redis:// (or rediss://, unix://) URL of a translation cache shared by replicas, "
+                              "asked for what this process's cache misses; a Redis that fails or is slow is skipped "
+                              "(counted, retried with back-off); empty: none")
+    cache_ttl: float = option(86400.0, "seconds an entry lives in the shared Redis cache")
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")
@@ -189,6 +203,12 @@ class ServerConfig:
             raise NmtError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
+        parse_pair_models(self.pair_models)  # raises naming the entry that does not parse
+        if self.cache_mb < 0 or self.cache_ttl < 1:
+            raise NmtError(f"cache_mb must not be negative and cache_ttl must be at least 1 s, got {self.cache_mb} "
+                           f"and {self.cache_ttl}")
+        if self.cache_redis and not self.cache_redis.startswith(("redis://", "rediss://", "unix://")):
+            raise NmtError(f"cache_redis must be a redis://, rediss:// or unix:// URL, got {self.cache_redis!r}")
         if self.engine not in ENGINES:
             raise NmtError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.provider not in PROVIDERS:

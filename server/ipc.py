@@ -162,7 +162,7 @@ _ERRORS = {cls.__name__: cls for cls in _subclasses(ServingError)}
 MESSAGES: tuple[type, ...] = (Hello, Submit, Cancel, Catalog, Done, Failed, Progress)  # a frame's kind byte: the index
 
 
-def _encode_hook(obj: Any) -> Any:
+def encode_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         array = np.ascontiguousarray(obj)
         shape = ",".join(map(str, array.shape))
@@ -172,7 +172,7 @@ def _encode_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot send {type(obj).__name__} to another process")
 
 
-def _decode_hook(kind: type, obj: Any) -> Any:
+def decode_hook(kind: type, obj: Any) -> Any:
     if kind is np.ndarray and isinstance(obj, msgspec.msgpack.Ext) and obj.code == ARRAY_EXT:
         dtype, shape, data = bytes(obj.data).split(b"|", 2)
         return np.frombuffer(data, dtype=np.dtype(dtype.decode())).reshape(
@@ -180,11 +180,11 @@ def _decode_hook(kind: type, obj: Any) -> Any:
     raise NotImplementedError(f"cannot receive {kind.__name__}")
 
 
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=encode_hook)
 
 
 _KIND_OF = {cls: bytes([i]) for i, cls in enumerate(MESSAGES)}
-_DECODERS = [msgspec.msgpack.Decoder(cls, dec_hook=_decode_hook) for cls in MESSAGES]
+_DECODERS = [msgspec.msgpack.Decoder(cls, dec_hook=decode_hook) for cls in MESSAGES]
 _LENGTH = struct.Struct("<I")  # a frame on the stream: its length, then its kind byte and MessagePack body
 
 

@@ -51,7 +51,7 @@ PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 STAGES = ("encode", "join", "decode")  # nmt_inference_duration_seconds
 SELECTIONS = ("plain", "general")  # nmt_decode_steps: how a step's hypotheses were chosen
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
-LOOKUP_METHODS = frozenset({"ListModels"})  # counted, but neither timed nor in flight
+LOOKUP_METHODS = frozenset({"ListModels", "ListLanguages"})  # counted, but neither timed nor in flight
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
 # ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
 HTTP_UNROUTED = HTTP_LABEL_PREFIX + "unknown"
@@ -104,6 +104,27 @@ class VersionSeries:
 LABELLED_SERIES = ("encode_duration", "join_duration", "decode_duration", "plain_steps", "general_steps")
 # The families labelled by model and version alone (their series come and go with the version)
 VERSION_FAMILIES = tuple(f.name for f in fields(VersionSeries) if f.name not in LABELLED_SERIES)
+
+
+@dataclass(frozen=True)
+class CacheSeries:
+    """One translation-cache layer's series (server.frontend.cache), looked up once."""
+
+    hits: Any
+    misses: Any
+    evictions: Any
+    bytes: Any
+    errors: Any
+
+    def evicted(self, count: int) -> None:
+        if count:
+            self.evictions.inc(count)
+
+    def size(self, value: int) -> None:
+        self.bytes.set(value)
+
+    def error(self) -> None:
+        self.errors.inc()
 
 
 class Children:
@@ -200,6 +221,15 @@ class ServerMetrics:
         self.text_sentences = Histogram("nmt_text_sentences", "Sentences per translated text, by text format (its "
                                         "_count: texts by format)", ["model", "format"], buckets=SENTENCE_BUCKETS,
                                         registry=r)
+        self.cache_lookups = Counter("nmt_cache_lookups", "Sentences looked up in the translation cache by layer "
+                                     "(memory: this process; redis: the shared one, asked for what memory missed) "
+                                     "and result (hit, miss)", ["layer", "result"], registry=r)
+        self.cache_evictions = Counter("nmt_cache_evictions", "Entries the in-process translation cache dropped to "
+                                       "stay within --cache-mb", ["layer"], registry=r)
+        self.cache_bytes = Gauge("nmt_cache_bytes", "Bytes the in-process translation cache holds (keys and "
+                                 "values)", ["layer"], registry=r, multiprocess_mode="livesum")
+        self.cache_errors = Counter("nmt_cache_errors", "Calls to the shared Redis cache that failed or timed out "
+                                    "(the request then decodes as without it)", ["layer"], registry=r)
         self.model_info = Gauge("nmt_model_info", "Loaded model versions (value 1)",
                                 ["model", "version", "architecture", "provider"], registry=r,
                                 multiprocess_mode="livemax")
@@ -299,6 +329,12 @@ class ServerMetrics:
         self.stream_word_gap.labels(model)
         for text_format in TEXT_FORMATS:
             self.text_sentences.labels(model, text_format)
+
+    def cache_series(self, layer: str) -> CacheSeries:
+        """The series of translation-cache ``layer`` (memory or redis), initialised."""
+        return CacheSeries(self.cache_lookups.labels(layer, "hit"), self.cache_lookups.labels(layer, "miss"),
+                           self.cache_evictions.labels(layer), self.cache_bytes.labels(layer),
+                           self.cache_errors.labels(layer))
 
     def observe_texts(self, model: str, text_format: str, sentences: list[int]) -> None:
         """A request's texts read as documents: each one's sentence count."""

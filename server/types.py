@@ -57,6 +57,7 @@ class TranslateCall:
     model_version: str = ""
     options: RequestedOptions = field(default_factory=RequestedOptions)
     target_language: str = ""  # a multilingual model's target language ("" = none)
+    source_language: str = ""  # the texts' language, or "auto" ("" = the model's)
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
     text_format: str = "text"  # server.frontend.documents.model.TextFormat's values
     splitting: str = ""  # server.frontend.documents.segmenter.Splitting's values; "": the default for the request
@@ -118,6 +119,8 @@ class Translation:
     hypotheses: list[Hypothesis]
     segments: list[Segment] = field(default_factory=list)  # a text read as a document: its sentences
     document: DocumentAlignment | None = None  # a document's words and alignments (return_attention)
+    detected_language: str = ""  # source_language "auto": the language detected (server.frontend.detection)
+    detected_confidence: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,8 @@ class TranslationServer:
             await self.server.stop(min(STOP_SECONDS, max(0.0, deadline - time.monotonic())))
         if self.http is not None:
             await self.http.stop()
+        if self.servicer is not None:
+            await self.servicer.close()
         if self.repository is not None:
             await self.repository.close(timeout=max(0.0, deadline - time.monotonic()))
         if self.metrics_http is not None:

@@ -35,6 +35,7 @@ def from_pb(request: Any) -> TranslateCall:
         model=request.model,
         model_version=request.model_version,
         target_language=request.target_language,
+        source_language=request.source_language,
         target_prefixes=list(request.target_prefixes),
         options=options_from_pb(request.options) if request.HasField("options") else DEFAULT_OPTIONS,
         text_format=TEXT_FORMATS.get(request.text_format, ""),
@@ -89,6 +90,7 @@ def to_pb(translations: Sequence[Translation], model: Any, options: RequestedOpt
     for translation in translations:
         item = response.translations.add()
         item.source_tokens.extend(translation.source_words)
+        item.detected_language, item.detected_confidence = translation.detected_language, translation.detected_confidence
         item.hypotheses.extend(hypothesis_to_pb(h, **asked) for h in translation.hypotheses)
         for segment in translation.segments:
             spans = item.segments.add(source_start=segment.source[0], source_end=segment.source[1],
@@ -142,4 +144,22 @@ def model_list_pb(repository: VersionIndex, *, max_beam: int,
     return pb2.ListModelsResponse(models=[
         model_info_pb(mv, is_default=mv.name == repository.default_model, max_beam=max_beam)
         for mv in repository if allows(mv.name)
+    ])
+
+
+def language_list_pb(routes: Any) -> Any:
+    """:meth:`server.routing.Router.routes` -> ``ListLanguagesResponse``, by source then target."""
+    return pb2.ListLanguagesResponse(pairs=[
+        pb2.LanguagePair(source_language=route.source, target_language=route.target, model=route.model,
+                         models=list(route.models))
+        for _, route in sorted(routes.items())
+    ])
+
+
+def detection_pb(ranked: Sequence[Sequence[Any]]) -> Any:
+    """Each text's :class:`server.frontend.detection.Detection` list -> ``DetectLanguageResponse``."""
+    return pb2.DetectLanguageResponse(texts=[
+        pb2.DetectedLanguages(languages=[pb2.LanguageScore(language=d.language, confidence=d.confidence)
+                                         for d in detections])
+        for detections in ranked
     ])

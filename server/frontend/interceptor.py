@@ -205,11 +205,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                                                                                        handler))
         return cached[1]
 
-    def http_behavior(self, full_method: str, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def http_behavior(self, full_method: str, behavior: Callable[[Any, Any], Any], *,
+                      label: str = "") -> Callable[[Any, Any], Any]:
         """A unary servicer method (``behavior(request, context)``) wrapped for the HTTP face (:mod:`server.http`):
         the same authentication, request id, log line, in-flight count and ``nmt_*`` request metrics as a gRPC
-        call, under the method label ``http:<Method>``; the ``grpc_server_*`` family counts gRPC calls only."""
-        return self._wrap(full_method, grpc.unary_unary_rpc_method_handler(behavior), http=True).unary_unary
+        call, under the method label ``label`` (default ``http:<Method>``; the compatible APIs name theirs, e.g.
+        ``libretranslate:translate``); the ``grpc_server_*`` family counts gRPC calls only."""
+        return self._wrap(full_method, grpc.unary_unary_rpc_method_handler(behavior), http=True,
+                          label=label).unary_unary
 
     def http_stream_behavior(self, full_method: str, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """A server-streaming servicer method wrapped for the HTTP face's server-sent events, as
@@ -234,9 +237,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             fields["error"] = message
         log.info("request", extra={"fields": fields})
 
-    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler, *, http: bool = False) -> grpc.RpcMethodHandler:
+    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler, *, http: bool = False,
+              label: str = "") -> grpc.RpcMethodHandler:
         service, _, method = full_method.lstrip("/").rpartition("/")
-        label = f"{HTTP_LABEL_PREFIX}{method}" if http else method  # the method label of the nmt_* families
+        label = label or (f"{HTTP_LABEL_PREFIX}{method}" if http else method)  # the method label of the nmt_* families
         labels = (_grpc_type(handler), service, method)
         metrics = self.metrics
         started, handling = metrics.grpc_started.labels(*labels), metrics.grpc_handling.labels(*labels)

@@ -18,6 +18,7 @@ against the record's grant (:mod:`server.frontend.auth`: PERMISSION_DENIED for a
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -30,16 +31,28 @@ import grpc
 from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
 from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
-from server.frontend.convert import error_response_pb, from_pb, model_list_pb, score_from_pb, to_pb
+from server.frontend.cache import TranslationCache
+from server.frontend.convert import (
+    TEXT_FORMATS,
+    detection_pb,
+    error_response_pb,
+    from_pb,
+    language_list_pb,
+    model_list_pb,
+    score_from_pb,
+    to_pb,
+)
+from server.frontend.detection import Detection, LanguageDetector, detect_texts, model_text
 from server.frontend.documents.model import TextFormat
 from server.frontend.documents.segmenter import Splitting
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.translate import Reading, translate_documents
 from server.frontend.interceptor import Undecodable, current_call
-from server.frontend.translate import translate_texts
+from server.frontend.translate import TOKENIZE_INLINE_CHARS, translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
+from server.routing import AUTO, Router, primary
 from server.types import TranslateCall, Translation
 from server.versions import VersionIndex
 
@@ -57,8 +70,17 @@ class TranslatorService:
         self.config = config
         self.metrics = metrics  # TranslateStreaming's word timings
         self.policy = BatchPolicy.from_config(config)  # the token, work and response limits of a request
+        self.router = Router(repository, default_model=lambda: repository.default_model,
+                             pair_models=config.pair_models)
+        self.detector = LanguageDetector()
+        self.cache = TranslationCache.from_config(config, metrics)
         self.draining = False
         self._draining = asyncio.Event()
+
+    async def close(self) -> None:
+        """Release what the service holds beyond its requests (the shared cache's connections)."""
+        if self.cache is not None:
+            await self.cache.close()
 
     def start_draining(self) -> None:
         """From now on new requests get UNAVAILABLE, and streams idle between requests are closed;
@@ -160,6 +182,26 @@ class TranslatorService:
         return model_list_pb(self.repository, max_beam=self.config.max_beam, allows=current_call().grant.allows)
 
     @grpc_errors
+    async def ListLanguages(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """The language pairs served by the models the call's token may use, each with its model."""
+        return language_list_pb(self.router.routes(current_call().grant.allows))
+
+    @grpc_errors
+    async def DetectLanguage(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Each text's candidate source languages with their confidence (:mod:`server.frontend.detection`)."""
+        texts = list(request.texts)
+        current_call().texts += len(texts)
+        check_texts(texts, self.config)
+        candidates = self.router.sources_to(request.target_language, current_call().grant.allows)
+        text_format = TextFormat(TEXT_FORMATS.get(request.text_format, "text"))
+
+        def rank() -> list[list[Detection]]:
+            return [self.detector.rank(model_text(text, text_format), candidates) for text in texts]
+
+        ranked = await asyncio.to_thread(rank) if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS else rank()
+        return detection_pb(ranked)
+
+    @grpc_errors
     async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         """Given translations scored by forced decoding, through the same scheduler as Translate."""
         return await self._run(request, score_from_pb, context)
@@ -186,8 +228,13 @@ class TranslatorService:
         check_texts(call.texts, self.config)
         if stream is not None and len(call.texts) != 1:
             raise InvalidArgument(f"TranslateStreaming translates exactly one text per request, not {len(call.texts)}")
+        call, detections = await self._route(call, record.grant.allows)
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
+            source = str(model.manifest_value("source_language"))
+            if call.source_language and primary(call.source_language) != primary(source):
+                raise InvalidArgument(f"model {model.name!r} translates from {source!r}, not "
+                                      f"{call.source_language!r}; leave model empty to choose by language pair")
             record.model, record.version = model.name, model.version
             codec = model.codec
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
@@ -197,24 +244,51 @@ class TranslatorService:
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=codec.eos_id if call.score else None)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
+            submit = model.submit if self.cache is None else self.cache.through(model, model.submit)
             if stream is not None:
                 stream.bind(codec, scores=call.options.return_scores, attention=options.return_attention)
             reading = self._reading(call, codec.manifest.source_language, stream is not None)
             if reading is not None:
                 translations = await translate_documents(
-                    codec, model.submit, call.texts, options, handle, reading=reading, policy=self.policy,
+                    codec, submit, call.texts, options, handle, reading=reading, policy=self.policy,
                     prefix=prefix, stream=stream,
                     max_sentences=min(self.config.max_sentences, self.config.queue_size))
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
                                                [len(t.segments) for t in translations])
             else:
-                translations = await translate_texts(codec, model.submit, call.texts, options, handle,
+                translations = await translate_texts(codec, submit, call.texts, options, handle,
                                                      policy=self.policy, prefix=prefix, target_prefixes=forced,
                                                      stream=stream)
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
+            if detections:
+                translations = [replace(t, detected_language=d.language, detected_confidence=d.confidence)
+                                for t, d in zip(translations, detections, strict=True)]
             return to_pb(translations, model, call.options)
+
+    async def _route(self, call: TranslateCall, allows: Callable[[str], bool]) -> tuple[TranslateCall,
+                                                                                         list[Detection]]:
+        """The call with its model chosen by language pair where it names none (:mod:`server.routing`), its
+        source language detected where it is "auto" (:mod:`server.frontend.detection`), and the detections."""
+        detections: list[Detection] = []
+        source = call.source_language
+        if source.lower() == AUTO:
+            if call.model:
+                candidates = [str(self.repository.resolve(call.model, call.model_version)
+                                  .manifest_value("source_language"))]
+            else:
+                candidates = self.router.sources_to(call.target_language, allows)
+            detect = functools.partial(detect_texts, self.detector, call.texts, TextFormat(call.text_format or "text"),
+                                       candidates, self.config.detect_default)
+            detections = (await asyncio.to_thread(detect) if sum(map(len, call.texts)) > TOKENIZE_INLINE_CHARS
+                          else detect())
+            source = detections[0].language
+        if call.model or not (source or call.target_language):
+            return replace(call, source_language=source), detections
+        route = self.router.route(source, call.target_language, allows)
+        return replace(call, model=route.model, source_language=route.source,
+                       target_language=route.target_code[route.model]), detections
 
 
     def _reading(self, call: TranslateCall, language: str, streaming: bool) -> Reading | None:
