@@ -38,6 +38,12 @@ BATCHING = ("auto", "static", "continuous")
 # decoder every translation runs ("main"), every session ("all"), or none; each packed session holds a copy.
 PREPACK = ("main", "all", "none")
 ENGINES = ("onnx", "null")
+COMPAT_APIS = ("libretranslate",)  # server/frontend/compat/
+
+
+def compat_apis(setting: str) -> list[str]:
+    """``--compat-apis``: the names, lower-cased."""
+    return [name.strip().lower() for name in setting.split(",") if name.strip()]
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class ServerConfig:
     )
     cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
                                "(CORS); empty: none but the server's own page")
+    compat_apis: str = option("libretranslate", "the HTTP APIs of other translation services also served on "
+                              "the HTTP face (comma-separated): libretranslate (POST /translate, /detect, "
+                              "GET /languages), deepl (/v2/...); empty: only this service's own")
     max_connection_age: float = option(
         60.0, "seconds after which a client connection is closed gracefully (GOAWAY, with gRPC's jitter of a tenth): "
         "the client opens a new one for its next calls while the calls and streams on the old one run to their "
@@ -204,6 +213,9 @@ class ServerConfig:
         if self.max_texts > self.queue_size:
             raise NmtError(f"queue_size ({self.queue_size}) must be at least max_texts ({self.max_texts})")
         parse_pair_models(self.pair_models)  # raises naming the entry that does not parse
+        unknown = set(compat_apis(self.compat_apis)) - set(COMPAT_APIS)
+        if unknown:
+            raise NmtError(f"compat_apis: {', '.join(sorted(unknown))} unknown; choose from {', '.join(COMPAT_APIS)}")
         if self.cache_mb < 0 or self.cache_ttl < 1:
             raise NmtError(f"cache_mb must not be negative and cache_ttl must be at least 1 s, got {self.cache_mb} "
                            f"and {self.cache_ttl}")

@@ -43,7 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from common.errors import NmtError
-from server.config import ServerConfig, split_host_port
+from server.config import ServerConfig, compat_apis, split_host_port
 from server.frontend.auth import Authenticator
 from server.frontend.interceptor import RequestInterceptor
 from server.frontend.servicer import TranslatorService
@@ -179,7 +179,8 @@ class TranslationServer:
         from server.frontend.http_face import HttpFace
 
         self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
-                             ready=self.readiness, cors=self.config.cors_origins)
+                             ready=self.readiness, cors=self.config.cors_origins,
+                             apis=compat_apis(self.config.compat_apis))
         try:
             self.http_port = await self.http.start(address, reuse_port=self.reuse_port)
         except OSError as error:
