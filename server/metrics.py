@@ -51,6 +51,7 @@ PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 STAGES = ("encode", "join", "decode")  # nmt_inference_duration_seconds
 SELECTIONS = ("plain", "general")  # nmt_decode_steps: how a step's hypotheses were chosen
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
+CACHE_LAYERS = ("memory", "redis")  # server.frontend.cache
 LOOKUP_METHODS = frozenset({"ListModels", "ListLanguages"})  # counted, but neither timed nor in flight
 HTTP_LABEL_PREFIX = "http:"  # the method label of the HTTP face's calls: http:Translate (server.frontend.http_face)
 # ... and of its requests that reached no method: an unknown path, a wrong verb, a request that is not valid HTTP
@@ -268,6 +269,8 @@ class ServerMetrics:
                 self.grpc_handled.labels(*labels, code)
         self._methods = dict(methods)
         self.init_requests("")
+        for layer in CACHE_LAYERS:  # at zero whether or not the layer is configured, as the request series
+            self.cache_series(layer)
 
     def init_http(self, methods: Iterable[str]) -> None:
         """Create the request series of the methods the HTTP face serves (``method="http:<Method>"``) at zero,

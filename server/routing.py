@@ -54,7 +54,7 @@ def parse_pair_models(setting: str) -> dict[tuple[str, str], str]:
 
 def model_pairs(model: object) -> list[tuple[str, str, str]]:
     """``(source, target, the target code to send the model)`` for each pair a served version translates."""
-    manifest = getattr(model, "manifest")
+    manifest = model.manifest
     source = language_key(str(getattr(manifest, "source_language", "") or ""))
     multilingual = list(getattr(manifest, "target_languages", None) or [])
     if multilingual:
@@ -118,7 +118,8 @@ class Router:
         found = routes.get((source_key, target_key))
         if found is None:
             served = ", ".join(f"{s}->{t}" for s, t in sorted(routes)) or "none"
-            raise NotFound(f"no model translates {source or '?'} -> {target or '?'}; served pairs: {served}")
+            wanted = f"{source} -> {target}" if source and target else f"from {source}" if source else f"to {target}"
+            raise NotFound(f"no model translates {wanted}; served pairs: {served}")
         return found
 
     def sources_to(self, target: str, allows: Callable[[str], bool] = lambda name: True) -> list[str]:

@@ -371,7 +371,7 @@ def test_the_servers_flags_reach_the_engine_and_its_metrics_show_the_kept_runs(r
     config = ServerConfig.from_env({"NMT_CUDA_GRAPHS": "true", "NMT_CUDA_GRAPH_POOL_MIB": "32"})
     assert config.cuda_graphs and config.cuda_graph_pool_mib == 32
     config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="", model_repository=str(repository),
-                          cuda_graphs=True, cuda_graph_pool_mib=32, intra_op_threads=1)
+                          cuda_graphs=True, cuda_graph_pool_mib=32, intra_op_threads=1, cache_mb=0)
     harness = ServerHarness(config, lambda path, **settings: default_engine_loader(path, device_state=True, **settings))
     try:
         options = pb2.DecodingOptions(beam_size=4, num_hypotheses=2, max_length=30)

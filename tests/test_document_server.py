@@ -39,7 +39,7 @@ def server(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         shutil.copytree(version_dir, repository / f"dates-{arch}" / "1")
     config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
                           model_repository=str(repository), default_model=TRANSFORMER, provider="cpu",
-                          intra_op_threads=1, max_tokens=24).validate()
+                          intra_op_threads=1, max_tokens=24, cache_mb=0).validate()
     harness = ServerHarness(config, default_loader())
     yield harness
     harness.close()

@@ -182,6 +182,10 @@ def test_target_language_inserts_the_language_token(marian_server: ServerHarness
         assert result.best.text == served(marian_server, texts[:1], 1, target_language="nld")[0].text
     with pytest.raises(grpc.RpcError) as error:
         served(marian_server, texts, 1, target_language="fra")
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND  # no model translates to it: the pairs are listed
+    assert "en->deu, en->nld" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:  # the model named: its own languages are listed
+        served(marian_server, texts, 1, target_language="fra", model=marian_server.model_version().name)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "choose deu, nld" in error.value.details()
 

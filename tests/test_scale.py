@@ -84,19 +84,19 @@ def scale_repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathF
     return root
 
 
-def _launch(repository: Path) -> Replica:
-    """One ``nmt serve`` on free loopback ports, starting."""
+def launch(repository: Path, *flags: str) -> Replica:
+    """One ``nmt serve`` on free loopback ports with ``flags``, starting."""
     address, metrics_port, http_address = f"127.0.0.1:{free_port()}", free_port(), f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository), "--listen", address,
          "--metrics-listen", f"127.0.0.1:{metrics_port}", "--http-listen", http_address, "--reload-interval", "0",
          "--provider", "cpu",
-         "--intra-op-threads", "1", "--grace-seconds", "10"],
+         "--intra-op-threads", "1", "--grace-seconds", "10", *flags],
         env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
     return Replica(process, address, metrics_port, http_address)
 
 
-def _serving(replica: Replica, repository: Path) -> Replica:
+def serving(replica: Replica, repository: Path, *flags: str) -> Replica:
     """``replica`` once it serves. A port found free can be taken (as another connection's local port) before the
     server binds it: a replica that exited is launched again on other ports, twice at most."""
     for _ in range(2):
@@ -106,17 +106,17 @@ def _serving(replica: Replica, repository: Path) -> Replica:
         except NmtError:
             if replica.process.poll() is None:  # alive but not serving: not a lost port
                 raise
-            replica = _launch(repository)
+            replica = launch(repository, *flags)
     wait_serving(replica.address, replica.process)
     return replica
 
 
 @pytest.fixture
 def replicas(scale_repository: Path) -> Iterator[list[Replica]]:
-    started = [_launch(scale_repository) for _ in range(REPLICAS)]
+    started = [launch(scale_repository) for _ in range(REPLICAS)]
     try:
         for index, replica in enumerate(started):
-            started[index] = _serving(replica, scale_repository)
+            started[index] = serving(replica, scale_repository)
         yield started
     finally:
         for replica in started:

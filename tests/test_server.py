@@ -59,8 +59,10 @@ def default_loader() -> Callable[..., Any]:
 
 
 def test_config(repo: Path, **changes: Any) -> ServerConfig:
+    """A test server's configuration. No translation cache: these tests see every request decoded
+    (tests/test_cache.py tests the cache, tests/test_routing.py serves with the defaults)."""
     base = ServerConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", http_listen="", model_repository=str(repo),
-                        provider="cpu", intra_op_threads=1, grace_seconds=5)
+                        provider="cpu", intra_op_threads=1, grace_seconds=5, cache_mb=0)
     return base.with_(**changes)
 
 
@@ -286,7 +288,7 @@ def test_reflection_lists_the_services(harness: ServerHarness) -> None:
     pool = DescriptorPool(database)
     service = pool.FindServiceByName(SERVICE_NAME)
     assert [m.name for m in service.methods] == ["Translate", "TranslateStream", "ListModels", "Score",
-                                                  "TranslateStreaming"]
+                                                  "TranslateStreaming", "ListLanguages", "DetectLanguage"]
     assert "subword_tokens" in pool.FindMessageTypeByName("translation.v1.Hypothesis").fields_by_name
 
 

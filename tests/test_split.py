@@ -63,7 +63,7 @@ class SplitServer:
         command = [sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository),
                    "--frontends", str(frontends), "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
                    "--metrics-listen", "127.0.0.1:0", "--provider", "cpu", "--intra-op-threads", "1",
-                   "--reload-interval", "0", "--grace-seconds", "20", *extra]
+                   "--reload-interval", "0", "--grace-seconds", "20", "--cache-mb", "0", *extra]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
         serving = self.wait_log(lambda e: e["message"] == "serving" and "frontends" in e, 240)
         self.port, self.http_port, self.metrics_port = serving["port"], serving["http_port"], serving["metrics_port"]

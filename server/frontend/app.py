@@ -176,11 +176,12 @@ class TranslationServer:
 
     async def _start_http(self, address: str) -> None:
         """The HTTP/JSON face on the same event loop, calling the same servicer through the same interceptor."""
+        from server.frontend.compat import compat_routes
         from server.frontend.http_face import HttpFace
 
         self.http = HttpFace(service=translator_descriptor(), servicer=self.servicer, interceptor=self.interceptor,
-                             ready=self.readiness, cors=self.config.cors_origins,
-                             apis=compat_apis(self.config.compat_apis))
+                             ready=self.readiness, cors=self.config.cors_origins)
+        compat_routes(self.http.app, self.servicer, self.interceptor, compat_apis(self.config.compat_apis))
         try:
             self.http_port = await self.http.start(address, reuse_port=self.reuse_port)
         except OSError as error:

@@ -90,7 +90,8 @@ def to_pb(translations: Sequence[Translation], model: Any, options: RequestedOpt
     for translation in translations:
         item = response.translations.add()
         item.source_tokens.extend(translation.source_words)
-        item.detected_language, item.detected_confidence = translation.detected_language, translation.detected_confidence
+        item.detected_language = translation.detected_language
+        item.detected_confidence = translation.detected_confidence
         item.hypotheses.extend(hypothesis_to_pb(h, **asked) for h in translation.hypotheses)
         for segment in translation.segments:
             spans = item.segments.add(source_start=segment.source[0], source_end=segment.source[1],

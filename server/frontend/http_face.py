@@ -273,7 +273,7 @@ class HttpFace:
     """The aiohttp application and its site; :meth:`start` binds, :meth:`stop` closes."""
 
     def __init__(self, *, service: ServiceDescriptor, servicer: Any, interceptor: RequestInterceptor,
-                 ready: Callable[[], tuple[bool, str]], cors: str = "", apis: Sequence[str] = ()) -> None:
+                 ready: Callable[[], tuple[bool, str]], cors: str = "") -> None:
         self.ready = ready  # (ready, why not)
         self.interceptor = interceptor
         self.allowed_origins = cors_origins(cors)
@@ -284,10 +284,6 @@ class HttpFace:
             endpoint = (self._events_endpoint(route, interceptor.http_stream_behavior(method, handler))
                         if route.streaming else self._endpoint(route, interceptor.http_behavior(method, handler)))
             self.app.router.add_route(route.verb, route.path, endpoint)
-        if apis:
-            from server.frontend.compat import compat_routes
-
-            compat_routes(self.app, servicer, interceptor, apis)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
         self.app.router.add_get("/", self._page)

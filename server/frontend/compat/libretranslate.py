@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 
 from server.errors import InvalidArgument
-from server.frontend.compat import Caller, CompatError, Failed, form_or_json
+from server.frontend.compat.common import Caller, CompatError, Failed, form_or_json
 from server.frontend.http_face import TIMEOUT_HEADER, parse_timeout
 from server.protos import pb2
 

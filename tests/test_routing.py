@@ -1,0 +1,227 @@
+"""Requests by language pair and source_language "auto", through a live server, and LibreTranslate's API
+through its official client (libretranslatepy, unchanged): the same translations as the native API.
+
+The repository serves the small dates models (English -> German, both architectures) and a copy of the
+Transformer whose manifest says it translates French (``dates-fr``): a second source language to route to
+and to detect (its translations are the English model's, which the tests do not read)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from libretranslatepy import LibreTranslateAPI
+
+from server.config import ServerConfig
+from server.frontend.detection import Detection, LanguageDetector, detect_texts
+from server.frontend.documents.model import TextFormat
+from server.protos import pb2
+from tests.harness import ServerHarness
+from tests.test_server import default_loader
+
+TRANSFORMER, BAHDANAU, FRENCH = "dates-transformer", "dates-bahdanau", "dates-fr"
+DATE = "Tuesday, April 25, 2045"
+FRENCH_TEXT = "Le chat dort sur la table de la cuisine."
+TOKEN = "libretranslate-key-0123"
+
+
+def copy_as(version_dir: Path, target: Path, name: str, **manifest: str) -> None:
+    shutil.copytree(version_dir, target)
+    path = target / "manifest.json"
+    fields = json.loads(path.read_text())
+    path.write_text(json.dumps({**fields, "name": name, **manifest}))
+
+
+@pytest.fixture(scope="module")
+def repository(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("routing") / "models"
+    copy_as(dates_models["transformer"], root / TRANSFORMER / "1", TRANSFORMER)
+    copy_as(dates_models["bahdanau"], root / BAHDANAU / "1", BAHDANAU)
+    copy_as(dates_models["transformer"], root / FRENCH / "1", FRENCH, source_language="fr")
+    return root
+
+
+def serve(repository: Path, tmp_path: Path | None = None, **settings) -> ServerHarness:
+    config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
+                          model_repository=str(repository), default_model=TRANSFORMER, provider="cpu",
+                          intra_op_threads=1, pair_models=f"en:de={BAHDANAU}", **settings).validate()
+    return ServerHarness(config, default_loader())
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path) -> Iterator[ServerHarness]:
+    harness = serve(repository)
+    yield harness
+    harness.close()
+
+
+def translate(server: ServerHarness, texts: list[str], **fields) -> pb2.TranslateResponse:
+    return server.stub.Translate(pb2.TranslateRequest(texts=texts, **fields), timeout=60)
+
+
+def refused(server: ServerHarness, texts: list[str], **fields) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        translate(server, texts, **fields)
+    return caught.value
+
+
+def test_a_pair_chooses_its_model(server: ServerHarness) -> None:
+    by_pair = translate(server, [DATE], source_language="en", target_language="de")
+    assert by_pair.model == BAHDANAU  # --pair-models en:de=dates-bahdanau over the default model
+    assert translate(server, [DATE], source_language="fr", target_language="de").model == FRENCH
+    direct = translate(server, [DATE], model=BAHDANAU)
+    assert by_pair.translations == direct.translations
+    # regional variants and case fall back to the served primary subtag
+    assert translate(server, [DATE], source_language="EN-us", target_language="de-DE").model == BAHDANAU
+    # no source: the default model's source where it translates to the target
+    assert translate(server, [DATE], target_language="de").model == BAHDANAU
+    assert translate(server, [DATE]).model == TRANSFORMER  # neither: the default model, as before
+
+
+def test_an_unserved_pair_is_not_found_listing_the_served_pairs(server: ServerHarness) -> None:
+    error = refused(server, [DATE], source_language="en", target_language="fr")
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "en->de" in error.details() and "fr->de" in error.details()
+    error = refused(server, [DATE], source_language="ja", target_language="de")
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_model_named_with_another_source_language_is_invalid_argument(server: ServerHarness) -> None:
+    error = refused(server, [DATE], model=FRENCH, source_language="en")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'fr'" in error.details()
+
+
+def test_languages_list_every_pair_with_its_model(server: ServerHarness) -> None:
+    pairs = server.stub.ListLanguages(pb2.ListLanguagesRequest(), timeout=10).pairs
+    listed = {(p.source_language, p.target_language): (p.model, sorted(p.models)) for p in pairs}
+    assert listed == {("en", "de"): (BAHDANAU, sorted([BAHDANAU, TRANSFORMER])), ("fr", "de"): (FRENCH, [FRENCH])}
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/v1/languages", timeout=10) as answer:
+        assert len(json.load(answer)["pairs"]) == 2
+
+
+def test_auto_detects_the_language_among_those_served(server: ServerHarness) -> None:
+    english = translate(server, [DATE, "Monday, May 1, 2046"], source_language="auto", target_language="de")
+    assert english.model == BAHDANAU
+    assert [t.detected_language for t in english.translations] == ["en", "en"]
+    assert all(0.5 <= t.detected_confidence <= 1 for t in english.translations)
+    assert english.translations[0].hypotheses == translate(server, [DATE], model=BAHDANAU).translations[0].hypotheses
+    french = translate(server, [FRENCH_TEXT], source_language="auto", target_language="de")
+    assert french.model == FRENCH and french.translations[0].detected_language == "fr"
+    # markup is left out of what is detected
+    html = translate(server, [f"<p><b>{FRENCH_TEXT}</b></p>"], source_language="auto", target_language="de",
+                     text_format=pb2.TEXT_FORMAT_HTML)
+    assert html.translations[0].detected_language == "fr"
+
+
+@pytest.mark.parametrize("text", ["ok", "2045", "これは日本語で書かれた文章です。"])
+def test_a_text_that_cannot_be_told_is_invalid_argument_never_an_echo(server: ServerHarness, text: str) -> None:
+    error = refused(server, [text], source_language="auto", target_language="de")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be told" in error.details()
+
+
+def test_texts_of_several_languages_are_invalid_argument(server: ServerHarness) -> None:
+    error = refused(server, [FRENCH_TEXT, "the twenty-fifth of April, two thousand forty-five"],
+                    source_language="auto", target_language="de")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "several languages" in error.details()
+
+
+def test_the_configured_default_takes_what_cannot_be_told() -> None:
+    detector = LanguageDetector()
+    [found] = detect_texts(detector, ["ok"], TextFormat.PLAIN, ["en", "fr"], "en")
+    assert found == Detection("en", 0.0)
+    with pytest.raises(Exception, match="cannot be told"):
+        detect_texts(detector, ["ok"], TextFormat.PLAIN, ["en", "fr"], "")
+    # one candidate: any text in its script is that language, with certainty; another script is not
+    assert detector.detect("Le chat dort.", ["en"]) == Detection("en", 1.0)
+    assert detector.detect("これは日本語で書かれた文章です。", ["en"]) is None
+
+
+def test_detect_language_ranks_the_candidates(server: ServerHarness) -> None:
+    response = server.stub.DetectLanguage(pb2.DetectLanguageRequest(texts=[FRENCH_TEXT, "ok"]), timeout=10)
+    french, short = response.texts
+    assert [d.language for d in french.languages] == ["fr", "en"]
+    assert french.languages[0].confidence > 0.9 and abs(sum(d.confidence for d in french.languages) - 1) < 1e-5
+    assert not short.languages
+
+
+# ---- LibreTranslate's API, through libretranslatepy ------------------------------------------------------------
+
+def client(server: ServerHarness, key: str | None = None) -> LibreTranslateAPI:
+    return LibreTranslateAPI(f"http://127.0.0.1:{server.server.http_port}", api_key=key)
+
+
+def post(server: ServerHarness, path: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_libretranslate_client_gets_the_native_translations(server: ServerHarness) -> None:
+    native = translate(server, [DATE], source_language="en", target_language="de").translations[0]
+    assert client(server).translate(DATE, "en", "de") == native.hypotheses[0].text
+    assert client(server).translate(DATE, "auto", "de") == native.hypotheses[0].text
+    detected = client(server).detect(FRENCH_TEXT)
+    assert detected[0]["language"] == "fr" and detected[0]["confidence"] > 90
+    languages = {entry["code"]: entry for entry in client(server).languages()}
+    assert languages["en"] == {"code": "en", "name": "English", "targets": ["de"]}
+    assert languages["fr"]["targets"] == ["de"] and languages["de"]["targets"] == []
+
+
+def test_libretranslate_batches_alternatives_and_html(server: ServerHarness) -> None:
+    texts = [DATE, "Monday, May 1, 2046"]
+    status, body = post(server, "/translate", {"q": texts, "source": "auto", "target": "de", "alternatives": 2})
+    native = translate(server, texts, source_language="en", target_language="de",
+                       options=pb2.DecodingOptions(beam_size=3, num_hypotheses=3))
+    assert status == 200
+    assert body["translatedText"] == [t.hypotheses[0].text for t in native.translations]
+    assert body["alternatives"] == [[h.text for h in t.hypotheses[1:]] for t in native.translations]
+    assert [d["language"] for d in body["detectedLanguage"]] == ["en", "en"]
+    status, body = post(server, "/translate", {"q": "April <b>25</b>, 2045", "source": "en", "target": "de",
+                                               "format": "html"})
+    html = translate(server, ["April <b>25</b>, 2045"], source_language="en", target_language="de",
+                     text_format=pb2.TEXT_FORMAT_HTML)
+    assert (status, body) == (200, {"translatedText": html.translations[0].hypotheses[0].text})
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    ({"source": "en", "target": "de"}, 400, "missing q"),
+    ({"q": DATE, "target": "de"}, 400, "missing source"),
+    ({"q": DATE, "source": "en", "target": "fr"}, 400, "served pairs"),
+    ({"q": DATE, "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
+    ({"q": DATE, "source": "en", "target": "de", "alternatives": 99}, 400, "alternatives"),
+    ({"q": "ok", "source": "auto", "target": "de"}, 400, "cannot be told"),
+])
+def test_libretranslate_errors_have_its_shape_and_status(server: ServerHarness, body: dict, status: int,
+                                                         message: str) -> None:
+    got, answer = post(server, "/translate", body)
+    assert got == status and message in answer["error"]
+
+
+def test_libretranslate_api_key_is_the_bearer_token(repository: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n")
+    harness = serve(repository, auth_tokens_file=str(tokens))
+    try:
+        assert client(harness, TOKEN).translate(DATE, "en", "de")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            client(harness).translate(DATE, "en", "de")
+        assert caught.value.code == 403 and "error" in json.load(caught.value)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            client(harness, "wrong").languages()
+        assert caught.value.code == 403
+        assert {entry["code"] for entry in client(harness, TOKEN).languages()} == {"de", "en", "fr"}
+        assert harness.metric("nmt_requests_total", {"model": BAHDANAU, "method": "libretranslate:translate",
+                                                     "code": "OK"}) == 1
+    finally:
+        harness.close()
