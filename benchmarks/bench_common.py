@@ -99,12 +99,14 @@ def batch_totals(metrics_address: str) -> tuple[float, float]:
 
 
 def start_server(repository: str, flags: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """``nmt serve`` with ``flags`` on free loopback ports, once healthy: (process, address, metrics address)."""
+    """``nmt serve`` with ``flags`` on free loopback ports, once healthy: (process, address, metrics address).
+    Without the translation cache unless ``flags`` ask for it: the benchmarks repeat their sentences to measure
+    decoding (benchmarks/cache.py measures the cache)."""
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = dict(os.environ, NMT_LOG_LEVEL="WARNING")
     process = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", "--model-repository", repository, "--listen", address,
-         "--metrics-listen", metrics, "--http-listen", "", *flags],
+         "--metrics-listen", metrics, "--http-listen", "", "--cache-mb", "0", *flags],
         env=env, stdout=subprocess.DEVNULL,
     )
     try:

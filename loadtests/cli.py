@@ -156,7 +156,7 @@ def translator(args: argparse.Namespace) -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen([sys.executable, "-m", "nmt", "serve", "--model-repository", str(repository),
                                 "--listen", address, "--metrics-listen", "", "--http-listen", "",
-                                "--reload-interval", "0"],
+                                "--reload-interval", "0", "--cache-mb", "0"],  # the load is decoded, not cached
                                env=dict(os.environ, NMT_LOG_LEVEL="WARNING"))
     try:
         wait_serving(address, process)
