@@ -238,7 +238,7 @@ class TranslatorClient(_ClientBase):
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
                   target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
-                  splitting: str = "", timeout: float | None = None,
+                  splitting: str = "", source_language: str = "", timeout: float | None = None,
                   request_id: str | None = None) -> list[Translation]:
         """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
 
@@ -249,6 +249,8 @@ class TranslatorClient(_ClientBase):
         likely next words after the prefix, each continued (an editor's next-word suggestions; ``score`` is the
         word's log-probability). ``text_format`` ("text", "html", "xml") and ``splitting`` ("sentences",
         "no_newlines", "off") say how each text is read (:attr:`Translation.segments`: its sentences).
+        ``source_language`` (a code, or "auto" to detect it) and ``target_language`` choose the model by language
+        pair when ``model`` is empty (:meth:`list_languages`).
         ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
         ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
         """
@@ -256,14 +258,15 @@ class TranslatorClient(_ClientBase):
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
                                 target_language=target_language, target_prefixes=target_prefixes,
-                                alternatives=alternatives, text_format=text_format, splitting=splitting)
+                                alternatives=alternatives, text_format=text_format, splitting=splitting,
+                                source_language=source_language)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
     def translate_stream(self, text: str, *, model: str = "", version: str = "", beam_size: int = 0,
                          num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                          attention: bool = False, scores: bool = False, target_language: str = "",
-                         target_prefix: str = "", timeout: float | None = None,
+                         target_prefix: str = "", source_language: str = "", timeout: float | None = None,
                          request_id: str | None = None) -> Iterator[StreamDelta]:
         """Translate one ``text`` as the server decides it: :class:`StreamDelta` messages whose texts join to
         the translation, the last one carrying the whole :class:`Translation` (options as :meth:`translate`).
@@ -272,7 +275,8 @@ class TranslatorClient(_ClientBase):
         request = build_request(text, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length, length_penalty=length_penalty,
                                 attention=attention, scores=scores, target_language=target_language,
-                                target_prefixes=[target_prefix] if target_prefix else ())
+                                target_prefixes=[target_prefix] if target_prefix else (),
+                                source_language=source_language)
         if len(request.texts) != 1:
             raise ValueError("translate_stream translates one text")
         request_id = self._request_id(request_id)
@@ -300,6 +304,12 @@ class TranslatorClient(_ClientBase):
         """Every loaded model version."""
         response = self._call(self.stub.ListModels, pb2.ListModelsRequest(), timeout, request_id)
         return [model_info_from_pb(m) for m in response.models]
+
+    def list_languages(self, *, timeout: float | None = None,
+                       request_id: str | None = None) -> list[tuple[str, str, str]]:
+        """The served language pairs: ``(source, target, the model a request naming the pair gets)``."""
+        response = self._call(self.stub.ListLanguages, pb2.ListLanguagesRequest(), timeout, request_id)
+        return [(p.source_language, p.target_language, p.model) for p in response.pairs]
 
     def health(self, model: str = "", *, timeout: float | None = None) -> str:
         """``grpc.health.v1`` status of the server (``model=""``), of a model name or of a service name:
@@ -371,14 +381,15 @@ class AsyncTranslatorClient(_ClientBase):
                         num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                         attention: bool = False, scores: bool = False, target_language: str = "",
                         target_prefixes: Sequence[str] = (), alternatives: bool = False,
-                        text_format: str = "", splitting: str = "", timeout: float | None = None,
-                        request_id: str | None = None) -> list[Translation]:
+                        text_format: str = "", splitting: str = "", source_language: str = "",
+                        timeout: float | None = None, request_id: str | None = None) -> list[Translation]:
         """See :meth:`TranslatorClient.translate`."""
         request = build_request(texts, model=model, version=version, beam_size=beam_size,
                                 num_hypotheses=num_hypotheses, max_length=max_length,
                                 length_penalty=length_penalty, attention=attention, scores=scores,
                                 target_language=target_language, target_prefixes=target_prefixes,
-                                alternatives=alternatives, text_format=text_format, splitting=splitting)
+                                alternatives=alternatives, text_format=text_format, splitting=splitting,
+                                source_language=source_language)
         response = await self._call(self._open().Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 

@@ -93,6 +93,8 @@ class Translation:
     source_words: tuple[TextWord, ...] = ()
     target_words: tuple[TextWord, ...] = ()
     word_alignments: tuple[tuple[int, int], ...] = ()
+    detected_language: str = ""  # source_language "auto": the language detected, and how sure (0-1)
+    detected_confidence: float = 0.0
 
     @property
     def best(self) -> Hypothesis:
@@ -175,11 +177,13 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
                   target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
-                  splitting: str = "") -> Any:
-    """A ``TranslateRequest`` (zeros mean the model's defaults; ``target_language`` picks a multilingual
-    model's output language; ``target_prefixes``, none or one per text, force each translation's start;
-    ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix; ``text_format``:
-    "text" (the default), "html" or "xml"; ``splitting``: "sentences" (the default), "no_newlines" or "off")."""
+                  splitting: str = "", source_language: str = "") -> Any:
+    """A ``TranslateRequest`` (zeros mean the model's defaults; ``source_language`` (or "auto") and
+    ``target_language`` choose the model by language pair when ``model`` is empty, and ``target_language``
+    picks a multilingual model's output language; ``target_prefixes``, none or one per text, force each
+    translation's start; ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix;
+    ``text_format``: "text" (the default), "html" or "xml"; ``splitting``: "sentences" (the default),
+    "no_newlines" or "off")."""
     if text_format not in TEXT_FORMATS:
         raise ValueError(f"text_format must be one of {', '.join(repr(f) for f in TEXT_FORMATS if f)}, "
                          f"got {text_format!r}")
@@ -195,7 +199,8 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
     )
     return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
                                 target_language=target_language, target_prefixes=list(target_prefixes),
-                                text_format=TEXT_FORMATS[text_format], sentence_splitting=SPLITTING[splitting])
+                                text_format=TEXT_FORMATS[text_format], sentence_splitting=SPLITTING[splitting],
+                                source_language=source_language)
 
 
 TEXT_FORMATS = {"": 0, "text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML, "xml": pb2.TEXT_FORMAT_XML}
@@ -264,6 +269,7 @@ def translations_from_pb(response: Any, *, scores: bool) -> list[Translation]:
             source_words=tuple(TextWord(w.text, w.start, w.end, w.segment) for w in item.source_words),
             target_words=tuple(TextWord(w.text, w.start, w.end, w.segment) for w in item.target_words),
             word_alignments=tuple((a.source_index, a.target_index) for a in item.word_alignments),
+            detected_language=item.detected_language, detected_confidence=item.detected_confidence,
         ))
     return result
 

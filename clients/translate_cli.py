@@ -116,6 +116,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to translate (default: lines of stdin)")
     server = add_connection_arguments(parser)
     server.add_argument("--list-models", action="store_true", help="print the server's models and exit")
+    server.add_argument("--list-languages", action="store_true",
+                        help="print the served language pairs, each with its model, and exit")
     server.add_argument("--health", nargs="?", const="", metavar="MODEL",
                         help="print the gRPC health status of the server (or of MODEL) and exit: status 0 when "
                              "SERVING, 1 otherwise (a container or Kubernetes probe)")
@@ -130,8 +132,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     decoding.add_argument("--max-length", type=_count, default=0, metavar="N", help="most generated tokens")
     decoding.add_argument("--length-penalty", type=_penalty, default=0.0, metavar="ALPHA",
                           help="score = log-probability / length^ALPHA")
-    decoding.add_argument("--target-language", default="", metavar="LANG",
-                          help="a multilingual model's output language, e.g. deu (--list-models shows the choices)")
+    decoding.add_argument("--from", "--source-language", dest="source_language", default="", metavar="LANG",
+                          help="the texts' language, or auto to detect it: with --to, and no --model, the server "
+                               "chooses the model of that pair (--list-languages shows the pairs)")
+    decoding.add_argument("--to", "--target-language", dest="target_language", default="", metavar="LANG",
+                          help="the output language (a multilingual model's, e.g. deu; --list-models shows the "
+                               "choices)")
     decoding.add_argument("--prefix", default="", metavar="TEXT",
                           help="target prefix: every translation starts with TEXT and continues from it (a TEXT "
                                "ending inside a word, e.g. 'Dienstag, 25. Apr', has that word completed)")
@@ -282,6 +288,9 @@ def translation_json(source: str, translation: Any) -> dict[str, Any]:
         result["segments"] = [{"source": list(s.source), "target": list(s.target)} for s in translation.segments]
     if translation.word_alignments:
         result["word_alignments"] = [list(pair) for pair in translation.word_alignments]
+    if translation.detected_language:
+        result["detected_language"] = {"language": translation.detected_language,
+                                       "confidence": translation.detected_confidence}
     return result
 
 
@@ -364,6 +373,12 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
             else:
                 print(format_models(models), file=stdout)
             return 0
+        if args.list_languages:
+            for source, target, model in client.list_languages():
+                line = json.dumps({"source": source, "target": target, "model": model}) if args.json else (
+                    f"{source}\t{target}\t{model}")
+                print(line, file=stdout)
+            return 0
 
         texts, batch_size, numbered = read_input(args, stdin)
         if args.score is not None and (not isinstance(texts, list) or len(texts) != 1):
@@ -394,7 +409,7 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                                            attention=attention, scores=scores, target_language=args.target_language,
                                            target_prefixes=[args.prefix] * len(batch) if args.prefix else (),
                                            alternatives=bool(args.alternatives), text_format=text_format,
-                                           splitting=args.splitting)
+                                           splitting=args.splitting, source_language=args.source_language)
             for source, translation in zip(batch, results, strict=True):
                 index += 1
                 if documents and not verbose and not args.json:  # the document out, as it is
@@ -421,7 +436,7 @@ def stream_one(client: Any, args: argparse.Namespace, text: str, hypotheses: int
                                          beam_size=args.beam_size, num_hypotheses=hypotheses,
                                          max_length=args.max_length, length_penalty=args.length_penalty,
                                          attention=attention, scores=scores, target_language=args.target_language,
-                                         target_prefix=args.prefix):
+                                         target_prefix=args.prefix, source_language=args.source_language):
         print(delta.text, end="", file=stdout, flush=True)
         translation = delta.translation or translation
     if verbose:

@@ -18,6 +18,8 @@ import grpc
 import pytest
 from libretranslatepy import LibreTranslateAPI
 
+from clients.client import TranslatorClient
+from nmt.cli import main as nmt_main
 from server.config import ServerConfig
 from server.frontend.detection import Detection, LanguageDetector, detect_texts
 from server.frontend.documents.model import TextFormat
@@ -148,6 +150,18 @@ def test_detect_language_ranks_the_candidates(server: ServerHarness) -> None:
     assert [d.language for d in french.languages] == ["fr", "en"]
     assert french.languages[0].confidence > 0.9 and abs(sum(d.confidence for d in french.languages) - 1) < 1e-5
     assert not short.languages
+
+
+def test_the_client_and_the_command_line_take_a_pair(server: ServerHarness, capsys: pytest.CaptureFixture) -> None:
+    with TranslatorClient(server.address, timeout=60) as translator:
+        [result] = translator.translate(FRENCH_TEXT, source_language="auto", target_language="de")
+        assert (result.model, result.detected_language) == (FRENCH, "fr") and result.detected_confidence > 0.5
+        assert ("fr", "de", FRENCH) in translator.list_languages()
+    assert nmt_main(["translate", "--server", server.address, "--from", "auto", "--to", "de", "--json", DATE]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["model"] == BAHDANAU and line["detected_language"]["language"] == "en"
+    assert nmt_main(["translate", "--server", server.address, "--list-languages"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"en\tde\t{BAHDANAU}", f"fr\tde\t{FRENCH}"]
 
 
 # ---- LibreTranslate's API, through libretranslatepy ------------------------------------------------------------
