@@ -41,8 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "target prefix, and Score against Translate; soak: a long run at a fraction of saturation (latency "
             "drift, memory); export: an OPUS-MT-sized import through nmt export and nmt serve (time, memory, "
             "bytes); documents: a text of many sentences in one request against its sentences as texts of their "
-            "own, and what reading and putting a document back cost per sentence; cache: a replay of repeated strings with "
-            "the translation cache off, in the serving process and on Redis; device-memory: a version's "
+            "own, and what reading and putting a document back cost per sentence; cache: a replay of repeated "
+            "strings with the translation cache off, in the serving process and on Redis; device-memory: a version's "
             "device memory on CUDA (needs a GPU)."
         ),
     )
