@@ -38,7 +38,7 @@ BATCHING = ("auto", "static", "continuous")
 # decoder every translation runs ("main"), every session ("all"), or none; each packed session holds a copy.
 PREPACK = ("main", "all", "none")
 ENGINES = ("onnx", "null")
-COMPAT_APIS = ("libretranslate",)  # server/frontend/compat/
+COMPAT_APIS = ("libretranslate", "deepl")  # server/frontend/compat/
 
 
 def compat_apis(setting: str) -> list[str]:
@@ -61,7 +61,7 @@ class ServerConfig:
     )
     cors_origins: str = option("", "origins (comma-separated, or *) whose browser pages may call the HTTP face "
                                "(CORS); empty: none but the server's own page")
-    compat_apis: str = option("libretranslate", "the HTTP APIs of other translation services also served on "
+    compat_apis: str = option("libretranslate,deepl", "the HTTP APIs of other translation services also served on "
                               "the HTTP face (comma-separated): libretranslate (POST /translate, /detect, "
                               "GET /languages), deepl (/v2/...); empty: only this service's own")
     max_connection_age: float = option(

@@ -123,10 +123,15 @@ class Router:
         return found
 
     def sources_to(self, target: str, allows: Callable[[str], bool] = lambda name: True) -> list[str]:
-        """The source languages served to ``target`` (every target when empty): the candidates of detection."""
+        """The source languages served to ``target`` (every target when empty): the candidates of detection;
+        NOT_FOUND listing the served pairs when there are none."""
         routes = self.routes(allows)
         target_key = self._served(target, {t for _, t in routes}) if target else ""
-        return sorted({s for s, t in routes if not target_key or t == target_key})
+        sources = sorted({s for s, t in routes if not target_key or t == target_key})
+        if not sources:
+            served = ", ".join(f"{s}->{t}" for s, t in sorted(routes)) or "none"
+            raise NotFound(f"no model translates to {target}; served pairs: {served}")
+        return sources
 
     @staticmethod
     def _served(code: str, served: set[str]) -> str:

@@ -61,6 +61,8 @@ class TranslateCall:
     target_prefixes: list[str] = field(default_factory=list)  # none, or one per text ("" = none)
     text_format: str = "text"  # server.frontend.documents.model.TextFormat's values
     splitting: str = ""  # server.frontend.documents.segmenter.Splitting's values; "": the default for the request
+    untranslated_elements: tuple[str, ...] = ()  # markup: elements copied unchanged, beside the built-in ones
+    block_elements: tuple[str, ...] = ()  # markup: elements that separate sentences, beside the built-in blocks
     score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from server.errors import InvalidArgument
 from server.frontend.documents.markup import MAX_DEPTH, html_document, xml_document
-from server.frontend.documents.model import PLACEHOLDER, TextFormat
+from server.frontend.documents.model import PLACEHOLDER, Tags, TextFormat
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
 from server.frontend.documents.translate import Reading, assemble, plan_text
 from server.types import Attention, Hypothesis, Translation, WordAlignment
@@ -135,6 +135,18 @@ def test_html_known_answers(text: str, expected: str) -> None:
 def test_xml_placeholders_of_translation_tools() -> None:
     text = '<g id="1">April</g> <x id="2"/>25, 2045'
     assert document(text, TextFormat.XML, dates).hypotheses[0].text == '<x id="2"/>25. <g id="1">April</g> 2045'
+
+
+def test_elements_a_request_names_are_copied_or_separate_sentences() -> None:
+    text = '<seg>April <ph>&amp;var</ph> 25, 2045</seg><seg>Tuesday</seg>'
+    plain = plan_text(text, Reading(TextFormat.XML, Splitting.SENTENCES, "en"), lambda s: True)
+    named = plan_text(text, Reading(TextFormat.XML, Splitting.SENTENCES, "en",
+                                    tags=Tags(ignored=frozenset({"ph"}), splitting=frozenset({"seg"}))),
+                      lambda s: True)
+    assert [s.text for s in plain.flat] == ["April &var 25, 2045Tuesday"]  # inline: one run, one sentence
+    assert [s.text for s in named.flat] == ["April 25, 2045", "Tuesday"]  # <ph> kept aside, each <seg> a block
+    result = assemble(named, [identity(s.text) for s in named.flat], words=True).hypotheses[0].text
+    assert result == text
 
 
 def test_an_element_whose_words_reach_no_target_word_stays_empty_beside_its_neighbour() -> None:

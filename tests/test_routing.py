@@ -1,5 +1,5 @@
-"""Requests by language pair and source_language "auto", through a live server, and LibreTranslate's API
-through its official client (libretranslatepy, unchanged): the same translations as the native API.
+"""Requests by language pair and source_language "auto", through a live server, the Python client and the
+command line.
 
 The repository serves the small dates models (English -> German, both architectures) and a copy of the
 Transformer whose manifest says it translates French (``dates-fr``): a second source language to route to
@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from libretranslatepy import LibreTranslateAPI
 
 from clients.client import TranslatorClient
 from nmt.cli import main as nmt_main
@@ -30,7 +28,6 @@ from tests.test_server import default_loader
 TRANSFORMER, BAHDANAU, FRENCH = "dates-transformer", "dates-bahdanau", "dates-fr"
 DATE = "Tuesday, April 25, 2045"
 FRENCH_TEXT = "Le chat dort sur la table de la cuisine."
-TOKEN = "libretranslate-key-0123"
 
 
 def copy_as(version_dir: Path, target: Path, name: str, **manifest: str) -> None:
@@ -40,13 +37,18 @@ def copy_as(version_dir: Path, target: Path, name: str, **manifest: str) -> None
     path.write_text(json.dumps({**fields, "name": name, **manifest}))
 
 
-@pytest.fixture(scope="module")
-def repository(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def routing_repository(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository of the module docstring."""
     root = tmp_path_factory.mktemp("routing") / "models"
     copy_as(dates_models["transformer"], root / TRANSFORMER / "1", TRANSFORMER)
     copy_as(dates_models["bahdanau"], root / BAHDANAU / "1", BAHDANAU)
     copy_as(dates_models["transformer"], root / FRENCH / "1", FRENCH, source_language="fr")
     return root
+
+
+@pytest.fixture(scope="module")
+def repository(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return routing_repository(dates_models, tmp_path_factory)
 
 
 def serve(repository: Path, tmp_path: Path | None = None, **settings) -> ServerHarness:
@@ -162,80 +164,3 @@ def test_the_client_and_the_command_line_take_a_pair(server: ServerHarness, caps
     assert line["model"] == BAHDANAU and line["detected_language"]["language"] == "en"
     assert nmt_main(["translate", "--server", server.address, "--list-languages"]) == 0
     assert capsys.readouterr().out.splitlines() == [f"en\tde\t{BAHDANAU}", f"fr\tde\t{FRENCH}"]
-
-
-# ---- LibreTranslate's API, through libretranslatepy ------------------------------------------------------------
-
-def client(server: ServerHarness, key: str | None = None) -> LibreTranslateAPI:
-    return LibreTranslateAPI(f"http://127.0.0.1:{server.server.http_port}", api_key=key)
-
-
-def post(server: ServerHarness, path: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
-    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}{path}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.load(answer)
-    except urllib.error.HTTPError as error:
-        return error.code, json.load(error)
-
-
-def test_libretranslate_client_gets_the_native_translations(server: ServerHarness) -> None:
-    native = translate(server, [DATE], source_language="en", target_language="de").translations[0]
-    assert client(server).translate(DATE, "en", "de") == native.hypotheses[0].text
-    assert client(server).translate(DATE, "auto", "de") == native.hypotheses[0].text
-    detected = client(server).detect(FRENCH_TEXT)
-    assert detected[0]["language"] == "fr" and detected[0]["confidence"] > 90
-    languages = {entry["code"]: entry for entry in client(server).languages()}
-    assert languages["en"] == {"code": "en", "name": "English", "targets": ["de"]}
-    assert languages["fr"]["targets"] == ["de"] and languages["de"]["targets"] == []
-
-
-def test_libretranslate_batches_alternatives_and_html(server: ServerHarness) -> None:
-    texts = [DATE, "Monday, May 1, 2046"]
-    status, body = post(server, "/translate", {"q": texts, "source": "auto", "target": "de", "alternatives": 2})
-    native = translate(server, texts, source_language="en", target_language="de",
-                       options=pb2.DecodingOptions(beam_size=3, num_hypotheses=3))
-    assert status == 200
-    assert body["translatedText"] == [t.hypotheses[0].text for t in native.translations]
-    assert body["alternatives"] == [[h.text for h in t.hypotheses[1:]] for t in native.translations]
-    assert [d["language"] for d in body["detectedLanguage"]] == ["en", "en"]
-    status, body = post(server, "/translate", {"q": "April <b>25</b>, 2045", "source": "en", "target": "de",
-                                               "format": "html"})
-    html = translate(server, ["April <b>25</b>, 2045"], source_language="en", target_language="de",
-                     text_format=pb2.TEXT_FORMAT_HTML)
-    assert (status, body) == (200, {"translatedText": html.translations[0].hypotheses[0].text})
-
-
-@pytest.mark.parametrize(("body", "status", "message"), [
-    ({"source": "en", "target": "de"}, 400, "missing q"),
-    ({"q": DATE, "target": "de"}, 400, "missing source"),
-    ({"q": DATE, "source": "en", "target": "fr"}, 400, "served pairs"),
-    ({"q": DATE, "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
-    ({"q": DATE, "source": "en", "target": "de", "alternatives": 99}, 400, "alternatives"),
-    ({"q": "ok", "source": "auto", "target": "de"}, 400, "cannot be told"),
-])
-def test_libretranslate_errors_have_its_shape_and_status(server: ServerHarness, body: dict, status: int,
-                                                         message: str) -> None:
-    got, answer = post(server, "/translate", body)
-    assert got == status and message in answer["error"]
-
-
-def test_libretranslate_api_key_is_the_bearer_token(repository: Path, tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN}\n")
-    harness = serve(repository, auth_tokens_file=str(tokens))
-    try:
-        assert client(harness, TOKEN).translate(DATE, "en", "de")
-        with pytest.raises(urllib.error.HTTPError) as caught:
-            client(harness).translate(DATE, "en", "de")
-        assert caught.value.code == 403 and "error" in json.load(caught.value)
-        with pytest.raises(urllib.error.HTTPError) as caught:
-            client(harness, "wrong").languages()
-        assert caught.value.code == 403
-        assert {entry["code"] for entry in client(harness, TOKEN).languages()} == {"de", "en", "fr"}
-        assert harness.metric("nmt_requests_total", {"model": BAHDANAU, "method": "libretranslate:translate",
-                                                     "code": "OK"}) == 1
-    finally:
-        harness.close()

@@ -40,6 +40,8 @@ def from_pb(request: Any) -> TranslateCall:
         options=options_from_pb(request.options) if request.HasField("options") else DEFAULT_OPTIONS,
         text_format=TEXT_FORMATS.get(request.text_format, ""),
         splitting=SPLITTING.get(request.sentence_splitting, ""),
+        untranslated_elements=tuple(request.untranslated_elements),
+        block_elements=tuple(request.block_elements),
     )
 
 

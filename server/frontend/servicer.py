@@ -43,7 +43,8 @@ from server.frontend.convert import (
     to_pb,
 )
 from server.frontend.detection import Detection, LanguageDetector, detect_texts, model_text
-from server.frontend.documents.model import TextFormat
+from server.frontend.documents.markup import local_name
+from server.frontend.documents.model import Tags, TextFormat
 from server.frontend.documents.segmenter import Splitting
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.translate import Reading, translate_documents
@@ -59,6 +60,7 @@ from server.versions import VersionIndex
 log = logging.getLogger("nmt.server")
 
 STREAM_WINDOW = 32  # requests of one stream translated concurrently
+MAX_NAMED_ELEMENTS, MAX_ELEMENT_NAME = 64, 64  # a request's untranslated_elements and block_elements
 
 
 class TranslatorService:
@@ -308,7 +310,15 @@ class TranslatorService:
         if streaming and text_format is not TextFormat.PLAIN:
             raise InvalidArgument("TranslateStreaming streams plain text; send HTML and XML to Translate")
         splitting = Splitting(call.splitting or Splitting.SENTENCES.value)
-        return Reading(text_format, splitting, language, self.policy.max_tokens)
+        named = call.untranslated_elements + call.block_elements
+        if named and text_format is TextFormat.PLAIN:
+            raise InvalidArgument("untranslated_elements and block_elements apply to HTML and XML (text_format)")
+        if any(not name.strip() or len(name) > MAX_ELEMENT_NAME for name in named) or len(named) > MAX_NAMED_ELEMENTS:
+            raise InvalidArgument(f"untranslated_elements and block_elements: at most {MAX_NAMED_ELEMENTS} names of "
+                                  f"1-{MAX_ELEMENT_NAME} characters")
+        tags = Tags(frozenset(local_name(n) for n in call.untranslated_elements),
+                    frozenset(local_name(n) for n in call.block_elements))
+        return Reading(text_format, splitting, language, self.policy.max_tokens, tags)
 
 
 def scored_whole(translation: Translation, length_penalty: float) -> Translation:

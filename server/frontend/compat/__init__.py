@@ -13,10 +13,11 @@ from typing import Any
 from aiohttp import web
 
 from server.frontend.compat.common import Caller
+from server.frontend.compat.deepl import DeepLApi
 from server.frontend.compat.libretranslate import LibreTranslateApi
 from server.frontend.interceptor import RequestInterceptor
 
-FACES = {"libretranslate": LibreTranslateApi}  # server.config.COMPAT_APIS
+FACES = {"libretranslate": LibreTranslateApi, "deepl": DeepLApi}  # server.config.COMPAT_APIS
 
 
 def compat_routes(app: web.Application, servicer: Any, interceptor: RequestInterceptor, apis: Sequence[str]) -> None:

@@ -3,6 +3,7 @@ a request's parameters from JSON or a form."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,3 +84,14 @@ async def form_or_json(request: web.Request) -> dict[str, Any]:
     except UnicodeDecodeError as error:
         raise CompatError(400, "the form is not UTF-8") from error
     return {k: v if len(v) > 1 else v[0] for k, v in params.items()}
+
+
+@functools.cache
+def language_name(code: str) -> str:
+    """The English name of a language code (Babel's CLDR data), or the code itself."""
+    from babel import Locale, UnknownLocaleError
+
+    try:
+        return Locale.parse(code.replace("-", "_")).english_name or code
+    except (UnknownLocaleError, ValueError, TypeError):
+        return code

@@ -15,7 +15,6 @@ the server is full, 500 otherwise (503 while it drains). ``api_key`` is the serv
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ import grpc
 from aiohttp import web
 
 from server.errors import InvalidArgument
-from server.frontend.compat.common import Caller, CompatError, Failed, form_or_json
+from server.frontend.compat.common import Caller, CompatError, Failed, form_or_json, language_name
 from server.frontend.http_face import TIMEOUT_HEADER, parse_timeout
 from server.protos import pb2
 
@@ -35,17 +34,6 @@ STATUS = {
 }
 FORMATS = {"text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML}
 MAX_ALTERNATIVES = 7  # with the best, a beam of at most 8 (--max-beam's default)
-
-
-@functools.cache
-def language_name(code: str) -> str:
-    """The English name of a language code (Babel's CLDR data), or the code itself."""
-    from babel import Locale, UnknownLocaleError
-
-    try:
-        return Locale.parse(code.replace("-", "_")).english_name or code
-    except (UnknownLocaleError, ValueError, TypeError):
-        return code
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:

@@ -33,6 +33,7 @@ from server.frontend.documents.model import (
     Document,
     Element,
     Run,
+    Tags,
     TextFormat,
     add_text_with_placeholders,
 )
@@ -58,10 +59,10 @@ def local_name(tag: str) -> str:
     return tag.rsplit("}", 1)[-1].lower() if isinstance(tag, str) else ""
 
 
-def untranslatable(tag: str, attributes: dict[str, str]) -> bool:
-    """Elements copied unchanged: code and the like, ``translate="no"`` (any namespace, as ITS's
-    ``its:translate``) and ``class="notranslate"``."""
-    if local_name(tag) in UNTRANSLATED:
+def untranslatable(tag: str, attributes: dict[str, str], ignored: frozenset[str] = frozenset()) -> bool:
+    """Elements copied unchanged: code and the like, those the request names (``ignored``), ``translate="no"``
+    (any namespace, as ITS's ``its:translate``) and ``class="notranslate"``."""
+    if local_name(tag) in UNTRANSLATED or local_name(tag) in ignored:
         return True
     for key, value in attributes.items():
         if local_name(key) == "translate" and value.strip().lower() == "no":
@@ -72,9 +73,10 @@ def untranslatable(tag: str, attributes: dict[str, str]) -> bool:
 class _Builder:
     """Walks a parsed tree into a Document: structural elements verbatim, runs between them."""
 
-    def __init__(self, document: Document, serializer: _Serializer) -> None:
+    def __init__(self, document: Document, serializer: _Serializer, tags: Tags) -> None:
         self.document = document
         self.serialize = serializer
+        self.tags = tags
         self.run: Run | None = None
         self.offset = 0  # text content code points so far
 
@@ -116,7 +118,7 @@ class _Builder:
 
     def child(self, node: Any, owner: int, blocks: set[int]) -> None:
         kind = self.serialize.kind(node)
-        if kind != "element" or untranslatable(node.tag, dict(node.attrib)):
+        if kind != "element" or untranslatable(node.tag, dict(node.attrib), self.tags.ignored):
             if kind == "element" and id(node) in blocks:  # a block of code: beside the runs, as it is
                 self.flush()
                 content = self.serialize.content(node)
@@ -290,8 +292,8 @@ def _depth(root: Any) -> int:
     return deepest
 
 
-def _blocks(root: Any, serializer: _Serializer) -> set[int]:
-    """Ids of the elements that are blocks: by name, or holding a block."""
+def _blocks(root: Any, serializer: _Serializer, splitting: frozenset[str] = frozenset()) -> set[int]:
+    """Ids of the elements that are blocks: by name (built in, or ``splitting``), or holding a block."""
     blocks: set[int] = set()
 
     def visit(node: Any) -> bool:
@@ -299,7 +301,7 @@ def _blocks(root: Any, serializer: _Serializer) -> set[int]:
         for child in node:
             if serializer.kind(child) == "element":
                 inner = visit(child) or inner
-        if inner or local_name(node.tag) in BLOCKS:
+        if inner or local_name(node.tag) in BLOCKS or local_name(node.tag) in splitting:
             blocks.add(id(node))
             return True
         return False
@@ -308,7 +310,7 @@ def _blocks(root: Any, serializer: _Serializer) -> set[int]:
     return blocks
 
 
-def html_document(text: str, where: str = "text") -> Document:
+def html_document(text: str, where: str = "text", tags: Tags = Tags()) -> Document:  # noqa: B008 - frozen
     """An HTML fragment or document (see the module docstring)."""
     serializer = _HtmlSerializer()
     whole = _DOCUMENT.match(text) is not None
@@ -318,8 +320,8 @@ def html_document(text: str, where: str = "text") -> Document:
         root = html5lib.parseFragment(text, treebuilder="etree", namespaceHTMLElements=False)
     _check_depth(root, where)
     document = Document(format=TextFormat.HTML)
-    builder = _Builder(document, serializer)
-    blocks = _blocks(root, serializer) | {id(root)}
+    builder = _Builder(document, serializer, tags)
+    blocks = _blocks(root, serializer, tags.splitting) | {id(root)}
     if whole and re.match(r"\s*(<!--.*?-->\s*)*<!doctype", text, re.IGNORECASE | re.DOTALL):
         builder.verbatim("<!DOCTYPE html>")
     builder.structural(root, blocks, own_tags=whole)
@@ -328,7 +330,7 @@ def html_document(text: str, where: str = "text") -> Document:
     return document
 
 
-def xml_document(text: str, where: str = "text") -> Document:
+def xml_document(text: str, where: str = "text", tags: Tags = Tags()) -> Document:  # noqa: B008 - frozen
     """An XML document or fragment (see the module docstring)."""
     declaration = _XML_DECLARATION.match(text)
     body = text[declaration.end():] if declaration else text
@@ -352,10 +354,10 @@ def xml_document(text: str, where: str = "text") -> Document:
     _check_depth(root, where)
     serializer = _XmlSerializer()
     document = Document(format=TextFormat.XML)
-    builder = _Builder(document, serializer)
+    builder = _Builder(document, serializer, tags)
     if declaration:
         builder.verbatim(declaration.group())
-    builder.structural(root, _blocks(root, serializer) | {id(root)}, own_tags=False)
+    builder.structural(root, _blocks(root, serializer, tags.splitting) | {id(root)}, own_tags=False)
     builder.flush()
     document.text_length = builder.offset
     return document

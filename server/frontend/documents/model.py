@@ -21,6 +21,15 @@ class TextFormat(Enum):
     XML = "xml"
 
 
+@dataclass(frozen=True)
+class Tags:
+    """Elements a request names, by local name (lower case), beside the built-in ones: ``ignored`` are copied
+    unchanged, ``splitting`` separate sentences as blocks do."""
+
+    ignored: frozenset[str] = frozenset()
+    splitting: frozenset[str] = frozenset()
+
+
 ATOM = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: one kept span in a run's characters
 NO_ELEMENT = -1  # a character outside every inline element of its run
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from server.errors import InvalidArgument
 from server.frontend.documents.markup import html_document, xml_document
-from server.frontend.documents.model import ATOM, Atom, Document, Run, TextFormat, plain_document
+from server.frontend.documents.model import ATOM, Atom, Document, Run, Tags, TextFormat, plain_document
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.transfer import SourceSentence, render_run, source_sentence, target_sentence, word_spans
@@ -43,6 +43,7 @@ class Reading:
     splitting: Splitting = Splitting.SENTENCES
     language: str = ""
     max_tokens: int = 256
+    tags: Tags = Tags()  # noqa: RUF009 - frozen
 
 
 @dataclass
@@ -57,11 +58,11 @@ class Plan:
         return [sentence for run in self.sentences for sentence in run]
 
 
-def read_document(text: str, text_format: TextFormat, where: str) -> Document:
+def read_document(text: str, text_format: TextFormat, where: str, tags: Tags = Tags()) -> Document:  # noqa: B008
     if text_format is TextFormat.HTML:
-        return html_document(text, where)
+        return html_document(text, where, tags)
     if text_format is TextFormat.XML:
-        return xml_document(text, where)
+        return xml_document(text, where, tags)
     return plain_document(text)
 
 
@@ -69,7 +70,7 @@ def plan_text(text: str, reading: Reading, fits: Callable[[str], bool], where: s
     """Read ``text`` and cut its runs into sentences that fit the model (:func:`cut_to_fit`, unless splitting is
     off); a stretch with
     no letter or digit (a bullet, a dash, atoms alone) is no sentence and stays as it is."""
-    document = read_document(text, reading.format, where)
+    document = read_document(text, reading.format, where, reading.tags)
     sentences = []
     for run in document.runs:
         chars = run.text
