@@ -320,3 +320,18 @@ def test_explorer_translates_a_paragraph_and_an_html_snippet(server: ServerHarne
     assert markup.startswith("<p><i>Dienstag</i>, ") and markup.count("<b>") == 1 and markup.endswith("</p>")
     assert browser.find_element(By.CSS_SELECTOR, "#results .document.tgt").text == "Dienstag, 25. April 2045"
     assert not browser.find_element(By.ID, "error").is_displayed()
+
+
+def test_explorer_offers_the_pairs_and_auto(server: ServerHarness, browser: webdriver.Chrome) -> None:
+    """The languages select lists auto and every served pair; with auto the server picks the pair's model and the
+    status line names the language it detected."""
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    wait = WebDriverWait(browser, 60)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pair option[value='auto|de']"))
+    labels = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#pair option")]
+    assert labels[:2] == ["the model's", "auto → de"] and f"en → de ({DATES_MODEL})" in labels
+    browser.find_element(By.CSS_SELECTOR, "#pair option[value='auto|de']").click()
+    run_translation(browser, "Tuesday, April 25, 2045", model="tiny-bahdanau", beam=2, hypotheses=1)
+    status = browser.find_element(By.ID, "status").text
+    assert status.startswith(f"{DATES_MODEL} version 1") and "detected en" in status  # the pair's, not the select's
+    assert browser.find_element(By.CSS_SELECTOR, "#results .hyp-text").text == "Dienstag, 25. April 2045"

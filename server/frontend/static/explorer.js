@@ -127,6 +127,24 @@ async function loadModels() {
   fillVersions();
 }
 
+// Language pairs (GET /v1/languages): "auto → target" for each target, then every pair; the value is "source|target".
+async function loadLanguages() {
+  let pairs = [];
+  try {
+    pairs = (await call("GET", "v1/languages")).pairs || [];
+  } catch (error) {
+    return;  // an older server: the model select alone
+  }
+  const select = $("pair");
+  for (const target of [...new Set(pairs.map((p) => p.targetLanguage))]) {
+    select.append(el("option", { value: `auto|${target}` }, `auto → ${target}`));
+  }
+  for (const p of pairs) {
+    select.append(el("option", { value: `${p.sourceLanguage}|${p.targetLanguage}` },
+      `${p.sourceLanguage} → ${p.targetLanguage} (${p.model})`));
+  }
+}
+
 function fillVersions() {
   const select = $("version");
   select.replaceChildren(el("option", { value: "" }, "newest"));
@@ -158,13 +176,19 @@ async function translate(event) {
       returnAttention: true, returnScores: true },
   };
   if (format) request.textFormat = format;
+  if ($("pair").value) {  // the server chooses the model of the pair
+    const [source, target] = $("pair").value.split("|");
+    Object.assign(request, { sourceLanguage: source, targetLanguage: target, model: "", modelVersion: "" });
+  }
   $("translate").disabled = true;
   $("status").textContent = "Translating…";
   const started = performance.now();
   try {
     const response = $("stream").checked ? await streamAll(texts, request) : await call("POST", "v1/translate", request);
+    const detected = (response.translations || [])[0]?.detectedLanguage;
     $("status").textContent = `${response.model} version ${response.modelVersion}, ` +
-      `${Math.round(performance.now() - started)} ms`;
+      `${Math.round(performance.now() - started)} ms` + (detected ?
+        `, detected ${detected} (${Math.round(100 * response.translations[0].detectedConfidence)} %)` : "");
     if (format) renderDocument(response.translations[0], texts[0], format);
     else render(response, texts);
   } catch (error) {
@@ -392,3 +416,4 @@ $("texts").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("request").requestSubmit();
 });
 loadModels();
+loadLanguages();
