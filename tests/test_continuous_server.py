@@ -23,6 +23,7 @@ from common.errors import NmtError
 from server.config import ServerConfig
 from server.controls import Controls
 from server.core.admission import DecodeLoad, Pending, admit_to_decode
+from server.core import continuous as continuous_module
 from server.core.continuous import Progress, RunningBatch
 from server.core.scheduler import ModelScheduler
 from server.engine import cuda_graphs
@@ -220,13 +221,15 @@ class _CapturesTimed:
         return getattr(self.session, name)
 
 
-def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_models: dict[str, Path]) -> None:
+def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_models: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``--cuda-graphs`` the encoder still runs on its own thread (a device rule), but never while the
     worker's session run may be capturing a graph (a capture is global to the process: another thread's device
     allocation spoils it): the two take turns at ``CAPTURE_GATE``. On the CPU's sessions, captures forced as a
     CUDA version's would be, both slowed so that they would overlap without the gate; the short sentences'
     encoder calls start once the decode has begun to capture (the long sentence's plain steps after its
-    min_length), whatever the host's speed. The translations stay those of the sentences alone."""
+    min_length: they ask for the gate only after one has started), whatever the host's speed. The translations
+    stay those of the sentences alone."""
     engine = Engine.load(tiny_models["transformer"], provider="cpu", intra_op_threads=1, device_state=True,
                          device_search=True, cuda_graphs=True)
     model = engine.model
@@ -237,9 +240,16 @@ def test_encoder_calls_beside_the_decode_wait_for_cuda_graph_captures(tiny_model
     encode = model.encode
     shorts = threading.Event()  # the short sentences are on their way
 
-    def slow_encode(src: np.ndarray) -> Any:
+    beside_captures = continuous_module.beside_captures
+
+    def gate_after_a_capture_began(model: Any) -> Any:  # the encoder thread asks for the gate
         if shorts.is_set() and threading.current_thread().name.startswith("encoder"):
-            timed.started.wait(timeout=30)
+            assert timed.started.wait(timeout=30), "no run that may capture began"
+        return beside_captures(model)
+
+    monkeypatch.setattr(continuous_module, "beside_captures", gate_after_a_capture_began)
+
+    def slow_encode(src: np.ndarray) -> Any:
         start = time.perf_counter()
         time.sleep(0.01)
         try:
