@@ -149,6 +149,18 @@ def test_elements_a_request_names_are_copied_or_separate_sentences() -> None:
     assert result == text
 
 
+def test_source_words_the_text_does_not_spell_get_spans_inside_it() -> None:
+    """Unknown pieces make words such as ``<unk>`` that the text does not spell; found past the text's last
+    character, such a word gets an empty span at the end (it indexed past the sentence's characters before)."""
+    def unknown(source: str) -> Translation:
+        attention = Attention(["<unk>", "<unk>"], ["x"], np.zeros((1, 2)), [WordAlignment(1, 0)], np.zeros((1, 1)))
+        return Translation(["<unk>", "<unk>"], ["<unk>", "<unk>"], [Hypothesis("x", [], ["x"], [], -0.5, [], attention)])
+
+    result = document("0\u00a8", model=unknown)
+    assert [(w.start, w.end) for w in result.document.source_words] == [(0, 2), (2, 2)]
+    assert result.document.alignments == [WordAlignment(1, 0)]
+
+
 def test_an_element_whose_words_reach_no_target_word_stays_empty_beside_its_neighbour() -> None:
     def drop_first(source: str) -> Translation:
         words = source.split()

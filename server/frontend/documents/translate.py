@@ -173,8 +173,7 @@ def assemble(plan: Plan, translations: Sequence[Translation], words: bool) -> Tr
                 base_source, base_target = len(source_words), len(target_words)
                 for (a, b), word in zip(word_spans(source.text, translation.source_words), translation.source_words,
                                         strict=True):
-                    source_words.append(DocumentWord(word, part.offsets[source.positions[a]],
-                                                     part.offsets[source.positions[b - 1]] + 1, len(segments) - 1))
+                    source_words.append(DocumentWord(word, *_content_span(part, source, a, b), len(segments) - 1))
                 spans = rendered.word_spans[k]
                 for i, word in enumerate(best.words):
                     a, b = spans.get(i, (span[1], span[1]))
@@ -195,6 +194,15 @@ def assemble(plan: Plan, translations: Sequence[Translation], words: bool) -> Tr
         hypotheses=[document_hypothesis(text, [s.translation for s in segments])],
         segments=segments, document=document,
     )
+
+
+def _content_span(run: Run, source: SourceSentence, start: int, end: int) -> tuple[int, int]:
+    """``[start, end)`` of ``source.text`` in the document's text content. An empty span (a word the text does
+    not spell, e.g. ``<unk>`` pieces past the last character: :func:`word_spans`) sits at the boundary."""
+    if start < end:
+        return run.offsets[source.positions[start]], run.offsets[source.positions[end - 1]] + 1
+    point = run.offsets[source.positions[start - 1]] + 1 if start else run.offsets[source.positions[0]]
+    return point, point
 
 
 def document_hypothesis(text: str, translations: Sequence[Translation]) -> Hypothesis:
