@@ -22,8 +22,8 @@ import pytest
 from common.errors import NmtError
 from server.config import ServerConfig
 from server.controls import Controls
-from server.core.admission import DecodeLoad, Pending, admit_to_decode
 from server.core import continuous as continuous_module
+from server.core.admission import DecodeLoad, Pending, admit_to_decode
 from server.core.continuous import Progress, RunningBatch
 from server.core.scheduler import ModelScheduler
 from server.engine import cuda_graphs
