@@ -154,7 +154,8 @@ def test_source_words_the_text_does_not_spell_get_spans_inside_it() -> None:
     character, such a word gets an empty span at the end (it indexed past the sentence's characters before)."""
     def unknown(source: str) -> Translation:
         attention = Attention(["<unk>", "<unk>"], ["x"], np.zeros((1, 2)), [WordAlignment(1, 0)], np.zeros((1, 1)))
-        return Translation(["<unk>", "<unk>"], ["<unk>", "<unk>"], [Hypothesis("x", [], ["x"], [], -0.5, [], attention)])
+        best = Hypothesis("x", [], ["x"], [], -0.5, [], attention)
+        return Translation(["<unk>", "<unk>"], ["<unk>", "<unk>"], [best])
 
     result = document("0\u00a8", model=unknown)
     assert [(w.start, w.end) for w in result.document.source_words] == [(0, 2), (2, 2)]
