@@ -28,6 +28,7 @@ import asyncio
 import hashlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -215,6 +216,7 @@ class TranslationCache:
     def __init__(self, memory: MemoryLayer | None, redis: RedisLayer | None = None) -> None:
         self.memory = memory
         self.redis = redis
+        self._digests: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()  # per loaded version
 
     @classmethod
     def from_config(cls, config: Any, metrics: Any = None) -> TranslationCache | None:
@@ -234,7 +236,9 @@ class TranslationCache:
 
     def through(self, model: Any, submit: Any) -> Any:
         """``submit`` of ``model`` with this cache in front (:data:`server.frontend.translate.Submit`)."""
-        version = version_digest(model)
+        version = self._digests.get(model)
+        if version is None:
+            version = self._digests[model] = version_digest(model)
 
         async def cached(sentences: Sequence[SentenceRequest], work: Sequence[int],
                          handle: RequestHandle) -> list[SearchResult]:

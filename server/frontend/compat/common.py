@@ -13,9 +13,18 @@ from urllib.parse import parse_qsl
 import grpc
 from aiohttp import web
 
-from server.frontend.http_face import MAX_BODY_BYTES, HttpContext
+from server.errors import InvalidArgument
+from server.frontend.http_face import MAX_BODY_BYTES, TIMEOUT_HEADER, HttpContext, parse_timeout
 from server.frontend.interceptor import RequestInterceptor
 from server.protos import SERVICE_NAME
+
+# a native call's status -> the HTTP status both APIs answer it with (the rest: 500)
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 403,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
 
 
 class CompatError(Exception):
@@ -33,6 +42,19 @@ class Failed:
 
     code: grpc.StatusCode
     message: str
+
+    @property
+    def status(self) -> int:
+        """The HTTP status the compatible APIs answer it with (:data:`STATUS`)."""
+        return STATUS.get(self.code, 500)
+
+
+def deadline(request: web.Request) -> float | None:
+    """The seconds of a ``grpc-timeout`` header (None: none); a malformed one is a 400."""
+    try:
+        return parse_timeout(request.headers[TIMEOUT_HEADER]) if TIMEOUT_HEADER in request.headers else None
+    except InvalidArgument as error:
+        raise CompatError(400, str(error)) from None
 
 
 class Caller:

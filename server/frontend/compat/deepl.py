@@ -27,20 +27,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import grpc
 from aiohttp import web
 
-from server.errors import InvalidArgument
-from server.frontend.compat.common import Caller, CompatError, Failed, form_or_json, language_name
-from server.frontend.http_face import TIMEOUT_HEADER, parse_timeout
+from server.frontend.compat.common import Caller, CompatError, Failed, deadline, form_or_json, language_name
 from server.protos import pb2
 
-STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 403,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
 SPLITTING = {"0": pb2.SPLIT_OFF, "1": pb2.SPLIT_SENTENCES, "nonewlines": pb2.SPLIT_NO_NEWLINES}
 FORMATS = {"html": pb2.TEXT_FORMAT_HTML, "xml": pb2.TEXT_FORMAT_XML}
 FORMALITY = ("default", "prefer_more", "prefer_less")  # accepted; "more"/"less" ask for what no model does
@@ -89,11 +80,7 @@ class DeepLApi:
             headers["Authorization"] = f"Bearer {key}"
         elif given.lower().startswith("bearer "):
             headers["Authorization"] = given
-        try:
-            timeout = parse_timeout(request.headers[TIMEOUT_HEADER]) if TIMEOUT_HEADER in request.headers else None
-        except InvalidArgument as error:
-            raise CompatError(400, str(error)) from None
-        return params, headers, timeout
+        return params, headers, deadline(request)
 
     async def translate(self, request: web.Request) -> web.Response:
         try:
@@ -103,7 +90,7 @@ class DeepLApi:
             return _error(error.status, error.message)
         response, context = await self.caller.call("Translate", message, "deepl:translate", headers, timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         translations = []
         for text, translation in zip(message.texts, response.translations, strict=True):
             source = translation.detected_language or message.source_language
@@ -159,7 +146,7 @@ class DeepLApi:
         response, context = await self.caller.call("ListLanguages", pb2.ListLanguagesRequest(), "deepl:languages",
                                                    headers, timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         codes = sorted({p.source_language if kind == "source" else p.target_language for p in response.pairs})
         entries = [{"language": code.upper(), "name": language_name(code)} for code in codes]
         if kind == "target":
@@ -176,6 +163,6 @@ class DeepLApi:
         response, context = await self.caller.call("ListLanguages", pb2.ListLanguagesRequest(), "deepl:usage",
                                                    headers, timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         return web.json_response({"character_count": self.characters, "character_limit": NO_LIMIT},
                                  headers=context.headers())

@@ -18,20 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import grpc
 from aiohttp import web
 
-from server.errors import InvalidArgument
-from server.frontend.compat.common import Caller, CompatError, Failed, form_or_json, language_name
-from server.frontend.http_face import TIMEOUT_HEADER, parse_timeout
+from server.frontend.compat.common import Caller, CompatError, Failed, deadline, form_or_json, language_name
 from server.protos import pb2
 
-STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 403,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
 FORMATS = {"text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML}
 MAX_ALTERNATIVES = 7  # with the best, a beam of at most 8 (--max-beam's default)
 
@@ -59,11 +50,7 @@ class LibreTranslateApi:
         key = params.get("api_key")
         if isinstance(key, str) and key and "Authorization" not in request.headers:
             headers["Authorization"] = f"Bearer {key}"
-        try:
-            timeout = parse_timeout(request.headers[TIMEOUT_HEADER]) if TIMEOUT_HEADER in request.headers else None
-        except InvalidArgument as error:
-            raise CompatError(400, str(error)) from None
-        return params, headers, timeout
+        return params, headers, deadline(request)
 
     async def translate(self, request: web.Request) -> web.Response:
         try:
@@ -74,7 +61,7 @@ class LibreTranslateApi:
         response, context = await self.caller.call("Translate", message, "libretranslate:translate", headers,
                                                    timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         texts = [t.hypotheses[0].text if t.hypotheses else "" for t in response.translations]
         body: dict[str, Any] = {"translatedText": texts if batch else texts[0]}
         if message.source_language == "auto":
@@ -126,7 +113,7 @@ class LibreTranslateApi:
         response, context = await self.caller.call("DetectLanguage", pb2.DetectLanguageRequest(texts=[q]),
                                                    "libretranslate:detect", headers, timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         [ranked] = response.texts
         return web.json_response([{"confidence": round(100 * d.confidence, 1), "language": d.language}
                                   for d in ranked.languages], headers=context.headers())
@@ -139,7 +126,7 @@ class LibreTranslateApi:
         response, context = await self.caller.call("ListLanguages", pb2.ListLanguagesRequest(),
                                                    "libretranslate:languages", headers, timeout)
         if isinstance(response, Failed):
-            return _error(STATUS.get(response.code, 500), response.message, context.headers())
+            return _error(response.status, response.message, context.headers())
         targets: dict[str, list[str]] = {}
         for pair in response.pairs:  # every language is listed, a target-only one with no targets (as clients
             targets.setdefault(pair.source_language, []).append(pair.target_language)  # check both ends there)
