@@ -41,6 +41,8 @@ class Controls:
     sampling_topp: float = 1.0  # sample from the smallest set of tokens whose probability reaches this
     sampling_temperature: float = 1.0
     seed: int = 0  # sampling seed; 0: a fresh random seed
+    # token runs every hypothesis must contain, one per occurrence (glossary terms: server.engine.constraints)
+    constraints: tuple[tuple[int, ...], ...] = ()
 
     @property
     def reshapes_until(self) -> float:

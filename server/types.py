@@ -182,6 +182,7 @@ class ScoredSequence:
     score: float
     token_scores: list[float]
     attention: np.ndarray | None = None  # [len(tokens), the sentence's source length]
+    terms_met: bool = True  # False: the sentence's constraints did not fit its output limit (server.engine.constraints)
 
 
 @dataclass

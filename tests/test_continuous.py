@@ -236,7 +236,7 @@ def test_layout_margins_count_steps_from_the_step_it_was_worked_out_for():
 
     def sentence(step, limit, full_until=0, forced_length=0, penalised=False):
         return SimpleNamespace(step=step, joined_at=0, beam=1, limit=limit, attention=False,
-                               full_until=full_until, forced_length=forced_length, penalised=penalised,
+                               full_until=full_until, forced_length=forced_length, penalised=penalised, terms=None,
                                rng=None, spec=SimpleNamespace(on_stable=None))
 
     layout = lay_out([sentence(5, 8, forced_length=7), sentence(1, 30, full_until=4)], np.arange(2), True)

@@ -89,6 +89,7 @@ decide. With one live hypothesis and none finished (greedy decoding, sampling) t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -98,6 +99,7 @@ import numpy as np
 from common.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
+from server.engine.constraints import Progress, Terms, select_constrained
 from server.engine.device_runs import Books, DeviceBeamRun
 from server.engine.host_runs import QuietChoice, quiet_selection
 from server.engine.row_layout import Layout, fill_holes, lay_out
@@ -159,6 +161,9 @@ class _Sentence:
     stable: int = 0  # tokens of its stable prefix reported so far (spec.on_stable)
     ended: SearchResult | None = None  # its result, when it ended in plain arg-max steps that held its row
     handed: bool = False  # its result went to on_ended already: it leaves without it
+    terms: Terms | None = None  # its constraints (server.engine.constraints), if any
+    progress: list[Progress] = field(default_factory=list)  # each of its rows' way through them, in row order
+    unmet: list[ScoredSequence] = field(default_factory=list)  # hypotheses ended at its limit without them
 
     @property
     def controls(self) -> Controls:
@@ -246,6 +251,8 @@ class RunningDecode:
                 raise ValueError("need 1 <= num_hypotheses <= beam_size")
             if s.beam_size > 1 and s.controls.samples:
                 raise ValueError("sampling needs beam_size 1")
+            if s.controls.constraints and s.beam_size < 2:
+                raise ValueError("constraints need beam_size 2 or more")
         if self._sentences and not self.per_row_positions:
             raise ValueError("this model decodes all rows at one step: sentences join only an empty decode")
         static = {name: encoded[name] for name in self.model.static_names}
@@ -263,6 +270,11 @@ class RunningDecode:
                 tag, s, s.beam_size, s.need_attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
                 s.controls.rng() if s.controls.samples else None, _full_until(s.controls), len(s.controls.forced),
                 s.controls.repetition_penalty != 1.0))
+            if s.controls.constraints:
+                added = self._sentences[-1]
+                added.terms = Terms(s.controls.constraints)
+                added.progress = [added.terms.start() if resume is None else
+                                  added.terms.follow(resume.tokens[len(self._sentences) - 1 - first])]
         n = len(sentences)
         capacity = max(self._history.shape[1], *(s.limit for s in self._sentences[first:]))
         self._row_sentence = np.concatenate([self._row_sentence, np.arange(first, first + n)])
@@ -333,8 +345,15 @@ class RunningDecode:
             parts.append(self._greedy(layout.lean, layout.starts, row_tokens, row_scores, processed, attention,
                                       prefix, left, kept))
         for beam, width, group in layout.groups:
-            parts.append(self._beam(group, beam, width, layout.starts, row_tokens, row_scores, attention, prefix,
-                                    left, kept))
+            free = group if not layout.constrained else np.array(
+                [j for j in group.tolist() if self._sentences[j].terms is None], dtype=np.int64)
+            if free.size:
+                parts.append(self._beam(free, beam, width, layout.starts, row_tokens, row_scores, attention, prefix,
+                                        left, kept))
+            if free.size < group.size:
+                for j in group.tolist():
+                    if self._sentences[j].terms is not None:
+                        parts.append(self._constrained(j, width, layout.starts, processed, attention, left, kept))
         self._advance(kept, parts, layout, attention)
         self._age += 1
         self._report_stable()
@@ -842,6 +861,40 @@ class RunningDecode:
         step_scores = choice.token_scores[at]
         return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
 
+    def _constrained(self, j: int, width: int, starts: np.ndarray, processed: np.ndarray, attention: np.ndarray | None,
+                     left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
+        """The step of sentence ``j``, which has constraints (:func:`server.engine.constraints.select_constrained`
+        on the whole processed distribution of its ``width`` rows), then its books. At its last step a
+        hypothesis without its terms ends too, kept apart: the result holds such hypotheses only when none met
+        them, each flagged (``ScoredSequence.terms_met``)."""
+        s = self._sentences[j]
+        first = int(starts[j])
+        rows = slice(first, first + width)
+        choice = select_constrained(s.terms, s.progress, self._totals[rows], processed[rows],
+                                    s.step < s.forced_length, s.beam, self.eos_id, s.step >= s.limit - 1)
+        for r, total, eos_score, met in choice.finished:
+            hypothesis = self._hypothesis(s, first + r, self.eos_id, eos_score, total, attention)
+            if met:
+                s.finished.append(hypothesis)
+            else:
+                s.unmet.append(replace(hypothesis, terms_met=False))
+        if s.finished:
+            s.finished.sort(key=_score, reverse=True)
+            del s.finished[s.quota:]
+        if s.cancelled():
+            left.append((s.tag, None))
+        elif sentence_done(choice.best_live, s.finished, s.quota, s.step + 1, s.spec.length_penalty):
+            ended = s.finished or sorted(s.unmet, key=_score, reverse=True)
+            left.append((s.tag, SearchResult(ended[: s.spec.num_hypotheses])))
+        else:
+            kept.append(j)
+            live = choice.live + [(0, self.start_id, NEG_INF, NEG_INF, s.terms.start())] * (s.beam - len(choice.live))
+            s.progress = [p for *_, p in live]
+            return (np.array([first + r for r, *_ in live], dtype=np.int64), np.array([t for _, t, *_ in live]),
+                    np.array([c[2] for c in live]), np.array([c[3] for c in live]))
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0), np.zeros(0)
+
     def _hypothesis(self, s: Any, row: int, token: int, score: float, total: float,
                     attention: np.ndarray | None) -> ScoredSequence:
         """The hypothesis of ``row`` (of ``s``, one of the decode's sentences) ending in ``token`` this step."""
@@ -856,7 +909,10 @@ class RunningDecode:
 
 
 def _full_until(c: Controls) -> float:
-    """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``)."""
+    """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``): every
+    step under constraints (the tokens that advance them may lie outside the best few)."""
+    if c.constraints:
+        return math.inf
     return max(c.reshapes_until, len(c.forced),
                c.completion.start + c.completion.steps() if c.completion is not None else 0)
 

@@ -39,6 +39,7 @@ class Layout:
     full_for: float  # steps during which some sentence needs the whole distribution (its ``full_until``)
     given_for: int  # steps during which some sentence decodes its forced prefix
     penalised: bool  # some sentence has a repetition penalty
+    constrained: bool  # some sentence has constraints: it takes its own selection (server.engine.constraints)
     plain: bool  # every sentence is beam 1 on the lean path, without sampling, attention, penalty or streaming:
     # past its controls' and prefix's margins, its steps can be the model's own arg-max steps
     plain_beam: bool  # some sentence searches a beam > 1, every such sentence has expanded, none asks for
@@ -52,7 +53,7 @@ class Layout:
 
 def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: bool) -> Layout:
     """The layout of ``sentences`` (each with ``step``, ``joined_at``, ``beam``, ``limit``, ``attention``,
-    ``full_until``, ``forced_length``, ``penalised``, ``rng`` and ``spec.on_stable``) on rows whose sentences
+    ``full_until``, ``forced_length``, ``penalised``, ``terms``, ``rng`` and ``spec.on_stable``) on rows whose sentences
     are ``row_sentence``; ``lean_greedy``: beam-1 sentences take the lean path."""
     n = len(sentences)
     expanded = np.array([s.step > s.joined_at for s in sentences])
@@ -67,13 +68,16 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
     groups = [(beam, width, np.arange(n) if len(pairs) == 1 and not lean.any() else
                np.flatnonzero(~lean & (beams == beam) & (widths == width))) for beam, width in pairs]
     attention, penalised = any(s.attention for s in sentences), any(s.penalised for s in sentences)
-    bare = not attention and not penalised and all(s.rng is None and s.spec.on_stable is None for s in sentences)
+    constrained = any(s.terms is not None for s in sentences)
+    bare = not attention and not penalised and not constrained and all(
+        s.rng is None and s.spec.on_stable is None for s in sentences)
     return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
                   k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
                   attention=attention, lean=np.flatnonzero(lean), groups=groups,
                   settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
                   full_for=max(s.full_until - s.step for s in sentences),
                   given_for=max(s.forced_length - s.step for s in sentences), penalised=penalised,
+                  constrained=constrained,
                   plain=bool(lean.all()) and bare,
                   plain_beam=bool((beams > 1).any() and ((beams == 1) | expanded).all()) and bare
                   and n <= PLAIN_BEAM_SENTENCES,
