@@ -88,7 +88,8 @@ def has_attention(result: SearchResult) -> bool:
 
 
 def without_attention(result: SearchResult) -> SearchResult:
-    return SearchResult([ScoredSequence(h.tokens, h.score, h.token_scores, terms_met=h.terms_met) for h in result.hypotheses])
+    return SearchResult([ScoredSequence(h.tokens, h.score, h.token_scores, terms_met=h.terms_met)
+                         for h in result.hypotheses])
 
 
 class MemoryLayer:
