@@ -28,6 +28,7 @@ _EXPORTS = {
     "TextWord": "clients.messages",
     "Attention": "clients.messages",
     "ModelInfo": "clients.messages",
+    "GlossaryInfo": "clients.messages",
     "StreamDelta": "clients.messages",
     "alignment_grid": "clients.render",
     "save_heatmap": "clients.render",

@@ -62,6 +62,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.channel import DEFAULT_KEEPALIVE, channel_options, channel_target, credentials_for, split_addresses
 from clients.messages import (
+    Glossary,
+    GlossaryInfo,
     ModelInfo,
     StreamDelta,
     Translation,
@@ -70,6 +72,8 @@ from clients.messages import (
     build_score_request,
     delta_from_pb,
     error_from_rpc,
+    glossary_entries_pb,
+    glossary_from_pb,
     model_info_from_pb,
     translations_from_pb,
 )
@@ -238,7 +242,8 @@ class TranslatorClient(_ClientBase):
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
                   target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
-                  splitting: str = "", source_language: str = "", timeout: float | None = None,
+                  splitting: str = "", source_language: str = "", glossary: Glossary = (), glossary_id: str = "",
+                  do_not_translate: Sequence[str] = (), timeout: float | None = None,
                   request_id: str | None = None) -> list[Translation]:
         """Translate ``texts`` (one string or a list) in one request; one :class:`Translation` per text, in order.
 
@@ -250,7 +255,9 @@ class TranslatorClient(_ClientBase):
         word's log-probability). ``text_format`` ("text", "html", "xml") and ``splitting`` ("sentences",
         "no_newlines", "off") say how each text is read (:attr:`Translation.segments`: its sentences).
         ``source_language`` (a code, or "auto" to detect it) and ``target_language`` choose the model by language
-        pair when ``model`` is empty (:meth:`list_languages`).
+        pair when ``model`` is empty (:meth:`list_languages`). ``glossary`` ({source: target}, or
+        ``(source, target[, case_insensitive])`` tuples), ``glossary_id`` (:meth:`create_glossary`) and
+        ``do_not_translate`` are terms every hypothesis holds (:attr:`Translation.terms`: those found).
         ``timeout``: this call's deadline in seconds (default: the client's). ``request_id`` is sent as
         ``x-request-id`` metadata (a fresh id when ``None``), the same for every attempt.
         """
@@ -259,14 +266,16 @@ class TranslatorClient(_ClientBase):
                                 length_penalty=length_penalty, attention=attention, scores=scores,
                                 target_language=target_language, target_prefixes=target_prefixes,
                                 alternatives=alternatives, text_format=text_format, splitting=splitting,
-                                source_language=source_language)
+                                source_language=source_language, glossary=glossary, glossary_id=glossary_id,
+                                do_not_translate=do_not_translate)
         response = self._call(self.stub.Translate, request, timeout, request_id)
         return translations_from_pb(response, scores=scores)
 
     def translate_stream(self, text: str, *, model: str = "", version: str = "", beam_size: int = 0,
                          num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                          attention: bool = False, scores: bool = False, target_language: str = "",
-                         target_prefix: str = "", source_language: str = "", timeout: float | None = None,
+                         target_prefix: str = "", source_language: str = "", glossary: Glossary = (),
+                         glossary_id: str = "", do_not_translate: Sequence[str] = (), timeout: float | None = None,
                          request_id: str | None = None) -> Iterator[StreamDelta]:
         """Translate one ``text`` as the server decides it: :class:`StreamDelta` messages whose texts join to
         the translation, the last one carrying the whole :class:`Translation` (options as :meth:`translate`).
@@ -276,7 +285,8 @@ class TranslatorClient(_ClientBase):
                                 num_hypotheses=num_hypotheses, max_length=max_length, length_penalty=length_penalty,
                                 attention=attention, scores=scores, target_language=target_language,
                                 target_prefixes=[target_prefix] if target_prefix else (),
-                                source_language=source_language)
+                                source_language=source_language, glossary=glossary, glossary_id=glossary_id,
+                                do_not_translate=do_not_translate)
         if len(request.texts) != 1:
             raise ValueError("translate_stream translates one text")
         request_id = self._request_id(request_id)
@@ -310,6 +320,28 @@ class TranslatorClient(_ClientBase):
         """The served language pairs: ``(source, target, the model a request naming the pair gets)``."""
         response = self._call(self.stub.ListLanguages, pb2.ListLanguagesRequest(), timeout, request_id)
         return [(p.source_language, p.target_language, p.model) for p in response.pairs]
+
+    def create_glossary(self, glossary_id: str, source_language: str, target_language: str, entries: Glossary, *,
+                        case_insensitive: bool = False, timeout: float | None = None,
+                        request_id: str | None = None) -> GlossaryInfo:
+        """Store a glossary on the server (``--glossary-dir``) for requests to name in ``glossary_id``."""
+        request = pb2.CreateGlossaryRequest(glossary=pb2.Glossary(
+            glossary_id=glossary_id, source_language=source_language, target_language=target_language,
+            entries=glossary_entries_pb(entries), case_insensitive=case_insensitive))
+        return glossary_from_pb(self._call(self.stub.CreateGlossary, request, timeout, request_id))
+
+    def list_glossaries(self, *, timeout: float | None = None, request_id: str | None = None) -> list[GlossaryInfo]:
+        response = self._call(self.stub.ListGlossaries, pb2.ListGlossariesRequest(), timeout, request_id)
+        return [glossary_from_pb(g) for g in response.glossaries]
+
+    def get_glossary(self, glossary_id: str, *, timeout: float | None = None,
+                     request_id: str | None = None) -> GlossaryInfo:
+        request = pb2.GetGlossaryRequest(glossary_id=glossary_id)
+        return glossary_from_pb(self._call(self.stub.GetGlossary, request, timeout, request_id))
+
+    def delete_glossary(self, glossary_id: str, *, timeout: float | None = None,
+                        request_id: str | None = None) -> None:
+        self._call(self.stub.DeleteGlossary, pb2.DeleteGlossaryRequest(glossary_id=glossary_id), timeout, request_id)
 
     def health(self, model: str = "", *, timeout: float | None = None) -> str:
         """``grpc.health.v1`` status of the server (``model=""``), of a model name or of a service name:

@@ -8,7 +8,7 @@ from keyword arguments and ``*_from_pb`` turn responses into the dataclasses.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ class Hypothesis:
     score: float | None = None
     token_scores: list[float] | None = None
     attention: Attention | None = None
+    terms_missed: bool = False  # the glossary's terms did not fit within max_length (see the proto)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Translation:
     word_alignments: tuple[tuple[int, int], ...] = ()
     detected_language: str = ""  # source_language "auto": the language detected, and how sure (0-1)
     detected_confidence: float = 0.0
+    terms: tuple[tuple[str, str], ...] = ()  # the glossary terms found in the text: (as written, its target)
 
     @property
     def best(self) -> Hypothesis:
@@ -177,13 +179,16 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
                   num_hypotheses: int = 0, max_length: int = 0, length_penalty: float = 0.0,
                   attention: bool = False, scores: bool = False, target_language: str = "",
                   target_prefixes: Sequence[str] = (), alternatives: bool = False, text_format: str = "",
-                  splitting: str = "", source_language: str = "") -> Any:
+                  splitting: str = "", source_language: str = "", glossary: Glossary = (),
+                  glossary_id: str = "", do_not_translate: Sequence[str] = ()) -> Any:
     """A ``TranslateRequest`` (zeros mean the model's defaults; ``source_language`` (or "auto") and
     ``target_language`` choose the model by language pair when ``model`` is empty, and ``target_language``
     picks a multilingual model's output language; ``target_prefixes``, none or one per text, force each
     translation's start; ``alternatives``: ``num_hypotheses`` alternatives for the next word after the prefix;
     ``text_format``: "text" (the default), "html" or "xml"; ``splitting``: "sentences" (the default),
-    "no_newlines" or "off")."""
+    "no_newlines" or "off"; ``glossary``: source term -> target term (a mapping, or ``(source, target)`` and
+    ``(source, target, case_insensitive)`` tuples), ``glossary_id``: a stored glossary, ``do_not_translate``:
+    terms kept as they are)."""
     if text_format not in TEXT_FORMATS:
         raise ValueError(f"text_format must be one of {', '.join(repr(f) for f in TEXT_FORMATS if f)}, "
                          f"got {text_format!r}")
@@ -200,7 +205,40 @@ def build_request(texts: str | Iterable[str], *, model: str = "", version: str =
     return pb2.TranslateRequest(texts=_texts(texts), model=model, model_version=version, options=options,
                                 target_language=target_language, target_prefixes=list(target_prefixes),
                                 text_format=TEXT_FORMATS[text_format], sentence_splitting=SPLITTING[splitting],
-                                source_language=source_language)
+                                source_language=source_language, glossary=glossary_entries_pb(glossary),
+                                glossary_id=glossary_id, do_not_translate=list(do_not_translate))
+
+
+# a glossary as a client gives it: {source: target}, or (source, target[, case_insensitive]) tuples
+Glossary = Mapping[str, str] | Sequence[tuple[str, str] | tuple[str, str, bool]]
+
+
+def glossary_entries_pb(glossary: Glossary) -> list[Any]:
+    rows = list(glossary.items()) if isinstance(glossary, Mapping) else list(glossary)
+    entries = []
+    for row in rows:
+        if not isinstance(row, tuple | list) or len(row) not in (2, 3):
+            raise ValueError(f"a glossary entry is (source, target) or (source, target, case_insensitive), got {row!r}")
+        entries.append(pb2.GlossaryEntry(source=row[0], target=row[1], case_insensitive=bool(row[2:3] and row[2])))
+    return entries
+
+
+@dataclass(frozen=True)
+class GlossaryInfo:
+    """A stored glossary: its id, language pair, entry count and (``get_glossary``) its entries as
+    ``(source, target, case_insensitive)``."""
+
+    glossary_id: str
+    source_language: str
+    target_language: str
+    entry_count: int
+    entries: tuple[tuple[str, str, bool], ...] = ()
+
+
+def glossary_from_pb(message: Any) -> GlossaryInfo:
+    return GlossaryInfo(message.glossary_id, message.source_language, message.target_language,
+                        int(message.entry_count),
+                        tuple((e.source, e.target, e.case_insensitive) for e in message.entries))
 
 
 TEXT_FORMATS = {"": 0, "text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML, "xml": pb2.TEXT_FORMAT_XML}
@@ -248,6 +286,7 @@ def hypothesis_from_pb(message: Any, source_words: Sequence[str], *, scores: boo
         token_scores=[float(s) for s in message.token_scores] if scores else None,
         attention=attention_from_pb(message.attention, source_words, tokens)
         if message.HasField("attention") else None,
+        terms_missed=message.terms_missed,
     )
 
 
@@ -270,6 +309,7 @@ def translations_from_pb(response: Any, *, scores: bool) -> list[Translation]:
             target_words=tuple(TextWord(w.text, w.start, w.end, w.segment) for w in item.target_words),
             word_alignments=tuple((a.source_index, a.target_index) for a in item.word_alignments),
             detected_language=item.detected_language, detected_confidence=item.detected_confidence,
+            terms=tuple((t.source, t.target) for t in item.terms),
         ))
     return result
 

@@ -145,6 +145,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           help="the N most likely next words after --prefix (or at the start), each continued "
                                "to a whole translation, in the order of that word's probability (its log-probability "
                                "is the score; fewer when the others are under 1%% of the first's probability)")
+    terms = parser.add_argument_group("terminology")
+    terms.add_argument("--glossary", metavar="FILE",
+                       help="a glossary file (.tsv: source<TAB>target[<TAB>ci] per line; .csv with commas): every "
+                            "translation writes each source term found as its target")
+    terms.add_argument("--glossary-id", default="", metavar="ID",
+                       help="a glossary stored on the server (its language pair must be the model's)")
+    terms.add_argument("--keep", dest="do_not_translate", action="append", default=[], metavar="TERM",
+                       help="a term kept as it is in the translation (repeatable)")
     document = parser.add_argument_group("documents")
     document.add_argument("--file", metavar="PATH",
                           help="translate the whole file as one document ('-': stdin); implies --format text "
@@ -380,6 +388,7 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                 print(line, file=stdout)
             return 0
 
+        glossary = read_glossary(args.glossary) if args.glossary else ()
         texts, batch_size, numbered = read_input(args, stdin)
         if args.score is not None and (not isinstance(texts, list) or len(texts) != 1):
             raise NmtError("--score TARGET scores one text: give that text as the only TEXT argument")
@@ -409,7 +418,9 @@ def run(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO
                                            attention=attention, scores=scores, target_language=args.target_language,
                                            target_prefixes=[args.prefix] * len(batch) if args.prefix else (),
                                            alternatives=bool(args.alternatives), text_format=text_format,
-                                           splitting=args.splitting, source_language=args.source_language)
+                                           splitting=args.splitting, source_language=args.source_language,
+                                           glossary=glossary, glossary_id=args.glossary_id,
+                                           do_not_translate=args.do_not_translate)
             for source, translation in zip(batch, results, strict=True):
                 index += 1
                 if documents and not verbose and not args.json:  # the document out, as it is
@@ -436,9 +447,22 @@ def stream_one(client: Any, args: argparse.Namespace, text: str, hypotheses: int
                                          beam_size=args.beam_size, num_hypotheses=hypotheses,
                                          max_length=args.max_length, length_penalty=args.length_penalty,
                                          attention=attention, scores=scores, target_language=args.target_language,
-                                         target_prefix=args.prefix, source_language=args.source_language):
+                                         target_prefix=args.prefix, source_language=args.source_language,
+                                         glossary=read_glossary(args.glossary) if args.glossary else (),
+                                         glossary_id=args.glossary_id, do_not_translate=args.do_not_translate):
         print(delta.text, end="", file=stdout, flush=True)
         translation = delta.translation or translation
     if verbose:
         print(file=stdout)
     return translation
+
+
+def read_glossary(path: str) -> list[tuple[str, str, bool]]:
+    """The entries of a glossary file (:mod:`common.glossary_file`)."""
+    from common.errors import NmtError
+    from common.glossary_file import read_entries
+
+    try:
+        return read_entries(Path(path).read_text(encoding="utf-8"), path.endswith(".csv"), path)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise NmtError(f"cannot read the glossary {path}: {error}") from error

@@ -152,6 +152,11 @@ class ServerConfig:
                               "asked for what this process's cache misses; a Redis that fails or is slow is skipped "
                               "(counted, retried with back-off); empty: none")
     cache_ttl: float = option(86400.0, "seconds an entry lives in the shared Redis cache")
+    # glossaries (docs/glossaries.md)
+    glossary_dir: str = option("", "directory of the stored glossaries (one .tsv or .csv file per glossary, which "
+                               "operators may also drop, edit or delete there; shared by the front-ends and by "
+                               "replicas that mount it); empty: only inline glossaries, and the glossary RPCs "
+                               "answer FAILED_PRECONDITION")
     # request limits
     max_beam: int = option(8, "largest beam_size a request may ask for")
     max_texts: int = option(64, "most texts in one request")

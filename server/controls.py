@@ -43,6 +43,9 @@ class Controls:
     seed: int = 0  # sampling seed; 0: a fresh random seed
     # token runs every hypothesis must contain, one per occurrence (glossary terms: server.engine.constraints)
     constraints: tuple[tuple[int, ...], ...] = ()
+    # each constraint's source tokens [start, end) (the term's occurrence in the source): the search starts a
+    # term against the model's choice only where the step's attention is on it (none: anywhere)
+    constraint_sources: tuple[tuple[int, int], ...] = ()
 
     @property
     def reshapes_until(self) -> float:

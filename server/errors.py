@@ -41,6 +41,18 @@ class NotFound(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(ServingError):
+    """What the call would create exists (a stored glossary's id)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServingError):
+    """The server is not set up for the call (no glossary directory; a glossary file that does not parse)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(ServingError):
     """The model's queue is full, or the device had no memory for the batch."""
 

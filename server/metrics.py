@@ -222,6 +222,11 @@ class ServerMetrics:
         self.text_sentences = Histogram("nmt_text_sentences", "Sentences per translated text, by text format (its "
                                         "_count: texts by format)", ["model", "format"], buckets=SENTENCE_BUCKETS,
                                         registry=r)
+        self.glossary_terms = Counter("nmt_glossary_terms", "Glossary term occurrences found in sources and "
+                                      "required of the translations (constraints of the search)", ["model"],
+                                      registry=r)
+        self.constrained_sentences = Counter("nmt_constrained_sentences", "Sentences decoded under glossary terms",
+                                             ["model"], registry=r)
         self.cache_lookups = Counter("nmt_cache_lookups", "Sentences looked up in the translation cache by layer "
                                      "(memory: this process; redis: the shared one, asked for what memory missed) "
                                      "and result (hit, miss)", ["layer", "result"], registry=r)
@@ -344,6 +349,12 @@ class ServerMetrics:
         histogram = self.text_sentences.labels(model, text_format)
         for count in sentences:
             histogram.observe(count)
+
+    def observe_terms(self, model: str, sentences: int, terms: int) -> None:
+        """A request's sentences decoded under glossary terms, and its terms."""
+        if sentences:
+            self.constrained_sentences.labels(model).inc(sentences)
+            self.glossary_terms.labels(model).inc(terms)
 
     def serve_http(self, address: str) -> Any:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the HTTP server (``.server_port``)."""

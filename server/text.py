@@ -97,6 +97,7 @@ class TextCodec:
                     score=hyp.score,
                     token_scores=hyp.token_scores,
                     attention=attention,
+                    terms_met=hyp.terms_met,
                 )
             )
         return Translation(source_tokens=source_pieces, source_words=source_words, hypotheses=hypotheses)

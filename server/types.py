@@ -64,6 +64,26 @@ class TranslateCall:
     untranslated_elements: tuple[str, ...] = ()  # markup: elements copied unchanged, beside the built-in ones
     block_elements: tuple[str, ...] = ()  # markup: elements that separate sentences, beside the built-in blocks
     score: bool = False  # Score: ``target_prefixes`` are whole translations, forced through the end of sentence
+    glossary: tuple[GlossaryEntry, ...] = ()  # inline entries (server.frontend.glossary)
+    glossary_id: str = ""  # a stored glossary (server.frontend.glossary_store)
+    do_not_translate: tuple[str, ...] = ()  # terms kept verbatim
+
+
+@dataclass(frozen=True)
+class GlossaryEntry:
+    """One glossary entry; ``target == source`` is a do-not-translate term."""
+
+    source: str
+    target: str
+    case_insensitive: bool = False
+
+
+@dataclass(frozen=True)
+class AppliedTerm:
+    """A glossary term found in a source text and required in every hypothesis of its translation."""
+
+    source: str  # as the text has it
+    target: str
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,7 @@ class Hypothesis:
     score: float  # length-normalised log-probability
     token_scores: list[float]  # log-probability of each token, EOS included (len(tokens) + 1)
     attention: Attention | None = None
+    terms_met: bool = True  # False: the sentence's glossary terms did not fit its output limit (see ScoredSequence)
 
 
 @dataclass
@@ -123,6 +144,7 @@ class Translation:
     document: DocumentAlignment | None = None  # a document's words and alignments (return_attention)
     detected_language: str = ""  # source_language "auto": the language detected (server.frontend.detection)
     detected_confidence: float = 0.0
+    terms: list[AppliedTerm] = field(default_factory=list)  # the glossary terms found in the source, in order
 
 
 @dataclass(frozen=True)

@@ -200,3 +200,49 @@ def test_random_constraints_are_always_met_and_continuous_equals_static(seed):
         [(h.tokens, h.score) for h in alone.hypotheses]
     assert [(h.tokens, h.score) for h in results["plain"].hypotheses] == \
         [(h.tokens, h.score) for h in plain.hypotheses]
+
+
+# ---- on the exported tiny models ---------------------------------------------------------------------
+
+def test_random_terms_on_the_tiny_models_are_met_and_the_rest_untouched(tiny_models):
+    """Random sentences of the tiny corpus with random terms from the target vocabulary: every hypothesis holds
+    each term (once per occurrence); the sentences without terms are bit for bit what they are in the same batch
+    without any; in a running decode that sentences join one by one, every sentence gets the static result."""
+    from server.engine.engine import Engine
+    from server.types import DecodingOptions, SentenceRequest
+    from tests.conftest import number_pairs
+    from tests.test_continuous import run_continuous
+
+    rng = np.random.default_rng(7)
+    pairs = number_pairs(40, seed=3)
+    for arch, path in sorted(tiny_models.items()):
+        engine = Engine.load(path, provider="cpu", intra_op_threads=1)
+        words = sorted({w for _, target in pairs for w in target.split()})
+        requests, plain = [], []
+        for i, (source, _) in enumerate(pairs[:12]):
+            beam = int(rng.integers(2, 5))
+            options = DecodingOptions(beam_size=beam, num_hypotheses=2, max_length=32, return_attention=True)
+            plain.append(SentenceRequest(engine.tokenize(source), options, text=source))
+            if i % 2:
+                terms = tuple(tuple(engine.tokenizer.encode_target(str(rng.choice(words))))
+                              for _ in range(int(rng.integers(1, 3))))
+                spans = tuple((0, len(plain[-1].source_ids)) for _ in terms)
+                options = DecodingOptions(beam_size=beam, num_hypotheses=2, max_length=32, return_attention=True,
+                                          controls=Controls(constraints=terms, constraint_sources=spans))
+            requests.append(SentenceRequest(engine.tokenize(source), options, text=source))
+        static = engine.search(requests)
+        alone = engine.search(plain)  # the same batch without terms
+        for i, (r, result) in enumerate(zip(requests, static, strict=True)):
+            if r.options.controls.constraints:
+                terms = Terms(r.options.controls.constraints)
+                for h in result.hypotheses:
+                    assert h.terms_met and terms.done(terms.follow(h.tokens[:-1])), (arch, i, h.tokens)
+                    assert h.attention is not None and h.attention.shape[0] == len(h.tokens)
+            else:
+                assert [(h.tokens, h.score) for h in result.hypotheses] == \
+                    [(h.tokens, h.score) for h in alone[i].hypotheses], (arch, i)
+        if engine.model.capabilities.per_row_positions:
+            joined, _, _ = run_continuous(engine, [(3 * i, r) for i, r in enumerate(requests)])
+            for i, (a, b) in enumerate(zip(joined, static, strict=True)):
+                assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses], (arch, i)
+                assert [h.score for h in a.hypotheses] == pytest.approx([h.score for h in b.hypotheses], abs=1e-5)

@@ -7,14 +7,22 @@ the search returns meets them (where none can within the output limit, see :func
 
 The selection is dynamic beam allocation (Post & Vilar 2018, as fairseq's ``LexicallyConstrainedBeamSearch``):
 the candidates are the sentence's ``2 x beam`` best continuations, every row's tokens that advance an unmet
-term and every row's best token; they are grouped into *banks* by how many constraint tokens they have written,
-and the beam's slots are dealt out across the banks, the most advanced bank first, each bank's candidates by
-score. A hypothesis that has written more of its terms thus keeps a place beside better-scored ones that have
-written less, and the words around a term are the model's own choice given the term.
+term and every row's best token; they are grouped into *banks* by their progress, and the beam's slots are
+dealt out across the banks, the most advanced bank first, each bank's candidates by score. A hypothesis that
+has written more of its terms thus keeps a place beside better-scored ones that have written less, and the
+words around a term are the model's own choice given the term.
+
+Banks count whole terms: ``2 x terms met``, plus one while a term is being written. A term's token that the
+search takes against the model (a candidate only because it advances a term, not among the model's best)
+commits the hypothesis to that term: its next tokens are the term's until it is written. Counting tokens
+instead (one bank per constraint token, as the paper does) needs a beam wider than the constraint tokens:
+with fewer slots than banks the least advanced banks, where the model's own translation is, get none, and
+what survives is the term written early followed by whatever comes after it. With whole terms a sentence
+needs ``2 x terms + 1`` slots (:func:`server.frontend.glossary.constrained_beam`) whatever the term's length.
 
 Matching is greedy: a term counts when its last token is written (the longest term completed at that token,
-when several are), and its tokens then count for no other term; a run that breaks off is abandoned (its tokens
-count for nothing), and a token may start a term anew.
+when several are), and its tokens then count for no other term; a run the model wrote on its own may break
+off (its tokens then count for nothing), and a token may start a term anew.
 """
 
 from __future__ import annotations
@@ -34,19 +42,26 @@ class Progress:
 
     met: tuple[int, ...]  # per distinct term: its occurrences written
     partial: tuple[tuple[int, int], ...] = ()  # (term, tokens of it written) of the runs in progress
+    committed: tuple[int, int] | None = None  # (term, tokens written) of the run it must finish
 
 
 class Terms:
     """A sentence's constraints: the distinct token runs and how many times each must be written."""
 
-    def __init__(self, constraints: Sequence[Sequence[int]]) -> None:
+    def __init__(self, constraints: Sequence[Sequence[int]], sources: Sequence[tuple[int, int]] = ()) -> None:
         if any(not run for run in constraints):
             raise ValueError("a constraint has no tokens")
+        if sources and len(sources) != len(constraints):
+            raise ValueError("constraint_sources needs one source span per constraint")
         runs: dict[tuple[int, ...], int] = {}
-        for run in constraints:
+        spans: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for i, run in enumerate(constraints):
             runs[tuple(run)] = runs.get(tuple(run), 0) + 1
+            if sources:
+                spans.setdefault(tuple(run), []).append(tuple(sources[i]))  # type: ignore[arg-type]
         self.runs = list(runs)
         self.need = list(runs.values())
+        self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
         self.total = sum(n * len(run) for run, n in zip(self.runs, self.need, strict=True))  # tokens to write
 
     def start(self) -> Progress:
@@ -55,19 +70,35 @@ class Terms:
     def done(self, p: Progress) -> bool:
         return all(m >= n for m, n in zip(p.met, self.need, strict=True))
 
-    def written(self, p: Progress) -> int:
-        """Constraint tokens written (the bank): the terms met, and the longest run in progress."""
+    def bank(self, p: Progress) -> int:
+        """Constraint tokens written: the terms met, and the longest run in progress."""
         met = sum(min(m, n) * len(run) for m, n, run in zip(p.met, self.need, self.runs, strict=True))
         return met + max((j for _, j in p.partial), default=0)
 
-    def wanted(self, p: Progress) -> set[int]:
-        """The tokens that advance an unmet term: the next token of each run in progress, the first of each term."""
+    def next_token(self, p: Progress) -> int | None:
+        """The one token a hypothesis committed to a term may write next (None: it is not committed)."""
+        return None if p.committed is None else self.runs[p.committed[0]][p.committed[1]]
+
+    def placed(self, attention: np.ndarray | None) -> list[bool]:
+        """Per distinct term: whether the search may start it against the model's choice at a step whose
+        attention over the source (one row's) is ``attention``: where it peaks on one of the term's
+        occurrences in the source; every term without source spans or attention."""
+        if self.sources is None or attention is None:
+            return [True] * len(self.runs)
+        peak = int(np.argmax(attention))
+        return [any(a <= peak < b for a, b in spans) for spans in self.sources]
+
+    def wanted(self, p: Progress, placed: Sequence[bool] | None = None) -> set[int]:
+        """The tokens that advance an unmet term: the next token of each run in progress, the first of each term
+        (of those ``placed`` allows, when given)."""
         tokens = {self.runs[c][j] for c, j in p.partial}
-        tokens.update(run[0] for run, m, n in zip(self.runs, p.met, self.need, strict=True) if m < n)
+        tokens.update(run[0] for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
+                      if m < n and (placed is None or placed[c]))
         return tokens
 
-    def advance(self, p: Progress, token: int) -> Progress:
-        """``p`` after ``token`` (see the module docstring for the rules)."""
+    def advance(self, p: Progress, token: int, commit: bool = False) -> Progress:
+        """``p`` after ``token`` (see the module docstring for the rules); ``commit``: the search took ``token``
+        because it advances a term, so the hypothesis now writes the longest run it advances to its end."""
         open_runs = [(c, j + 1) for c, j in p.partial if self.runs[c][j] == token]
         open_runs += [(c, 1) for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
                       if m < n and run[0] == token and (c, 1) not in open_runs]
@@ -77,7 +108,12 @@ class Terms:
             met = list(p.met)
             met[c] += 1
             return Progress(tuple(met))
-        return Progress(p.met, tuple(sorted(open_runs)))
+        committed = None
+        if p.committed is not None:
+            committed = (p.committed[0], p.committed[1] + 1)
+        elif commit and open_runs:
+            committed = max(open_runs, key=lambda cj: (cj[1], -cj[0]))
+        return Progress(p.met, tuple(sorted(open_runs)), committed)
 
     def follow(self, tokens: Sequence[int]) -> Progress:
         """The progress after ``tokens`` from the start (a forced pass's tokens)."""
@@ -98,12 +134,15 @@ class ConstrainedChoice:
 
 
 def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndarray, log_probs: np.ndarray,
-                       given: bool, beam: int, eos_id: int, last: bool) -> ConstrainedChoice:
+                       given: bool, beam: int, eos_id: int, last: bool,
+                       attention: np.ndarray | None = None) -> ConstrainedChoice:
     """The next hypotheses of one sentence under ``terms``: its rows' ``states`` and summed scores ``totals``
     [width], the step's distribution ``log_probs`` [width, V] (the controls applied). ``given``: the step is
     part of a forced prefix (its token adds nothing to the score). ``last``: the sentence's last step, where only
     EOS may follow: every row ends, and a hypothesis that has not met its terms ends too, flagged (the caller
-    returns such hypotheses only when none met them: a sentence whose terms cannot fit its output limit)."""
+    returns such hypotheses only when none met them: a sentence whose terms cannot fit its output limit).
+    ``attention`` [width, source]: the step's attention, which places the terms that have source spans
+    (:meth:`Terms.placed`); a row whose best token is EOS may start any term (it would end otherwise)."""
     width = len(states)
     eos = log_probs[:, eos_id]
     if last:
@@ -113,18 +152,28 @@ def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndar
     added = np.where(np.isfinite(log_probs), 0.0, NEG_INF) if given else log_probs.copy()
     done = [terms.done(s) for s in states]
     added[[r for r in range(width) if not done[r]], eos_id] = NEG_INF  # EOS only once the terms are met
+    for r, state in enumerate(states):
+        token = terms.next_token(state)
+        if token is not None:  # committed to a term: its next token only
+            keep = added[r, token]
+            added[r] = NEG_INF
+            added[r, token] = keep
     scores = totals[:, None] + added
     flat = scores.reshape(1, -1)
     best, _ = top_k(flat, 2 * beam)
     vocabulary = log_probs.shape[1]
-    candidates = {(int(i) // vocabulary, int(i) % vocabulary) for i in best[0]}
+    natural = {(int(i) // vocabulary, int(i) % vocabulary) for i in best[0]}
+    wanted: set[tuple[int, int]] = set()
     for r in range(width):
         if totals[r] == NEG_INF:
             continue
-        candidates.update((r, t) for t in terms.wanted(states[r]))
+        ending = int(np.argmax(log_probs[r])) == eos_id
+        placed = None if ending else terms.placed(attention[r] if attention is not None else None)
+        wanted.update((r, t) for t in terms.wanted(states[r], placed))
         row = scores[r].copy()
         row[eos_id] = NEG_INF
-        candidates.add((r, int(np.argmax(row))))
+        natural.add((r, int(np.argmax(row))))
+    candidates = natural | wanted
     ranked = sorted((c for c in candidates if scores[c] > NEG_INF), key=lambda c: (-scores[c], c))
     finished: list[tuple[int, float, float, bool]] = []
     banks: dict[int, list[tuple[int, int, Progress]]] = {}
@@ -137,8 +186,8 @@ def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndar
             live_before += 1
     for r, t in ranked:
         if t != eos_id:
-            p = terms.advance(states[r], t)
-            banks.setdefault(terms.written(p), []).append((r, t, p))
+            p = terms.advance(states[r], t, commit=(r, t) not in natural)
+            banks.setdefault(terms.bank(p), []).append((r, t, p))
     dealt: list[tuple[int, int, Progress]] = []
     order = sorted(banks, reverse=True)
     depth = 0

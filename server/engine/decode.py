@@ -266,13 +266,14 @@ class RunningDecode:
         first = len(self._sentences)
         self._layout = None
         for s, tag in zip(sentences, tags, strict=True):
+            attention = s.need_attention or bool(s.controls.constraint_sources)  # a glossary's placement reads it
             self._sentences.append(_Sentence(
-                tag, s, s.beam_size, s.need_attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
+                tag, s, s.beam_size, attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
                 s.controls.rng() if s.controls.samples else None, _full_until(s.controls), len(s.controls.forced),
                 s.controls.repetition_penalty != 1.0))
             if s.controls.constraints:
                 added = self._sentences[-1]
-                added.terms = Terms(s.controls.constraints)
+                added.terms = Terms(s.controls.constraints, s.controls.constraint_sources)
                 added.progress = [added.terms.start() if resume is None else
                                   added.terms.follow(resume.tokens[len(self._sentences) - 1 - first])]
         n = len(sentences)
@@ -375,7 +376,7 @@ class RunningDecode:
             if length > s.stable:
                 s.stable = length
                 rows = self._attention[first, :length, : s.spec.source_length].copy() if (
-                    s.attention and self._attention is not None) else None
+                    s.spec.need_attention and self._attention is not None) else None
                 s.spec.on_stable(self._history[first, :length].tolist(), self._history_scores[first, :length].tolist(),
                                  rows)
 
@@ -871,7 +872,8 @@ class RunningDecode:
         first = int(starts[j])
         rows = slice(first, first + width)
         choice = select_constrained(s.terms, s.progress, self._totals[rows], processed[rows],
-                                    s.step < s.forced_length, s.beam, self.eos_id, s.step >= s.limit - 1)
+                                    s.step < s.forced_length, s.beam, self.eos_id, s.step >= s.limit - 1,
+                                    attention[rows, : s.spec.source_length] if attention is not None else None)
         for r, total, eos_score, met in choice.finished:
             hypothesis = self._hypothesis(s, first + r, self.eos_id, eos_score, total, attention)
             if met:
@@ -900,7 +902,7 @@ class RunningDecode:
         """The hypothesis of ``row`` (of ``s``, one of the decode's sentences) ending in ``token`` this step."""
         t = s.step
         rows = None
-        if s.attention and attention is not None:
+        if s.spec.need_attention and attention is not None:
             width = s.spec.source_length
             rows = np.concatenate([self._attention[row, :t, :width], attention[row, None, :width]])
         return ScoredSequence(tokens=self._history[row, :t].tolist() + [token],

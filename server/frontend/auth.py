@@ -1,11 +1,12 @@
 """Bearer-token authentication: a tokens file, and the check of a call's ``authorization`` metadata.
 
 The tokens file (``--auth-tokens-file``, ``NMT_AUTH_TOKENS_FILE``) holds one token per line, optionally
-followed by the model names that token may use (none: every model); blank lines are ignored and a
-field starting with ``#`` begins a comment::
+followed by the model names that token may use (none: every model) and by permissions, fields starting with
+``+`` (:data:`PERMISSIONS`: ``+glossaries`` may create and delete stored glossaries); blank lines are ignored
+and a field starting with ``#`` begins a comment::
 
-    # operators: every model
-    0c8f5b1e2d7a4c9b8e6f3a2d1c0b9a87
+    # operators: every model, and the glossaries
+    0c8f5b1e2d7a4c9b8e6f3a2d1c0b9a87  +glossaries
     # the partner's token: only these two models
     Zx9-partner_token.v2  demo-transformer demo-bahdanau   # a comment may follow
 
@@ -43,11 +44,22 @@ MIN_TOKEN_CHARS = 16
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 
 
+WRITE_GLOSSARIES = "+glossaries"
+PERMISSIONS = frozenset({WRITE_GLOSSARIES})
+
+
 @dataclass(frozen=True)
 class Grant:
-    """What an authenticated call may use: ``models`` (``None``: every model)."""
+    """What an authenticated call may use: ``models`` (``None``: every model), and whether it may write stored
+    glossaries."""
 
     models: frozenset[str] | None = None
+    write_glossaries: bool = True
+
+    def check_glossary_write(self) -> None:
+        if not self.write_glossaries:
+            raise PermissionDenied(f"this token may not create or delete glossaries (give it {WRITE_GLOSSARIES} in "
+                                   "the tokens file)")
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -95,14 +107,19 @@ class Authenticator:
                 fields.append(field)
             if not fields:
                 continue
-            token, models = fields[0], fields[1:]
+            token, models = fields[0], [f for f in fields[1:] if not f.startswith("+")]
+            permissions = {f for f in fields[1:] if f.startswith("+")}
+            if permissions - PERMISSIONS:
+                raise NmtError(f"{path} line {number}: unknown permission {sorted(permissions - PERMISSIONS)[0]} "
+                               f"(known: {', '.join(sorted(PERMISSIONS))})")
             if len(token) < MIN_TOKEN_CHARS or not _TOKEN.fullmatch(token):
                 raise NmtError(f"{path} line {number}: a token must be at least {MIN_TOKEN_CHARS} characters of "
                                "A-Z a-z 0-9 - . _ ~ + / (optionally ending in =)")
             if _digest(token) in seen:
                 raise NmtError(f"{path} line {number}: this token is already on an earlier line")
             seen.add(_digest(token))
-            entries.append((token, Grant(frozenset(models) if models else None)))
+            entries.append((token, Grant(frozenset(models) if models else None,
+                                         write_glossaries=WRITE_GLOSSARIES in permissions)))
         return cls(entries)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Grant:

@@ -12,8 +12,9 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
+from server.frontend.glossary_store import StoredGlossary
 from server.protos import pb2
-from server.types import Hypothesis, RequestedOptions, TranslateCall, Translation
+from server.types import GlossaryEntry, Hypothesis, RequestedOptions, TranslateCall, Translation
 from server.versions import VersionIndex
 
 
@@ -42,7 +43,24 @@ def from_pb(request: Any) -> TranslateCall:
         splitting=SPLITTING.get(request.sentence_splitting, ""),
         untranslated_elements=tuple(request.untranslated_elements),
         block_elements=tuple(request.block_elements),
+        glossary=tuple(entries_from_pb(request.glossary)),
+        glossary_id=request.glossary_id,
+        do_not_translate=tuple(request.do_not_translate),
     )
+
+
+def entries_from_pb(entries: Any) -> list[GlossaryEntry]:
+    return [GlossaryEntry(e.source, e.target, e.case_insensitive) for e in entries]
+
+
+def glossary_pb(stored: StoredGlossary, *, entries: bool) -> Any:
+    """A stored glossary -> ``Glossary`` message (its entries only with ``entries``)."""
+    message = pb2.Glossary(glossary_id=stored.glossary_id, source_language=stored.source_language,
+                           target_language=stored.target_language, entry_count=len(stored.entries))
+    if entries:
+        message.entries.extend(pb2.GlossaryEntry(source=e.source, target=e.target, case_insensitive=e.case_insensitive)
+                               for e in stored.entries)
+    return message
 
 
 # enum numbers -> server.types.TranslateCall's strings; a number the proto does not name (a newer client) is ""
@@ -66,10 +84,19 @@ def options_from_pb(o: Any) -> RequestedOptions:
     )
 
 
+def glossary_list_pb(stored: Sequence[StoredGlossary]) -> Any:
+    return pb2.ListGlossariesResponse(glossaries=[glossary_pb(g, entries=False) for g in stored])
+
+
+def deleted_glossary_pb() -> Any:
+    return pb2.DeleteGlossaryResponse()
+
+
 def hypothesis_to_pb(hypothesis: Hypothesis, *, return_scores: bool, return_attention: bool) -> Any:
     """:class:`Hypothesis` -> ``Hypothesis`` message (scores and attention only when asked for)."""
     attention = hypothesis.attention
-    message = pb2.Hypothesis(text=hypothesis.text, tokens=hypothesis.words, subword_tokens=hypothesis.tokens)
+    message = pb2.Hypothesis(text=hypothesis.text, tokens=hypothesis.words, subword_tokens=hypothesis.tokens,
+                             terms_missed=not hypothesis.terms_met)
     if return_scores:
         message.score = float(hypothesis.score)
         message.token_scores.extend(float(s) for s in hypothesis.token_scores)
@@ -94,6 +121,7 @@ def to_pb(translations: Sequence[Translation], model: Any, options: RequestedOpt
         item.source_tokens.extend(translation.source_words)
         item.detected_language = translation.detected_language
         item.detected_confidence = translation.detected_confidence
+        item.terms.extend(pb2.AppliedTerm(source=t.source, target=t.target) for t in translation.terms)
         item.hypotheses.extend(hypothesis_to_pb(h, **asked) for h in translation.hypotheses)
         for segment in translation.segments:
             spans = item.segments.add(source_start=segment.source[0], source_end=segment.source[1],

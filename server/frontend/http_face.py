@@ -113,8 +113,10 @@ def http_routes(service: ServiceDescriptor) -> list[Route]:
         if verb is None or verb == "custom" or method.client_streaming:
             continue
         path = getattr(rule, verb)
-        if "{" in path:
-            raise ValueError(f"{method.full_name}: path variables are not supported ({path})")
+        for name in re.findall(r"{([^}]*)}", path):
+            if name not in method.input_type.fields_by_name or "=" in name or "." in name:
+                raise ValueError(f"{method.full_name}: a path variable must be a top-level field of "
+                                 f"{method.input_type.name} ({path})")
         routes.append(Route(verb.upper(), path, method, rule.body))
     return routes
 
@@ -386,6 +388,8 @@ class HttpFace:
                     json_format.Parse(text, message)
             elif request.query:
                 json_format.ParseDict(dict(request.query), message, ignore_unknown_fields=True)
+            if request.match_info:  # path variables ({glossary_id}): fields of the message, over the body's
+                json_format.ParseDict(dict(request.match_info), message)
         except web.HTTPRequestEntityTooLarge as error:
             raise InvalidArgument(f"the request body is over the limit of {MAX_BODY_BYTES} bytes") from error
         except (json_format.ParseError, UnicodeDecodeError) as error:

@@ -30,13 +30,17 @@ import grpc
 
 from common.model_format.decoding import normalized_score
 from server.config import ServerConfig
-from server.errors import InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
+from server.errors import FailedPrecondition, InvalidArgument, ServingError, Unavailable, grpc_errors, status_of
 from server.frontend.cache import TranslationCache
 from server.frontend.convert import (
     TEXT_FORMATS,
+    deleted_glossary_pb,
     detection_pb,
+    entries_from_pb,
     error_response_pb,
     from_pb,
+    glossary_list_pb,
+    glossary_pb,
     language_list_pb,
     model_list_pb,
     score_from_pb,
@@ -48,13 +52,16 @@ from server.frontend.documents.model import Tags, TextFormat
 from server.frontend.documents.segmenter import Splitting
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.translate import Reading, translate_documents
+from server.frontend.glossary import MAX_REQUEST_ENTRIES, Glossary, TermCodec, check_entries
+from server.frontend.glossary_store import GlossaryStore
 from server.frontend.interceptor import Undecodable, current_call
 from server.frontend.translate import TOKENIZE_INLINE_CHARS, translate_texts
 from server.frontend.validation import check_texts, resolve_options, target_prefixes
 from server.metrics import ServerMetrics
 from server.policy import BatchPolicy, RequestHandle
 from server.routing import AUTO, Router, primary
-from server.types import TranslateCall, Translation
+from server.text import TextCodec
+from server.types import DecodingOptions, GlossaryEntry, TranslateCall, Translation
 from server.versions import VersionIndex
 
 log = logging.getLogger("nmt.server")
@@ -64,8 +71,8 @@ MAX_NAMED_ELEMENTS, MAX_ELEMENT_NAME = 64, 64  # a request's untranslated_elemen
 
 
 class TranslatorService:
-    """``Translate``, ``TranslateStream``, ``TranslateStreaming``, ``ListModels`` and ``Score`` over the
-    repository's model versions."""
+    """``Translate``, ``TranslateStream``, ``TranslateStreaming``, ``ListModels``, ``Score`` and the rest over
+    the repository's model versions, and the glossary RPCs over the glossary store."""
 
     def __init__(self, *, repository: VersionIndex, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.repository = repository
@@ -76,6 +83,7 @@ class TranslatorService:
                              pair_models=config.pair_models)
         self.detector = LanguageDetector()
         self.cache = TranslationCache.from_config(config, metrics)
+        self.glossaries = GlossaryStore(config.glossary_dir) if config.glossary_dir else None
         self.draining = False
         self._draining = asyncio.Event()
 
@@ -208,6 +216,38 @@ class TranslatorService:
         """Given translations scored by forced decoding, through the same scheduler as Translate."""
         return await self._run(request, score_from_pb, context)
 
+    @grpc_errors
+    async def CreateGlossary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        current_call().grant.check_glossary_write()
+        g = request.glossary
+        entries = entries_from_pb(g.entries)
+        if g.case_insensitive:
+            entries = [replace(e, case_insensitive=True) for e in entries]
+        stored = await asyncio.to_thread(self._store().create, g.glossary_id, g.source_language, g.target_language,
+                                         entries)
+        return glossary_pb(stored, entries=False)
+
+    @grpc_errors
+    async def ListGlossaries(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        stored = await asyncio.to_thread(self._store().list)
+        return glossary_list_pb(stored)
+
+    @grpc_errors
+    async def GetGlossary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return glossary_pb(await asyncio.to_thread(self._store().get, request.glossary_id), entries=True)
+
+    @grpc_errors
+    async def DeleteGlossary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        current_call().grant.check_glossary_write()
+        await asyncio.to_thread(self._store().delete, request.glossary_id)
+        return deleted_glossary_pb()
+
+    def _store(self) -> GlossaryStore:
+        if self.glossaries is None:
+            raise FailedPrecondition("this server keeps no glossaries: start it with --glossary-dir (inline "
+                                     "glossaries need none)")
+        return self.glossaries
+
     # ---- one translation request -----------------------------------------------------------------------
 
     async def _translate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -245,6 +285,7 @@ class TranslatorService:
             forced = target_prefixes(call.texts, call.target_prefixes,
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=codec.eos_id if call.score else None)
+            terms = await self._terms(call, model, codec, options)
             handle = RequestHandle.with_timeout(context.time_remaining(), record.request_id)
             submit = model.submit if self.cache is None else self.cache.through(model, model.submit)
             if stream is not None:
@@ -253,7 +294,7 @@ class TranslatorService:
             if reading is not None:
                 translations = await translate_documents(
                     codec, submit, call.texts, options, handle, reading=reading, policy=self.policy,
-                    prefix=prefix, stream=stream,
+                    prefix=prefix, stream=stream, terms=terms,
                     max_sentences=min(self.config.max_sentences, self.config.queue_size))
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
@@ -261,7 +302,11 @@ class TranslatorService:
             else:
                 translations = await translate_texts(codec, submit, call.texts, options, handle,
                                                      policy=self.policy, prefix=prefix, target_prefixes=forced,
-                                                     stream=stream)
+                                                     stream=stream, terms=terms)
+            if terms is not None and self.metrics is not None:
+                constrained = [s.translation for t in translations for s in t.segments] or translations
+                self.metrics.observe_terms(model.name, sum(1 for t in constrained if t.terms),
+                                           sum(len(t.terms) for t in constrained))
             if call.score:  # the search scores only the tokens it chose; here all are given
                 translations = [scored_whole(t, options.length_penalty) for t in translations]
             if detections:
@@ -292,6 +337,40 @@ class TranslatorService:
         return replace(call, model=route.model, source_language=route.source,
                        target_language=route.target_code[route.model]), detections
 
+
+    async def _terms(self, call: TranslateCall, model: Any, codec: TextCodec,
+                     options: DecodingOptions) -> TermCodec | None:
+        """The call's glossary bound to the model's target vocabulary (None: it has none): its inline entries
+        and do-not-translate terms before the stored glossary's entries for the same source terms."""
+        if not (call.glossary or call.glossary_id or call.do_not_translate):
+            return None
+        if len(call.glossary) + len(call.do_not_translate) > MAX_REQUEST_ENTRIES:
+            raise InvalidArgument(f"{len(call.glossary) + len(call.do_not_translate)} glossary entries and "
+                                  f"do-not-translate terms, the limit is {MAX_REQUEST_ENTRIES} per request; store a "
+                                  "larger glossary (CreateGlossary) and name it in glossary_id")
+        if options.controls.samples or options.return_alternatives:
+            raise InvalidArgument("a glossary constrains the beam search: it excludes sampling (sampling_topk > 1 or "
+                                  "sampling_topp < 1) and return_alternatives")
+        inline = check_entries(call.glossary, "glossary") + check_entries(
+            [GlossaryEntry(term, term) for term in call.do_not_translate], "do_not_translate")
+        inline = check_entries(inline, "glossary and do_not_translate")
+        glossary = Glossary(inline) if inline else None
+        if call.glossary_id:
+            stored = await asyncio.to_thread(self._store().get, call.glossary_id)
+            source = str(model.manifest_value("source_language"))
+            target = call.target_language or str(model.manifest_value("target_language"))
+            if (primary(stored.source_language), primary(stored.target_language)) != (primary(source),
+                                                                                      primary(target)):
+                raise InvalidArgument(f"glossary {stored.glossary_id!r} is for {stored.source_language}->"
+                                      f"{stored.target_language}; model {model.name!r} translates {source}->{target}")
+            if inline:
+                mine = {(e.source.casefold() if e.case_insensitive else e.source) for e in inline}
+                glossary = Glossary(inline + [e for e in stored.entries
+                                              if (e.source.casefold() if e.case_insensitive else e.source) not in mine])
+            else:
+                glossary = stored.glossary
+        assert glossary is not None
+        return TermCodec(glossary, codec.tokenizer.encode_target, codec.tokenizer.unk_id, self.config.max_beam)
 
     def _reading(self, call: TranslateCall, language: str, streaming: bool) -> Reading | None:
         """How the call's texts are read (:mod:`server.frontend.documents`), or None for one model input per

@@ -15,10 +15,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from server.frontend.glossary import TermCodec, constrained_beam
 from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
-from server.types import DecodingOptions, SearchResult, SentenceRequest, StableReport, TargetPrefix, Translation
+from server.types import (
+    AppliedTerm,
+    DecodingOptions,
+    SearchResult,
+    SentenceRequest,
+    StableReport,
+    TargetPrefix,
+    Translation,
+)
 
 TOKENIZE_INLINE_CHARS = 8192  # larger requests are tokenized on a worker thread, off the event loop
 
@@ -37,12 +46,23 @@ class SentenceStream(Protocol):
         """Sentence ``index`` is decoded."""
 
 
+def source_span(tokenize: Callable[[str], list[int]], text: str, start: int, end: int, prefix: int,
+                length: int) -> tuple[int, int]:
+    """The source tokens ``[a, b)`` of ``text[start:end]`` (a glossary term's occurrence), counted as the
+    tokenizer cuts the text up to each end (terms lie at word boundaries, where that matches the whole
+    text's cut) after ``prefix`` language tokens, within the sentence's ``length`` tokens."""
+    a = prefix + (len(tokenize(text[:start])) if text[:start].strip() else 0)
+    b = prefix + len(tokenize(text[:end]))
+    a = min(a, length - 1)
+    return a, min(max(b, a + 1), length)
+
+
 async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
     target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
     stream: SentenceStream | None = None, document: bool = False, names: Sequence[str] = (),
-    tokenize: Callable[[str], list[int]] | None = None,
+    tokenize: Callable[[str], list[int]] | None = None, terms: TermCodec | None = None,
 ) -> list[Translation]:
     """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
     :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
@@ -53,6 +73,8 @@ async def translate_texts(
     ``document``: the texts are a document's sentences, whose response also carries the document's text, words
     and alignments, bounded as one hypothesis more per sentence; ``names`` call the texts so in error messages
     (e.g. "texts[2] sentence 3"); ``tokenize``: the texts' ids when already known (default: the codec's).
+    ``terms``: the request's glossary; a text holding its terms decodes under them as constraints
+    (:mod:`server.engine.constraints`) with a beam widened by :func:`constrained_beam`, the others as without.
     ``stream`` (:class:`SentenceStream`) follows the sentences' stable prefixes and hears of each one's
     translation as soon as it is decoded (each is submitted alone; all at once, so they still batch
     together)."""
@@ -69,26 +91,44 @@ async def translate_texts(
     else:
         sources = tokenize_texts(texts, with_prefix, policy.max_tokens, names)
     forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
+    each = [options] * len(texts)
+    applied: list[list[AppliedTerm]] = [[] for _ in texts]
+    if terms is not None:
+        for i, text in enumerate(texts):
+            found, constraints = terms.constraints(text, names[i] if names else f"texts[{i}]")
+            if constraints:
+                spans = tuple(source_span(codec.tokenize, text, o.start, o.end, len(prefix), len(sources[i]))
+                              for o in found)
+                each[i] = replace(options, beam_size=constrained_beam(options.beam_size, len(constraints),
+                                                                      terms.max_beam),
+                                  controls=replace(options.controls, constraints=constraints,
+                                                   constraint_sources=spans))
+                applied[i] = [AppliedTerm(text[o.start:o.end], o.entry.target) for o in found]
     budget = replace(options, num_hypotheses=options.num_hypotheses + 1) if document else options
     work = check_budget(texts, sources, budget, piece_bytes=codec.tokenizer.max_piece_bytes,
                         max_work=policy.max_request_work, max_response_bytes=policy.max_response_bytes,
-                        prefix_steps=[target.steps() for target in forced], where=where)
-    attention = replace(options, return_attention=True)
+                        prefix_steps=[target.steps() for target in forced], where=where,
+                        beams=[o.beam_size for o in each])
     flags = list(aligned) or [False] * len(texts)
-    sentences = [SentenceRequest(ids, attention if align and not options.return_attention else options, None, text,
-                                 target_prefix=target)
-                 for ids, text, target, align in zip(sources, texts, forced, flags, strict=True)]
+    sentences = [SentenceRequest(ids, replace(o, return_attention=True) if align and not o.return_attention else o,
+                                 None, text, target_prefix=target)
+                 for ids, text, target, align, o in zip(sources, texts, forced, flags, each, strict=True)]
     handle = request or RequestHandle()
+
+    def translation(i: int, result: SearchResult) -> Translation:
+        done = codec.to_translation(sentences[i], result)
+        return replace(done, terms=applied[i]) if applied[i] else done
+
     if stream is None:
         results = await submit(sentences, work, handle)
-        return [codec.to_translation(sentence, result) for sentence, result in zip(sentences, results, strict=True)]
+        return [translation(i, result) for i, result in enumerate(results)]
     sentences = [replace(s, on_stable=stream.follow(i, s)) for i, s in enumerate(sentences)]
 
     async def one(i: int) -> Translation:  # a stream hears of each sentence as soon as it is decoded
         [result] = await submit([sentences[i]], [work[i]], handle)
-        translation = codec.to_translation(sentences[i], result)
-        stream.done(i, translation)
-        return translation
+        done = translation(i, result)
+        stream.done(i, done)
+        return done
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(sentences))]
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from common.model_format.decoding import max_target_length
@@ -180,11 +181,13 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
 
 def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options: DecodingOptions, *,
                  piece_bytes: int, max_work: int, max_response_bytes: int,
-                 prefix_steps: Sequence[int] = (), where: str = "text") -> list[int]:
+                 prefix_steps: Sequence[int] = (), where: str = "text", beams: Sequence[int] = ()) -> list[int]:
     """Refuse a request whose decoder work or response size could exceed the limits, or whose min_length no
     translation of a text could meet, before any compute; return each sentence's work (:func:`sentence_work`;
-    ``prefix_steps``: each text's target prefix steps, which may go past the usual output limit)."""
+    ``prefix_steps``: each text's target prefix steps, which may go past the usual output limit; ``beams``:
+    each text's beam where it differs from the options', as a sentence with glossary terms searches)."""
     steps = list(prefix_steps) or [0] * len(sources)
+    widths = list(beams) or [options.beam_size] * len(sources)
     for i, (ids, n) in enumerate(zip(sources, steps, strict=True)):
         longest = longest_output(len(ids) + 1, options, n)
         if options.controls.min_length >= longest:
@@ -192,7 +195,8 @@ def check_budget(texts: Sequence[str], sources: Sequence[Sequence[int]], options
                 f"min_length {options.controls.min_length} cannot be met for {where} {i}: its translation may have at "
                 f"most {longest - 1} pieces before the end of sentence (twice its {len(ids) + 1} source tokens + 10, "
                 f"and at most max_length); lower min_length")
-    work = [sentence_work(len(ids) + 1, options, n) for ids, n in zip(sources, steps, strict=True)]
+    work = [sentence_work(len(ids) + 1, replace(options, beam_size=b), n)
+            for ids, n, b in zip(sources, steps, widths, strict=True)]
     if sum(work) > max_work:
         raise InvalidArgument(
             f"request too large: up to {sum(work)} decoder row-steps (beam_size x longest allowed output, summed "

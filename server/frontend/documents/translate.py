@@ -18,6 +18,7 @@ from server.frontend.documents.model import ATOM, Atom, Document, Run, Tags, Tex
 from server.frontend.documents.segmenter import Splitting, cut_to_fit, sentence_spans
 from server.frontend.documents.streaming import DocumentStream
 from server.frontend.documents.transfer import SourceSentence, render_run, source_sentence, target_sentence, word_spans
+from server.frontend.glossary import TermCodec
 from server.frontend.translate import Submit, translate_texts
 from server.policy import BatchPolicy, RequestHandle
 from server.text import TextCodec
@@ -99,9 +100,12 @@ async def translate_documents(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, reading: Reading, policy: BatchPolicy | None = None,
     prefix: Sequence[int] = (), max_sentences: int = 1024, stream: DocumentStream | None = None,
+    terms: TermCodec | None = None,
 ) -> list[Translation]:
     """Translate each text as a document (see the module docstring); InvalidArgument for a request of more
-    than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text."""
+    than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text; ``terms``: the
+    request's glossary, matched in each sentence as the model reads it (so never inside untranslated
+    elements, which are not part of it)."""
     limit = reading.max_tokens - len(prefix)
 
     pieces: dict[str, list[int]] = {}  # model text -> its ids, measured while cutting and reused to decode
@@ -130,7 +134,7 @@ async def translate_documents(
     translations = await translate_texts(
         codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
-        document=True, tokenize=tokenize, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
+        document=True, tokenize=tokenize, terms=terms, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
                               for k in range(len(plan.flat))]) if sentences else []
     results, position = [], 0
     for plan in plans:
@@ -192,7 +196,7 @@ def assemble(plan: Plan, translations: Sequence[Translation], words: bool) -> Tr
         source_tokens=[t for s in segments for t in s.translation.source_tokens],
         source_words=[w for s in segments for w in s.translation.source_words],
         hypotheses=[document_hypothesis(text, [s.translation for s in segments])],
-        segments=segments, document=document,
+        segments=segments, document=document, terms=[term for s in segments for term in s.translation.terms],
     )
 
 
@@ -213,5 +217,5 @@ def document_hypothesis(text: str, translations: Sequence[Translation]) -> Hypot
         text=text, tokens=[p for h in best for p in h.tokens], words=[w for h in best for w in h.words],
         token_ids=[i for h in best for i in h.token_ids],
         score=sum(h.score for h in best) / len(best) if best else 0.0,
-        token_scores=[s for h in best for s in h.token_scores],
+        token_scores=[s for h in best for s in h.token_scores], terms_met=all(h.terms_met for h in best),
     )
