@@ -22,6 +22,7 @@ SCRIPTS = {
     "device-memory": "device_memory.py",
     "documents": "documents.py",
     "cache": "cache.py",
+    "glossary": "glossary.py",
 }
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -42,8 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "drift, memory); export: an OPUS-MT-sized import through nmt export and nmt serve (time, memory, "
             "bytes); documents: a text of many sentences in one request against its sentences as texts of their "
             "own, and what reading and putting a document back cost per sentence; cache: a replay of repeated "
-            "strings with the translation cache off, in the serving process and on Redis; device-memory: a version's "
-            "device memory on CUDA (needs a GPU)."
+            "strings with the translation cache off, in the serving process and on Redis; glossary: what 0-3 "
+            "glossary terms per sentence cost in sentences/s, and BLEU with a glossary of the references' month "
+            "names; device-memory: a version's device memory on CUDA (needs a GPU)."
         ),
     )
     p.add_argument("name", choices=sorted(SCRIPTS))

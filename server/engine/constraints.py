@@ -159,35 +159,44 @@ def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndar
             added[r] = NEG_INF
             added[r, token] = keep
     scores = totals[:, None] + added
-    flat = scores.reshape(1, -1)
-    best, _ = top_k(flat, 2 * beam)
+    best, _ = top_k(scores.reshape(1, -1), 2 * beam)
     vocabulary = log_probs.shape[1]
     natural = {(int(i) // vocabulary, int(i) % vocabulary) for i in best[0]}
-    wanted: set[tuple[int, int]] = set()
+    eos_scores = scores[:, eos_id].copy()
+    scores[:, eos_id] = NEG_INF
+    row_best = scores.argmax(axis=1)  # each row's best token but EOS
+    scores[:, eos_id] = eos_scores
+    ending = log_probs.argmax(axis=1) == eos_id
+    wanted: dict[int, set[int]] = {}  # the tokens the search adds for a row (placed)
+    advancing: dict[int, set[int]] = {}  # the tokens that advance one of its terms at all
     for r in range(width):
         if totals[r] == NEG_INF:
             continue
-        ending = int(np.argmax(log_probs[r])) == eos_id
-        placed = None if ending else terms.placed(attention[r] if attention is not None else None)
-        wanted.update((r, t) for t in terms.wanted(states[r], placed))
-        row = scores[r].copy()
-        row[eos_id] = NEG_INF
-        natural.add((r, int(np.argmax(row))))
-    candidates = natural | wanted
-    ranked = sorted((c for c in candidates if scores[c] > NEG_INF), key=lambda c: (-scores[c], c))
+        placed = None if ending[r] else terms.placed(attention[r] if attention is not None else None)
+        advancing[r] = terms.wanted(states[r])
+        wanted[r] = advancing[r] if placed is None or all(placed) else terms.wanted(states[r], placed)
+        natural.add((r, int(row_best[r])))
+    candidates = natural.union((r, t) for r, tokens in wanted.items() for t in tokens)
+    value = {c: float(scores[c]) for c in candidates}
+    ranked = sorted((c for c in candidates if value[c] > NEG_INF), key=lambda c: (-value[c], c))
     finished: list[tuple[int, float, float, bool]] = []
     banks: dict[int, list[tuple[int, int, Progress]]] = {}
     live_before = 0
     for r, t in ranked[: 2 * beam]:  # EOS finishes as in the unconstrained selection: ahead of the beam-th live
         if t == eos_id:
             if live_before < beam:
-                finished.append((r, float(scores[r, t]), float(log_probs[r, t]), True))
+                finished.append((r, value[r, t], float(log_probs[r, t]), True))
         else:
             live_before += 1
     for r, t in ranked:
-        if t != eos_id:
-            p = terms.advance(states[r], t, commit=(r, t) not in natural)
-            banks.setdefault(terms.bank(p), []).append((r, t, p))
+        if t == eos_id:
+            continue
+        state = states[r]
+        if t in advancing[r] or state.committed is not None or state.partial:
+            p = terms.advance(state, t, commit=(r, t) not in natural)
+        else:  # a token no term wants, from a row in no run: nothing changes
+            p = state
+        banks.setdefault(terms.bank(p), []).append((r, t, p))
     dealt: list[tuple[int, int, Progress]] = []
     order = sorted(banks, reverse=True)
     depth = 0
@@ -196,6 +205,6 @@ def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndar
             if depth < len(banks[b]) and len(dealt) < beam:
                 dealt.append(banks[b][depth])
         depth += 1
-    dealt.sort(key=lambda c: (-scores[c[0], c[1]], c[0], c[1]))
-    live = [(r, t, float(log_probs[r, t]), float(scores[r, t]), p) for r, t, p in dealt]
+    dealt.sort(key=lambda c: (-value[c[0], c[1]], c[0], c[1]))
+    live = [(r, t, float(log_probs[r, t]), value[r, t], p) for r, t, p in dealt]
     return ConstrainedChoice(finished, live, live[0][3] if live else NEG_INF)

@@ -1,0 +1,164 @@
+"""Glossary benchmark: what hard terminology constraints cost in speed, and what they do to quality.
+
+    nmt bench glossary --version-dir models/demo-transformer/1
+    python benchmarks/glossary.py --version-dir models/demo-bahdanau/1 --sentences 64 --repeats 3
+
+In this process, on the engine (``Engine.search``, static batches of ``--batch`` sentences), with the server's
+own glossary matching (:mod:`server.frontend.glossary`) and beam widening:
+
+(a) **speed**: dates of the full format ("Tuesday, April 25, 2045") with 0, 1, 2 and 3 terms each (the month,
+    then the weekday, then the year, each with its reference translation as target), beam 4 (a sentence with
+    terms searches ``max(4, 2 x terms + 1)``), against the same sentences without a glossary. Sides alternate
+    ``--repeats`` times; the table gives the median sentences/s and the median ratio (target >= 0.6 at 2 terms).
+(b) **quality**: BLEU on the dates test split (beam 4), without a glossary and with one made of the month
+    names the references use (English month -> German month, only where the reference has one), and how many
+    required terms the outputs hold.
+
+The CPU model and instruction set are printed above the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's packages, run as a script
+
+from bench_common import host  # noqa: E402
+
+from server.controls import Controls  # noqa: E402
+from server.engine.engine import Engine  # noqa: E402
+from server.frontend.glossary import Glossary, TermCodec, constrained_beam  # noqa: E402
+from server.frontend.translate import source_span  # noqa: E402
+from server.types import DecodingOptions, GlossaryEntry, SentenceRequest  # noqa: E402
+
+MONTHS = dict(zip(["January", "February", "March", "April", "May", "June", "July", "August", "September",
+                   "October", "November", "December"],
+                  ["Januar", "Februar", "März", "April", "Mai", "Juni", "Juli", "August", "September", "Oktober",
+                   "November", "Dezember"], strict=True))
+DAYS = dict(zip(["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
+                ["Montag", "Dienstag", "Mittwoch", "Donnerstag", "Freitag", "Samstag", "Sonntag"], strict=True))
+BEAM = 4
+
+
+def requests(engine: Engine, texts: list[str], glossary: Glossary | None,
+             max_beam: int = 8) -> list[SentenceRequest]:
+    """Each text as the server submits it: with its glossary terms as constraints and the widened beam."""
+    options = DecodingOptions(beam_size=BEAM, max_length=64)
+    codec = TermCodec(glossary, engine.tokenizer.encode_target, engine.tokenizer.unk_id,
+                      max_beam) if glossary else None
+    out = []
+    for text in texts:
+        ids = engine.tokenize(text)
+        each = options
+        if codec is not None:
+            found, constraints = codec.constraints(text, "text")
+            if constraints:
+                spans = tuple(source_span(engine.tokenize, text, o.start, o.end, 0, len(ids)) for o in found)
+                each = replace(options, beam_size=constrained_beam(BEAM, len(constraints), max_beam),
+                               controls=Controls(constraints=constraints, constraint_sources=spans))
+        out.append(SentenceRequest(ids, each, text=text))
+    return out
+
+
+def decode(engine: Engine, batch: list[SentenceRequest], size: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    tokens = []
+    for i in range(0, len(batch), size):
+        tokens += [r.hypotheses[0].tokens for r in engine.search(batch[i:i + size])]
+    return time.perf_counter() - start, tokens
+
+
+def full_dates(count: int) -> list[tuple[str, str, str, str]]:
+    """(text, month, weekday, year) of ``count`` dates in the full format."""
+    rng = random.Random(5)
+    out = []
+    for _ in range(count):
+        day, month = rng.choice(list(DAYS)), rng.choice(list(MONTHS))
+        year = str(rng.randint(1900, 2099))
+        out.append((f"{day}, {month} {rng.randint(1, 28)}, {year}", month, day, year))
+    return out
+
+
+def speed(engine: Engine, count: int, repeats: int, batch: int) -> None:
+    dates = full_dates(count)
+    texts = [d[0] for d in dates]
+    print(f"(a) speed: {count} full-format dates, beam {BEAM}, batches of {batch}, {repeats} alternating repeats")
+    print("| terms per sentence | beam searched | sentences/s without | with | ratio | terms held |")
+    print("|---|---|---|---|---|---|")
+    plain = requests(engine, texts, None)
+    for terms in range(4):
+        entries = []
+        for _, month, day, year in dates:
+            chosen = [(month, MONTHS[month]), (day, DAYS[day]), (year, year)][:terms]
+            entries += [GlossaryEntry(s, t) for s, t in chosen]
+        glossary = Glossary(list({e.source: e for e in entries}.values())) if entries else None
+        constrained = requests(engine, texts, glossary)
+        without, with_terms, ratios = [], [], []
+        held = 0
+        for _ in range(repeats):
+            a, _ = decode(engine, plain, batch)
+            b, outputs = decode(engine, constrained, batch)
+            without.append(count / a)
+            with_terms.append(count / b)
+            ratios.append(a / b)
+            held = sum(all(t in engine.tokenizer.decode(o[:-1]) for t in
+                           [MONTHS[m], DAYS[d], y][:terms]) for o, (_, m, d, y) in zip(outputs, dates, strict=True))
+        print(f"| {terms} | {constrained[0].options.beam_size} | {statistics.median(without):.1f} | "
+              f"{statistics.median(with_terms):.1f} | {statistics.median(ratios):.2f} | {held}/{count} |")
+
+
+def quality(engine: Engine, limit: int, batch: int) -> None:
+    import sacrebleu
+
+    from training.data import generate_dates_corpus, split
+
+    test = split(generate_dates_corpus()).test[:limit]
+
+    def months_of(pair) -> list[tuple[str, str]]:  # the month names both sides spell out
+        words = pair.source.replace(",", " ").split()
+        return [(s, t) for s, t in MONTHS.items() if s in words and t in pair.target.split()]
+
+    entries = {GlossaryEntry(s, t) for pair in test for s, t in months_of(pair)}
+    glossary = Glossary(sorted(entries, key=lambda e: e.source))
+    references = [p.target for p in test]
+    texts = [p.source for p in test]
+    rows = []
+    for name, g in (("without", None), ("month-name glossary", glossary)):
+        seconds, outputs = decode(engine, requests(engine, texts, g), batch)
+        hypotheses = [engine.tokenizer.decode(o[:-1]) for o in outputs]
+        bleu = sacrebleu.corpus_bleu(hypotheses, [references]).score
+        needed = [(h, t) for h, p in zip(hypotheses, test, strict=True) for _, t in months_of(p)] if g else []
+        rows.append((name, bleu, len(texts) / seconds, sum(t in h for h, t in needed), len(needed)))
+    print(f"\n(b) quality: the dates test split ({len(test)} pairs), beam {BEAM}; the glossary has "
+          f"{len(glossary.entries)} month names")
+    print("| glossary | BLEU | sentences/s | terms held |")
+    print("|---|---|---|---|")
+    for name, bleu, rate, held, needed in rows:
+        print(f"| {name} | {bleu:.1f} | {rate:.1f} | {f'{held}/{needed}' if needed else '-'} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version-dir", required=True,
+                        help="a model version directory (e.g. models/demo-transformer/1)")
+    parser.add_argument("--sentences", type=int, default=64, help="sentences of the speed table")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="sentences per engine batch")
+    parser.add_argument("--test-limit", type=int, default=1000, help="test pairs of the quality table")
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    args = parser.parse_args()
+    print(f"host: {host()}")
+    engine = Engine.load(args.version_dir, provider="cpu", intra_op_threads=args.threads)
+    print(f"model: {args.version_dir}\n")
+    speed(engine, args.sentences, args.repeats, args.batch)
+    quality(engine, args.test_limit, args.batch)
+
+
+if __name__ == "__main__":
+    main()
