@@ -283,10 +283,11 @@ def format_translation(source: str, translation: Any, *, verbose: bool, attentio
 
 
 def translation_json(source: str, translation: Any) -> dict[str, Any]:
-    """One text's result as a JSON-ready dict; absent scores and attention are left out."""
+    """One text's result as a JSON-ready dict; absent scores and attention (and terms_missed unless set) are left
+    out."""
     hypotheses = []
     for hypothesis in translation.hypotheses:
-        entry = {k: v for k, v in asdict(hypothesis).items() if v is not None}
+        entry = {k: v for k, v in asdict(hypothesis).items() if v is not None and (k != "terms_missed" or v)}
         if "attention" in entry:
             entry["attention"]["alignments"] = [list(pair) for pair in entry["attention"]["alignments"]]
         hypotheses.append(entry)
@@ -294,6 +295,8 @@ def translation_json(source: str, translation: Any) -> dict[str, Any]:
               "source_tokens": translation.source_tokens, "hypotheses": hypotheses}
     if len(translation.segments) > 1:
         result["segments"] = [{"source": list(s.source), "target": list(s.target)} for s in translation.segments]
+    if translation.terms:
+        result["terms"] = [{"source": source_term, "target": target} for source_term, target in translation.terms]
     if translation.word_alignments:
         result["word_alignments"] = [list(pair) for pair in translation.word_alignments]
     if translation.detected_language:

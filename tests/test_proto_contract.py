@@ -24,7 +24,7 @@ from server.protos import PROTO_FILE, SERVICE_NAME, method_types
 PROTO = Path(__file__).resolve().parent.parent / "proto"
 PROTO_LOADER = "0.8.1"  # @grpc/proto-loader, the loader of grpc-js
 METHODS = {"Translate", "TranslateStream", "ListModels", "Score", "TranslateStreaming", "ListLanguages",
-           "DetectLanguage"}
+           "DetectLanguage", "CreateGlossary", "ListGlossaries", "GetGlossary", "DeleteGlossary"}
 LOAD = """
 const loader = require("@grpc/proto-loader");
 const [root, file, service] = process.argv.slice(1);

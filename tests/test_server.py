@@ -288,7 +288,8 @@ def test_reflection_lists_the_services(harness: ServerHarness) -> None:
     pool = DescriptorPool(database)
     service = pool.FindServiceByName(SERVICE_NAME)
     assert [m.name for m in service.methods] == ["Translate", "TranslateStream", "ListModels", "Score",
-                                                  "TranslateStreaming", "ListLanguages", "DetectLanguage"]
+                                                  "TranslateStreaming", "ListLanguages", "DetectLanguage",
+                                                  "CreateGlossary", "ListGlossaries", "GetGlossary", "DeleteGlossary"]
     assert "subword_tokens" in pool.FindMessageTypeByName("translation.v1.Hypothesis").fields_by_name
 
 
