@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.controls import top_k
 from server.engine.step_model import NEG_INF
 
 
@@ -62,7 +61,7 @@ class Terms:
         self.runs = list(runs)
         self.need = list(runs.values())
         self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
-        self.total = sum(n * len(run) for run, n in zip(self.runs, self.need, strict=True))  # tokens to write
+        self._met_tokens: dict[tuple[int, ...], int] = {}  # bank's cache: terms met -> their tokens
 
     def start(self) -> Progress:
         return Progress(tuple(0 for _ in self.runs))
@@ -72,7 +71,10 @@ class Terms:
 
     def bank(self, p: Progress) -> int:
         """Constraint tokens written: the terms met, and the longest run in progress."""
-        met = sum(min(m, n) * len(run) for m, n, run in zip(p.met, self.need, self.runs, strict=True))
+        met = self._met_tokens.get(p.met)
+        if met is None:
+            met = self._met_tokens[p.met] = sum(min(m, n) * len(run)
+                                                for m, n, run in zip(p.met, self.need, self.runs, strict=True))
         return met + max((j for _, j in p.partial), default=0)
 
     def next_token(self, p: Progress) -> int | None:
@@ -159,9 +161,10 @@ def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndar
             added[r] = NEG_INF
             added[r, token] = keep
     scores = totals[:, None] + added
-    best, _ = top_k(scores.reshape(1, -1), 2 * beam)
+    flat = scores.ravel()
+    count = min(2 * beam, flat.size)
     vocabulary = log_probs.shape[1]
-    natural = {(int(i) // vocabulary, int(i) % vocabulary) for i in best[0]}
+    natural = {divmod(int(i), vocabulary) for i in np.argpartition(flat, flat.size - count)[flat.size - count:]}
     eos_scores = scores[:, eos_id].copy()
     scores[:, eos_id] = NEG_INF
     row_best = scores.argmax(axis=1)  # each row's best token but EOS
