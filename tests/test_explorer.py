@@ -42,10 +42,12 @@ def dates_repository(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict
 
 
 @pytest.fixture(scope="module")
-def server(dates_repository: Path) -> Iterator[ServerHarness]:
+def server(dates_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHarness]:
+    glossaries = tmp_path_factory.mktemp("glossaries")
+    (glossaries / "weekdays.en.de.tsv").write_text("Tuesday\tMittwoch\n", encoding="utf-8")
     config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", http_listen="127.0.0.1:0",
                           model_repository=str(dates_repository), default_model=DATES_MODEL, provider="cpu",
-                          intra_op_threads=1).validate()
+                          intra_op_threads=1, glossary_dir=str(glossaries)).validate()
     h = ServerHarness(config, default_loader())
     yield h
     h.close()
@@ -164,6 +166,34 @@ def test_explorer_translates_a_date_and_shows_its_alignment(server: ServerHarnes
     ARTIFACTS.mkdir(exist_ok=True)
     shutil.copy(shot, ARTIFACTS / "explorer.png")
     assert shot.stat().st_size > 10_000
+
+
+def test_explorer_glossary_box_constrains_every_hypothesis_and_marks_the_terms(
+        server: ServerHarness, browser: webdriver.Chrome) -> None:
+    """A stored glossary (offered by its id) and a do-not-translate line: both hypotheses hold "Mittwoch" for
+    "Tuesday" and keep "April", each marked."""
+    browser.get(f"http://127.0.0.1:{server.server.http_port}/")
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#glossary-ids option[value='weekdays']"))
+    browser.find_element(By.CSS_SELECTOR, "details.glossary-box summary").click()
+    browser.find_element(By.ID, "glossary").send_keys("April")
+    browser.find_element(By.ID, "glossary-id").send_keys("weekdays")
+    run_translation(browser, "Tuesday, April 25, 2045", model=DATES_MODEL, beam=4, hypotheses=2)
+    hypotheses = browser.find_elements(By.CSS_SELECTOR, "#results .hypothesis")
+    assert len(hypotheses) == 2
+    for hypothesis in hypotheses:
+        text = hypothesis.find_element(By.CSS_SELECTOR, ".hyp-text").text
+        marks = [m.text for m in hypothesis.find_elements(By.CSS_SELECTOR, ".hyp-text mark.term")]
+        assert "Mittwoch" in text and "April" in text, text
+        assert sorted(set(marks)) == ["April", "Mittwoch"], (text, marks)
+    terms = browser.find_element(By.CSS_SELECTOR, "#results .translation .source:nth-of-type(2)").text
+    assert "Tuesday → Mittwoch" in terms and "April → April" in terms
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    # an unknown stored glossary is the server's NOT_FOUND, shown as the error
+    browser.find_element(By.ID, "glossary-id").send_keys("-gone")
+    browser.find_element(By.ID, "translate").click()
+    wait.until(lambda d: d.find_element(By.ID, "error").is_displayed())
+    assert "NOT_FOUND" in browser.find_element(By.ID, "error").text
 
 
 def test_explorer_with_bahdanau_errors_and_a_narrow_screen(server: ServerHarness, browser: webdriver.Chrome,

@@ -7,18 +7,19 @@ the search returns meets them (where none can within the output limit, see :func
 
 The selection is dynamic beam allocation (Post & Vilar 2018, as fairseq's ``LexicallyConstrainedBeamSearch``):
 the candidates are the sentence's ``2 x beam`` best continuations, every row's tokens that advance an unmet
-term and every row's best token; they are grouped into *banks* by their progress, and the beam's slots are
-dealt out across the banks, the most advanced bank first, each bank's candidates by score. A hypothesis that
-has written more of its terms thus keeps a place beside better-scored ones that have written less, and the
-words around a term are the model's own choice given the term.
+term and every row's best token; they are grouped into *banks* by the constraint tokens written (the terms
+met and the longest run in progress), and the beam's slots are dealt out: the best candidate first, whatever
+its bank, then across the banks, the most advanced bank first, each bank's candidates by score. A hypothesis
+that has written more of its terms thus keeps a place beside better-scored ones that have written less, the
+model's own best translation keeps its place however many banks there are, and the words around a term are
+the model's own choice given the term. EOS finishes a hypothesis that has met its terms when fewer than
+``beam`` live candidates that have met theirs rank above it.
 
-Banks count whole terms: ``2 x terms met``, plus one while a term is being written. A term's token that the
-search takes against the model (a candidate only because it advances a term, not among the model's best)
-commits the hypothesis to that term: its next tokens are the term's until it is written. Counting tokens
-instead (one bank per constraint token, as the paper does) needs a beam wider than the constraint tokens:
-with fewer slots than banks the least advanced banks, where the model's own translation is, get none, and
-what survives is the term written early followed by whatever comes after it. With whole terms a sentence
-needs ``2 x terms + 1`` slots (:func:`server.frontend.glossary.constrained_beam`) whatever the term's length.
+A term's token that the search takes against the model (a candidate only because it advances a term, not
+among the model's best) commits the hypothesis to that term: its next tokens are the term's until it is
+written, and while one hypothesis is committed to a term no other starts it against the model. Without
+commitment the search writes a term's first pieces and drops them; without the one-at-a-time rule, copies of
+the term started at successive steps fill one bank each and crowd out the translation.
 
 Matching is greedy: a term counts when its last token is written (the longest term completed at that token,
 when several are), and its tokens then count for no other term; a run the model wrote on its own may break
@@ -29,19 +30,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from server.engine.step_model import NEG_INF
 
 
-@dataclass(frozen=True)
 class Progress:
-    """One hypothesis' way through its sentence's terms."""
+    """One hypothesis' way through its sentence's terms, made by its :class:`Terms` only. What the selection
+    asks of it at every step is worked out once, when it is made, or cached on it: the rows of a beam share
+    few states, and every row's candidates ask about its state."""
 
-    met: tuple[int, ...]  # per distinct term: its occurrences written
-    partial: tuple[tuple[int, int], ...] = ()  # (term, tokens of it written) of the runs in progress
-    committed: tuple[int, int] | None = None  # (term, tokens written) of the run it must finish
+    __slots__ = ("met", "partial", "committed", "done", "bank", "next_token", "wanted", "_placed", "_after")
+
+    def __init__(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...], committed: tuple[int, int] | None,
+                 done: bool, bank: int, next_token: int | None, wanted: frozenset[int]) -> None:
+        self.met = met  # per distinct term: its occurrences written
+        self.partial = partial  # (term, tokens of it written) of the runs in progress
+        self.committed = committed  # (term, tokens written) of the run it must finish
+        self.done = done  # every term met: EOS may follow
+        self.bank = bank  # constraint tokens written: the terms met, and the longest run in progress
+        self.next_token = next_token  # the one token it may write next, when committed
+        self.wanted = wanted  # the tokens that advance an unmet term
+        self._placed: dict[tuple[int | None, frozenset[int]], frozenset[int]] = {}  # (attention peak, busy
+        # terms) -> the tokens wanted there
+        self._after: dict[tuple[int, bool], Progress] = {}  # (token, commit) -> the progress after it
 
 
 class Terms:
@@ -61,46 +75,65 @@ class Terms:
         self.runs = list(runs)
         self.need = list(runs.values())
         self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
-        self._met_tokens: dict[tuple[int, ...], int] = {}  # bank's cache: terms met -> their tokens
+        self._made: dict[tuple[Any, ...], Progress] = {}
 
     def start(self) -> Progress:
-        return Progress(tuple(0 for _ in self.runs))
+        return self._make(tuple(0 for _ in self.runs), (), None)
+
+    def _make(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...],
+              committed: tuple[int, int] | None) -> Progress:
+        """The one :class:`Progress` of these values (equal states share one, and with it what is cached)."""
+        key = (met, partial, committed)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = self._new(met, partial, committed)
+        return made
+
+    def _new(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...],
+             committed: tuple[int, int] | None) -> Progress:
+        done = all(m >= n for m, n in zip(met, self.need, strict=True))
+        bank = sum(min(m, n) * len(run) for m, n, run in zip(met, self.need, self.runs, strict=True))
+        wanted = frozenset({self.runs[c][j] for c, j in partial}
+                           | {run[0] for run, m, n in zip(self.runs, met, self.need, strict=True) if m < n})
+        return Progress(met, partial, committed, done, bank + max((j for _, j in partial), default=0),
+                        None if committed is None else self.runs[committed[0]][committed[1]], wanted)
 
     def done(self, p: Progress) -> bool:
-        return all(m >= n for m, n in zip(p.met, self.need, strict=True))
+        return p.done
 
-    def bank(self, p: Progress) -> int:
-        """Constraint tokens written: the terms met, and the longest run in progress."""
-        met = self._met_tokens.get(p.met)
-        if met is None:
-            met = self._met_tokens[p.met] = sum(min(m, n) * len(run)
-                                                for m, n, run in zip(p.met, self.need, self.runs, strict=True))
-        return met + max((j for _, j in p.partial), default=0)
-
-    def next_token(self, p: Progress) -> int | None:
-        """The one token a hypothesis committed to a term may write next (None: it is not committed)."""
-        return None if p.committed is None else self.runs[p.committed[0]][p.committed[1]]
-
-    def placed(self, attention: np.ndarray | None) -> list[bool]:
+    def placed(self, peak: int | None) -> list[bool]:
         """Per distinct term: whether the search may start it against the model's choice at a step whose
-        attention over the source (one row's) is ``attention``: where it peaks on one of the term's
-        occurrences in the source; every term without source spans or attention."""
-        if self.sources is None or attention is None:
+        attention over the source peaks at position ``peak``: where that lies in one of the term's occurrences
+        in the source; every term without source spans or attention (``peak`` None)."""
+        if self.sources is None or peak is None:
             return [True] * len(self.runs)
-        peak = int(np.argmax(attention))
         return [any(a <= peak < b for a, b in spans) for spans in self.sources]
 
-    def wanted(self, p: Progress, placed: Sequence[bool] | None = None) -> set[int]:
+    def wanted(self, p: Progress, peak: int | None = None, busy: frozenset[int] = frozenset()) -> frozenset[int]:
         """The tokens that advance an unmet term: the next token of each run in progress, the first of each term
-        (of those ``placed`` allows, when given)."""
-        tokens = {self.runs[c][j] for c, j in p.partial}
-        tokens.update(run[0] for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
-                      if m < n and (placed is None or placed[c]))
+        (of those :meth:`placed` allows at ``peak``, and not ``busy``: terms another hypothesis is committed to)."""
+        if (peak is None or self.sources is None) and not busy:
+            return p.wanted
+        tokens = p._placed.get((peak, busy))
+        if tokens is None:
+            placed = [on and c not in busy for c, on in enumerate(self.placed(peak))]
+            tokens = p._placed[peak, busy] = frozenset(
+                {self.runs[c][j] for c, j in p.partial if c not in busy or p.committed is not None}
+                | {run[0] for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
+                   if m < n and placed[c]})
         return tokens
 
     def advance(self, p: Progress, token: int, commit: bool = False) -> Progress:
         """``p`` after ``token`` (see the module docstring for the rules); ``commit``: the search took ``token``
         because it advances a term, so the hypothesis now writes the longest run it advances to its end."""
+        if token not in p.wanted and p.committed is None:  # it breaks off whatever runs were in progress
+            return self._make(p.met, (), None) if p.partial else p
+        after = p._after.get((token, commit))
+        if after is None:
+            after = p._after[token, commit] = self._advance(p, token, commit)
+        return after
+
+    def _advance(self, p: Progress, token: int, commit: bool) -> Progress:
         open_runs = [(c, j + 1) for c, j in p.partial if self.runs[c][j] == token]
         open_runs += [(c, 1) for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
                       if m < n and run[0] == token and (c, 1) not in open_runs]
@@ -109,13 +142,13 @@ class Terms:
             _, c = max(complete, key=lambda jc: (jc[0], -jc[1]))
             met = list(p.met)
             met[c] += 1
-            return Progress(tuple(met))
+            return self._make(tuple(met), (), None)
         committed = None
         if p.committed is not None:
             committed = (p.committed[0], p.committed[1] + 1)
         elif commit and open_runs:
             committed = max(open_runs, key=lambda cj: (cj[1], -cj[0]))
-        return Progress(p.met, tuple(sorted(open_runs)), committed)
+        return self._make(p.met, tuple(sorted(open_runs)), committed)
 
     def follow(self, tokens: Sequence[int]) -> Progress:
         """The progress after ``tokens`` from the start (a forced pass's tokens)."""
@@ -123,6 +156,19 @@ class Terms:
         for token in tokens:
             p = self.advance(p, int(token))
         return p
+
+
+@dataclass(frozen=True)
+class ConstrainedRows:
+    """One sentence's part of a step: its terms, its rows' progress and where its rows are."""
+
+    terms: Terms
+    states: Sequence[Progress]
+    first: int  # its first row in the step's arrays
+    given: bool  # the step is part of its forced prefix (its token adds nothing to the score)
+    beam: int
+    last: bool  # its last step: only EOS may follow
+    source_length: int
 
 
 @dataclass
@@ -135,72 +181,110 @@ class ConstrainedChoice:
     best_live: float  # the best live candidate's summed score (NEG_INF: none)
 
 
-def select_constrained(terms: Terms, states: Sequence[Progress], totals: np.ndarray, log_probs: np.ndarray,
-                       given: bool, beam: int, eos_id: int, last: bool,
-                       attention: np.ndarray | None = None) -> ConstrainedChoice:
-    """The next hypotheses of one sentence under ``terms``: its rows' ``states`` and summed scores ``totals``
-    [width], the step's distribution ``log_probs`` [width, V] (the controls applied). ``given``: the step is
-    part of a forced prefix (its token adds nothing to the score). ``last``: the sentence's last step, where only
-    EOS may follow: every row ends, and a hypothesis that has not met its terms ends too, flagged (the caller
-    returns such hypotheses only when none met them: a sentence whose terms cannot fit its output limit).
-    ``attention`` [width, source]: the step's attention, which places the terms that have source spans
-    (:meth:`Terms.placed`); a row whose best token is EOS may start any term (it would end otherwise)."""
-    width = len(states)
-    eos = log_probs[:, eos_id]
-    if last:
-        finished = [(r, float(totals[r] + (0.0 if given else eos[r])), float(eos[r]), terms.done(states[r]))
-                    for r in range(width) if totals[r] > NEG_INF and eos[r] > NEG_INF]
-        return ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF)
-    added = np.where(np.isfinite(log_probs), 0.0, NEG_INF) if given else log_probs.copy()
-    done = [terms.done(s) for s in states]
-    added[[r for r in range(width) if not done[r]], eos_id] = NEG_INF  # EOS only once the terms are met
+def select_constrained(sentences: Sequence[ConstrainedRows], totals: np.ndarray, log_probs: np.ndarray,
+                       top_ids: np.ndarray, top_log_probs: np.ndarray, eos_id: int,
+                       attention: np.ndarray | None = None) -> list[ConstrainedChoice]:
+    """The next hypotheses of each sentence under its terms, from the rows' summed scores ``totals`` [R], the
+    step's distribution ``log_probs`` [R, V] (the controls applied) and its best ``top_ids`` [R, k] with their
+    ``top_log_probs``, best first, k at least ``2 x beam + 1``; rows are the sentence's own (local rows
+    0..width-1 in its choice). At a sentence's ``last`` step every row ends, and a hypothesis that has not met
+    its terms ends too, flagged (the caller returns such hypotheses only when none met them: a sentence whose
+    terms cannot fit its output limit). ``attention`` [R, source]: the step's attention, which places the terms
+    that have source spans (:meth:`Terms.placed`); a row whose best token is EOS may start any term (it would
+    end otherwise).
+
+    The sentence's ``2 x beam`` best continuations lie among its rows' best k (with EOS barred, one of them at
+    most drops out), so the whole distribution is only read where a term wants a token: no pass over the
+    vocabulary beyond the model's own top k."""
+    choices = []
+    for s in sentences:
+        rows = slice(s.first, s.first + len(s.states))
+        if s.last:
+            eos = log_probs[rows, eos_id].tolist()
+            t = totals[rows].tolist()
+            finished = [(r, t[r] + (0.0 if s.given else eos[r]), eos[r], state.done)
+                        for r, state in enumerate(s.states) if t[r] > NEG_INF and eos[r] > NEG_INF]
+            choices.append(ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF))
+        else:
+            peaks: list[int | None] = [None] * len(s.states)
+            if attention is not None and s.terms.sources is not None:
+                peaks = attention[rows, : s.source_length].argmax(axis=1).tolist()
+            choices.append(_deal(s, totals[rows].tolist(), log_probs[rows], top_ids[rows].tolist(),
+                                 top_log_probs[rows].tolist(), peaks, eos_id))
+    return choices
+
+
+def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_ids: list[list[int]],
+          top_log_probs: list[list[float]], peaks: list[int | None], eos_id: int) -> ConstrainedChoice:
+    """One sentence's selection: dynamic beam allocation over its banks (see :func:`select_constrained`)."""
+    terms, states, beam, given = s.terms, s.states, s.beam, s.given
+    scored: dict[tuple[int, int], float] = {}  # the model's own candidates (row, token) -> summed score
+    pool: list[tuple[float, int, int]] = []  # the same, by score
+    row_best: list[int] = []
     for r, state in enumerate(states):
-        token = terms.next_token(state)
-        if token is not None:  # committed to a term: its next token only
-            keep = added[r, token]
-            added[r] = NEG_INF
-            added[r, token] = keep
-    scores = totals[:, None] + added
-    flat = scores.ravel()
-    count = min(2 * beam, flat.size)
-    vocabulary = log_probs.shape[1]
-    natural = {divmod(int(i), vocabulary) for i in np.argpartition(flat, flat.size - count)[flat.size - count:]}
-    eos_scores = scores[:, eos_id].copy()
-    scores[:, eos_id] = NEG_INF
-    row_best = scores.argmax(axis=1)  # each row's best token but EOS
-    scores[:, eos_id] = eos_scores
-    ending = log_probs.argmax(axis=1) == eos_id
-    wanted: dict[int, set[int]] = {}  # the tokens the search adds for a row (placed)
-    advancing: dict[int, set[int]] = {}  # the tokens that advance one of its terms at all
-    for r in range(width):
-        if totals[r] == NEG_INF:
+        base = totals[r]
+        if base == NEG_INF:
+            row_best.append(-1)
             continue
-        placed = None if ending[r] else terms.placed(attention[r] if attention is not None else None)
-        advancing[r] = terms.wanted(states[r])
-        wanted[r] = advancing[r] if placed is None or all(placed) else terms.wanted(states[r], placed)
-        natural.add((r, int(row_best[r])))
-    candidates = natural.union((r, t) for r, tokens in wanted.items() for t in tokens)
-    value = {c: float(scores[c]) for c in candidates}
-    ranked = sorted((c for c in candidates if value[c] > NEG_INF), key=lambda c: (-value[c], c))
+        if state.next_token is not None:  # committed to a term: its next token only
+            t = state.next_token
+            lp = float(log_probs[r, t])
+            v = base + (0.0 if given else lp) if lp > NEG_INF else NEG_INF
+            row_best.append(t)
+            scored[r, t] = v
+            pool.append((-v, r, t))
+            continue
+        best = -1
+        for t, lp in zip(top_ids[r], top_log_probs[r], strict=True):
+            if lp == NEG_INF or (t == eos_id and not state.done):  # EOS only once the terms are met
+                continue
+            if best < 0 and t != eos_id:
+                best = t
+            v = base + (0.0 if given else lp)
+            scored[r, t] = v
+            pool.append((-v, r, t))
+        row_best.append(best)
+    pool.sort()
+    value = {(r, t): -v for v, r, t in pool[: 2 * beam]}  # the candidates: the 2 x beam best, each row's best,
+    natural = set(value)  # the tokens that advance a term
+    advancing: list[frozenset[int]] = []  # per row: the tokens that advance one of its terms at all
+    busy = frozenset(state.committed[0] for state, total in zip(states, totals, strict=True)
+                     if state.committed is not None and total > NEG_INF)  # one forced copy of a term at a time
+    for r, state in enumerate(states):
+        if totals[r] == NEG_INF:
+            advancing.append(frozenset())
+            continue
+        advancing.append(state.wanted)
+        if row_best[r] >= 0:
+            natural.add((r, row_best[r]))
+            value[r, row_best[r]] = scored[r, row_best[r]]
+        ending = top_ids[r][0] == eos_id
+        for t in terms.wanted(state, None if ending else peaks[r], busy):
+            if (r, t) not in value and (state.next_token is None or t == state.next_token):
+                lp = float(log_probs[r, t])
+                value[r, t] = totals[r] + (0.0 if given else lp) if lp > NEG_INF else NEG_INF
+    ranked = sorted((c for c, v in value.items() if v > NEG_INF), key=lambda c: (-value[c], c))
     finished: list[tuple[int, float, float, bool]] = []
     banks: dict[int, list[tuple[int, int, Progress]]] = {}
-    live_before = 0
-    for r, t in ranked[: 2 * beam]:  # EOS finishes as in the unconstrained selection: ahead of the beam-th live
-        if t == eos_id:
-            if live_before < beam:
+    leader: int | None = None  # the bank of the best live candidate
+    done_before = 0  # live candidates ranked ahead that have met their terms
+    for i, (r, t) in enumerate(ranked):
+        if t == eos_id:  # EOS finishes as in the unconstrained selection, among the candidates that met the terms
+            if i < 2 * beam and done_before < beam:
                 finished.append((r, value[r, t], float(log_probs[r, t]), True))
-        else:
-            live_before += 1
-    for r, t in ranked:
-        if t == eos_id:
             continue
         state = states[r]
         if t in advancing[r] or state.committed is not None or state.partial:
             p = terms.advance(state, t, commit=(r, t) not in natural)
         else:  # a token no term wants, from a row in no run: nothing changes
             p = state
-        banks.setdefault(terms.bank(p), []).append((r, t, p))
+        banks.setdefault(p.bank, []).append((r, t, p))
+        done_before += p.done
+        if leader is None:
+            leader = p.bank
     dealt: list[tuple[int, int, Progress]] = []
+    if leader is not None:  # the best candidate keeps its place, whatever its bank
+        dealt.append(banks[leader].pop(0))
     order = sorted(banks, reverse=True)
     depth = 0
     while len(dealt) < beam and any(depth < len(banks[b]) for b in order):

@@ -99,7 +99,7 @@ import numpy as np
 from common.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
-from server.engine.constraints import Progress, Terms, select_constrained
+from server.engine.constraints import ConstrainedRows, Progress, Terms, select_constrained
 from server.engine.device_runs import Books, DeviceBeamRun
 from server.engine.host_runs import QuietChoice, quiet_selection
 from server.engine.row_layout import Layout, fill_holes, lay_out
@@ -155,6 +155,7 @@ class _Sentence:
     # (Controls.reshapes_until), the forced prefix and the partial word it ends with
     forced_length: int  # the forced prefix's steps: their tokens add nothing to the score
     penalised: bool  # a repetition penalty: steps after the first need the logits
+    reshaped_until: float = 0.0  # the steps whose distribution its controls change (constraints read it whole)
     step: int = 0  # tokens decoded so far
     joined_at: int = 0  # its step when it joined (> 0 after a forced pass): it holds 1 row until it expands
     finished: list[ScoredSequence] = field(default_factory=list)
@@ -270,7 +271,7 @@ class RunningDecode:
             self._sentences.append(_Sentence(
                 tag, s, s.beam_size, attention, s.limit(), max(s.beam_size, round(s.beam_size * s.patience)),
                 s.controls.rng() if s.controls.samples else None, _full_until(s.controls), len(s.controls.forced),
-                s.controls.repetition_penalty != 1.0))
+                s.controls.repetition_penalty != 1.0, _reshaped_until(s.controls)))
             if s.controls.constraints:
                 added = self._sentences[-1]
                 added.terms = Terms(s.controls.constraints, s.controls.constraint_sources)
@@ -345,6 +346,7 @@ class RunningDecode:
         if layout.lean.size:
             parts.append(self._greedy(layout.lean, layout.starts, row_tokens, row_scores, processed, attention,
                                       prefix, left, kept))
+        constrained: list[int] = []
         for beam, width, group in layout.groups:
             free = group if not layout.constrained else np.array(
                 [j for j in group.tolist() if self._sentences[j].terms is None], dtype=np.int64)
@@ -352,9 +354,10 @@ class RunningDecode:
                 parts.append(self._beam(free, beam, width, layout.starts, row_tokens, row_scores, attention, prefix,
                                         left, kept))
             if free.size < group.size:
-                for j in group.tolist():
-                    if self._sentences[j].terms is not None:
-                        parts.append(self._constrained(j, width, layout.starts, processed, attention, left, kept))
+                constrained += [j for j in group.tolist() if self._sentences[j].terms is not None]
+        if constrained:
+            parts += self._constrained(constrained, layout.starts, processed, row_tokens, row_scores, attention,
+                                       left, kept)
         self._advance(kept, parts, layout, attention)
         self._age += 1
         self._report_stable()
@@ -399,6 +402,8 @@ class RunningDecode:
         if not full:
             return out, None
         sentences = [self._sentences[j] for j in self._row_sentence]
+        if all(s.step >= s.reshaped_until for s in self._sentences):  # read whole, as it is (constraints)
+            return out, out.log_probs
         processed = np.empty(out.log_probs.shape)
         for t in np.unique(steps):  # controls read a row's history and its step: one call per step
             rows = np.flatnonzero(steps == t)
@@ -862,40 +867,48 @@ class RunningDecode:
         step_scores = choice.token_scores[at]
         return new_origin.reshape(-1), new_token.reshape(-1), step_scores.reshape(-1), new_totals.reshape(-1)
 
-    def _constrained(self, j: int, width: int, starts: np.ndarray, processed: np.ndarray, attention: np.ndarray | None,
-                     left: list[tuple[Any, SearchResult | None]], kept: list[int]) -> tuple[np.ndarray, ...]:
-        """The step of sentence ``j``, which has constraints (:func:`server.engine.constraints.select_constrained`
-        on the whole processed distribution of its ``width`` rows), then its books. At its last step a
-        hypothesis without its terms ends too, kept apart: the result holds such hypotheses only when none met
-        them, each flagged (``ScoredSequence.terms_met``)."""
-        s = self._sentences[j]
-        first = int(starts[j])
-        rows = slice(first, first + width)
-        choice = select_constrained(s.terms, s.progress, self._totals[rows], processed[rows],
-                                    s.step < s.forced_length, s.beam, self.eos_id, s.step >= s.limit - 1,
-                                    attention[rows, : s.spec.source_length] if attention is not None else None)
-        for r, total, eos_score, met in choice.finished:
-            hypothesis = self._hypothesis(s, first + r, self.eos_id, eos_score, total, attention)
-            if met:
-                s.finished.append(hypothesis)
+    def _constrained(self, js: list[int], starts: np.ndarray, processed: np.ndarray, row_tokens: np.ndarray,
+                     row_scores: np.ndarray, attention: np.ndarray | None, left: list[tuple[Any, SearchResult | None]],
+                     kept: list[int]) -> list[tuple[np.ndarray, ...]]:
+        """The step of the sentences ``js``, which have constraints
+        (:func:`server.engine.constraints.select_constrained` on the whole processed distribution of their rows),
+        then their books. At its last step a hypothesis
+        without its terms ends too, kept apart: the result holds such hypotheses only when none met them, each
+        flagged (``ScoredSequence.terms_met``)."""
+        sentences = [self._sentences[j] for j in js]
+        choices = select_constrained(
+            [ConstrainedRows(s.terms, s.progress, int(starts[j]), s.step < s.forced_length, s.beam,
+                             s.step >= s.limit - 1, s.spec.source_length) for j, s in zip(js, sentences, strict=True)],
+            self._totals, processed, row_tokens, row_scores, self.eos_id, attention)
+        parts = []
+        for j, s, choice in zip(js, sentences, choices, strict=True):
+            first = int(starts[j])
+            for r, total, eos_score, met in choice.finished:
+                hypothesis = self._hypothesis(s, first + r, self.eos_id, eos_score, total, attention)
+                if met:
+                    s.finished.append(hypothesis)
+                else:
+                    s.unmet.append(replace(hypothesis, terms_met=False))
+            if s.finished:
+                s.finished.sort(key=_score, reverse=True)
+                del s.finished[s.quota:]
+            if s.cancelled():
+                left.append((s.tag, None))
+            elif sentence_done(choice.best_live, s.finished, s.quota, s.step + 1, s.spec.length_penalty):
+                ended = s.finished or sorted(s.unmet, key=_score, reverse=True)
+                left.append((s.tag, SearchResult(ended[: s.spec.num_hypotheses])))
             else:
-                s.unmet.append(replace(hypothesis, terms_met=False))
-        if s.finished:
-            s.finished.sort(key=_score, reverse=True)
-            del s.finished[s.quota:]
-        if s.cancelled():
-            left.append((s.tag, None))
-        elif sentence_done(choice.best_live, s.finished, s.quota, s.step + 1, s.spec.length_penalty):
-            ended = s.finished or sorted(s.unmet, key=_score, reverse=True)
-            left.append((s.tag, SearchResult(ended[: s.spec.num_hypotheses])))
-        else:
-            kept.append(j)
-            live = choice.live + [(0, self.start_id, NEG_INF, NEG_INF, s.terms.start())] * (s.beam - len(choice.live))
-            s.progress = [p for *_, p in live]
-            return (np.array([first + r for r, *_ in live], dtype=np.int64), np.array([t for _, t, *_ in live]),
-                    np.array([c[2] for c in live]), np.array([c[3] for c in live]))
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0), np.zeros(0)
+                kept.append(j)
+                live = choice.live + [(0, self.start_id, NEG_INF, NEG_INF, s.terms.start())] * (
+                    s.beam - len(choice.live))
+                s.progress = [p for *_, p in live]
+                parts.append((np.array([first + r for r, *_ in live], dtype=np.int64),
+                              np.array([t for _, t, *_ in live]), np.array([c[2] for c in live]),
+                              np.array([c[3] for c in live])))
+        if not parts:  # every one left
+            empty = np.zeros(0, dtype=np.int64)
+            parts.append((empty, empty, np.zeros(0), np.zeros(0)))
+        return parts
 
     def _hypothesis(self, s: Any, row: int, token: int, score: float, total: float,
                     attention: np.ndarray | None) -> ScoredSequence:
@@ -911,10 +924,15 @@ class RunningDecode:
 
 
 def _full_until(c: Controls) -> float:
-    """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``): every
-    step under constraints (the tokens that advance them may lie outside the best few)."""
-    if c.constraints:
-        return math.inf
+    """The steps before which a sentence under ``c`` needs the whole distribution (see ``_Sentence``): those
+    :func:`_reshaped_until`, and every step under constraints (the tokens that advance them may lie outside the
+    best few)."""
+    return math.inf if c.constraints else _reshaped_until(c)
+
+
+def _reshaped_until(c: Controls) -> float:
+    """The steps before which ``c`` changes the distribution: its reshaping controls, the forced prefix and the
+    partial word it ends with."""
     return max(c.reshapes_until, len(c.forced),
                c.completion.start + c.completion.steps() if c.completion is not None else 0)
 

@@ -29,7 +29,7 @@ class Layout:
     widths: np.ndarray  # [n] the rows each sentence holds this step
     starts: np.ndarray  # [n] its first row
     limits: np.ndarray  # [R] the step limit of each row's sentence
-    k: int  # the best tokens the model returns for each row
+    k: int  # the best tokens the model returns for each row: 2 x the widest beam, one more under constraints
     attention: bool  # some sentence asks for attention: the attention graph runs
     lean: np.ndarray  # the beam-1 sentences that take the lean arg-max path
     groups: list[tuple[int, int, np.ndarray]]  # (beam, width, sentences) of the others
@@ -72,7 +72,7 @@ def lay_out(sentences: Sequence[Any], row_sentence: np.ndarray, lean_greedy: boo
     bare = not attention and not penalised and not constrained and all(
         s.rng is None and s.spec.on_stable is None for s in sentences)
     return Layout(widths=widths, starts=starts, limits=np.array([s.limit for s in sentences])[row_sentence],
-                  k=2 * int(beams.max()) if (beams > 1).any() or not lean_greedy else 1,
+                  k=2 * int(beams.max()) + constrained if (beams > 1).any() or not lean_greedy else 1,
                   attention=attention, lean=np.flatnonzero(lean), groups=groups,
                   settled=bool(expanded.all()), room=min(s.limit - 1 - s.step for s in sentences),
                   full_for=max(s.full_until - s.step for s in sentences),

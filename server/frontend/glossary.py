@@ -134,7 +134,7 @@ class TermCodec:
 
 def constrained_beam(beam: int, terms: int, max_beam: int) -> int:
     """The beam a sentence with ``terms`` constrained occurrences searches: the request's, widened to
-    ``2 x terms + 1`` (a slot for each of the search's banks: every count of terms written, and each term
-    being written; :mod:`server.engine.constraints`) and at most ``max_beam``; a greedy request with one term
-    thus searches a beam of 3."""
+    ``2 x terms + 1`` (room for the model's best translation, a hypothesis writing each term and one past
+    each; :mod:`server.engine.constraints`) and at most ``max_beam``; a greedy request with one term thus
+    searches a beam of 3."""
     return max(beam, min(2 * terms + 1, max_beam), 2)

@@ -176,6 +176,7 @@ async function translate(event) {
       returnAttention: true, returnScores: true },
   };
   if (format) request.textFormat = format;
+  Object.assign(request, glossaryFields($("glossary").value, $("glossary-id").value.trim()));
   if ($("pair").value) {  // the server chooses the model of the pair
     const [source, target] = $("pair").value.split("|");
     Object.assign(request, { sourceLanguage: source, targetLanguage: target, model: "", modelVersion: "" });
@@ -196,6 +197,39 @@ async function translate(event) {
   } finally {
     $("translate").disabled = false;
   }
+}
+
+// The glossary box as request fields: "source = target" lines as inline entries, lone terms kept as they are.
+function glossaryFields(text, id) {
+  const glossary = [], doNotTranslate = [];
+  for (const line of text.split("\n").map((l) => l.trim()).filter((l) => l)) {
+    const at = line.indexOf("=");
+    if (at < 0) doNotTranslate.push(line);
+    else glossary.push({ source: line.slice(0, at).trim(), target: line.slice(at + 1).trim() });
+  }
+  const fields = {};
+  if (glossary.length) fields.glossary = glossary;
+  if (doNotTranslate.length) fields.doNotTranslate = doNotTranslate;
+  if (id) fields.glossaryId = id;
+  return fields;
+}
+
+// The stored glossaries' ids as suggestions (none where the store is off or the token may not list them).
+async function loadGlossaries() {
+  try {
+    const response = await call("GET", "v1/glossaries");
+    $("glossary-ids").replaceChildren(...(response.glossaries || []).map((g) => el("option", { value: g.glossaryId },
+      `${g.sourceLanguage} → ${g.targetLanguage}`)));
+  } catch (_) { /* no store: the box takes inline terms only */ }
+}
+
+// ``text`` as nodes, each occurrence of a term's target in <mark class="term">.
+function marked(text, terms) {
+  const targets = [...new Set((terms || []).map((t) => t.target).filter((t) => t))].sort((a, b) => b.length - a.length);
+  if (!targets.length) return [document.createTextNode(text)];
+  const escaped = targets.map((t) => t.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
+  return text.split(new RegExp(`(${escaped.join("|")})`)).filter((part) => part).map((part) =>
+    targets.includes(part) ? el("mark", { class: "term", title: "glossary term" }, part) : document.createTextNode(part));
 }
 
 // Every sentence streamed at once, each in a section of its own; the responses joined as one.
@@ -219,8 +253,12 @@ function render(response, texts) {
     const section = el("section", { class: "translation" });
     section.append(el("h2", {}, texts[i] || ""));
     section.append(el("div", { class: "source" }, `source words: ${translation.sourceTokens.join(" · ")}`));
+    if ((translation.terms || []).length) {
+      section.append(el("div", { class: "source" }, "glossary terms: " +
+        translation.terms.map((t) => `${t.source} → ${t.target}`).join(" · ")));
+    }
     translation.hypotheses.forEach((hypothesis, rank) => {
-      section.append(renderHypothesis(hypothesis, rank, translation.sourceTokens));
+      section.append(renderHypothesis(hypothesis, rank, translation.sourceTokens, translation.terms));
     });
     results.append(section);
   });
@@ -299,11 +337,15 @@ function renderDocument(translation, source, format) {
   results.append(section);
 }
 
-function renderHypothesis(hypothesis, rank, source) {
+function renderHypothesis(hypothesis, rank, source, terms) {
   const box = el("article", { class: "hypothesis", "aria-label": `hypothesis ${rank + 1}` });
   const title = el("h3", {});
-  title.append(el("span", { class: "hyp-text" }, hypothesis.text));
+  title.append(el("span", { class: "hyp-text" }));
+  title.lastChild.append(...marked(hypothesis.text, terms));
   title.append(el("span", { class: "score" }, `#${rank + 1} · score ${Number(hypothesis.score).toFixed(4)}`));
+  if (hypothesis.termsMissed) {
+    title.append(el("span", { class: "missed" }, "the glossary's terms did not fit the length limit"));
+  }
   box.append(title);
   const attention = hypothesis.attention;
   if (!attention || !attention.targetLength) {
@@ -417,3 +459,4 @@ $("texts").addEventListener("keydown", (event) => {
 });
 loadModels();
 loadLanguages();
+loadGlossaries();
