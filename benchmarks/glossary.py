@@ -13,6 +13,10 @@ own glossary matching (:mod:`server.frontend.glossary`) and beam widening:
 (b) **quality**: BLEU on the dates test split (beam 4), without a glossary and with one made of the month
     names the references use (English month -> German month, only where the reference has one), and how many
     required terms the outputs hold.
+(c) with ``--random-sizes SMALL BASE``: the same speed table on random-weight Transformers of
+    ``engine_throughput.py``'s shapes (20 source tokens, 24 output tokens each, EOS never chosen, terms of
+    two random pieces placed on random source spans): what the search's own work costs beside a larger model
+    step. The dates models' steps are a fraction of a millisecond, so (a) shows the selection at its worst.
 
 The CPU model and instruction set are printed above the tables.
 """
@@ -143,6 +147,45 @@ def quality(engine: Engine, limit: int, batch: int) -> None:
         print(f"| {name} | {bleu:.1f} | {rate:.1f} | {f'{held}/{needed}' if needed else '-'} |")
 
 
+def random_speed(size: str, count: int, repeats: int, batch: int, threads: int) -> None:
+    """(c): ``size``'s random-weight Transformer, token-id terms (see the module docstring)."""
+    import tempfile
+
+    import engine_throughput as bench
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as work:
+        version, _ = bench.export_project(bench.marian_model(size), Path(work), None)
+        engine = Engine.load(version, provider="cpu", intra_op_threads=threads)
+        vocabulary = bench.SIZES[size]["vocab"]
+        rng = np.random.default_rng(3)
+        sources = bench.sources(count, vocabulary)
+        options = DecodingOptions(beam_size=BEAM, max_length=bench.OUTPUT_TOKENS)
+        plain = [SentenceRequest(ids, options) for ids in sources]
+        print(f"\n(c) {size} random weights: {count} sentences of {bench.SOURCE_TOKENS} tokens, "
+              f"{bench.OUTPUT_TOKENS} output tokens, beam {BEAM}, batches of {batch}, {repeats} alternating repeats")
+        print("| terms per sentence | beam searched | sentences/s without | with | ratio |")
+        print("|---|---|---|---|---|")
+        for terms in range(4):
+            constrained = []
+            for ids in sources:
+                runs = tuple(tuple(int(t) for t in rng.integers(2, vocabulary - 1, 2)) for _ in range(terms))
+                starts = rng.integers(0, len(ids) - 2, terms)
+                spans = tuple((int(a), int(a) + 2) for a in starts)
+                constrained.append(SentenceRequest(ids, replace(
+                    options, beam_size=constrained_beam(BEAM, terms, 8) if terms else BEAM,
+                    controls=Controls(constraints=runs, constraint_sources=spans))))
+            without, with_terms, ratios = [], [], []
+            for _ in range(repeats):
+                a, _ = decode(engine, plain, batch)
+                b, _ = decode(engine, constrained, batch)
+                without.append(count / a)
+                with_terms.append(count / b)
+                ratios.append(a / b)
+            print(f"| {terms} | {constrained[0].options.beam_size} | {statistics.median(without):.1f} | "
+                  f"{statistics.median(with_terms):.1f} | {statistics.median(ratios):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version-dir", required=True,
@@ -152,12 +195,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sentences per engine batch")
     parser.add_argument("--test-limit", type=int, default=1000, help="test pairs of the quality table")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--random-sizes", nargs="*", default=[], choices=["SMALL", "BASE"],
+                        help="also the speed table on random-weight Transformers of these shapes (needs torch)")
     args = parser.parse_args()
     print(f"host: {host()}")
     engine = Engine.load(args.version_dir, provider="cpu", intra_op_threads=args.threads)
     print(f"model: {args.version_dir}\n")
     speed(engine, args.sentences, args.repeats, args.batch)
     quality(engine, args.test_limit, args.batch)
+    for size in args.random_sizes:
+        random_speed(size, args.sentences, args.repeats, args.batch, args.threads)
 
 
 if __name__ == "__main__":

@@ -246,3 +246,28 @@ def test_random_terms_on_the_tiny_models_are_met_and_the_rest_untouched(tiny_mod
             for i, (a, b) in enumerate(zip(joined, static, strict=True)):
                 assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses], (arch, i)
                 assert [h.score for h in a.hypotheses] == pytest.approx([h.score for h in b.hypotheses], abs=1e-5)
+
+
+def test_the_glossary_benchmark_prints_its_tables_with_every_term_held(dates_models, capsys):
+    """``nmt bench glossary``'s tables on a few sentences of the session's dates Transformer: every row holds
+    all its terms, and BLEU with the month glossary is no lower than without."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import glossary as bench
+
+    from server.engine.engine import Engine
+
+    engine = Engine.load(dates_models["transformer"], provider="cpu", intra_op_threads=1)
+    bench.speed(engine, 6, 1, 3)
+    bench.quality(engine, 40, 8)
+    out = capsys.readouterr().out
+    speed_rows = [line.split(" | ") for line in out.splitlines() if line[:4] in ("| 0 ", "| 1 ", "| 2 ", "| 3 ")]
+    assert [row[0] for row in speed_rows] == ["| 0", "| 1", "| 2", "| 3"]
+    assert all(row[-1] == "6/6 |" for row in speed_rows), out
+    without, with_glossary = (line.split(" | ") for line in out.splitlines()
+                              if line.startswith(("| without", "| month-name")))
+    held, needed = with_glossary[3].rstrip(" |").split("/")
+    assert held == needed and int(needed) > 0, out
+    assert float(with_glossary[1]) >= float(without[1]), out

@@ -402,8 +402,9 @@ class RunningDecode:
         if not full:
             return out, None
         sentences = [self._sentences[j] for j in self._row_sentence]
-        if all(s.step >= s.reshaped_until for s in self._sentences):  # read whole, as it is (constraints)
-            return out, out.log_probs
+        if out.top_ids.shape[1] >= min(k, out.log_probs.shape[1]) and all(
+                s.step >= s.reshaped_until for s in self._sentences):
+            return out, out.log_probs  # the model's own top k, and nothing changes it (constraints read it whole)
         processed = np.empty(out.log_probs.shape)
         for t in np.unique(steps):  # controls read a row's history and its step: one call per step
             rows = np.flatnonzero(steps == t)
