@@ -93,6 +93,21 @@ def test_sentences_without_a_term_decode_exactly_as_without_a_glossary(server):
     assert "Ostermond" in glossed.translations[1].hypotheses[0].text
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_stream_with_a_glossary_joins_to_what_translate_returns(server, beam):
+    """TranslateStreaming under a glossary: the words come as the beams agree on them (the term among them),
+    and the deltas join to Translate's best hypothesis, which holds the term; a greedy request searches the
+    widened beam in both."""
+    request = pb2.TranslateRequest(texts=["Tuesday, April 25, 2045"], model=TRANSFORMER,
+                                   options=pb2.DecodingOptions(beam_size=beam), do_not_translate=["Tuesday"])
+    deltas = list(server.stub.TranslateStreaming(request, timeout=120))
+    best = server.stub.Translate(request, timeout=120).translations[0].hypotheses[0]
+    assert "Tuesday" in best.text and not best.terms_missed
+    assert "".join(d.text for d in deltas) == best.text
+    assert [p for d in deltas for p in d.subword_tokens] == list(best.subword_tokens)
+    assert deltas[-1].final.translations[0].terms[0].target == "Tuesday"
+
+
 def test_a_document_of_several_sentences_constrains_only_the_sentences_holding_terms(server):
     text = "Tuesday, April 25, 2045. Monday, May 1, 2046."
     plain = translate(server, [text], beam=1)
