@@ -93,10 +93,16 @@ class Terms:
              committed: tuple[int, int] | None) -> Progress:
         done = all(m >= n for m, n in zip(met, self.need, strict=True))
         bank = sum(min(m, n) * len(run) for m, n, run in zip(met, self.need, self.runs, strict=True))
-        wanted = frozenset({self.runs[c][j] for c, j in partial}
-                           | {run[0] for run, m, n in zip(self.runs, met, self.need, strict=True) if m < n})
         return Progress(met, partial, committed, done, bank + max((j for _, j in partial), default=0),
-                        None if committed is None else self.runs[committed[0]][committed[1]], wanted)
+                        None if committed is None else self.runs[committed[0]][committed[1]],
+                        self._tokens(met, partial, [True] * len(self.runs)))
+
+    def _tokens(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...],
+                startable: Sequence[bool]) -> frozenset[int]:
+        """The next token of each run in ``partial``, the first of each unmet term that is ``startable``."""
+        return frozenset({self.runs[c][j] for c, j in partial}
+                         | {run[0] for run, m, n, on in zip(self.runs, met, self.need, startable, strict=True)
+                            if m < n and on})
 
     def done(self, p: Progress) -> bool:
         return p.done
@@ -116,11 +122,9 @@ class Terms:
             return p.wanted
         tokens = p._placed.get((peak, busy))
         if tokens is None:
-            placed = [on and c not in busy for c, on in enumerate(self.placed(peak))]
-            tokens = p._placed[peak, busy] = frozenset(
-                {self.runs[c][j] for c, j in p.partial if c not in busy or p.committed is not None}
-                | {run[0] for c, (run, m, n) in enumerate(zip(self.runs, p.met, self.need, strict=True))
-                   if m < n and placed[c]})
+            partial = p.partial if p.committed is not None else tuple((c, j) for c, j in p.partial if c not in busy)
+            tokens = p._placed[peak, busy] = self._tokens(
+                p.met, partial, [on and c not in busy for c, on in enumerate(self.placed(peak))])
         return tokens
 
     def advance(self, p: Progress, token: int, commit: bool = False) -> Progress:

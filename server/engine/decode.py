@@ -401,10 +401,10 @@ class RunningDecode:
                                   **({"full": True} if full else {}), **({"logits": True} if logits else {}))
         if not full:
             return out, None
-        sentences = [self._sentences[j] for j in self._row_sentence]
         if out.top_ids.shape[1] >= min(k, out.log_probs.shape[1]) and all(
                 s.step >= s.reshaped_until for s in self._sentences):
             return out, out.log_probs  # the model's own top k, and nothing changes it (constraints read it whole)
+        sentences = [self._sentences[j] for j in self._row_sentence]
         processed = np.empty(out.log_probs.shape)
         for t in np.unique(steps):  # controls read a row's history and its step: one call per step
             rows = np.flatnonzero(steps == t)
@@ -872,10 +872,9 @@ class RunningDecode:
                      row_scores: np.ndarray, attention: np.ndarray | None, left: list[tuple[Any, SearchResult | None]],
                      kept: list[int]) -> list[tuple[np.ndarray, ...]]:
         """The step of the sentences ``js``, which have constraints
-        (:func:`server.engine.constraints.select_constrained` on the whole processed distribution of their rows),
-        then their books. At its last step a hypothesis
-        without its terms ends too, kept apart: the result holds such hypotheses only when none met them, each
-        flagged (``ScoredSequence.terms_met``)."""
+        (:func:`server.engine.constraints.select_constrained` on their rows' top k and processed distribution),
+        then their books. At its last step a hypothesis without its terms ends too, kept apart: the result holds
+        such hypotheses only when none met them, each flagged (``ScoredSequence.terms_met``)."""
         sentences = [self._sentences[j] for j in js]
         choices = select_constrained(
             [ConstrainedRows(s.terms, s.progress, int(starts[j]), s.step < s.forced_length, s.beam,
