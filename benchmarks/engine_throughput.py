@@ -161,7 +161,7 @@ def export_project(model, work: Path, quantize: str | None, precision: str = "fp
     from export.options import ExportOptions
     from export.pipeline import export_model
     from training.models.checkpoint import build_model, save_checkpoint
-    from training.models.transformer import marian_state_dict
+    from training.models.transformer import hf_state_dict
 
     c = model.config
     ours = build_model(
@@ -170,7 +170,7 @@ def export_project(model, work: Path, quantize: str | None, precision: str = "fp
         activation="swish", dropout=0.0, max_positions=256, pad_id=c.vocab_size - 1, eos_id=EOS, bos_id=EOS,
         decoder_start_id=c.vocab_size - 1,
     ).eval()
-    ours.load_state_dict(marian_state_dict(model.state_dict()))
+    ours.load_state_dict(hf_state_dict(model.state_dict()))
     run = work / "run"
     run.mkdir(exist_ok=True)
     save_checkpoint(run / BEST_CHECKPOINT, ours)

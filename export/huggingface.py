@@ -27,7 +27,7 @@ from training.models.transformer import (
     ACTIVATIONS,
     Transformer,
     TransformerConfig,
-    marian_state_dict,
+    hf_state_dict,
     sinusoidal_positions,
 )
 
@@ -68,8 +68,8 @@ def read_config(directory: Path) -> dict[str, Any]:
 def transformer_config(config: dict[str, Any], where: str) -> TransformerConfig:
     """The :class:`TransformerConfig` of a Marian ``config.json``; an unsupported field raises, named."""
     if config.get("model_type") != "marian":
-        raise NmtError(f"{where}: model_type {config.get('model_type')!r} is not supported; only Hugging Face "
-                       "Marian (model_type 'marian', the OPUS-MT models) imports")
+        raise NmtError(f"{where}: model_type {config.get('model_type')!r} is not supported; Hugging Face Marian "
+                       "(marian: the OPUS-MT models), M2M-100 and NLLB-200 (m2m_100) and mBART-50 (mbart) import")
     for name, supported in FIXED_FIELDS.items():
         if name in config and config[name] != supported:
             raise NmtError(f"{where}: {name}={json.dumps(config[name])} is not supported "
@@ -132,7 +132,7 @@ def load_marian(directory: str | Path) -> MarianImport:
         raise NmtError(f"{directory / MARIAN_VOCAB} has {tokenizer.vocab_size} ids but {where} says "
                        f"vocab_size={cfg.vocab_size}")
     weights = load_weights(directory)
-    state = marian_state_dict(weights)
+    state = hf_state_dict(weights)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [name for name in missing if not (name == "lm_head.weight" and cfg.tie_embeddings)]
     if missing or unexpected:
@@ -167,18 +167,22 @@ def _suppressed_ids(bad_words_ids: Any, where: str) -> list[int]:
 def compare_with_transformers(model: Transformer, directory: Path, sources: list[list[int]],
                               targets: list[list[int]], suppressed: list[int],
                               state: dict[str, torch.Tensor] | None = None) -> float:
-    """Max |logit difference| between ``model`` and ``MarianMTModel`` loading ``directory``, teacher forced on
-    ``sources`` (EOS included) and ``targets`` (logits of suppressed ids left out). With ``state`` (the
-    directory's weights under its own names, already loaded: :attr:`MarianImport.state`), ``MarianMTModel``
-    takes those tensors with the directory's ``config.json`` instead of reading the files again: the check
+    """Max |logit difference| between ``model`` and transformers' own class of ``directory``'s ``model_type``
+    (``MarianMTModel``, ``M2M100ForConditionalGeneration``, ``MBartForConditionalGeneration``) loading it,
+    teacher forced on ``sources`` (EOS included) and ``targets`` (logits of suppressed ids left out). With
+    ``state`` (the directory's weights under its own names, already loaded: :attr:`MarianImport.state`), the
+    class takes those tensors with the directory's ``config.json`` instead of reading the files again: the check
     costs no second copy of the weights, and transformers still maps every name itself."""
-    from transformers import MarianConfig, MarianMTModel
+    import transformers
 
+    config = transformers.AutoConfig.from_pretrained(directory)
+    classes = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration",
+               "mbart": "MBartForConditionalGeneration"}
+    cls = getattr(transformers, classes[config.model_type])
     if state is None:
-        reference = MarianMTModel.from_pretrained(directory)
+        reference = cls.from_pretrained(directory)
     else:
-        config = MarianConfig.from_pretrained(directory)
-        reference = MarianMTModel.from_pretrained(None, config=config, state_dict=state)
+        reference = cls.from_pretrained(None, config=config, state_dict=state)
     reference = reference.float().eval()
     cfg = model.config
     worst = 0.0

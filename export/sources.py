@@ -20,7 +20,8 @@ import torch
 from common.errors import NmtError
 from common.model_format.layout import BEST_CHECKPOINT, SUMMARY_FILE, TEST_SPLIT_FILE, TOKENIZER_FILE
 from common.model_format.tokenizer import AnyTokenizer, Tokenizer
-from export.huggingface import load_marian
+from export.hf_multilingual import FAMILIES, load_multilingual
+from export.huggingface import load_marian, read_config
 from export.options import ExportOptions, source_format
 from training.data import load_tsv
 from training.models.checkpoint import load_checkpoint
@@ -88,13 +89,16 @@ def load_inputs(options: ExportOptions) -> ExportInputs:
     return SOURCE_LOADERS[source_format(options)](options)
 
 
-def _load_marian(options: ExportOptions) -> ExportInputs:
+def _load_huggingface(options: ExportOptions) -> ExportInputs:
+    """A Hugging Face directory: Marian (OPUS-MT), or M2M-100/NLLB-200 or mBART-50 (:mod:`export.hf_multilingual`),
+    by its ``model_type``."""
     directory = Path(options.checkpoint)
     if not directory.is_dir():
         raise NmtError(f"Hugging Face model directory not found: {directory}")
-    marian = load_marian(directory)
+    many = read_config(directory).get("model_type") in FAMILIES
+    marian = load_multilingual(directory) if many else load_marian(directory)
     if options.reduced_precision:
-        raise NmtError(f"{options.reduced_precision} export scores held-out BLEU, which a Marian directory "
+        raise NmtError(f"{options.reduced_precision} export scores held-out BLEU, which a Hugging Face directory "
                        "does not carry; export it in fp32")
     return ExportInputs(directory / "config.json", directory, marian.model, {}, marian.tokenizer, {}, [],
                         defaults=marian.defaults, origin=marian.origin, source_state=marian.state)
@@ -130,7 +134,7 @@ def _load_checkpoint(options: ExportOptions) -> ExportInputs:
     return ExportInputs(checkpoint, run_dir, model, payload, tokenizer, summary, pairs)
 
 
-SOURCE_LOADERS = {"checkpoint": _load_checkpoint, "huggingface": _load_marian}  # keys: ExportOptions --from
+SOURCE_LOADERS = {"checkpoint": _load_checkpoint, "huggingface": _load_huggingface}  # keys: ExportOptions --from
 
 
 def parity_pairs(inputs: ExportInputs, count: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -142,7 +146,8 @@ def parity_pairs(inputs: ExportInputs, count: int) -> tuple[list[list[int]], lis
         targets = inputs.tokenizer.encode_batch([t for _, t in chosen])
         return sources, targets
     generator = torch.Generator().manual_seed(0)
-    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, inputs.tokenizer.unk_id, *inputs.origin.get("suppressed_ids", [])}
+    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id, inputs.tokenizer.unk_id, *inputs.origin.get("suppressed_ids", []),
+               *inputs.origin.get("languages", {}).values()}
     ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
     sources, targets = [], []
     for _ in range(count):

@@ -3,7 +3,7 @@
 (``python -m export.stages REQUEST REPLY``, :func:`main`), so that no group's memory stays behind for the
 next (see :mod:`export.pipeline`):
 
-- :func:`check_source`: an imported Marian model against ``transformers.MarianMTModel`` itself;
+- :func:`check_source`: an imported Hugging Face model against transformers' own class of it;
 - :func:`trace`: load the source, PyTorch's reference outputs (kept on disk), the graphs traced and edited,
   the fp32 version written without its parity figures;
 - :func:`verify`: the fp32 version loaded by the serving engine and checked against the reference, then the
@@ -63,8 +63,8 @@ Stage = Callable[[str], None]
 
 
 def check_source(options: ExportOptions, stage: Stage) -> float:
-    """Max |logit difference| of the imported Marian model (as this project loads it) and
-    ``transformers.MarianMTModel`` loading the same directory, teacher forced on the parity sentences (logits
+    """Max |logit difference| of the imported Hugging Face model (as this project loads it) and
+    transformers' class of it loading the same directory, teacher forced on the parity sentences (logits
     of suppressed ids left out); raises beyond the parity tolerance."""
     stage("check against transformers")
     with torch_threads(options.threads):
@@ -73,7 +73,7 @@ def check_source(options: ExportOptions, stage: Stage) -> float:
         diff = compare_with_transformers(inputs.model, inputs.run_dir, sources, targets,
                                          inputs.origin.get("suppressed_ids", []), inputs.source_state)
     if diff > options.parity_tolerance:
-        raise NmtError(f"the imported model's logits differ from transformers.MarianMTModel's by {diff:.2e} "
+        raise NmtError(f"the imported model's logits differ from transformers' by {diff:.2e} "
                        f"(tolerance {options.parity_tolerance:g}): config.json holds something the import misreads")
     return diff
 
@@ -238,8 +238,7 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
         name=options.name,
         version=version,
         architecture=inputs.arch,
-        source_language=options.source_language,
-        target_language=options.target_language,
+        **_languages(options, inputs),
         vocab_size=cfg.vocab_size,
         dimensions=dataclasses.asdict(cfg),
         special_ids={"pad": cfg.pad_id, "unk": inputs.tokenizer.unk_id, "bos": cfg.bos_id, "eos": cfg.eos_id,
@@ -254,7 +253,6 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
         decoder_positions=graph_set.decoder_positions,
         tokenizer=TOKENIZER_FILE,
         tokenizer_type=inputs.tokenizer.kind,
-        target_languages=inputs.tokenizer.target_languages,
         origin=inputs.origin,
         attention_blocks={"fused": graph_set.attention_fused, "total": graph_set.attention_total},
         training=training_info(inputs),
@@ -263,6 +261,21 @@ def _write_version(directory: Path, options: ExportOptions, inputs: ExportInputs
     )
     write_manifest(manifest, directory)
     return manifest
+
+
+def _languages(options: ExportOptions, inputs: ExportInputs) -> dict[str, Any]:
+    """The manifest's language fields: the flags' pair; for a many-to-many import every code of its tokenizer, as
+    source and as target (its default source: the flag's if it is one of them, else the tokenizer's own; its
+    default target: the flag's, else the first other code)."""
+    tokens = inputs.origin.get("languages")
+    if not tokens:
+        return {"source_language": options.source_language, "target_language": options.target_language,
+                "target_languages": inputs.tokenizer.target_languages}
+    codes = sorted(tokens, key=tokens.get)
+    source = options.source_language if options.source_language in tokens else inputs.origin["default_source"]
+    target = options.target_language if options.target_language in tokens else next(c for c in codes if c != source)
+    return {"source_language": source, "target_language": target, "target_languages": codes,
+            "source_languages": codes, "language_tokens": dict(tokens), "target_language_token": "decoder"}
 
 
 def _fp16_io(manifest: Manifest, fp32_dir: Path) -> set[str]:

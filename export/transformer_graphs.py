@@ -97,8 +97,8 @@ class StepGraph(nn.Module):
         cross, past = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
         # Transformer.embed at each row's own position (one Gather of the table); the query length stays
         # a literal 1, which the attention fusion rules need.
-        position = nn.functional.embedding(positions[:, None], model.positions)
-        x = model.shared(input_ids[:, None]) * model.embed_scale + position
+        position = nn.functional.embedding(positions[:, None], model.position_rows(model.decoder))
+        x = model.embed_with(model.decoder, input_ids[:, None], position)
         mask = (src_mask != 0)[:, None, None, :]
         alignment_layer = model.config.alignment_layer % len(layers)
         presents: list[Tensor] = []
@@ -110,7 +110,7 @@ class StepGraph(nn.Module):
             )
             presents += [key, value]
             attention = weights if need else attention
-        logits = model.lm_head(x[:, 0]) + model.final_logits_bias
+        logits = model.lm_head(model.decoder.finished(x[:, 0])) + model.final_logits_bias
         outputs = (logits.log_softmax(-1), *presents)
         return outputs + (attention[:, 0],) if attention is not None else outputs
 
@@ -126,7 +126,7 @@ class ForcedGraph(nn.Module):
         model = self.model
         layers = model.decoder.layers
         length = input_ids.shape[1]
-        x = model.shared(input_ids) * model.embed_scale + model.positions[:length]
+        x = model.embed(input_ids, 0, model.decoder)
         mask = (src_mask != 0)[:, None, None, :]
         positions = torch.arange(length, device=input_ids.device)
         causal = positions[:, None] >= positions[None, :]
@@ -142,7 +142,7 @@ class ForcedGraph(nn.Module):
             attention = weights if weights is not None else attention
         # the positions as rows of one 2-D product: Gemm(x, W, transB=1) reads the projection as stored (a
         # 3-D one traces MatMul(x, Wᵀ) with a transposed copy of W, as large as the vocabulary's embedding)
-        flat = model.lm_head(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], length, -1)
+        flat = model.lm_head(model.decoder.finished(x).reshape(-1, x.shape[-1])).reshape(x.shape[0], length, -1)
         log_probs = (flat + model.final_logits_bias).log_softmax(-1)
         target = log_probs.gather(2, target_ids[:, :, None])[:, :, 0]
         return (target, log_probs[:, -1], attention, *presents)

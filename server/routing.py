@@ -1,7 +1,8 @@
 """Requests by language pair: which served model translates ``source -> target``.
 
-The pairs come from each model's newest version's manifest: ``source_language`` to ``target_language``, and
-for a multilingual model one pair per code of ``target_languages``. Codes compare case-insensitively, and a
+The pairs come from each model's newest version's manifest: ``source_language`` to ``target_language``, for a
+multilingual model one pair per code of ``target_languages``, and for a many-to-many one (``source_languages``:
+M2M-100, NLLB-200, mBART-50) every pair of two different codes. Codes compare case-insensitively, and a
 code the service does not serve falls back to its primary subtag (``en-US`` -> ``en``, ``pt-BR`` -> ``pt``),
 so a client may send the regional variants other APIs use. Where several models serve a pair, the operator's
 ``--pair-models`` choice wins, then the default model, then the first by name.
@@ -57,6 +58,9 @@ def model_pairs(model: object) -> list[tuple[str, str, str]]:
     manifest = model.manifest
     source = language_key(str(getattr(manifest, "source_language", "") or ""))
     multilingual = list(getattr(manifest, "target_languages", None) or [])
+    sources = list(getattr(manifest, "source_languages", None) or [])
+    if sources:
+        return [(language_key(s), language_key(t), t) for s in sources for t in multilingual if s != t]
     if multilingual:
         return [(source, language_key(code), code) for code in multilingual]
     target = language_key(str(getattr(manifest, "target_language", "") or ""))
@@ -71,13 +75,24 @@ class Router:
         self.repository = repository
         self.default_model = default_model
         self.chosen = parse_pair_models(pair_models)
+        # the last index, its key, and the versions it was built of (held, so that no id in the key is reused)
+        self._built: tuple[tuple, dict[tuple[str, str], PairRoute], list[object]] = ((), {}, [])
 
     def routes(self, allows: Callable[[str], bool] = lambda name: True) -> dict[tuple[str, str], PairRoute]:
-        """Every served pair among the models ``allows``, with its models and the one chosen for it."""
+        """Every served pair among the models ``allows``, with its models and the one chosen for it (built again
+        only when the versions or the default model change: a many-to-many model serves ~40,000 pairs)."""
         newest: dict[str, object] = {}
         for version in self.repository:
             if allows(version.name):
                 newest[version.name] = version  # versions come oldest first
+        key = (self.default_model(), *((name, id(version)) for name, version in sorted(newest.items())))
+        if self._built[0] == key:
+            return self._built[1]
+        routes = self._index(newest)
+        self._built = (key, routes, list(newest.values()))
+        return routes
+
+    def _index(self, newest: dict[str, object]) -> dict[tuple[str, str], PairRoute]:
         serving: dict[tuple[str, str], dict[str, str]] = {}
         for name in sorted(newest):
             for source, target, code in model_pairs(newest[name]):

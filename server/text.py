@@ -9,6 +9,7 @@ tokenizer and manifest only, never ONNX Runtime: a :class:`TextCodec` is built f
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.model_format.manifest import Manifest, read_manifest
@@ -17,6 +18,14 @@ from server.alignment import merge_to_words, segment_words
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.errors import InvalidArgument
 from server.types import Hypothesis, SearchResult, SentenceRequest, TargetPrefix, Translation
+
+
+@dataclass(frozen=True)
+class LanguageTokens:
+    """The tokens that ask a multilingual model for a language pair."""
+
+    source: tuple[int, ...] = ()  # before the source's pieces (Marian's >>xx<<, a many-to-many model's source code)
+    lead: tuple[int, ...] = ()  # the decoder's forced first tokens (a many-to-many model's target code)
 
 
 class TextCodec:
@@ -59,18 +68,37 @@ class TextCodec:
         special = {ids["pad"], ids["bos"], ids["eos"], ids["decoder_start"], ids["unk"]}
         return piece_index(self.tokenizer.pieces(range(self.manifest.vocab_size)), special)
 
-    def language_prefix(self, language: str) -> list[int]:
-        """The source prefix that asks for target ``language``: ``[id of >>language<<]`` for a multilingual
-        Marian model, ``[]`` for none asked or the model's own target language; else InvalidArgument."""
-        languages = self.manifest.target_languages
-        if not language or (not languages and language == self.manifest.target_language):
-            return []
-        token = self.tokenizer.language_id(language) if languages else None
+    def language_tokens(self, source: str, target: str) -> LanguageTokens:
+        """The tokens that ask for ``source -> target`` (either empty: the model's default). A many-to-many model
+        (``target_language_token: decoder``): its source code's token first in the source, its target code's as
+        the decoder's forced first token. A multilingual Marian model: ``>>target<<`` before the source. Others:
+        none. A code the model does not serve is InvalidArgument naming those it does."""
+        manifest = self.manifest
+        if manifest.target_language_token == "decoder":
+            codes = self._language_codes
+            source_code = self._served("source_language", source or manifest.source_language, manifest.source_languages)
+            target_code = self._served("target_language", target or manifest.target_language, manifest.target_languages)
+            return LanguageTokens((codes[source_code],), (codes[target_code],))
+        languages = manifest.target_languages
+        if not target or (not languages and target == manifest.target_language):
+            return LanguageTokens()
+        token = self.tokenizer.language_id(target) if languages else None
         if token is None:
-            known = ", ".join(languages or [self.manifest.target_language])
-            raise InvalidArgument(f"target_language {language!r} is not served by {self.manifest.name}; "
-                                  f"choose {known}")
-        return [token]
+            known = ", ".join(languages or [manifest.target_language])
+            raise InvalidArgument(f"target_language {target!r} is not served by {manifest.name}; choose {known}")
+        return LanguageTokens((token,))
+
+    @functools.cached_property
+    def _language_codes(self) -> dict[str, int]:
+        return dict(self.manifest.language_tokens)
+
+    def _served(self, field: str, code: str, codes: list[str]) -> str:
+        """``code`` as the model spells it (compared ignoring case, ``-`` for ``_``); else InvalidArgument."""
+        key = code.strip().lower().replace("_", "-")
+        for known in codes:
+            if known.lower().replace("_", "-") == key:
+                return known
+        raise InvalidArgument(f"{field} {code!r} is not served by {self.manifest.name}; choose {', '.join(codes)}")
 
 
     def to_translation(self, request: SentenceRequest, result: SearchResult) -> Translation:
@@ -79,7 +107,11 @@ class TextCodec:
         source_pieces = self.tokenizer.pieces(request.source_ids)
         source_words = segment_words(source_pieces, request.text)
         hypotheses = []
+        lead = request.target_prefix.lead
         for hyp in result.hypotheses:
+            if lead:  # the model's target-language token: decoded, not part of the translation
+                hyp = replace(hyp, tokens=hyp.tokens[lead:], token_scores=hyp.token_scores[lead:],
+                              attention=None if hyp.attention is None else hyp.attention[lead:])
             ids = hyp.tokens[:-1] if hyp.tokens and hyp.tokens[-1] == self.eos_id else hyp.tokens
             pieces = self.tokenizer.pieces(ids)
             text = self.tokenizer.decode(ids)

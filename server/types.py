@@ -93,10 +93,22 @@ class TargetPrefix:
     ids: tuple[int, ...] = ()
     completion: Completion | None = None  # the word the prefix ends inside (server.completion)
     spaced: bool = False  # the text ends with whitespace, which its pieces cannot show: its last word is finished
+    # the first ``lead`` ids are a many-to-many model's target-language token (generate's forced_bos_token_id):
+    # decoded and counted like a forced piece, never returned (server.text.TextCodec.to_translation drops them)
+    lead: int = 0
 
     def steps(self) -> int:
         """Decoding steps the prefix can take at most (forced pieces and the pieces spelling the word)."""
         return len(self.ids) + (self.completion.steps() if self.completion is not None else 0)
+
+    def led(self, tokens: tuple[int, ...]) -> TargetPrefix:
+        """This prefix after the model's target-language ``tokens``."""
+        if not tokens:
+            return self
+        completion = self.completion
+        if completion is not None:
+            completion = Completion(completion.text, completion.start + len(tokens), completion.states)
+        return TargetPrefix((*tokens, *self.ids), completion, self.spaced, self.lead + len(tokens))
 
 
 @dataclass

@@ -240,8 +240,9 @@ def test_target_language_of_a_one_pair_model(model_version_dir: Path) -> None:
     """A model trained here takes its own target language or none; another is INVALID_ARGUMENT."""
     from server.engine.engine import Engine
     from server.errors import InvalidArgument
+    from server.text import LanguageTokens
 
     engine = Engine.load(model_version_dir, provider="cpu", intra_op_threads=1, inter_op_threads=1)
-    assert engine.language_prefix("") == engine.language_prefix("de") == []
+    assert engine.language_tokens("", "") == engine.language_tokens("", "de") == LanguageTokens()
     with pytest.raises(InvalidArgument, match="choose de"):
-        engine.language_prefix("deu")
+        engine.language_tokens("", "deu")

@@ -113,7 +113,7 @@ def test_bad_checkpoints_and_configs_are_clear_errors(tmp_path):
 
 def test_marian_weights_load_and_give_the_same_logits():
     transformers = pytest.importorskip("transformers")
-    from training.models.transformer import marian_state_dict
+    from training.models.transformer import hf_state_dict
 
     config = transformers.MarianConfig(
         vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -127,7 +127,7 @@ def test_marian_weights_load_and_give_the_same_logits():
         reference.final_logits_bias.normal_()
     ours = build_model("transformer", vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, heads=4,
                        ffn_dim=64, activation="swish", dropout=0.0, max_positions=64, decoder_start_id=0).eval()
-    ours.load_state_dict(marian_state_dict(reference.state_dict()))
+    ours.load_state_dict(hf_state_dict(reference.state_dict()))
     tgt = TGT.clone()
     tgt[:, 0] = 0
     with torch.no_grad():

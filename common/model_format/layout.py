@@ -18,6 +18,7 @@ from common.errors import NmtError
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "spm.model"
 MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB = "source.spm", "target.spm", "vocab.json"  # Marian's tokenizer
+HF_TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face tokenizers model (NLLB-200, mBART-50)
 MARIAN_CONFIG = "config.json"  # what makes a directory a Hugging Face model
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder_attention": "decoder_attention.onnx"}
 FORCED_GRAPH = "decoder_forced"  # optional role: the decoder over given target positions in one call

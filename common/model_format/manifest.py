@@ -104,8 +104,14 @@ class Manifest:
     decoder_state: list[StateTensor]
     files: dict[str, str]  # file name -> sha256 hex digest (every file but the manifest)
     tokenizer: str = TOKENIZER_FILE  # the joint SentencePiece model (tokenizer_type "sentencepiece")
-    tokenizer_type: str = "sentencepiece"  # or "marian": source.spm, target.spm, vocab.json
-    target_languages: list[str] = field(default_factory=list)  # a multilingual model's >>xx<< codes
+    tokenizer_type: str = "sentencepiece"  # or "marian" (source.spm, target.spm, vocab.json), "huggingface"
+    target_languages: list[str] = field(default_factory=list)  # a multilingual model's target codes
+    # a many-to-many model's (M2M-100, NLLB-200, mBART-50): the source codes it reads (source_language is the
+    # default), each code's token id, and where the tokens go: the source's first token, and the target's as the
+    # decoder's forced first token ("decoder"; "" for Marian's >>xx<< token before the source)
+    source_languages: list[str] = field(default_factory=list)
+    language_tokens: dict[str, int] = field(default_factory=dict)
+    target_language_token: str = ""
     origin: dict[str, Any] = field(default_factory=dict)  # where an imported model came from (format, path...)
     static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
     decoder_positions: str = ""  # int64 [batch] input of each row's target position ("buffer" state), else ""

@@ -3,7 +3,10 @@
 * ``sentencepiece`` (:class:`Tokenizer`): one joint source+target model file (``spm.model``, a protobuf,
   never a pickle), as trained here, with the fixed special ids below, which model configs default to;
 * ``marian`` (:class:`MarianTokenizer`): Hugging Face Marian's (OPUS-MT) separate ``source.spm`` and
-  ``target.spm`` and the shared ``vocab.json`` mapping pieces to model ids.
+  ``target.spm`` and the shared ``vocab.json`` mapping pieces to model ids (M2M-100's SentencePiece model and
+  vocabulary are stored the same way, one model on both sides);
+* ``huggingface`` (:class:`HfTokenizer`): a Hugging Face ``tokenizer.json`` (NLLB-200's and mBART-50's), run
+  by the ``tokenizers`` library as ``transformers`` runs it.
 
 Both expose the same methods (``encode`` source text, ``pieces``/``decode`` ids), so the engine and the
 server do not care which kind a version has; :func:`load_tokenizer` picks it.
@@ -21,7 +24,13 @@ from pathlib import Path
 import sentencepiece as spm
 
 from common.errors import NmtError
-from common.model_format.layout import MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB, TOKENIZER_FILE
+from common.model_format.layout import (
+    HF_TOKENIZER_FILE,
+    MARIAN_SOURCE_SPM,
+    MARIAN_TARGET_SPM,
+    MARIAN_VOCAB,
+    TOKENIZER_FILE,
+)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 LANGUAGE_TOKEN = re.compile(r"^>>([^<>\s]+)<<$")  # Marian's target-language tokens, e.g. >>deu<<
@@ -187,8 +196,81 @@ class MarianTokenizer:
         return text.replace(WORD_START, " ").strip()
 
 
-AnyTokenizer = Tokenizer | MarianTokenizer
-TOKENIZERS: dict[str, type[AnyTokenizer]] = {Tokenizer.kind: Tokenizer, MarianTokenizer.kind: MarianTokenizer}
+class HfTokenizer:
+    """A Hugging Face ``tokenizer.json``, as ``transformers``' tokenizers of NLLB-200 and mBART-50 run it: text to
+    ids without special tokens (the language tokens are the model's, placed by :class:`server.text.TextCodec`;
+    EOS is appended by the engine), ids to text with special tokens left out."""
+
+    kind = "huggingface"
+    files = (HF_TOKENIZER_FILE,)
+
+    def __init__(self, definition: str, *, eos: str = "</s>", unk: str = "<unk>", pad: str = "<pad>",
+                 bos: str = "<s>") -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self._definition = definition
+        self._backend = Backend.from_str(definition)
+        ids = {piece: self._backend.token_to_id(piece) for piece in (eos, unk, pad, bos)}
+        missing = [piece for piece, i in ids.items() if i is None]
+        if missing:
+            raise ValueError(f"{HF_TOKENIZER_FILE} lacks the special pieces {', '.join(missing)}")
+        self.eos_id, self.unk_id, self.pad_id, self.bos_id = ids[eos], ids[unk], ids[pad], ids[bos]
+
+    @classmethod
+    def load(cls, directory: str | Path) -> HfTokenizer:
+        path = Path(directory) / HF_TOKENIZER_FILE
+        if not path.is_file():
+            raise NmtError(f"tokenizer file missing: {path}")
+        try:
+            return cls(path.read_text(encoding="utf-8"))
+        except Exception as error:
+            raise NmtError(f"cannot read {path}: {error}") from error
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / HF_TOKENIZER_FILE
+        path.write_text(self._definition, encoding="utf-8")
+        return path
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    target_languages: list[str] = []  # the model's language tokens are in its manifest (language_tokens)
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        return max(5, *(len(piece.encode("utf-8")) for piece in self._piece_table))
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side ids of ``text``: one model serves both sides."""
+        return self.encode(text)
+
+    @functools.cached_property
+    def _piece_table(self) -> list[str]:
+        return [self._backend.id_to_token(i) or "<unk>" for i in range(self.vocab_size)]
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        table = self._piece_table
+        return [table[i] if 0 <= i < len(table) else "<unk>" for i in map(int, ids)]
+
+    def language_id(self, language: str) -> int | None:
+        """The id of the token spelt ``language`` (NLLB's ``deu_Latn``), if the vocabulary has one."""
+        return self._backend.token_to_id(language)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """As ``transformers``' ``decode(ids, skip_special_tokens=True)``."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+AnyTokenizer = Tokenizer | MarianTokenizer | HfTokenizer
+TOKENIZERS: dict[str, type[AnyTokenizer]] = {Tokenizer.kind: Tokenizer, MarianTokenizer.kind: MarianTokenizer,
+                                             HfTokenizer.kind: HfTokenizer}
 
 
 def load_tokenizer(directory: str | Path, kind: str = Tokenizer.kind) -> AnyTokenizer:

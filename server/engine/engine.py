@@ -47,7 +47,7 @@ from server.engine.session_graphs import session_graph
 from server.engine.shared_weights import SharedWeights
 from server.engine.step_model import Alternatives, BeamSentence
 from server.errors import DeviceMemoryExhausted
-from server.text import TextCodec
+from server.text import LanguageTokens, TextCodec
 from server.types import DecodingOptions, SearchResult, SentenceRequest, TargetPrefix, Translation
 
 log = logging.getLogger("nmt.server")
@@ -258,9 +258,9 @@ class Engine:
         """:meth:`server.text.TextCodec.target_prefix`."""
         return self.text.target_prefix(text, whole=whole)
 
-    def language_prefix(self, language: str) -> list[int]:
-        """:meth:`server.text.TextCodec.language_prefix`."""
-        return self.text.language_prefix(language)
+    def language_tokens(self, source: str = "", target: str = "") -> LanguageTokens:
+        """:meth:`server.text.TextCodec.language_tokens`."""
+        return self.text.language_tokens(source, target)
 
     def default_options(self) -> DecodingOptions:
         defaults = self.manifest.defaults
@@ -275,7 +275,9 @@ class Engine:
     def translate(self, texts: Sequence[str], options: DecodingOptions | None = None) -> list[Translation]:
         """Translate ``texts`` in one batch (convenience for scripts and tests)."""
         options = options or self.default_options()
-        requests = [SentenceRequest(self.tokenize(text), options, text=text) for text in texts]
+        languages = self.language_tokens()  # the model's default pair
+        requests = [SentenceRequest([*languages.source, *self.tokenize(text)], options, text=text,
+                                    target_prefix=TargetPrefix().led(languages.lead)) for text in texts]
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:

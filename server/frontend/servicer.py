@@ -274,14 +274,16 @@ class TranslatorService:
         with self.repository.acquire(call.model, call.model_version) as model:  # held until translated
             record.grant.check(model.name)  # the default model, when the request names none
             source = str(model.manifest_value("source_language"))
-            if call.source_language and primary(call.source_language) != primary(source):
+            many = bool(model.manifest_value("source_languages", []))  # its codec checks the source's code
+            if call.source_language and not many and primary(call.source_language) != primary(source):
                 raise InvalidArgument(f"model {model.name!r} translates from {source!r}, not "
                                       f"{call.source_language!r}; leave model empty to choose by language pair")
             record.model, record.version = model.name, model.version
             codec = model.codec
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
                                       target_ids=codec.tokenizer.encode_target, unk_id=codec.tokenizer.unk_id)
-            prefix = codec.language_prefix(call.target_language) if call.target_language else []
+            languages = codec.language_tokens(call.source_language if many else "", call.target_language)
+            prefix, lead = list(languages.source), languages.lead
             forced = target_prefixes(call.texts, call.target_prefixes,
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=codec.eos_id if call.score else None)
@@ -294,15 +296,15 @@ class TranslatorService:
             if reading is not None:
                 translations = await translate_documents(
                     codec, submit, call.texts, options, handle, reading=reading, policy=self.policy,
-                    prefix=prefix, stream=stream, terms=terms,
+                    prefix=prefix, lead=lead, stream=stream, terms=terms,
                     max_sentences=min(self.config.max_sentences, self.config.queue_size))
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
                                                [len(t.segments) for t in translations])
             else:
                 translations = await translate_texts(codec, submit, call.texts, options, handle,
-                                                     policy=self.policy, prefix=prefix, target_prefixes=forced,
-                                                     stream=stream, terms=terms)
+                                                     policy=self.policy, prefix=prefix, lead=lead,
+                                                     target_prefixes=forced, stream=stream, terms=terms)
             if terms is not None and self.metrics is not None:
                 constrained = [s.translation for t in translations for s in t.segments] or translations
                 self.metrics.observe_terms(model.name, sum(1 for t in constrained if t.terms),

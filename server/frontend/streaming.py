@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ class StableStream:
         self.scores = False  # return_scores: deltas carry token_scores
         self.attention = False  # return_attention: deltas carry the closed words' attention rows
         self.source: SentenceRequest | None = None  # the sentence followed (its source words label the rows)
+        self._lead = 0  # the model's target-language tokens the reports start with (TargetPrefix.lead)
         self._sent = 0  # pieces sent
         self._text = ""  # text sent
         self._words = 0  # target words whose attention rows were sent
@@ -53,7 +55,8 @@ class StableStream:
         ``on_stable``."""
         if index:
             return None
-        self.source = sentence
+        self._lead = sentence.target_prefix.lead
+        self.source = replace(sentence, target_prefix=replace(sentence.target_prefix, lead=0))  # rows come led off
         return self.on_stable
 
     def done(self, index: int, translation: object) -> None:
@@ -61,6 +64,9 @@ class StableStream:
 
     def on_stable(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:
         """The engine's report of the sentence's stable prefix (:data:`server.types.StableReport`)."""
+        if lead := self._lead:
+            tokens, scores = tokens[lead:], scores[lead:]
+            attention = None if attention is None else attention[lead:]
         self._loop.call_soon_threadsafe(self._arrive, tokens, scores, attention)
 
     def _arrive(self, tokens: list[int], scores: list[float], attention: np.ndarray | None) -> None:

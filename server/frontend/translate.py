@@ -60,19 +60,20 @@ def source_span(tokenize: Callable[[str], list[int]], text: str, start: int, end
 async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
-    target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
+    lead: tuple[int, ...] = (), target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
     stream: SentenceStream | None = None, document: bool = False, names: Sequence[str] = (),
     tokenize: Callable[[str], list[int]] | None = None, terms: TermCodec | None = None,
 ) -> list[Translation]:
-    """Translate the texts of one request: tokenize them and put ``prefix`` (a target-language token,
-    :meth:`TextCodec.language_prefix`) before each, force each text's decoding through its
-    ``target_prefixes`` (none, or one per text), refuse a text over ``policy.max_tokens`` tokens and a
-    request over the work or response-size budget (INVALID_ARGUMENT), decode them through ``submit`` and
-    return their translations in order. ``aligned`` (none, or one per text): the texts whose attention is
-    computed although the options do not ask for it (:mod:`server.frontend.documents` places markup with it);
-    ``document``: the texts are a document's sentences, whose response also carries the document's text, words
-    and alignments, bounded as one hypothesis more per sentence; ``names`` call the texts so in error messages
-    (e.g. "texts[2] sentence 3"); ``tokenize``: the texts' ids when already known (default: the codec's).
+    """Translate the texts of one request: tokenize them and put ``prefix`` (language tokens,
+    :meth:`TextCodec.language_tokens`) before each, force each text's decoding through ``lead`` (a many-to-many
+    model's target-language token) and its ``target_prefixes`` (none, or one per text), refuse a text over
+    ``policy.max_tokens`` tokens and a request over the work or response-size budget (INVALID_ARGUMENT), decode
+    them through ``submit`` and return their translations in order. ``aligned`` (none, or one per text): the
+    texts whose attention is computed although the options do not ask for it (:mod:`server.frontend.documents`
+    places markup with it); ``document``: the texts are a document's sentences, whose response also carries the
+    document's text, words and alignments, bounded as one hypothesis more per sentence; ``names`` call the texts
+    so in error messages (e.g. "texts[2] sentence 3"); ``tokenize``: the texts' ids when already known (default:
+    the codec's).
     ``terms``: the request's glossary; a text holding its terms decodes under them as constraints
     (:mod:`server.engine.constraints`) with a beam widened by :func:`constrained_beam`, the others as without.
     ``stream`` (:class:`SentenceStream`) follows the sentences' stable prefixes and hears of each one's
@@ -90,7 +91,7 @@ async def translate_texts(
         sources = await asyncio.to_thread(tokenize_texts, texts, with_prefix, policy.max_tokens, names)
     else:
         sources = tokenize_texts(texts, with_prefix, policy.max_tokens, names)
-    forced = list(target_prefixes) or [TargetPrefix() for _ in texts]
+    forced = [target.led(lead) for target in (list(target_prefixes) or [TargetPrefix() for _ in texts])]
     each = [options] * len(texts)
     applied: list[list[AppliedTerm]] = [[] for _ in texts]
     if terms is not None:

@@ -1,8 +1,11 @@
-"""Transformer encoder-decoder (Vaswani et al. 2017), post-layer-norm, sinusoidal positions.
+"""Transformer encoder-decoder (Vaswani et al. 2017): post-layer-norm with sinusoidal positions (this project's
+and Marian's), or the pre-layer-norm variants of the multilingual models (M2M-100 and NLLB-200: fairseq's
+sinusoidal table; mBART: learned positions and a layer norm over the embeddings).
 
-Parameter names follow Hugging Face ``MarianMTModel`` (``shared``, ``encoder.layers.N.self_attn.q_proj``,
-``decoder.layers.N.encoder_attn``, ``lm_head``, ``final_logits_bias``...) so a Marian state dict loads
-with :func:`marian_state_dict` and the same weights can be compared against other runtimes.
+Parameter names follow Hugging Face's ``MarianMTModel``/``M2M100ForConditionalGeneration`` (``shared``,
+``encoder.layers.N.self_attn.q_proj``, ``decoder.layers.N.encoder_attn``, ``encoder.layer_norm``, ``lm_head``,
+``final_logits_bias``...) so their state dicts load with :func:`hf_state_dict` and the same weights can be
+compared against other runtimes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ class TransformerConfig:
     eos_id: int = EOS_ID
     decoder_start_id: int = BOS_ID
     alignment_layer: int = -1  # decoder layer whose cross-attention (mean over heads) is returned
+    pre_norm: bool = False  # layer norm before each sublayer and after each stack (M2M-100, NLLB, mBART)
+    embedding_norm: bool = False  # a layer norm over each side's embeddings (mBART's layernorm_embedding)
+    # "sinusoidal" (Marian's table), "fairseq" (M2M-100's: its first rows skipped, see fairseq_positions) or
+    # "learned" (mBART: a table per side, stored with the weights)
+    position_encoding: str = "sinusoidal"
+
+
+POSITION_ENCODINGS = ("sinusoidal", "fairseq", "learned")
 
 
 def sinusoidal_positions(length: int, dim: int) -> Tensor:
@@ -49,6 +60,27 @@ def sinusoidal_positions(length: int, dim: int) -> Tensor:
     table[:, : dim // 2] = torch.sin(angles[:, : dim // 2 + dim % 2][:, : dim // 2])
     table[:, dim // 2 :] = torch.cos(angles[:, : dim - dim // 2])
     return table.float()
+
+
+def fairseq_positions(length: int, dim: int, padding_id: int) -> Tensor:
+    """M2M-100's (fairseq's) sinusoidal table as its models read it: sines then cosines of ``dim // 2``
+    frequencies spaced over ``half - 1`` steps; a sentence's ``i``-th token reads row ``padding_id + 1 + i``,
+    so the rows before that are left out here (the engine's positions start at 0)."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    inv_freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
+    angles = torch.arange(length + padding_id + 1, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(table.shape[0], 1)], dim=1)
+    return table[padding_id + 1 :].contiguous()
+
+
+def position_table(cfg: TransformerConfig) -> Tensor:
+    """The computed positions table of ``cfg`` (a learned one starts as this and is loaded over)."""
+    if cfg.position_encoding == "fairseq":
+        return fairseq_positions(cfg.max_positions, cfg.d_model, cfg.pad_id)
+    return sinusoidal_positions(cfg.max_positions, cfg.d_model)
 
 
 class MultiHeadAttention(nn.Module):
@@ -99,9 +131,15 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.act = ACTIVATIONS[cfg.activation]
         self.dropout = nn.Dropout(cfg.dropout)
+        self.pre_norm = cfg.pre_norm
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         attn = self.self_attn
+        if self.pre_norm:
+            h = self.self_attn_layer_norm(x)
+            h, _ = attn(h, attn.split(attn.k_proj(h)), attn.split(attn.v_proj(h)), mask)
+            x = x + self.dropout(h)
+            return x + self.dropout(self.fc2(self.dropout(self.act(self.fc1(self.final_layer_norm(x))))))
         h, _ = attn(x, attn.split(attn.k_proj(x)), attn.split(attn.v_proj(x)), mask)
         x = self.self_attn_layer_norm(x + self.dropout(h))
         h = self.fc2(self.dropout(self.act(self.fc1(x))))
@@ -120,6 +158,7 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.act = ACTIVATIONS[cfg.activation]
         self.dropout = nn.Dropout(cfg.dropout)
+        self.pre_norm = cfg.pre_norm
 
     def forward(
         self,
@@ -136,6 +175,17 @@ class DecoderLayer(nn.Module):
 
         Returns (output [B, T, D], present key, present value [B, H, P+T, Dh], cross weights or None)."""
         attn = self.self_attn
+        if self.pre_norm:
+            h = self.self_attn_layer_norm(x)
+            key = torch.cat([past_key, attn.split(attn.k_proj(h))], dim=-2)
+            value = torch.cat([past_value, attn.split(attn.v_proj(h))], dim=-2)
+            h, _ = attn(h, key, value, causal_mask)
+            x = x + self.dropout(h)
+            h, weights = self.encoder_attn(self.encoder_attn_layer_norm(x), cross_key, cross_value, src_mask,
+                                           need_weights)
+            x = x + self.dropout(h)
+            h = self.fc2(self.dropout(self.act(self.fc1(self.final_layer_norm(x)))))
+            return x + self.dropout(h), key, value, weights
         key = torch.cat([past_key, attn.split(attn.k_proj(x))], dim=-2)
         value = torch.cat([past_value, attn.split(attn.v_proj(x))], dim=-2)
         h, _ = attn(x, key, value, causal_mask)
@@ -147,9 +197,25 @@ class DecoderLayer(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, layers: list[nn.Module]) -> None:
+    """One side's layers, with what the pre-norm variants add around them: a layer norm over the embeddings
+    (``layernorm_embedding``, mBART), one after the last layer (``layer_norm``) and a learned positions table
+    (``embed_positions``, mBART)."""
+
+    def __init__(self, layers: list[nn.Module], cfg: TransformerConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.layernorm_embedding = nn.LayerNorm(cfg.d_model) if cfg.embedding_norm else None
+        self.layer_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
+        self.embed_positions = (nn.Embedding(cfg.max_positions, cfg.d_model)
+                                if cfg.position_encoding == "learned" else None)
+
+    def embedded(self, x: Tensor) -> Tensor:
+        """Token embeddings plus positions, normalised where the model does."""
+        return x if self.layernorm_embedding is None else self.layernorm_embedding(x)
+
+    def finished(self, x: Tensor) -> Tensor:
+        """The last layer's output, normalised where the model does."""
+        return x if self.layer_norm is None else self.layer_norm(x)
 
 
 class Transformer(Seq2SeqModel):
@@ -166,27 +232,38 @@ class Transformer(Seq2SeqModel):
         nn.init.normal_(self.shared.weight, std=cfg.d_model**-0.5)
         with torch.no_grad():
             self.shared.weight[cfg.pad_id].zero_()
-        self.encoder = Stack([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
-        self.decoder = Stack([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)])
+        if cfg.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(f"position_encoding {cfg.position_encoding!r} is not one of {POSITION_ENCODINGS}")
+        self.encoder = Stack([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)], cfg)
+        self.decoder = Stack([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)], cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
         self.register_buffer("final_logits_bias", torch.zeros(1, cfg.vocab_size))
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.register_buffer("positions", position_table(cfg), persistent=False)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def embed(self, tokens: Tensor, offset: int | Tensor = 0) -> Tensor:
-        """tokens [B, L] -> scaled embeddings + positions ``offset .. offset+L-1``, [B, L, D]."""
-        positions = self.positions[offset : offset + tokens.shape[1]]
-        return self.dropout(self.shared(tokens) * self.embed_scale + positions)
+    def position_rows(self, stack: Stack) -> Tensor:
+        """The positions table ``stack`` reads: its own learned one, else the shared computed one."""
+        return self.positions if stack.embed_positions is None else stack.embed_positions.weight
+
+    def embed_with(self, stack: Stack, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens [B, L] -> scaled embeddings + ``positions`` (broadcast to [B, L, D]), as ``stack`` reads them."""
+        return self.dropout(stack.embedded(self.shared(tokens) * self.embed_scale + positions))
+
+    def embed(self, tokens: Tensor, offset: int | Tensor = 0, stack: Stack | None = None) -> Tensor:
+        """tokens [B, L] -> ``stack``'s (default: the encoder's) embeddings at positions ``offset ..
+        offset+L-1``, [B, L, D]."""
+        stack = self.encoder if stack is None else stack
+        return self.embed_with(stack, tokens, self.position_rows(stack)[offset : offset + tokens.shape[1]])
 
     def encode(self, src: Tensor) -> EncoderOutput:
         src_mask = (src != self.config.pad_id)[:, None, None, :]
         x = self.embed(src)
         for layer in self.encoder.layers:
             x = layer(x, src_mask)
-        return {"memory": x, "src_mask": src_mask}
+        return {"memory": self.encoder.finished(x), "src_mask": src_mask}
 
     def init_state(self, enc: EncoderOutput) -> DecoderState:
         memory = enc["memory"]
@@ -221,13 +298,13 @@ class Transformer(Seq2SeqModel):
             new_state[f"self_key.{i}"], new_state[f"self_value.{i}"] = key, value
             if layer_weights is not None:
                 weights = layer_weights
-        return self.lm_head(x) + self.final_logits_bias, weights, new_state
+        return self.lm_head(self.decoder.finished(x)) + self.final_logits_bias, weights, new_state
 
     def decode_step(
         self, tokens: Tensor, state: DecoderState, need_attention: bool = False
     ) -> tuple[Tensor, Tensor | None, DecoderState]:
         step = state["self_key.0"].shape[-2]
-        x = self.embed(tokens[:, None], step)
+        x = self.embed(tokens[:, None], step, self.decoder)
         logits, weights, new_state = self._decode(x, state, None, need_attention)
         return logits[:, 0], (weights[:, 0] if weights is not None else None), new_state
 
@@ -239,16 +316,21 @@ class Transformer(Seq2SeqModel):
         state = self.init_state(self.encode(src))
         length = tgt_in.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=src.device).tril()
-        logits, weights, _ = self._decode(self.embed(tgt_in), state, causal, need_attention)
+        logits, weights, _ = self._decode(self.embed(tgt_in, 0, self.decoder), state, causal, need_attention)
         return logits, weights
 
 
-def marian_state_dict(hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Map a Hugging Face ``MarianMTModel`` state dict onto :class:`Transformer` parameter names."""
+def hf_state_dict(hf_state: dict[str, Tensor], *, position_offset: int = 0) -> dict[str, Tensor]:
+    """Map a Hugging Face ``MarianMTModel``, ``M2M100ForConditionalGeneration`` or ``MBartForConditionalGeneration``
+    state dict onto :class:`Transformer` parameter names: the shared embedding once (not each side's copy of it),
+    computed position tables left out, learned ones (mBART's) without their first ``position_offset`` rows
+    (which no token reads: its positions start at that offset)."""
     mapped = {}
     for name, value in hf_state.items():
         name = name.removeprefix("model.")
-        if ".embed_tokens." in name or ".embed_positions." in name:
+        if ".embed_tokens." in name or name.endswith("embed_positions.weights"):
             continue
+        if name.endswith("embed_positions.weight"):
+            value = value[position_offset:]
         mapped[name] = value
     return mapped

@@ -99,8 +99,8 @@ def _trim_atoms(run: Run, start: int, end: int) -> tuple[int, int]:
 async def translate_documents(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, reading: Reading, policy: BatchPolicy | None = None,
-    prefix: Sequence[int] = (), max_sentences: int = 1024, stream: DocumentStream | None = None,
-    terms: TermCodec | None = None,
+    prefix: Sequence[int] = (), lead: tuple[int, ...] = (), max_sentences: int = 1024,
+    stream: DocumentStream | None = None, terms: TermCodec | None = None,
 ) -> list[Translation]:
     """Translate each text as a document (see the module docstring); InvalidArgument for a request of more
     than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text; ``terms``: the
@@ -132,10 +132,11 @@ async def translate_documents(
                    for source in sources]
         stream.read(texts[0], located, [(run.offsets[s.start], run.offsets[s.end - 1] + 1) for run, s in located])
     translations = await translate_texts(
-        codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix,
+        codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix, lead=lead,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
-        document=True, tokenize=tokenize, terms=terms, names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans)
-                              for k in range(len(plan.flat))]) if sentences else []
+        document=True, tokenize=tokenize, terms=terms,
+        names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans) for k in range(len(plan.flat))],
+    ) if sentences else []
     results, position = [], 0
     for plan in plans:
         count = len(plan.flat)
