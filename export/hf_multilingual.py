@@ -112,7 +112,7 @@ def load_multilingual(directory: str | Path) -> MarianImport:
     with torch.device("meta"):
         model = Transformer(cfg)
     weights = load_weights(directory)
-    state = hf_state_dict(weights, position_offset=LEARNED_OFFSET)
+    state = hf_state_dict(weights, learned_offset=LEARNED_OFFSET if cfg.position_encoding == "learned" else None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     allowed = {"final_logits_bias"} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing = [name for name in missing if name not in allowed]

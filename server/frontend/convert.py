@@ -166,6 +166,7 @@ def model_info_pb(model: Any, *, is_default: bool, max_beam: int) -> Any:
         device=model.device,
         onnxruntime_build=model.runtime_build,
         target_languages=list(model.manifest_value("target_languages", [])),
+        source_languages=list(model.manifest_value("source_languages", [])),
     )
 
 

@@ -320,17 +320,19 @@ class Transformer(Seq2SeqModel):
         return logits, weights
 
 
-def hf_state_dict(hf_state: dict[str, Tensor], *, position_offset: int = 0) -> dict[str, Tensor]:
+def hf_state_dict(hf_state: dict[str, Tensor], *, learned_offset: int | None = None) -> dict[str, Tensor]:
     """Map a Hugging Face ``MarianMTModel``, ``M2M100ForConditionalGeneration`` or ``MBartForConditionalGeneration``
     state dict onto :class:`Transformer` parameter names: the shared embedding once (not each side's copy of it),
-    computed position tables left out, learned ones (mBART's) without their first ``position_offset`` rows
-    (which no token reads: its positions start at that offset)."""
+    position tables left out (computed here), or, with ``learned_offset`` (mBART's learned tables), kept without
+    their first ``learned_offset`` rows, which no token reads (its positions start there)."""
     mapped = {}
     for name, value in hf_state.items():
         name = name.removeprefix("model.")
-        if ".embed_tokens." in name or name.endswith("embed_positions.weights"):
+        if ".embed_tokens." in name:
             continue
-        if name.endswith("embed_positions.weight"):
-            value = value[position_offset:]
+        if ".embed_positions." in name:
+            if learned_offset is None or not name.endswith(".weight"):
+                continue
+            value = value[learned_offset:]
         mapped[name] = value
     return mapped
