@@ -25,11 +25,16 @@ the end: a failed export leaves nothing. Its stages run in three processes one a
 check against transformers, the PyTorch stages, the verification), so that the memory each leaves
 behind does not add to the next's; --no-stage-processes runs them in this process.
 
-SOURCE may also be a Hugging Face Marian directory (the OPUS-MT models: config.json,
-model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json); it is detected from
-config.json (or --from huggingface), checked against transformers.MarianMTModel and written as a
-normal model version with Marian's tokenizer. The reverse, --to huggingface --out DIR, writes a
-training run's Transformer as a Marian directory that transformers and CTranslate2 load.
+SOURCE may also be a Hugging Face directory (config.json, model.safetensors or pytorch_model.bin and
+the tokenizer's files), detected from config.json (or --from huggingface), by its model_type:
+  marian   OPUS-MT (MarianMTModel; source.spm, target.spm, vocab.json)
+  m2m_100  NLLB-200 (tokenizer.json) and M2M-100 (sentencepiece.bpe.model, vocab.json):
+           M2M100ForConditionalGeneration, every pair of its languages in one version
+  mbart    mBART-50 many-to-many (MBartForConditionalGeneration; tokenizer.json)
+It is checked against transformers' own class and written as a normal model version with the model's
+tokenizer (docs/importing.md); other model types are refused, named. The reverse, --to huggingface
+--out DIR, writes a training run's Transformer as a Marian directory that transformers and CTranslate2
+load.
 """
 
 

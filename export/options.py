@@ -20,9 +20,10 @@ class ExportOptions:
     """Everything ``nmt export`` takes."""
 
     checkpoint: str = option(help="training run directory (best.pt, spm.model, summary.json, test.tsv), a "
-                             "checkpoint file with spm.model beside it, or a Hugging Face Marian (OPUS-MT) "
-                             "directory (config.json, model.safetensors or pytorch_model.bin, source.spm, "
-                             "target.spm, vocab.json)", positional=True, metavar="SOURCE")
+                             "checkpoint file with spm.model beside it, or a Hugging Face directory (config.json, "
+                             "model.safetensors or pytorch_model.bin, the tokenizer's files) of model_type marian "
+                             "(OPUS-MT), m2m_100 (NLLB-200, M2M-100) or mbart (mBART-50)", positional=True,
+                             metavar="SOURCE")
     name: str = option("", "model name in the repository (letters, digits, '.', '_', '-'); required unless "
                        "--to huggingface")
     from_format: str | None = option(None, "what SOURCE is (default: huggingface if it holds a config.json, "
@@ -53,8 +54,10 @@ class ExportOptions:
                                      metavar="TOLERANCE")
     bleu_sentences: int = option(200, "held-out sentences scored for --quantize and --precision fp16", metavar="N")
     allow_unfused: bool = option(False, "export even if some attention blocks were not fused (slower serving)")
-    source_language: str = option("en", "source language code")
-    target_language: str = option("de", "target language code")
+    source_language: str = option("en", "source language code (a many-to-many import's default source, where it is "
+                                  "one of its codes; else its tokenizer's)")
+    target_language: str = option("de", "target language code (a many-to-many import's default target, where it is "
+                                  "one of its codes; else its first other code)")
     beam_size: int | None = option(None, "default beam size (default: a Marian model's num_beams, else 4)",
                                    group=SERVING_DEFAULTS)
     length_penalty: float | None = option(None, "default length penalty (default: a Marian model's, else 1.0)",
