@@ -1,9 +1,12 @@
-"""An OPUS-MT-sized model through ``nmt export`` and ``nmt serve`` (``nmt bench export``).
+"""An OPUS-MT-sized or NLLB-600M-sized model through ``nmt export`` and ``nmt serve`` (``nmt bench export``).
 
-Builds a random-weight Hugging Face Marian directory shaped like ``Helsinki-NLP/opus-mt-en-de`` (d_model
+Builds a random-weight Hugging Face directory: by default Marian shaped like ``Helsinki-NLP/opus-mt-en-de`` (d_model
 512, 6+6 layers, 8 heads, ffn 2048, swish, tied embeddings, ``final_logits_bias``, a shared vocabulary of
 58,101 pieces, of which most are in neither SentencePiece model, as in the real one), made confident as a
-trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..-4,000), then measures:
+trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..-4,000); with ``--size NLLB600M``
+an ``M2M100ForConditionalGeneration`` shaped like ``facebook/nllb-200-distilled-600M`` (d_model 1,024, 12+12 layers,
+16 heads, ffn 4,096, relu, a vocabulary of 256,206; its tokenizer an ``NllbTokenizer`` over a SentencePiece model
+trained here, so most ids are no piece of it) whose outputs are compared under its default pair. It measures:
 
 - ``nmt export`` in its own process: wall time, peak RSS of its processes summed (sampled to the end; against the
   checkpoint's size; goal <= 3x) and of the largest alone, checked against GNU time's figure (within 5 %, or the
@@ -20,7 +23,7 @@ trained model is (half the vocabulary's ``final_logits_bias`` pushed to -2,000..
 - what each decoding control costs: the engine's output tokens/s with ``min_length``, a repetition penalty and
   no-repeat n-grams against none, greedy and beam 4, runs alternating.
 
-``--size SMALL`` runs a reduced model (vocabulary 8,000) for a quick look.
+``--size SMALL`` (and ``NLLBSMALL``) runs a reduced model (vocabulary 8,000) for a quick look.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from common.model_format.decoding import max_target_length  # noqa: E402
 SIZES = {
     "OPUS": dict(d_model=512, layers=6, heads=8, ffn=2048, vocab=58101),
     "SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
+    "NLLB600M": dict(d_model=1024, layers=12, heads=16, ffn=4096, vocab=256206),
+    "NLLBSMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
 }
 SENTENCES = 20
 MAX_LENGTH = 32
@@ -94,6 +99,33 @@ def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
     model.save_pretrained(directory)
     MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"), str(directory / "vocab.json"),
                     source_lang="en", target_lang="de").save_pretrained(directory)
+    return directory, [source for source, _ in dates_split()[1]][:SENTENCES]
+
+
+def build_nllb(directory: Path, size: str) -> tuple[Path, list[str]]:
+    """The random NLLB-shaped directory (:data:`SIZES`) and 20 source sentences."""
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    from tests.marian import dates_split
+    from tests.multilingual_dirs import NLLB_CODES, train_spm
+
+    s = SIZES[size]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sentencepiece.bpe.model").write_bytes(train_spm(vocab_size=2000))
+    tokenizer = NllbTokenizer.from_pretrained(directory, src_lang="eng_Latn", extra_special_tokens=NLLB_CODES)
+    (directory / "sentencepiece.bpe.model").unlink()
+    tokenizer.save_pretrained(directory)
+    config = M2M100Config(
+        vocab_size=s["vocab"], d_model=s["d_model"], encoder_layers=s["layers"], decoder_layers=s["layers"],
+        encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"],
+        decoder_ffn_dim=s["ffn"], activation_function="relu", scale_embedding=True, max_position_embeddings=1024,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = M2M100ForConditionalGeneration(config).eval()
+    model.generation_config.max_length = MAX_LENGTH
+    model.save_pretrained(directory)
     return directory, [source for source, _ in dates_split()[1]][:SENTENCES]
 
 
@@ -242,21 +274,26 @@ def server_memory(repository: Path, texts: list[str], flags: list[str], seconds:
 
 
 def generate_ids(directory: Path, texts: list[str], beam: int) -> list[list[int]]:
-    """``MarianMTModel.generate`` token ids without decoder start, EOS and padding, each sentence under the
-    serving search's length cap (:func:`max_target_length` of its source, EOS included)."""
+    """``generate`` token ids without decoder start, EOS, padding and language token, each sentence under the
+    serving search's length cap (:func:`max_target_length` of its source, EOS and a language token included); an
+    NLLB directory under its tokenizer's source language and ``deu_Latn`` (the version's default pair)."""
     import torch
-    from transformers import MarianMTModel, MarianTokenizer
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    model = MarianMTModel.from_pretrained(directory).eval()
-    tokenizer = MarianTokenizer.from_pretrained(directory)
+    model = AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    many = model.config.model_type == "m2m_100"
+    forced = dict(forced_bos_token_id=tokenizer.convert_tokens_to_ids("deu_Latn"), early_stopping=False,
+                  forced_eos_token_id=model.config.eos_token_id) if many else {}
     special = {model.config.pad_token_id, model.config.eos_token_id, model.config.decoder_start_token_id}
     ids = []
     for text in texts:
         batch = tokenizer([text], return_tensors="pt")
-        cap = max_target_length(batch["input_ids"].shape[1], MAX_LENGTH)
+        cap = max_target_length(batch["input_ids"].shape[1], MAX_LENGTH + many)  # the engine's, language token in
         with torch.no_grad():
-            output = model.generate(**batch, num_beams=beam, do_sample=False, max_length=cap + 1)
-        ids.append([int(i) for i in output[0] if int(i) not in special])
+            output = model.generate(**batch, num_beams=beam, do_sample=False, max_length=cap + 1,
+                                    length_penalty=1.0, **forced)
+        ids.append([int(i) for i in output[0][1 + many:] if int(i) not in special])  # after start and language
     return ids
 
 
@@ -265,7 +302,8 @@ def engine_ids(version: Path, texts: list[str], beam: int) -> list[list[int]]:
     from server.engine.engine import Engine
 
     engine = Engine.load(version, provider="cpu", intra_op_threads=2, inter_op_threads=1)
-    options = dataclasses.replace(engine.default_options(), beam_size=beam, max_length=MAX_LENGTH)
+    options = dataclasses.replace(engine.default_options(), beam_size=beam, length_penalty=1.0,
+                                  max_length=MAX_LENGTH + bool(engine.manifest.language_tokens))
     return [list(translation.hypotheses[0].token_ids) for translation in engine.translate(texts, options)]
 
 
@@ -330,12 +368,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-export-") as scratch:
         work = Path(args.work or scratch)
-        marian, texts = build_marian(work / "marian", args.size)
+        build = build_nllb if args.size.startswith("NLLB") else build_marian
+        marian, texts = build(work / "source", args.size)
         checkpoint = (marian / "model.safetensors").stat().st_size
         repository = work / "models"
         seconds, peak, peak_sum, timed = peak_rss_run([
             sys.executable, "-m", "nmt", "export", str(marian), "--name", NAME, "--model-repository", str(repository),
-            "--no-progress", "--force", "--version", "1"])
+            "--no-progress", "--force", "--version", "1", "--target-language", "deu_Latn"])
         if timed is not None and abs(peak - timed) > 0.05 * timed:
             raise SystemExit(f"the sampled peak of the export's largest process ({peak >> 20} MiB) is not within 5 % "
                              f"of GNU time's ({timed >> 20} MiB): the sampler missed memory")
