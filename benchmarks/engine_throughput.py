@@ -61,7 +61,11 @@ SIZES = {
     "TINY": dict(d_model=32, layers=1, heads=2, ffn=64, vocab=64),  # for the benchmark's own test
     "SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000),
     "BASE": dict(d_model=512, layers=6, heads=8, ffn=2048, vocab=32000),
+    # M2M100ForConditionalGeneration shaped like facebook/nllb-200-distilled-600M, and a reduced one
+    "NLLB-SMALL": dict(d_model=256, layers=3, heads=4, ffn=1024, vocab=8000, family="nllb"),
+    "NLLB-600M": dict(d_model=1024, layers=12, heads=16, ffn=4096, vocab=256206, family="nllb"),
 }
+NLLB_PAIR = ("eng_Latn", "deu_Latn")  # the NLLB cells' source and target language
 OUTPUT_TOKENS = 24
 ANATOMY_TOKENS = 2  # the short output length of --anatomy
 SOURCE_TOKENS = 20
@@ -97,6 +101,64 @@ def marian_model(size: str, seed: int = 0):
     return model
 
 
+def nllb_directory(size: str, work: Path, seed: int = 0) -> Path:
+    """A random NLLB-shaped ``M2M100ForConditionalGeneration`` with an ``NllbTokenizer`` (over a SentencePiece model
+    trained here; the rest of the vocabulary no piece of it), saved as a Hugging Face directory. Its special and
+    language tokens are never generated, so every runtime decodes to the length asked: the final layer norm's bias
+    points away from their embeddings (the model has no logits bias to push them down with)."""
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    from tests.multilingual_dirs import NLLB_CODES, train_spm
+
+    directory = work / "nllb"
+    if directory.exists():
+        return directory
+    s = SIZES[size]
+    directory.mkdir(parents=True)
+    (directory / "sentencepiece.bpe.model").write_bytes(train_spm(vocab_size=2000))
+    tokenizer = NllbTokenizer.from_pretrained(directory, src_lang=NLLB_PAIR[0], extra_special_tokens=NLLB_CODES)
+    (directory / "sentencepiece.bpe.model").unlink()
+    tokenizer.save_pretrained(directory)
+    config = M2M100Config(
+        vocab_size=s["vocab"], d_model=s["d_model"], encoder_layers=s["layers"], decoder_layers=s["layers"],
+        encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"],
+        decoder_ffn_dim=s["ffn"], activation_function="relu", scale_embedding=True, max_position_embeddings=256,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0)
+    torch.manual_seed(seed)
+    model = M2M100ForConditionalGeneration(config).eval()
+    special = sorted({*tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens), 0, 1, 2, 3})
+    with torch.no_grad():
+        away = torch.nn.functional.normalize(torch.randn(s["d_model"]), dim=0)
+        model.model.decoder.layer_norm.bias.copy_(50.0 * away)
+        model.model.shared.weight[special] = -8.0 * away
+    model.save_pretrained(directory)
+    return directory
+
+
+def nllb_languages(directory: Path) -> dict:
+    """The NLLB cells' language tokens (ids and pieces) and the ids ordinary source tokens are drawn from."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    source, target = NLLB_PAIR
+    ids = tokenizer.convert_tokens_to_ids([source, target])
+    return {"source": ids[0], "target": ids[1], "source_token": source, "target_token": target,
+            "ordinary": [4, min(tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens[5:]))]}
+
+
+def export_nllb(directory: Path, work: Path) -> Path:
+    """The NLLB directory imported through ``nmt export``; returns the version directory."""
+    from export.options import ExportOptions
+    from export.pipeline import export_model
+
+    options = ExportOptions(checkpoint=str(directory), name="bench-nllb", model_repository=str(work / "models"),
+                            target_language=NLLB_PAIR[1], force=True, progress=False, threads=THREADS,
+                            parity_tolerance=1e-2)  # random weights: logits in the hundreds
+    return export_model(options).version_dir
+
+
 class _Vocabulary:
     """The little of a tokenizer CTranslate2's Marian loader reads."""
 
@@ -120,6 +182,11 @@ def save_marian(model, work: Path) -> Path:
 def convert_ctranslate2(model, work: Path, quantization: str | None) -> Path:
     import ctranslate2
 
+    if isinstance(model, Path):  # an NLLB directory: CTranslate2's own M2M-100 loader with its tokenizer
+        out = work / f"ct2-{quantization or 'fp32'}"
+        ctranslate2.converters.TransformersConverter(str(model)).convert(str(out), quantization=quantization,
+                                                                         force=True)
+        return out
     hf_dir = save_marian(model, work)
     vocabulary = _Vocabulary(model.config.vocab_size)
 
@@ -203,9 +270,11 @@ def export_baseline(checkout: Path, model, work: Path, quantize: str | None) -> 
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-def sources(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
+def sources(batch: int, vocab: int, seed: int = 1, ordinary: tuple[int, int] | None = None) -> list[list[int]]:
+    """Random source ids: Marian's ordinary ids (all but EOS, unk and pad), or those in ``ordinary``'s range."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(2, vocab - 1, SOURCE_TOKENS).tolist() for _ in range(batch)]
+    low, high = ordinary or (2, vocab - 1)
+    return [rng.integers(low, high, SOURCE_TOKENS).tolist() for _ in range(batch)]
 
 
 @dataclass
@@ -254,13 +323,15 @@ def measure(size: str, precision: str, models: dict[str, Path], args: argparse.N
     vocab = SIZES[size]["vocab"]
     cells = [Cell(size, precision, batch, beam) for batch in args.batches for beam in args.beams]
     jobs = {}
+    languages = nllb_languages(work / "nllb") if SIZES[size].get("family") == "nllb" else None
+    ordinary = tuple(languages["ordinary"]) if languages else None
     for runtime in models:
         wanted = [(c.batch, c.beam) for c in cells if runtime != "pytorch" or c.beam == 1]
         job = {"threads": THREADS, "provider": args.provider, "seconds": args.seconds, "output_tokens": OUTPUT_TOKENS,
                "precision": precision,
                "ort_spinning": args.ort_spinning, "anatomy_tokens": ANATOMY_TOKENS if args.anatomy else None,
-               "cells": wanted, "sources": {str(b): sources(b, vocab) for b in args.batches},
-               "check": sources(8, vocab, seed=7),
+               "cells": wanted, "sources": {str(b): sources(b, vocab, ordinary=ordinary) for b in args.batches},
+               "check": sources(8, vocab, seed=7, ordinary=ordinary), "languages": languages,
                "attention_cell": max(args.batches) if attention_cell(args, precision) else None}
         jobs[runtime] = work / f"job-{runtime}.json"
         jobs[runtime].write_text(json.dumps(job))
@@ -348,18 +419,26 @@ def main() -> None:
     for size in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            hf = marian_model(size)
+            nllb = SIZES[size].get("family") == "nllb"
+            hf = nllb_directory(size, work) if nllb else marian_model(size)
             for precision in args.precisions:
+                if nllb and precision != "fp32":  # an import exports in fp32 (no held-out BLEU to check the rest)
+                    print(f"{size}: {precision} skipped: a Hugging Face import exports in fp32", flush=True)
+                    continue
                 quantize = "int8" if precision == "int8" else None
-                version_dir, checkpoint = export_project(hf, work, quantize, "fp16" if precision == "fp16" else "fp32")
+                if nllb:
+                    version_dir, checkpoint = export_nllb(hf, work), None
+                else:
+                    version_dir, checkpoint = export_project(hf, work, quantize,
+                                                             "fp16" if precision == "fp16" else "fp32")
                 models = {"project": version_dir}
                 if "ctranslate2" in runtimes:
                     models["ctranslate2"] = convert_ctranslate2(hf, work, quantize)
-                if "pytorch" in runtimes and precision == "fp32":
+                if "pytorch" in runtimes and precision == "fp32" and checkpoint is not None:
                     models["pytorch"] = checkpoint
                 if "generate" in runtimes and precision != "int8":
-                    models["generate"] = save_marian(hf, work)
-                if args.baseline:
+                    models["generate"] = hf if nllb else save_marian(hf, work)
+                if args.baseline and not nllb:
                     models["baseline"] = export_baseline(args.baseline.resolve(), hf, work, quantize)
                 measured, rates = measure(size, precision, models, args, work, notes, torch_loaded)
                 cells += measured

@@ -51,7 +51,7 @@ def project(model: str, job: dict) -> Runtime:
     from server.config import ServerConfig
     from server.engine.allocator import retain_freed_memory
     from server.engine.engine import Engine
-    from server.types import DecodingOptions, SentenceRequest
+    from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 
     retain_mb = ServerConfig().malloc_retain_mb
     retained = retain_freed_memory(retain_mb << 20)  # as nmt serve sets malloc
@@ -59,11 +59,16 @@ def project(model: str, job: dict) -> Runtime:
                          inter_op_threads=1, spinning=job.get("ort_spinning", True))
     clock = SessionClock(engine.model.sessions) if job.get("anatomy_tokens") else None
 
+    languages = job.get("languages")  # a many-to-many model: its language tokens, the target's counted in lengths
+    source_prefix = [languages["source"]] if languages else []
+    target = TargetPrefix().led((languages["target"],) if languages else ())
+
     def decode(sources: list[list[int]], beam: int, length: int | None = None,
                attention: bool = False) -> list[list[int]]:
-        options = DecodingOptions(beam_size=beam, max_length=length or job["output_tokens"],
+        options = DecodingOptions(beam_size=beam, max_length=(length or job["output_tokens"]) + len(target.ids),
                                   return_attention=attention)
-        result = engine.translate_batch([SentenceRequest(ids, options) for ids in sources])
+        result = engine.translate_batch([SentenceRequest(source_prefix + ids, options, target_prefix=target)
+                                         for ids in sources])
         return [t.hypotheses[0].token_ids for t in result.translations]
 
     spinning = "on" if job.get("ort_spinning", True) else "off"
@@ -81,12 +86,23 @@ def ctranslate2(model: str, job: dict) -> Runtime:
     translator = ct2.Translator(model, device=job.get("provider", "cpu"), compute_type=compute_type, inter_threads=1,
                                 intra_threads=job["threads"])
 
+    languages = job.get("languages")
+    if languages:  # a converted many-to-many model: its own vocabulary, the language tokens as the tokenizer puts them
+        vocabulary = json.loads((Path(model) / "shared_vocabulary.json").read_text())
+        index = {piece: i for i, piece in enumerate(vocabulary)}
+
     def decode(sources: list[list[int]], beam: int, length: int | None = None) -> list[list[int]]:
-        tokens = [[f"t{i}" for i in ids] + ["</s>"] for ids in sources]
         length = length or job["output_tokens"]
-        results = translator.translate_batch(tokens, beam_size=beam, max_decoding_length=length,
-                                             min_decoding_length=length, max_batch_size=0)
-        return [[int(piece[1:]) for piece in r.hypotheses[0]] for r in results]
+        if not languages:
+            tokens = [[f"t{i}" for i in ids] + ["</s>"] for ids in sources]
+            results = translator.translate_batch(tokens, beam_size=beam, max_decoding_length=length,
+                                                 min_decoding_length=length, max_batch_size=0)
+            return [[int(piece[1:]) for piece in r.hypotheses[0]] for r in results]
+        tokens = [[languages["source_token"], *(vocabulary[i] for i in ids), "</s>"] for ids in sources]
+        results = translator.translate_batch(tokens, target_prefix=[[languages["target_token"]]] * len(tokens),
+                                             beam_size=beam, max_decoding_length=length + 1,
+                                             min_decoding_length=length + 1, max_batch_size=0)
+        return [[index[piece] for piece in r.hypotheses[0][1:]] for r in results]
 
     return Runtime(decode, f"ctranslate2 {ct2.__version__}, compute type {compute_type}")
 
