@@ -8,7 +8,8 @@ source's first token and the target language as the decoder's forced first token
 sinusoidal table from row ``pad + 1`` on; mBART has a learned table per side (from row 2 on) and a layer norm over
 the embeddings. The tokenizer is stored as ``transformers`` runs it: NLLB's and mBART-50's ``tokenizer.json``
 (``tokenizers``), M2M-100's SentencePiece model and ``vocab.json`` with its language tokens. NLLB's legacy token
-placement (``legacy_behaviour: true``: the source language after EOS) is refused, named.
+placement (``legacy_behaviour: true``: the source language after EOS) is read from the tokenizer's settings and
+recorded (``source_language_token: end``).
 """
 
 from __future__ import annotations
@@ -68,18 +69,16 @@ def multilingual_config(config: dict[str, Any], where: str) -> TransformerConfig
         raise NmtError(f"{where}: missing or bad field {error}") from error
 
 
-def load_tokenizer_and_languages(directory: Path) -> tuple[AnyTokenizer, dict[str, int], str]:
-    """The directory's tokenizer as this project runs it, each language code's token id and the default
-    source language, read through ``transformers``' own tokenizer of the directory."""
+def load_tokenizer_and_languages(directory: Path) -> tuple[AnyTokenizer, dict[str, int], str, bool]:
+    """The directory's tokenizer as this project runs it, each language code's token id, the default source
+    language and whether the source code follows EOS (NLLB's ``legacy_behaviour``), read through ``transformers``'
+    own tokenizer of the directory."""
     from transformers import AutoTokenizer
 
     try:
         reference = AutoTokenizer.from_pretrained(directory)
     except Exception as error:
         raise NmtError(f"cannot load the tokenizer of {directory}: {error}") from error
-    if getattr(reference, "legacy_behaviour", False):
-        raise NmtError(f"{directory}: legacy_behaviour: true (NLLB's source language after EOS) is not supported; "
-                       "the current placement (the language first) is")
     name = type(reference).__name__
     if name == "M2M100Tokenizer":  # SentencePiece and vocab.json, the __xx__ language tokens after it
         tokens = {code: int(i) for code, i in reference.lang_code_to_id.items()}
@@ -95,17 +94,19 @@ def load_tokenizer_and_languages(directory: Path) -> tuple[AnyTokenizer, dict[st
                        "MBart50Tokenizer are)")
     if not tokens:
         raise NmtError(f"{directory}: the tokenizer has no language tokens")
-    return tokenizer, tokens, str(getattr(reference, "src_lang", "") or next(iter(tokens)))
+    default = str(getattr(reference, "src_lang", "") or next(iter(tokens)))
+    return tokenizer, tokens, default, bool(getattr(reference, "legacy_behaviour", False))
 
 
 def load_multilingual(directory: str | Path) -> MarianImport:
     """Rebuild an M2M-100/NLLB-200 or mBART-50 directory as a :class:`Transformer` with its tokenizer, defaults
-    and languages (``origin["languages"]``: code -> token id; ``origin["default_source"]``)."""
+    and languages (``origin["languages"]``: code -> token id; ``origin["default_source"]``;
+    ``origin["source_language_token"]``: "end" for NLLB's legacy placement, after EOS)."""
     directory = Path(directory)
     where = str(directory / MARIAN_CONFIG)
     config = read_config(directory)
     cfg = multilingual_config(config, where)
-    tokenizer, languages, default_source = load_tokenizer_and_languages(directory)
+    tokenizer, languages, default_source, legacy = load_tokenizer_and_languages(directory)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise NmtError(f"the tokenizer of {directory} has {tokenizer.vocab_size} ids but {where} says "
                        f"vocab_size={cfg.vocab_size}")
@@ -132,5 +133,6 @@ def load_multilingual(directory: str | Path) -> MarianImport:
     origin = {"format": f"huggingface-{config['model_type']}", "path": str(directory.resolve()),
               "weights": next(name for name in ("model.safetensors", "pytorch_model.bin")
                               if (directory / name).is_file()),
-              "class": FAMILIES[config["model_type"]][0], "languages": languages, "default_source": default_source}
+              "class": FAMILIES[config["model_type"]][0], "languages": languages, "default_source": default_source,
+              "source_language_token": "end" if legacy else ""}
     return MarianImport(model, tokenizer, defaults, origin, weights)

@@ -275,7 +275,8 @@ def _languages(options: ExportOptions, inputs: ExportInputs) -> dict[str, Any]:
     source = options.source_language if options.source_language in tokens else inputs.origin["default_source"]
     target = options.target_language if options.target_language in tokens else next(c for c in codes if c != source)
     return {"source_language": source, "target_language": target, "target_languages": codes,
-            "source_languages": codes, "language_tokens": dict(tokens), "target_language_token": "decoder"}
+            "source_languages": codes, "language_tokens": dict(tokens), "target_language_token": "decoder",
+            "source_language_token": inputs.origin.get("source_language_token", "")}
 
 
 def _fp16_io(manifest: Manifest, fp32_dir: Path) -> set[str]:

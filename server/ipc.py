@@ -100,10 +100,11 @@ class WireSentence:
     options: DecodingOptions
     target_prefix: TargetPrefix
     stream: bool = False
+    source_end: tuple[int, ...] = ()
 
     def request(self, on_stable: StableReport | None = None) -> SentenceRequest:
         return SentenceRequest(self.source_ids, self.options, target_prefix=self.target_prefix,
-                               on_stable=on_stable if self.stream else None)
+                               on_stable=on_stable if self.stream else None, source_end=self.source_end)
 
 
 @dataclass
@@ -410,7 +411,8 @@ class CoreClient:
             self._progress[call] = [s.on_stable for s in sentences]
         try:
             channel.send(Submit(call, name, version, request.request_id, request.deadline,
-                                [WireSentence(list(s.source_ids), s.options, s.target_prefix, s.on_stable is not None)
+                                [WireSentence(list(s.source_ids), s.options, s.target_prefix, s.on_stable is not None,
+                                              s.source_end)
                                  for s in sentences], list(work)))
             return await future
         except asyncio.CancelledError:

@@ -26,6 +26,10 @@ class LanguageTokens:
 
     source: tuple[int, ...] = ()  # before the source's pieces (Marian's >>xx<<, a many-to-many model's source code)
     lead: tuple[int, ...] = ()  # the decoder's forced first tokens (a many-to-many model's target code)
+    source_end: tuple[int, ...] = ()  # after the source's EOS (NLLB's legacy placement of the source code)
+
+
+NO_LANGUAGE_TOKENS = LanguageTokens()
 
 
 class TextCodec:
@@ -70,14 +74,17 @@ class TextCodec:
 
     def language_tokens(self, source: str, target: str) -> LanguageTokens:
         """The tokens that ask for ``source -> target`` (either empty: the model's default). A many-to-many model
-        (``target_language_token: decoder``): its source code's token first in the source, its target code's as
-        the decoder's forced first token. A multilingual Marian model: ``>>target<<`` before the source. Others:
+        (``target_language_token: decoder``): its source code's token first in the source (after its EOS where
+        ``source_language_token`` is ``end``), its target code's as the decoder's forced first token. A
+        multilingual Marian model: ``>>target<<`` before the source. Others:
         none. A code the model does not serve is InvalidArgument naming those it does."""
         manifest = self.manifest
         if manifest.target_language_token == "decoder":
             codes = self._language_codes
             source_code = self._served("source_language", source or manifest.source_language, manifest.source_languages)
             target_code = self._served("target_language", target or manifest.target_language, manifest.target_languages)
+            if manifest.source_language_token == "end":
+                return LanguageTokens((), (codes[target_code],), (codes[source_code],))
             return LanguageTokens((codes[source_code],), (codes[target_code],))
         languages = manifest.target_languages
         if not target or (not languages and target == manifest.target_language):

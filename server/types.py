@@ -206,6 +206,11 @@ class SentenceRequest:
     text: str = ""  # the original text, for its words ("": words merged from the subword pieces)
     target_prefix: TargetPrefix = field(default_factory=TargetPrefix)  # what decoding is forced through first
     on_stable: StableReport | None = None
+    source_end: tuple[int, ...] = ()  # ids after EOS (NLLB's legacy placement of the source language)
+
+    def source(self, eos_id: int) -> list[int]:
+        """The ids the encoder reads."""
+        return [*self.source_ids, eos_id, *self.source_end]
 
 
 @dataclass

@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 import pytest
 
-from common.errors import NmtError
 from common.model_format.decoding import max_target_length
 from common.model_format.manifest import read_manifest
 from nmt.cli import main as nmt_main
@@ -30,14 +29,27 @@ from tests.harness import ServerHarness
 from tests.multilingual_dirs import M2M100_CODES, MBART_CODES, NLLB_CODES, m2m100_dir, mbart50_dir, nllb_dir, sentences
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = {"nllb": (nllb_dir, NLLB_CODES), "m2m": (m2m100_dir, M2M100_CODES), "mbart": (mbart50_dir, MBART_CODES)}
+def legacy_copy(nllb: Path, directory: Path) -> Path:
+    """The NLLB directory ``nllb`` copied to ``directory`` with ``legacy_behaviour: true``: the source code after
+    EOS."""
+    shutil.copytree(nllb, directory)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "legacy_behaviour": True}))
+    return directory
+
+
+FAMILIES = {"nllb": (nllb_dir, NLLB_CODES), "nllb-legacy": (legacy_copy, NLLB_CODES),
+            "m2m": (m2m100_dir, M2M100_CODES), "mbart": (mbart50_dir, MBART_CODES)}
 TEXTS = sentences(12, seed=5)
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("many-to-many")
-    return {name: build(root / name) for name, (build, _) in FAMILIES.items()}
+    built: dict[str, Path] = {}
+    for name, (build, _) in FAMILIES.items():
+        built[name] = legacy_copy(built["nllb"], root / name) if build is legacy_copy else build(root / name)
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +123,13 @@ def test_served_equals_generate_with_several_pairs_in_one_batch(repository: Path
     for text, (source, target) in zip(TEXTS, chosen, strict=True):
         languages = engine.language_tokens(source, target)
         requests.append(SentenceRequest([*languages.source, *engine.tokenize(text)], options, text=text,
-                                        target_prefix=TargetPrefix().led(languages.lead)))
+                                        target_prefix=TargetPrefix().led(languages.lead),
+                                        source_end=languages.source_end))
     translations = engine.translate_batch(requests).translations
     directory = family_dirs[family]
     for request, translation, text, (source, target) in zip(requests, translations, TEXTS, chosen, strict=True):
         source_ids, expected = generate(directory, text, source, target, beam)
-        assert [*request.source_ids, engine.eos_id] == source_ids
+        assert request.source(engine.eos_id) == source_ids
         best = translation.hypotheses[0]
         assert best.token_ids == expected, (family, beam, text, source, target)
         assert best.text == decode(directory, expected)
@@ -129,6 +142,7 @@ def test_import_records_languages_and_the_pre_norm_shape(repository: Path, famil
         tokenizer = transformers.AutoTokenizer.from_pretrained(family_dirs[family])
         assert set(codes) <= set(manifest.source_languages) == set(manifest.target_languages)
         assert manifest.target_language_token == "decoder"
+        assert manifest.source_language_token == ("end" if family == "nllb-legacy" else "")
         assert manifest.source_language == tokenizer.src_lang
         assert manifest.dimensions["pre_norm"] is True
         assert manifest.dimensions["position_encoding"] == ("learned" if family == "mbart" else "fairseq")
@@ -193,15 +207,8 @@ def test_streaming_leaves_the_language_token_out(server: ServerHarness) -> None:
     assert [t for d in deltas for t in d.subword_tokens] == list(whole.subword_tokens)
 
 
-def test_unsupported_placements_and_architectures_are_named(family_dirs: dict[str, Path], tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    legacy = shutil.copytree(family_dirs["nllb"], tmp_path / "legacy")
-    settings = json.loads((legacy / "tokenizer_config.json").read_text())
-    (legacy / "tokenizer_config.json").write_text(json.dumps({**settings, "legacy_behaviour": True}))
-    from export.hf_multilingual import load_multilingual
-
-    with pytest.raises(NmtError, match="legacy_behaviour"):
-        load_multilingual(legacy)
+def test_other_architectures_are_refused_naming_those_supported(family_dirs: dict[str, Path], tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     other = shutil.copytree(family_dirs["m2m"], tmp_path / "t5")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))

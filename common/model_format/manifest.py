@@ -112,6 +112,7 @@ class Manifest:
     source_languages: list[str] = field(default_factory=list)
     language_tokens: dict[str, int] = field(default_factory=dict)
     target_language_token: str = ""
+    source_language_token: str = ""  # "end": after the source's EOS (NLLB's legacy placement), "": first
     origin: dict[str, Any] = field(default_factory=dict)  # where an imported model came from (format, path...)
     static_src_axes: dict[str, int] = field(default_factory=dict)  # static input -> its src_len axis
     decoder_positions: str = ""  # int64 [batch] input of each row's target position ("buffer" state), else ""

@@ -277,7 +277,8 @@ class Engine:
         options = options or self.default_options()
         languages = self.language_tokens()  # the model's default pair
         requests = [SentenceRequest([*languages.source, *self.tokenize(text)], options, text=text,
-                                    target_prefix=TargetPrefix().led(languages.lead)) for text in texts]
+                                    target_prefix=TargetPrefix().led(languages.lead), source_end=languages.source_end)
+                    for text in texts]
         return [t for t in self.translate_batch(requests).translations if t is not None]
 
     def translate_batch(self, requests: Sequence[SentenceRequest]) -> BatchResult:
@@ -338,7 +339,7 @@ class Engine:
     def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], SourceBatch]:
         """Run the encoder on the sentences (in runs of similar length, :meth:`_encode_by_length`): their
         encoder outputs (padded to the longest sentence), search settings and the source batch's counts."""
-        sources = [list(r.source_ids) + [self.eos_id] for r in requests]
+        sources = [r.source(self.eos_id) for r in requests]
         lengths = np.array([len(s) for s in sources])
         src = np.full((len(sources), lengths.max()), self.pad_id, dtype=np.int64)
         for i, ids in enumerate(sources):

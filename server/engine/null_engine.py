@@ -41,9 +41,9 @@ class NullEngine:
         """One hypothesis per sentence, its source tokens, score 0."""
         results: list[SearchResult | None] = []
         for r in requests:
-            tokens = [*r.source_ids, self.eos_id]
+            tokens = r.source(self.eos_id)
             results.append(SearchResult([ScoredSequence(tokens, 0.0, [0.0] * len(tokens))]))
-        source = sum(len(r.source_ids) + 1 for r in requests)
+        source = sum(len(r.source(self.eos_id)) for r in requests)
         return BatchResult(results, 0.0, 0.0, sum(generated_tokens(r) for r in results if r), source, 0.0, 0)
 
     def memory_error(self, error: Exception, sentences: int) -> None:

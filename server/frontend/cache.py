@@ -71,7 +71,8 @@ def sentence_key(version: bytes, sentence: SentenceRequest) -> bytes:
     """The entry's key (module docstring): ``version`` then a digest of what changes the result."""
     options: DecodingOptions = replace(sentence.options, return_attention=False)
     prefix: TargetPrefix = sentence.target_prefix
-    digest = hashlib.blake2b(_KEY_ENCODER.encode((sentence.source_ids, options, prefix)), digest_size=16)
+    digest = hashlib.blake2b(_KEY_ENCODER.encode((sentence.source_ids, sentence.source_end, options, prefix)),
+                             digest_size=16)
     return version + digest.digest()
 
 

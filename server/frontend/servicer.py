@@ -283,7 +283,6 @@ class TranslatorService:
             options = resolve_options(call.options, model.defaults, self.config, max_positions=model.max_positions,
                                       target_ids=codec.tokenizer.encode_target, unk_id=codec.tokenizer.unk_id)
             languages = codec.language_tokens(call.source_language if many else "", call.target_language)
-            prefix, lead = list(languages.source), languages.lead
             forced = target_prefixes(call.texts, call.target_prefixes,
                                      lambda text, whole: codec.target_prefix(text, whole=whole),  # if any
                                      options.max_length, end_id=codec.eos_id if call.score else None)
@@ -296,14 +295,14 @@ class TranslatorService:
             if reading is not None:
                 translations = await translate_documents(
                     codec, submit, call.texts, options, handle, reading=reading, policy=self.policy,
-                    prefix=prefix, lead=lead, stream=stream, terms=terms,
+                    languages=languages, stream=stream, terms=terms,
                     max_sentences=min(self.config.max_sentences, self.config.queue_size))
                 if self.metrics is not None:
                     self.metrics.observe_texts(model.name, reading.format.value,
                                                [len(t.segments) for t in translations])
             else:
                 translations = await translate_texts(codec, submit, call.texts, options, handle,
-                                                     policy=self.policy, prefix=prefix, lead=lead,
+                                                     policy=self.policy, languages=languages,
                                                      target_prefixes=forced, stream=stream, terms=terms)
             if terms is not None and self.metrics is not None:
                 constrained = [s.translation for t in translations for s in t.segments] or translations

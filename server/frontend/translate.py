@@ -18,7 +18,7 @@ from typing import Protocol
 from server.frontend.glossary import TermCodec, constrained_beam
 from server.frontend.validation import check_budget, tokenize_texts
 from server.policy import BatchPolicy, RequestHandle
-from server.text import TextCodec
+from server.text import NO_LANGUAGE_TOKENS, LanguageTokens, TextCodec
 from server.types import (
     AppliedTerm,
     DecodingOptions,
@@ -59,14 +59,15 @@ def source_span(tokenize: Callable[[str], list[int]], text: str, start: int, end
 
 async def translate_texts(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
-    request: RequestHandle | None = None, *, policy: BatchPolicy | None = None, prefix: Sequence[int] = (),
-    lead: tuple[int, ...] = (), target_prefixes: Sequence[TargetPrefix] = (), aligned: Sequence[bool] = (),
+    request: RequestHandle | None = None, *, policy: BatchPolicy | None = None,
+    languages: LanguageTokens = NO_LANGUAGE_TOKENS, target_prefixes: Sequence[TargetPrefix] = (),
+    aligned: Sequence[bool] = (),
     stream: SentenceStream | None = None, document: bool = False, names: Sequence[str] = (),
     tokenize: Callable[[str], list[int]] | None = None, terms: TermCodec | None = None,
 ) -> list[Translation]:
-    """Translate the texts of one request: tokenize them and put ``prefix`` (language tokens,
-    :meth:`TextCodec.language_tokens`) before each, force each text's decoding through ``lead`` (a many-to-many
-    model's target-language token) and its ``target_prefixes`` (none, or one per text), refuse a text over
+    """Translate the texts of one request: tokenize them with the ``languages``' tokens around each
+    (:meth:`TextCodec.language_tokens`), force each text's decoding through the decoder's language token (a
+    many-to-many model's) and its ``target_prefixes`` (none, or one per text), refuse a text over
     ``policy.max_tokens`` tokens and a request over the work or response-size budget (INVALID_ARGUMENT), decode
     them through ``submit`` and return their translations in order. ``aligned`` (none, or one per text): the
     texts whose attention is computed although the options do not ask for it (:mod:`server.frontend.documents`
@@ -84,6 +85,8 @@ async def translate_texts(
 
     ids_of = tokenize or codec.tokenize
 
+    prefix = languages.source
+
     def with_prefix(text: str) -> list[int]:
         return [*prefix, *ids_of(text)]
 
@@ -91,7 +94,7 @@ async def translate_texts(
         sources = await asyncio.to_thread(tokenize_texts, texts, with_prefix, policy.max_tokens, names)
     else:
         sources = tokenize_texts(texts, with_prefix, policy.max_tokens, names)
-    forced = [target.led(lead) for target in (list(target_prefixes) or [TargetPrefix() for _ in texts])]
+    forced = [target.led(languages.lead) for target in (list(target_prefixes) or [TargetPrefix() for _ in texts])]
     each = [options] * len(texts)
     applied: list[list[AppliedTerm]] = [[] for _ in texts]
     if terms is not None:
@@ -112,7 +115,7 @@ async def translate_texts(
                         beams=[o.beam_size for o in each])
     flags = list(aligned) or [False] * len(texts)
     sentences = [SentenceRequest(ids, replace(o, return_attention=True) if align and not o.return_attention else o,
-                                 None, text, target_prefix=target)
+                                 None, text, target_prefix=target, source_end=languages.source_end)
                  for ids, text, target, align, o in zip(sources, texts, forced, flags, each, strict=True)]
     handle = request or RequestHandle()
 

@@ -21,7 +21,7 @@ from server.frontend.documents.transfer import SourceSentence, render_run, sourc
 from server.frontend.glossary import TermCodec
 from server.frontend.translate import Submit, translate_texts
 from server.policy import BatchPolicy, RequestHandle
-from server.text import TextCodec
+from server.text import NO_LANGUAGE_TOKENS, LanguageTokens, TextCodec
 from server.types import (
     DecodingOptions,
     DocumentAlignment,
@@ -99,14 +99,15 @@ def _trim_atoms(run: Run, start: int, end: int) -> tuple[int, int]:
 async def translate_documents(
     codec: TextCodec, submit: Submit, texts: Sequence[str], options: DecodingOptions,
     request: RequestHandle | None = None, *, reading: Reading, policy: BatchPolicy | None = None,
-    prefix: Sequence[int] = (), lead: tuple[int, ...] = (), max_sentences: int = 1024,
+    languages: LanguageTokens = NO_LANGUAGE_TOKENS, max_sentences: int = 1024,
     stream: DocumentStream | None = None, terms: TermCodec | None = None,
 ) -> list[Translation]:
     """Translate each text as a document (see the module docstring); InvalidArgument for a request of more
-    than ``max_sentences`` sentences. ``stream`` follows the sentences of a request's one text; ``terms``: the
+    than ``max_sentences`` sentences; ``languages``: the language tokens of :func:`translate_texts`. ``stream``
+    follows the sentences of a request's one text; ``terms``: the
     request's glossary, matched in each sentence as the model reads it (so never inside untranslated
     elements, which are not part of it)."""
-    limit = reading.max_tokens - len(prefix)
+    limit = reading.max_tokens - len(languages.source) - len(languages.source_end)
 
     pieces: dict[str, list[int]] = {}  # model text -> its ids, measured while cutting and reused to decode
 
@@ -132,7 +133,7 @@ async def translate_documents(
                    for source in sources]
         stream.read(texts[0], located, [(run.offsets[s.start], run.offsets[s.end - 1] + 1) for run, s in located])
     translations = await translate_texts(
-        codec, submit, [s.text for s in sentences], options, request, policy=policy, prefix=prefix, lead=lead,
+        codec, submit, [s.text for s in sentences], options, request, policy=policy, languages=languages,
         aligned=[s.needs_alignment or options.return_attention for s in sentences], stream=stream,
         document=True, tokenize=tokenize, terms=terms,
         names=[f"texts[{i}] sentence {k}" for i, plan in enumerate(plans) for k in range(len(plan.flat))],
