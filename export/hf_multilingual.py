@@ -23,7 +23,7 @@ import torch
 from common.errors import NmtError
 from common.model_format.layout import HF_TOKENIZER_FILE, MARIAN_CONFIG
 from common.model_format.tokenizer import AnyTokenizer, HfTokenizer, MarianTokenizer
-from export.huggingface import MarianImport, load_weights, read_config
+from export.huggingface import HfImport, load_weights, read_config
 from training.models.transformer import ACTIVATIONS, Transformer, TransformerConfig, hf_state_dict, position_table
 
 # model_type -> (transformers class name, position encoding, embedding norm)
@@ -98,7 +98,7 @@ def load_tokenizer_and_languages(directory: Path) -> tuple[AnyTokenizer, dict[st
     return tokenizer, tokens, default, bool(getattr(reference, "legacy_behaviour", False))
 
 
-def load_multilingual(directory: str | Path) -> MarianImport:
+def load_multilingual(directory: str | Path) -> HfImport:
     """Rebuild an M2M-100/NLLB-200 or mBART-50 directory as a :class:`Transformer` with its tokenizer, defaults
     and languages (``origin["languages"]``: code -> token id; ``origin["default_source"]``;
     ``origin["source_language_token"]``: "end" for NLLB's legacy placement, after EOS)."""
@@ -135,4 +135,4 @@ def load_multilingual(directory: str | Path) -> MarianImport:
                               if (directory / name).is_file()),
               "class": FAMILIES[config["model_type"]][0], "languages": languages, "default_source": default_source,
               "source_language_token": "end" if legacy else ""}
-    return MarianImport(model, tokenizer, defaults, origin, weights)
+    return HfImport(model, tokenizer, defaults, origin, weights)

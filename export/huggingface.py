@@ -22,7 +22,7 @@ import torch
 
 from common.errors import NmtError
 from common.model_format.layout import MARIAN_CONFIG, MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB
-from common.model_format.tokenizer import MarianTokenizer, Tokenizer
+from common.model_format.tokenizer import AnyTokenizer, MarianTokenizer, Tokenizer
 from training.models.transformer import (
     ACTIVATIONS,
     Transformer,
@@ -42,11 +42,12 @@ PAIRED_FIELDS = (("encoder_attention_heads", "decoder_attention_heads"), ("encod
 
 
 @dataclass
-class MarianImport:
-    """What the loader stage hands the pipeline."""
+class HfImport:
+    """What a Hugging Face directory's loader (Marian here, the many-to-many ones in :mod:`export.hf_multilingual`)
+    hands the pipeline."""
 
     model: Transformer
-    tokenizer: MarianTokenizer
+    tokenizer: AnyTokenizer
     defaults: dict[str, Any]  # beam_size, length_penalty, max_length from the model's generation settings
     origin: dict[str, Any]  # recorded in the manifest
     state: dict[str, torch.Tensor]  # the weights as the files name them; the model holds these same tensors
@@ -119,7 +120,7 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise NmtError(f"weights not found in {directory}: expected {' or '.join(WEIGHT_FILES)}")
 
 
-def load_marian(directory: str | Path) -> MarianImport:
+def load_marian(directory: str | Path) -> HfImport:
     """Rebuild a Hugging Face Marian directory as a :class:`Transformer` with its tokenizer and defaults."""
     directory = Path(directory)
     where = str(directory / MARIAN_CONFIG)
@@ -152,7 +153,7 @@ def load_marian(directory: str | Path) -> MarianImport:
     origin = {"format": "huggingface-marian", "path": str(directory.resolve()),
               "weights": next(name for name in WEIGHT_FILES if (directory / name).is_file()),
               "suppressed_ids": suppressed, "target_languages": tokenizer.target_languages}
-    return MarianImport(model, tokenizer, defaults, origin, weights)
+    return HfImport(model, tokenizer, defaults, origin, weights)
 
 
 def _suppressed_ids(bad_words_ids: Any, where: str) -> list[int]:
@@ -170,7 +171,7 @@ def compare_with_transformers(model: Transformer, directory: Path, sources: list
     """Max |logit difference| between ``model`` and transformers' own class of ``directory``'s ``model_type``
     (``MarianMTModel``, ``M2M100ForConditionalGeneration``, ``MBartForConditionalGeneration``) loading it,
     teacher forced on ``sources`` (EOS included) and ``targets`` (logits of suppressed ids left out). With
-    ``state`` (the directory's weights under its own names, already loaded: :attr:`MarianImport.state`), the
+    ``state`` (the directory's weights under its own names, already loaded: :attr:`HfImport.state`), the
     class takes those tensors with the directory's ``config.json`` instead of reading the files again: the check
     costs no second copy of the weights, and transformers still maps every name itself."""
     import transformers
