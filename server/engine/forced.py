@@ -1,7 +1,10 @@
 """Given target tokens in one decoder pass: Score, target prefixes and the alternatives at a prefix's end.
 
 A sentence whose target prefix ends with EOS (Score's whole translations) is read off one forced pass and
-never searched. A prefix of ``n`` pieces runs as one pass over the positions ``start, p1 .. pn`` (each position's
+never searched. A prefix of one piece (a many-to-many model's target-language token, alone) is forced by the
+search's first step through the main decoder: a pass would cost the same one position, in a session whose kernels
+read the stored weights where the main decoder's read their packed copies (so the version's weights would be held
+twice). A prefix of ``n > 1`` pieces runs as one pass over the positions ``start, p1 .. pn`` (each position's
 log-probability of the next given piece, the alignment attention, the decoder state after them, and
 the whole distribution after ``pn``); the search then resumes at step ``n`` from that state, its first
 step read off the pass (:class:`server.engine.step_model.Resume`), exactly as if it had forced the pieces one step
@@ -69,10 +72,10 @@ def decode_batch(model: StepModel, encoded: dict[str, Any], sentences: Sequence[
             key = ("alternatives", len(forced) + 1)
         elif forced and forced[-1] == eos_id:
             key = ("whole", 0)  # any lengths together: the causal pass ignores padding after a row's end
-        elif forced and s.controls.repetition_penalty == 1.0:
+        elif len(forced) > 1 and s.controls.repetition_penalty == 1.0:
             key = ("prefix", len(forced))
-        else:  # no prefix; or a repetition penalty, which needs logits the forced pass does not return: the
-            key = ("plain", 0)  # search forces the prefix step by step
+        else:  # no prefix, or one piece (see the module docstring); or a repetition penalty, which needs logits the
+            key = ("plain", 0)  # forced pass does not return: the search forces the prefix step by step
         groups.setdefault(key, []).append(i)
     settings = dict(start_id=start_id, eos_id=eos_id)
     for (kind, _), members in groups.items():
@@ -97,7 +100,8 @@ def admit(decode: RunningDecode, encoded: dict[str, Any], sentences: Sequence[Be
     model = decode.model
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(sentences):
-        groups.setdefault(len(s.controls.forced), []).append(i)
+        forced = len(s.controls.forced)
+        groups.setdefault(forced if forced > 1 else 0, []).append(i)  # one piece: the search's first step forces it
     for length, members in sorted(groups.items()):
         chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, np.array(members))
         group, group_tags = [sentences[i] for i in members], [tags[i] for i in members]
