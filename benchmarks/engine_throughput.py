@@ -107,30 +107,17 @@ def nllb_directory(size: str, work: Path, seed: int = 0) -> Path:
     language tokens are never generated, so every runtime decodes to the length asked: the final layer norm's bias
     points away from their embeddings (the model has no logits bias to push them down with)."""
     import torch
-    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
 
-    from tests.multilingual_dirs import NLLB_CODES, train_spm
+    from tests.multilingual_dirs import random_nllb
 
     directory = work / "nllb"
     if directory.exists():
         return directory
-    s = SIZES[size]
-    directory.mkdir(parents=True)
-    (directory / "sentencepiece.bpe.model").write_bytes(train_spm(vocab_size=2000))
-    tokenizer = NllbTokenizer.from_pretrained(directory, src_lang=NLLB_PAIR[0], extra_special_tokens=NLLB_CODES)
-    (directory / "sentencepiece.bpe.model").unlink()
-    tokenizer.save_pretrained(directory)
-    config = M2M100Config(
-        vocab_size=s["vocab"], d_model=s["d_model"], encoder_layers=s["layers"], decoder_layers=s["layers"],
-        encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"],
-        decoder_ffn_dim=s["ffn"], activation_function="relu", scale_embedding=True, max_position_embeddings=256,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0)
-    torch.manual_seed(seed)
-    model = M2M100ForConditionalGeneration(config).eval()
+    shape = {key: value for key, value in SIZES[size].items() if key != "family"}
+    model, tokenizer = random_nllb(directory, **shape, max_positions=256, seed=seed)
     special = sorted({*tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens), 0, 1, 2, 3})
     with torch.no_grad():
-        away = torch.nn.functional.normalize(torch.randn(s["d_model"]), dim=0)
+        away = torch.nn.functional.normalize(torch.randn(shape["d_model"]), dim=0)
         model.model.decoder.layer_norm.bias.copy_(50.0 * away)
         model.model.shared.weight[special] = -8.0 * away
     model.save_pretrained(directory)

@@ -104,26 +104,10 @@ def build_marian(directory: Path, size: str) -> tuple[Path, list[str]]:
 
 def build_nllb(directory: Path, size: str) -> tuple[Path, list[str]]:
     """The random NLLB-shaped directory (:data:`SIZES`) and 20 source sentences."""
-    import torch
-    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
-
     from tests.marian import dates_split
-    from tests.multilingual_dirs import NLLB_CODES, train_spm
+    from tests.multilingual_dirs import random_nllb
 
-    s = SIZES[size]
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sentencepiece.bpe.model").write_bytes(train_spm(vocab_size=2000))
-    tokenizer = NllbTokenizer.from_pretrained(directory, src_lang="eng_Latn", extra_special_tokens=NLLB_CODES)
-    (directory / "sentencepiece.bpe.model").unlink()
-    tokenizer.save_pretrained(directory)
-    config = M2M100Config(
-        vocab_size=s["vocab"], d_model=s["d_model"], encoder_layers=s["layers"], decoder_layers=s["layers"],
-        encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"],
-        decoder_ffn_dim=s["ffn"], activation_function="relu", scale_embedding=True, max_position_embeddings=1024,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0)
-    torch.manual_seed(0)
-    model = M2M100ForConditionalGeneration(config).eval()
+    model, _ = random_nllb(directory, **SIZES[size], max_positions=1024)
     model.generation_config.max_length = MAX_LENGTH
     model.save_pretrained(directory)
     return directory, [source for source, _ in dates_split()[1]][:SENTENCES]

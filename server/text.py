@@ -17,6 +17,7 @@ from common.model_format.tokenizer import AnyTokenizer, load_tokenizer
 from server.alignment import merge_to_words, segment_words
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.errors import InvalidArgument
+from server.routing import language_key
 from server.types import Hypothesis, SearchResult, SentenceRequest, TargetPrefix, Translation
 
 
@@ -80,7 +81,7 @@ class TextCodec:
         none. A code the model does not serve is InvalidArgument naming those it does."""
         manifest = self.manifest
         if manifest.target_language_token == "decoder":
-            codes = self._language_codes
+            codes = manifest.language_tokens
             source_code = self._served("source_language", source or manifest.source_language, manifest.source_languages)
             target_code = self._served("target_language", target or manifest.target_language, manifest.target_languages)
             if manifest.source_language_token == "end":
@@ -95,15 +96,11 @@ class TextCodec:
             raise InvalidArgument(f"target_language {target!r} is not served by {manifest.name}; choose {known}")
         return LanguageTokens((token,))
 
-    @functools.cached_property
-    def _language_codes(self) -> dict[str, int]:
-        return dict(self.manifest.language_tokens)
-
     def _served(self, field: str, code: str, codes: list[str]) -> str:
         """``code`` as the model spells it (compared ignoring case, ``-`` for ``_``); else InvalidArgument."""
-        key = code.strip().lower().replace("_", "-")
+        key = language_key(code)
         for known in codes:
-            if known.lower().replace("_", "-") == key:
+            if language_key(known) == key:
                 return known
         raise InvalidArgument(f"{field} {code!r} is not served by {self.manifest.name}; choose {', '.join(codes)}")
 

@@ -71,6 +71,29 @@ def _save_model(directory: Path, family: str, tokenizer: object, codes: list[str
     model.eval().save_pretrained(directory)
 
 
+def random_nllb(directory: Path, *, d_model: int, layers: int, heads: int, ffn: int, vocab: int,
+                max_positions: int, seed: int = 0) -> tuple[object, object]:
+    """An NLLB-shaped random ``M2M100ForConditionalGeneration`` (not saved) and its ``NllbTokenizer`` over a
+    SentencePiece model trained here (saved into ``directory``; the rest of ``vocab`` no piece of it): what the
+    benchmarks build at NLLB-200's real shapes."""
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sentencepiece.bpe.model").write_bytes(train_spm(vocab_size=2000))
+    tokenizer = NllbTokenizer.from_pretrained(directory, src_lang=NLLB_CODES[0], extra_special_tokens=NLLB_CODES)
+    (directory / "sentencepiece.bpe.model").unlink()
+    tokenizer.save_pretrained(directory)
+    config = M2M100Config(
+        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+        activation_function="relu", scale_embedding=True, max_position_embeddings=max_positions, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0)
+    torch.manual_seed(seed)
+    return M2M100ForConditionalGeneration(config).eval(), tokenizer
+
+
 def nllb_dir(directory: Path, seed: int = 0) -> Path:
     from transformers import NllbTokenizer
 
