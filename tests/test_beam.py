@@ -48,6 +48,9 @@ class TableModel:
         return step_output(log_probs, k, EOS, attention if need_attention else None, {"prefix": prefix},
                            log_probs + self.logit_offset if logits else None)
 
+    def release(self):
+        pass  # holds nothing between decodes
+
     def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)
 
@@ -120,6 +123,9 @@ class TorchStepModel:
         log_probs = logits.float().log_softmax(-1).numpy()
         return step_output(log_probs, k, EOS, None if attention is None else attention.numpy(),
                                          {name: value.numpy() for name, value in new.items()})
+
+    def release(self):
+        pass  # holds nothing between decodes
 
     def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)

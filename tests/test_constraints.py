@@ -52,6 +52,9 @@ class BigramModel:
         return StepOutput(ids, np.take_along_axis(log_probs, ids, 1), log_probs[:, EOS].copy(), attention,
                           {"prefix": padded}, log_probs if full else None, log_probs if logits else None)
 
+    def release(self):
+        pass  # holds nothing between decodes
+
     def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)
 

@@ -267,6 +267,9 @@ class SharedPosition:
         assert "positions" not in kwargs
         return self.model.step(*args, **kwargs)
 
+    def release(self):
+        pass  # holds nothing between decodes
+
     def select_rows(self, tensors, rows, in_place=False):
         return self.model.select_rows(tensors, rows, in_place)
 

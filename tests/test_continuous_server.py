@@ -81,6 +81,9 @@ class StepModel:
     def force(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.force(*args, **kwargs)
 
+    def release(self) -> None:
+        pass  # holds nothing between decodes
+
     def select_rows(self, tensors: Any, rows: np.ndarray, in_place: bool = False) -> Any:
         return self.model.select_rows(tensors, rows, in_place)
 

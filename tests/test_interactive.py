@@ -117,6 +117,9 @@ class NextPieceTable:
         attention = np.full((len(pieces), 2), 0.5, dtype=np.float32) if need_attention else None
         return step_output(log_probs, k, EOS, attention, {"pieces": pieces})
 
+    def release(self):
+        pass  # holds nothing between decodes
+
     def select_rows(self, tensors, rows, in_place=False):
         return take_rows(tensors, rows)
 

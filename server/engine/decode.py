@@ -441,6 +441,7 @@ class RunningDecode:
         self._sentences = [old[j] for j in kept]
         if not self._sentences:
             self._static = self._state = None
+            self.model.release()
             self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
             self._steps = self._steps[:0]
             self._history = self._history[:0]

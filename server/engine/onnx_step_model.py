@@ -210,6 +210,12 @@ class OnnxStepModel:
         return StepOutput(*outputs[:heads], outputs[heads] if need_attention else None, new_state,
                           full_outputs.get("log_probs"), full_outputs.get(LOGITS_OUTPUT))
 
+    def release(self) -> None:
+        """Let go of this thread's bindings and runs (:class:`server.engine.step_model.StepModel`): they hold
+        the ended decode's cache, static inputs and [R, V] outputs, which would otherwise stay allocated
+        until the next decode binds its own (at NLLB-600M's size and 80 rows, ~1.6 GiB)."""
+        self._bindings.__dict__.clear()
+
     @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
                      positions: np.ndarray, steps: int, ceilings: np.ndarray | None = None) -> Iterator[GreedySteps]:
@@ -260,17 +266,27 @@ class OnnxStepModel:
         return (rows,)  # eos_log_prob
 
     def _reserve(self, state: dict[str, Any], needed: int) -> dict[str, Any]:
-        """``state`` whose buffers hold at least ``needed`` positions (grown to twice their capacity or more;
-        the buffers grow together, so the first one tells)."""
+        """``state`` with buffers that hold at least ``needed`` positions (grown to twice their capacity or
+        more; the buffers grow together, so the first one tells). Grown in ``state`` itself, one buffer at
+        a time, once this thread's step bindings have let their references go: each old buffer is freed as
+        its successor is made, so growing takes one buffer more rather than a second cache (the grown
+        buffers hold the same entries, so whoever else holds ``state`` loses nothing)."""
         name, entry = next(iter(self.buffers.items()))
         if needed <= shape_of(state[name])[entry.capacity_axis]:
             return state
-        grown = dict(state)
+        self._unbind_all()
         for name, entry in self.buffers.items():
             capacity = shape_of(state[name])[entry.capacity_axis]
             if needed > capacity:
-                grown[name] = self._grow(state[name], entry, max(2 * capacity, needed))
-        return grown
+                state[name] = self._grow(state.pop(name), entry, max(2 * capacity, needed))
+        return state
+
+    def _unbind_all(self) -> None:
+        """Clear this thread's step bindings (their next run binds everything again)."""
+        for binding, bound, _, _ in self._bindings.__dict__.get("by_outputs", {}).values():
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            bound.clear()
 
     def _grow(self, buffer: np.ndarray, entry: StateTensor, capacity: int) -> np.ndarray:
         shape = list(buffer.shape)

@@ -105,6 +105,10 @@ class StepModel(Protocol):
         log-probabilities each position reports; the resulting state is the step decoder's (for the
         in-place cache: its buffers and each row's position T)."""
 
+    def release(self) -> None:
+        """The decode this thread ran has ended: let go of anything kept of it between steps (bound
+        buffers, runs), so that its memory goes back before the next decode allocates its own."""
+
 
 def take_rows(tensors: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     """:meth:`StepModel.select_rows` for models that keep their tensors as NumPy arrays (a copy, in place
