@@ -216,6 +216,8 @@ def test_response_over_the_size_budget_is_refused_before_compute(repository: Pat
        count=st.integers(1, 3), beam=st.integers(1, 4), extra=st.integers(0, 3), attention=st.booleans(),
        penalty=st.sampled_from([0.0, 1.0, 10.0]), max_length=st.sampled_from([0, 1, 5, 512]))
 @example(words=["one", "?!", "ü"], count=1, beam=1, extra=0, attention=False, penalty=0.0, max_length=5)  # 2 sentences
+@example(words=["one"] * 18 + ["x" * 30] * 2 + ["one"] * 3, count=1, beam=1, extra=0, attention=True, penalty=0.0,
+         max_length=1)  # a short output of a long source: its source pieces and words outweigh the hypothesis
 def test_response_size_bound_holds_for_real_responses(harness: ServerHarness, words: list[str], count: int,
                                                       beam: int, extra: int, attention: bool, penalty: float,
                                                       max_length: int) -> None:

@@ -159,7 +159,8 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
     With ``T`` the longest allowed output, ``P`` the most bytes one target id adds (``piece_bytes``)
     and ``S`` the source words: every hypothesis has at most ``T`` subword pieces and words, so text,
     words and pieces take at most ``T x P`` bytes each plus their field headers; scores ``4 T``;
-    attention ``4 T S`` weights and ``T`` word alignments. Field headers are counted at their largest
+    attention ``4 T S`` weights and ``T`` word alignments; the source's words their text and four
+    headers each, its ``source_tokens`` pieces at most ``P`` bytes each. Field headers are counted at their largest
     (1-byte tags, 5-byte lengths) and scores are always included, so the bound holds for any output
     of the search and any ``return_scores``.
     """
@@ -175,7 +176,8 @@ def response_bytes_bound(text: str, source_tokens: int, options: DecodingOptions
         hypothesis += header + 4 * longest * words  # packed weights
         hypothesis += longest * (2 + 2 * 6)  # word alignments: header + two varints
         hypothesis += header + longest * (2 * 5 + 2)  # pharaoh "s-t " pairs
-    source = len(text.encode("utf-8")) + words * header  # source words
+    source = len(text.encode("utf-8")) + words * 4 * header  # source words: message, text, start, end
+    source += source_tokens * (header + piece_bytes)  # source pieces
     return header + source + options.num_hypotheses * hypothesis
 
 
