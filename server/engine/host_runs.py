@@ -34,6 +34,7 @@ plain Python over each row's best tokens:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -100,6 +101,10 @@ class BoundSteps:
     def state(self) -> dict[str, Any]:
         """The decoder state after the steps run (each row's position moved on)."""
         return {**self._state, self.model.positions: self.positions.copy()}
+
+    def held_arrays(self) -> Iterator[np.ndarray]:
+        """The host arrays this run keeps between runs (the last decode's state and what is bound to it)."""
+        yield from (v for v in (*self._state.values(), *self._bound.values()) if isinstance(v, np.ndarray))
 
     def _bind_step_inputs(self) -> None:
         for name, value in self._step_inputs.items():

@@ -230,7 +230,7 @@ class OnnxStepModel:
             yield from (v for v in bound.values() if isinstance(v, np.ndarray))
         for key in ("greedy", "beam"):
             if (run := runs.get(key)) is not None:
-                yield from (v for v in (*run._state.values(), *run._bound.values()) if isinstance(v, np.ndarray))
+                yield from run.held_arrays()
 
     @contextmanager
     def greedy_steps(self, tokens: np.ndarray, static: dict[str, np.ndarray], state: dict[str, Any],
