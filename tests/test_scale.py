@@ -184,15 +184,22 @@ def nginx(replicas: list[Replica], tmp_path: Path) -> Iterator[Nginx]:
 
 def run_with_one_replica_stopped(client: TranslatorClient, replicas: list[Replica],
                                  before_stop: Callable[[], None] = lambda: None) -> tuple[list[float], list[str]]:
-    """Translations from :data:`CALLERS` threads: :data:`CALLS` of them, then each replica's served count is
-    read, ``before_stop`` runs and replica 0 gets SIGTERM; the callers go on until replica 0 has exited and
+    """Translations from :data:`CALLERS` threads: :data:`CALLS` of them, then the callers pause, each replica's
+    served count is read once no call is in flight (read while calls go on, the replica read last would count
+    more), ``before_stop`` runs and replica 0 gets SIGTERM; the callers go on until replica 0 has exited and
     :data:`CALLS` more are done. Returns those counts and the failures (``"CODE: message"``)."""
-    lock, done, failures, shares = threading.Lock(), [0], [], []
-    halfway, finished = threading.Event(), threading.Event()
+    lock, done, in_flight, failures, shares = threading.Lock(), [0], [0], [], []
+    halfway, resume, finished = threading.Event(), threading.Event(), threading.Event()
 
     def caller(seed: int) -> None:
         i = seed
         while not finished.is_set():
+            while True:  # the check and the count under one lock: no call starts unseen by the pause
+                with lock:
+                    if not halfway.is_set() or resume.is_set():
+                        in_flight[0] += 1
+                        break
+                resume.wait()
             try:
                 [result] = client.translate(TEXTS[i % len(TEXTS)], model=SERVED_MODEL)
                 assert result.best.text
@@ -200,6 +207,7 @@ def run_with_one_replica_stopped(client: TranslatorClient, replicas: list[Replic
                 failures.append(f"{error} (after {error.attempts} attempts)")
             i += CALLERS
             with lock:
+                in_flight[0] -= 1
                 done[0] += 1
                 if done[0] == CALLS:
                     halfway.set()
@@ -209,7 +217,11 @@ def run_with_one_replica_stopped(client: TranslatorClient, replicas: list[Replic
         thread.start()
     try:
         assert halfway.wait(120)
+        deadline = time.monotonic() + 60
+        while in_flight[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
         shares.extend(replica.served() for replica in replicas)
+        resume.set()
         before_stop()
         replicas[0].process.send_signal(signal.SIGTERM)
         assert replicas[0].process.wait(30) == 0  # drained and exited cleanly
@@ -218,6 +230,7 @@ def run_with_one_replica_stopped(client: TranslatorClient, replicas: list[Replic
             time.sleep(0.05)
     finally:
         finished.set()
+        resume.set()
         for thread in threads:
             thread.join(60)
     return shares, failures
