@@ -152,6 +152,19 @@ def tiny_models(tiny_runs, tiny_repository):
 
 
 @pytest.fixture(scope="session")
+def fp16_models(tiny_runs, tmp_path_factory) -> dict[str, Path]:
+    """Both architectures exported with ``nmt export --precision fp16`` once per session (into a repository of
+    their own: an fp16 version beside the fp32 ones would be the one later tests' servers load)."""
+    repository = tmp_path_factory.mktemp("fp16")
+    for arch, run in tiny_runs.items():
+        assert nmt_main(["export", "--no-stage-processes",
+                         str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
+                         "--precision", "fp16", "--parity-sentences", str(PARITY_SENTENCES), "--bleu-sentences",
+                         "12", "--no-progress"]) == 0
+    return {arch: repository / f"tiny-{arch}-fp16" / "1" for arch in tiny_runs}
+
+
+@pytest.fixture(scope="session")
 def model_version_dir(tiny_models: dict[str, Path]) -> Path:
     """The session's tiny Transformer, trained and exported once."""
     return Path(tiny_models["transformer"])

@@ -52,11 +52,11 @@ def _save_model(directory: Path, family: str, tokenizer: object, codes: list[str
                                           pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
                                           dropout=0.0, attention_dropout=0.0, **SHAPE)
         model = transformers.MBartForConditionalGeneration(config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     rng = random.Random(seed)
     texts = sentences(400, seed)
     model.train()
-    for _ in range(400):
+    for _ in range(120):  # enough for outputs that end (measured: 4 to 17 pieces, beam 4)
         source, target = rng.choice(codes), rng.choice(codes)
         tokenizer.src_lang, tokenizer.tgt_lang = source, target
         chosen = rng.sample(texts, 16)

@@ -67,8 +67,8 @@ def listed(h: ServerHarness) -> list[str]:
 def test_a_model_built_in_the_background_is_served_when_the_child_exits(
         harness: ServerHarness, demo_repository: Path, tiny_runs: dict[str, Path], tmp_path: Path,
         demo_log: list[logging.LogRecord]) -> None:
-    command = [sys.executable, "-m", "nmt", "export", str(tiny_runs["bahdanau"]), "--name", LATER,
-               "--model-repository", str(demo_repository), "--parity-sentences", "2", "--no-progress"]
+    command = [sys.executable, "-m", "nmt", "export", "--no-stage-processes", str(tiny_runs["bahdanau"]),
+               "--name", LATER, "--model-repository", str(demo_repository), "--parity-sentences", "2", "--no-progress"]
     build = BackgroundBuild(command, tmp_path / "runs" / "demo-build.log", [LATER])
     assert listed(harness) == [DEMO_DEFAULT_MODEL]
     task = asyncio.run_coroutine_threadsafe(build.run(harness.server), harness.loop)

@@ -603,22 +603,17 @@ FP16_LOGIT_TOLERANCE = 5e-2
 FP16_ATTENTION_TOLERANCE = 5e-3
 
 
-def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository, tmp_path):
-    """Into a repository of its own: an fp16 version of ``tiny-transformer`` in the session's repository became the
-    version later tests loaded, whose forced pass and steps then differed by fp16's ~1e-2, not their 1e-5."""
-    result = export_model(ExportOptions(stage_processes=False,
-                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
-                                        model_repository=str(tmp_path), precision="fp16",
-                                        parity_sentences=8, bleu_sentences=12, progress=False))
-    manifest = read_manifest(result.version_dir)
+def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_repository, fp16_models):
+    version_dir = fp16_models["transformer"]
+    manifest = read_manifest(version_dir)
     assert manifest.precision == "fp16" and manifest.parity["precision"] == "fp16"
     assert 0 < manifest.parity["max_logit_diff"] <= FP16_LOGIT_TOLERANCE
     assert manifest.parity["max_attention_diff"] <= FP16_ATTENTION_TOLERANCE
-    assert manifest.parity["greedy_match"] == "8/8"
+    assert manifest.parity["greedy_match"] == f"{PARITY_SENTENCES}/{PARITY_SENTENCES}"
     q = manifest.quantization
     assert q["test_sentences"] == 12 and q["delta"] == pytest.approx(q["bleu_fp16"] - q["bleu_fp32"], abs=0.011)
     for role, name in GRAPH_FILES.items():
-        graph = onnx.load(str(result.version_dir / name)).graph
+        graph = onnx.load(str(version_dir / name)).graph
         weights = [t for t in graph.initializer if len(t.dims) == 2 and min(t.dims) > 1]
         assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights), role
         io = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
@@ -637,11 +632,11 @@ def test_fp16_export_keeps_parity_on_the_cpu_and_records_bleu(tiny_runs, tiny_re
                 assert node.input[3].startswith("past_key_") and node.output[1].startswith("present_key_")
     assert {entry.dtype for entry in manifest.decoder_state} == {"float16"}
     # the forced pass hands its K/V to the fp16 buffers as they are (fp16 outputs) and resumes from them
-    forced = onnx.load(str(result.version_dir / OPTIONAL_GRAPH_FILES["decoder_forced"])).graph
+    forced = onnx.load(str(version_dir / OPTIONAL_GRAPH_FILES["decoder_forced"])).graph
     assert {v.type.tensor_type.elem_type for v in forced.output if v.name.startswith("present_")} == {
         onnx.TensorProto.FLOAT16}
     assert manifest.parity["max_forced_diff"] <= FP16_LOGIT_TOLERANCE
-    engine = Engine.load(result.version_dir, provider="cpu", intra_op_threads=1)
+    engine = Engine.load(version_dir, provider="cpu", intra_op_threads=1)
     [whole] = engine.translate(["three four five"])
     prefix = SentenceRequest(engine.tokenize("three four five"), DecodingOptions(beam_size=4),
                              target_prefix=TargetPrefix(tuple(whole.hypotheses[0].token_ids[:2])))

@@ -18,28 +18,13 @@ import pytest
 from onnx import TensorProto, helper
 
 from common.model_format.manifest import read_manifest
-from nmt.cli import main as nmt_main
 from server.engine.device import Unplaced, load_kernel_table, nodes_without_cuda_kernel, shape_arithmetic
 from server.engine.session_graphs import needs_portable_attention, session_graph
-from tests.conftest import PARITY_SENTENCES
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH_FILES = {"transformer": {"encoder.onnx", "decoder.onnx", "decoder_attention.onnx", "decoder_forced.onnx"},
                "bahdanau": {"encoder.onnx", "decoder.onnx", "decoder_attention.onnx"}}
 GQA = "com.microsoft.GroupQueryAttention"
-
-
-@pytest.fixture(scope="module")
-def fp16_models(tiny_runs, tmp_path_factory) -> dict[str, Path]:
-    """Both architectures exported with ``nmt export --precision fp16`` (the session's fixtures exported their fp32
-    versions in this process already)."""
-    repository = tmp_path_factory.mktemp("fp16")
-    for arch, run in tiny_runs.items():
-        assert nmt_main(["export", "--no-stage-processes",
-                         str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
-                         "--precision", "fp16", "--parity-sentences", str(PARITY_SENTENCES), "--bleu-sentences",
-                         "12", "--no-progress"]) == 0
-    return {arch: repository / f"tiny-{arch}-fp16" / "1" for arch in tiny_runs}
 
 
 def unplaced_by_graph(version_dir: Path) -> dict[str, list[tuple[str, str]]]:
