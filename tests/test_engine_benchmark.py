@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 def test_each_runtime_alone_in_its_process() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "engine_throughput.py"), "--sizes", "TINY",
-               "--precisions", "fp32", "--batches", "2", "--beams", "1", "2", "--repeats", "2", "--seconds", "0.1",
+               "--precisions", "fp32", "--batches", "2", "--beams", "1", "2", "--repeats", "1", "--seconds", "0.1",
                "--pause", "0", "--anatomy", "--runtimes", "ctranslate2", "pytorch", "generate"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
