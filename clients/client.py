@@ -32,12 +32,15 @@ because
   every attempt carries the same ``x-request-id``, so the server's logs tie the attempts together;
 * the last attempt's status and message reach the caller unchanged, together with the attempt count.
 
-Retried: UNAVAILABLE (server draining on shutdown, connection refused or reset) and RESOURCE_EXHAUSTED
-(queue full), at most ``max_attempts`` attempts in all, sleeping ``uniform(0, min(max_backoff,
-initial_backoff * multiplier ** (attempt - 1)))`` between attempts (exponential back-off with "full
+Retried: UNAVAILABLE (server draining on shutdown, connection refused or reset), RESOURCE_EXHAUSTED
+(queue full) and the one CANCELLED a server sends on its own: a call that reached a stopping server
+before any handler took it ends CANCELLED with gRPC core's message ``"CANCELLED"`` (grpc/grpc#41785);
+it was never processed, so it is as safe to repeat as a refused call. At most ``max_attempts`` attempts
+in all, sleeping ``uniform(0, min(max_backoff, initial_backoff * multiplier ** (attempt - 1)))`` between
+attempts (exponential back-off with "full
 jitter", the formula of gRPC's retry design A6), and never past the call's deadline. Never retried:
-INVALID_ARGUMENT, NOT_FOUND, DEADLINE_EXCEEDED, CANCELLED and every other code: repeating them cannot
-succeed, or would spend a deadline that has already passed. ``health`` is never retried (a probe must
+INVALID_ARGUMENT, NOT_FOUND, DEADLINE_EXCEEDED, any other CANCELLED and every other code: repeating them
+cannot succeed, or would spend a deadline that has already passed. ``health`` is never retried (a probe must
 report the present state), and gRPC's own transparent retries (of calls that never left the client)
 stay on.
 
@@ -92,6 +95,9 @@ AUTHORIZATION_KEY = "authorization"
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 NEVER_RETRIED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# gRPC core's message for a call that a stopping server dropped before any handler took it (grpc/grpc#41785);
+# a caller's own cancellation reads "Locally cancelled by application!", the server's handlers write their own.
+DROPPED_AT_SHUTDOWN = "CANCELLED"
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,10 @@ class RetryPolicy:
         ceiling = min(self.max_backoff, self.initial_backoff * self.backoff_multiplier ** (attempt - 1))
         return (rng or random).uniform(0.0, ceiling)
 
-    def should_retry(self, code: grpc.StatusCode | None, attempt: int) -> bool:
+    def should_retry(self, code: grpc.StatusCode | None, attempt: int, message: str = "") -> bool:
+        """Whether failed attempt number ``attempt`` (1-based), ended with ``code`` and ``message``, is repeated."""
+        if code == grpc.StatusCode.CANCELLED and message == DROPPED_AT_SHUTDOWN:
+            code = grpc.StatusCode.UNAVAILABLE  # never processed: the server refused it by stopping
         return code in self.retryable_codes and attempt < self.max_attempts
 
 
@@ -192,7 +201,7 @@ class _ClientBase:
     def _next_sleep(self, error: grpc.RpcError, attempt: int, deadline: float | None, request_id: str) -> float:
         """Seconds to wait before retrying, or raise the :class:`TranslationError` of ``error``."""
         failure = error_from_rpc(error, request_id, attempt)
-        if not self.retry.should_retry(failure.code, attempt):
+        if not self.retry.should_retry(failure.code, attempt, failure.message):
             raise failure from None
         delay = self.retry.backoff(attempt)
         if deadline is not None and time.monotonic() + delay >= deadline:

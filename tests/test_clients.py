@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -289,6 +290,63 @@ class FakeServer:
 UNAVAILABLE, EXHAUSTED = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class StoppingServer:
+    """An asyncio gRPC server (on its own loop thread) whose ``Translate`` of ``"stop"`` blocks the loop for
+    ``hold`` seconds and then stops the server: calls that arrive meanwhile wait in gRPC core unmatched to a
+    handler, and the stop ends them CANCELLED with the core's message (grpc/grpc#41785)."""
+
+    def __init__(self, hold: float) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.handled: list[str] = []
+        started = threading.Event()
+        server_holder: list[grpc.aio.Server] = []
+        outer = self
+
+        class Stopping(pb2_grpc.TranslatorServicer):
+            async def Translate(self, request: Any, context: Any) -> Any:  # noqa: N802
+                outer.handled.extend(request.texts)
+                if list(request.texts) == ["stop"]:
+                    time.sleep(hold)  # blocks the loop on purpose
+                    asyncio.get_running_loop().create_task(server_holder[0].stop(0))
+                return pb2.TranslateResponse(model="fake", model_version="1", translations=[
+                    pb2.Translation(hypotheses=[pb2.Hypothesis(text=t.upper())]) for t in request.texts])
+
+            async def ListModels(self, request: Any, context: Any) -> Any:  # noqa: N802
+                return pb2.ListModelsResponse(models=[pb2.ModelInfo(name="fake", version="1")])
+
+        async def serve() -> None:
+            server = grpc.aio.server()
+            server_holder.append(server)
+            pb2_grpc.add_TranslatorServicer_to_server(Stopping(), server)
+            self.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            started.set()
+            await server.wait_for_termination()
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),), daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+
+def test_a_call_a_stopping_server_dropped_unhandled_is_retried_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
+    stopping = StoppingServer(hold=1.0)
+    with FakeServer(ScriptedTranslator([])) as fake, \
+            TranslatorClient([stopping.address, fake.address], retry=RetryPolicy(
+                max_attempts=4, initial_backoff=0.01, max_backoff=0.02)) as client:
+        for _ in range(4):  # both replicas connected and in the round
+            client.list_models()
+        with grpc.insecure_channel(stopping.address) as channel, futures.ThreadPoolExecutor(9) as pool, \
+                caplog.at_level(logging.DEBUG, logger="nmt.client"):
+            stop = pool.submit(pb2_grpc.TranslatorStub(channel).Translate, pb2.TranslateRequest(texts=["stop"]))
+            time.sleep(0.3)  # the stopping server's loop is blocked now
+            results = list(pool.map(lambda i: client.translate(f"call {i}")[0].best.text, range(8)))
+            stop.result(10)
+    stopping.thread.join(10)
+    assert results == [f"CALL {i}" for i in range(8)]  # none lost
+    dropped = [r for r in caplog.records if getattr(r, "fields", {}).get("code") == "CANCELLED"]
+    assert dropped, "no call waited unhandled on the stopping server"
+
+
 def test_retry_after_unavailable_succeeds() -> None:
     with FakeServer(ScriptedTranslator([UNAVAILABLE])) as fake, \
             TranslatorClient(fake.address, retry=FAST_RETRY) as client:
@@ -393,6 +451,9 @@ def test_retry_policy() -> None:
         assert all(0 <= s <= ceiling for s in samples) and max(samples) > 0.8 * ceiling  # full jitter
     assert policy.should_retry(UNAVAILABLE, 3) and not policy.should_retry(UNAVAILABLE, 4)
     assert not policy.should_retry(grpc.StatusCode.INVALID_ARGUMENT, 1)
+    cancelled = grpc.StatusCode.CANCELLED
+    assert policy.should_retry(cancelled, 1, "CANCELLED")  # dropped unhandled by a stopping server
+    assert not policy.should_retry(cancelled, 1, "call cancelled") and not policy.should_retry(cancelled, 1)
     with pytest.raises(ValueError, match="never retried: INVALID_ARGUMENT"):
         RetryPolicy(retryable_codes=frozenset({UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT}))
     with pytest.raises(ValueError, match="max_attempts"):
