@@ -49,7 +49,7 @@ def project(model: str, job: dict) -> Runtime:
     import onnxruntime as ort
 
     from server.config import ServerConfig
-    from server.engine.allocator import retain_freed_memory
+    from server.core.allocator import retain_freed_memory
     from server.engine.engine import Engine
     from server.types import DecodingOptions, SentenceRequest, TargetPrefix
 

@@ -10,7 +10,7 @@ by :func:`build_completion` (None) and the prefix is then tokenized whole, as be
 
 :meth:`WordPieces.boundary` is the completion of a word boundary: its one piece starts a word or ends
 the sentence. Alternatives after a prefix that ends with whitespace (a finished word, though its pieces
-cannot say so: the tokenizer drops trailing whitespace) start there (:mod:`server.engine.alternatives`).
+cannot say so: the tokenizer drops trailing whitespace) start there (:mod:`server.engine.forced`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common.model_format.tokenizer import WORD_START
 WORD_END = re.compile(r"\w+$")
 # alternatives: partial words the word search keeps per word asked for (some make no word, some spell one
 # again); the front-end counts the rows they take (server.frontend.validation), the search keeps them
-# (server.engine.alternatives)
+# (server.engine.forced)
 WIDTH = 2
 
 
@@ -96,7 +96,7 @@ def build_completion(word: str, after_space: bool, start: int,
 
 class WordPieces:
     """Which target ids start a word, and how each is spelt: a model's vocabulary as the next-word rule
-    (:mod:`server.engine.alternatives`) and :meth:`boundary` read it, built once when the model loads."""
+    (:mod:`server.engine.forced`) and :meth:`boundary` read it, built once when the model loads."""
 
     def __init__(self, pieces: Sequence[str], eos_id: int) -> None:
         self.spellings = tuple(pieces)  # id -> piece: two spellings of one word join to the same text

@@ -1,4 +1,4 @@
-"""The process's malloc settings (server.engine.allocator): freed arrays' pages reused by the next allocations."""
+"""The process's malloc settings (server.core.allocator): freed arrays' pages reused by the next allocations."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from common.errors import NmtError
 from server.config import ServerConfig
-from server.engine.allocator import retain_freed_memory
+from server.core.allocator import retain_freed_memory
 
 
 def _faults_per_round(rounds: int, megabytes: int) -> float:

@@ -1,5 +1,5 @@
 """Decoding for interactive UIs: target prefixes run as one forced pass, alternatives at the prefix's end (the
-next words, :mod:`server.engine.alternatives`: on hand-written tables, against the PyTorch reference on both tiny
+next words, :mod:`server.engine.forced`: on hand-written tables, against the PyTorch reference on both tiny
 architectures, and on the small dates models), prefixes ending inside a word or with a space, against the
 PyTorch reference search (``training/search.py``); the forced-pass graph and the fallback of versions exported
 without it."""
@@ -23,9 +23,8 @@ from nmt.cli import main as nmt_main
 from server.completion import WordPieces, build_completion, piece_index, split_partial_word
 from server.config import ServerConfig
 from server.controls import Controls
-from server.engine.alternatives import FLOOR
 from server.engine.engine import Engine
-from server.engine.forced import decode_batch, stepwise_force
+from server.engine.forced import FLOOR, decode_batch, stepwise_force
 from server.engine.step_model import Alternatives, BeamSentence, Capabilities, take_rows
 from server.frontend.validation import check_budget
 from server.protos import pb2

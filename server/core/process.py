@@ -37,13 +37,13 @@ async def open_repository(config: ServerConfig, metrics: ServerMetrics,
     """The model repository of ``config`` after its first scan: every version loaded, verified and
     smoke-tested with its scheduler (not started). Without an ``engine_loader`` (tests pass one) the
     runtime is logged, the allocator tuned and the provider probed first; ``config.engine == "null"``
-    loads :class:`server.engine.null_engine.NullEngine` s instead (no model, no device)."""
+    loads :class:`server.core.null_engine.NullEngine` s instead (no model, no device)."""
     if engine_loader is None and config.engine == "null":
-        from server.engine.null_engine import NullEngine
+        from server.core.null_engine import NullEngine
 
         engine_loader = NullEngine.load
     elif engine_loader is None:
-        from server.engine.allocator import retain_freed_memory
+        from server.core.allocator import retain_freed_memory
         from server.engine.device import DeviceSettings, log_runtime, probe_provider  # imports onnxruntime
 
         log_runtime()

@@ -136,7 +136,7 @@ def _pad_to(array: np.ndarray, shape: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Alternatives:
     """A sentence's ``return_alternatives``: its most likely next words after the forced prefix, each
-    continued to a whole translation (:mod:`server.engine.alternatives`)."""
+    continued to a whole translation (:mod:`server.engine.forced`)."""
 
     count: int  # the most words returned
     words: WordPieces  # the model's pieces: which start a word, how each is spelt

@@ -58,9 +58,9 @@ def traced_server(trace: str, arguments: list[str]) -> None:
     ``NMT_TIMELINE_TRAFFIC_MB`` makes the null engine stream that many MiB through memory per batch."""
     import numpy as np
 
+    import server.core.null_engine as null_engine
     import server.core.scheduler as scheduler
     import server.engine.engine as engine
-    import server.engine.null_engine as null_engine
     import server.frontend.servicer as servicer
     from nmt.cli import main
 
