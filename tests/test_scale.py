@@ -291,3 +291,17 @@ def test_targets_and_service_config() -> None:
     assert '"round_robin"' in service_config(health_check=False)
     assert SERVICE_NAME in service_config(health_check=True)
     assert TranslatorClient("127.0.0.1:5,127.0.0.1:6").target == "ipv4:127.0.0.1:5,127.0.0.1:6"
+
+
+def test_the_null_engine_serves_each_sentence_its_own_words(scale_repository: Path) -> None:
+    """``--engine null`` (what ``nmt bench server --engine null`` measures the serving layer with): the whole
+    request path, no model; each sentence comes back as its own source pieces, detokenized."""
+    replica = serving(launch(scale_repository, "--engine", "null"), scale_repository, "--engine", "null")
+    try:
+        with TranslatorClient(replica.address, timeout=30) as client:
+            results = client.translate(list(TEXTS[:3]), model=SERVED_MODEL)
+        assert [r.best.text for r in results] == list(TEXTS[:3])
+        assert [r.best.tokens for r in results] == [text.split() for text in TEXTS[:3]]
+    finally:
+        replica.process.terminate()
+        assert replica.process.wait(30) == 0
