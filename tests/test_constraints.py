@@ -29,12 +29,16 @@ def distribution(prefix: tuple[int, ...]) -> dict[int, float]:
 
 
 class BigramModel:
-    """A StepModel over :data:`BIGRAM`; the state is each row's prefix; rows may be at different steps."""
+    """A StepModel over :func:`distribution` (or ``table``); the state is each row's prefix; rows may be at
+    different steps."""
 
     static_names: list[str] = []
     state_names = ["prefix"]
     static_src_axes: dict[str, int] = {}
     capabilities = Capabilities(per_row_positions=True)
+
+    def __init__(self, table=None) -> None:
+        self.table = table or distribution
 
     def step(self, tokens, static, state, need_attention, k, full=False, positions=None, logits=False):
         prefixes = [tuple(t for t in row if t >= 0) for row in state["prefix"].tolist()]
@@ -45,7 +49,7 @@ class BigramModel:
             padded[r, : len(p)] = p
         log_probs = np.full((len(prefixes), VOCAB), -np.inf)
         for r, p in enumerate(prefixes):
-            for token, prob in distribution(p).items():
+            for token, prob in self.table(p).items():
                 log_probs[r, token] = math.log(prob)
         ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
         attention = np.full((len(prefixes), 2), 0.5, dtype=np.float32) if need_attention else None
@@ -67,10 +71,10 @@ class BigramModel:
         return joined
 
 
-def search(constraints=(), beam=3, n=1, max_length=10, length_penalty=0.0, **controls):
+def search(constraints=(), beam=3, n=1, max_length=10, length_penalty=0.0, table=None, **controls):
     spec = BeamSentence(source_length=2, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
                         beam_size=beam, controls=Controls(constraints=tuple(constraints), **controls))
-    [result] = beam_search(BigramModel(), {"prefix": np.zeros((1, 0), dtype=np.int64)}, [spec], start_id=BOS,
+    [result] = beam_search(BigramModel(table), {"prefix": np.zeros((1, 0), dtype=np.int64)}, [spec], start_id=BOS,
                            eos_id=EOS)
     return result
 
@@ -171,6 +175,23 @@ def test_a_constraint_that_cannot_fit_the_output_limit_returns_the_best_hypothes
     assert not best.terms_met
     assert best.tokens == [A, B, EOS]
     assert best.score == pytest.approx(math.log(0.4 * 0.5 * 0.5))
+
+
+def rare_term(prefix: tuple[int, ...]) -> dict[int, float]:
+    """C is a word the model hardly writes (0.01 anywhere) and after which it ends (0.9)."""
+    return {EOS: 0.9, A: 0.05, B: 0.05} if prefix and prefix[-1] == C else {A: 0.3, B: 0.3, D: 0.2, EOS: 0.19,
+                                                                                C: 0.01}
+
+
+def test_a_hypothesis_that_met_its_term_ends_where_the_model_ends_it():
+    """[C, EOS] (0.01 x 0.9) is the best sequence that holds C. After C its EOS ranks below the six continuations
+    of the two hypotheses still without C (each above 0.3 x 0.2): it must still end there, among the hypotheses
+    that met the term, not write on."""
+    result = search([(C,)], beam=3, table=rare_term)
+    best = result.hypotheses[0]
+    assert best.tokens == [C, EOS]
+    assert best.score == pytest.approx(math.log(0.01 * 0.9))
+    assert best.terms_met
 
 
 def test_a_forced_prefix_counts_toward_the_terms():

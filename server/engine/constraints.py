@@ -12,8 +12,11 @@ met and the longest run in progress), and the beam's slots are dealt out: the be
 its bank, then across the banks, the most advanced bank first, each bank's candidates by score. A hypothesis
 that has written more of its terms thus keeps a place beside better-scored ones that have written less, the
 model's own best translation keeps its place however many banks there are, and the words around a term are
-the model's own choice given the term. EOS finishes a hypothesis that has met its terms when fewer than
-``beam`` live candidates that have met theirs rank above it.
+the model's own choice given the term. EOS finishes a hypothesis that has met its terms as in the unconstrained
+search, counted among the hypotheses that have met theirs: when it ranks among their ``2 x beam`` best
+continuations and fewer than ``beam`` live ones rank above it. (Counted among all, a term the model finds
+costly would keep every hypothesis that wrote it from ending where the model ends it: those still without
+the term score higher, and the ones with it would write on to the output limit.)
 
 A term's token that the search takes against the model (a candidate only because it advances a term, not
 among the model's best) commits the hypothesis to that term: its next tokens are the term's until it is
@@ -183,6 +186,7 @@ class ConstrainedChoice:
     live: list[tuple[int, int, float, float, Progress]]  # (row, token, its log-probability, summed score,
     # progress), best first, at most ``beam``
     best_live: float  # the best live candidate's summed score (NEG_INF: none)
+    best_met: float  # the same among those that have met their terms
 
 
 def select_constrained(sentences: Sequence[ConstrainedRows], totals: np.ndarray, log_probs: np.ndarray,
@@ -208,7 +212,7 @@ def select_constrained(sentences: Sequence[ConstrainedRows], totals: np.ndarray,
             t = totals[rows].tolist()
             finished = [(r, t[r] + (0.0 if s.given else eos[r]), eos[r], state.done)
                         for r, state in enumerate(s.states) if t[r] > NEG_INF and eos[r] > NEG_INF]
-            choices.append(ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF))
+            choices.append(ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF, NEG_INF))
         else:
             peaks: list[int | None] = [None] * len(s.states)
             if attention is not None and s.terms.sources is not None:
@@ -250,7 +254,12 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
         row_best.append(best)
     pool.sort()
     value = {(r, t): -v for v, r, t in pool[: 2 * beam]}  # the candidates: the 2 x beam best, each row's best,
-    natural = set(value)  # the tokens that advance a term
+    natural = set(value)  # the tokens that advance a term, and EOS where the hypotheses that met their terms
+    # would end it: among their own 2 x beam best (their scores, lower by what the terms cost, keep them out of
+    # the sentence's best, and a hypothesis the model would end would go on writing whatever comes next)
+    for v, r, t in [c for c in pool if states[c[1]].done][: 2 * beam]:
+        if t == eos_id:
+            value[r, t] = -v
     advancing: list[frozenset[int]] = []  # per row: the tokens that advance one of its terms at all
     busy = frozenset(state.committed[0] for state, total in zip(states, totals, strict=True)
                      if state.committed is not None and total > NEG_INF)  # one forced copy of a term at a time
@@ -272,10 +281,12 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
     banks: dict[int, list[tuple[int, int, Progress]]] = {}
     leader: int | None = None  # the bank of the best live candidate
     done_before = 0  # live candidates ranked ahead that have met their terms
-    for i, (r, t) in enumerate(ranked):
+    met_before = 0  # candidates ranked ahead that have met their terms, EOS included
+    for r, t in ranked:
         if t == eos_id:  # EOS finishes as in the unconstrained selection, among the candidates that met the terms
-            if i < 2 * beam and done_before < beam:
+            if met_before < 2 * beam and done_before < beam:
                 finished.append((r, value[r, t], float(log_probs[r, t]), True))
+            met_before += 1
             continue
         state = states[r]
         if t in advancing[r] or state.committed is not None or state.partial:
@@ -284,6 +295,7 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
             p = state
         banks.setdefault(p.bank, []).append((r, t, p))
         done_before += p.done
+        met_before += p.done
         if leader is None:
             leader = p.bank
     dealt: list[tuple[int, int, Progress]] = []
@@ -298,4 +310,5 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
         depth += 1
     dealt.sort(key=lambda c: (-value[c[0], c[1]], c[0], c[1]))
     live = [(r, t, float(log_probs[r, t]), value[r, t], p) for r, t, p in dealt]
-    return ConstrainedChoice(finished, live, live[0][3] if live else NEG_INF)
+    return ConstrainedChoice(finished, live, live[0][3] if live else NEG_INF,
+                             next((c[3] for c in live if c[4].done), NEG_INF))
