@@ -331,12 +331,13 @@ class TranslatorClient(_ClientBase):
         return [(p.source_language, p.target_language, p.model) for p in response.pairs]
 
     def create_glossary(self, glossary_id: str, source_language: str, target_language: str, entries: Glossary, *,
-                        case_insensitive: bool = False, timeout: float | None = None,
+                        case_insensitive: bool = False, name: str = "", timeout: float | None = None,
                         request_id: str | None = None) -> GlossaryInfo:
-        """Store a glossary on the server (``--glossary-dir``) for requests to name in ``glossary_id``."""
+        """Store a glossary on the server (``--glossary-dir``) for requests to name in ``glossary_id``
+        (``name``: a display name, one line)."""
         request = pb2.CreateGlossaryRequest(glossary=pb2.Glossary(
             glossary_id=glossary_id, source_language=source_language, target_language=target_language,
-            entries=glossary_entries_pb(entries), case_insensitive=case_insensitive))
+            entries=glossary_entries_pb(entries), case_insensitive=case_insensitive, name=name))
         return glossary_from_pb(self._call(self.stub.CreateGlossary, request, timeout, request_id))
 
     def list_glossaries(self, *, timeout: float | None = None, request_id: str | None = None) -> list[GlossaryInfo]:

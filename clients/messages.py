@@ -233,12 +233,13 @@ class GlossaryInfo:
     target_language: str
     entry_count: int
     entries: tuple[tuple[str, str, bool], ...] = ()
+    name: str = ""  # its display name (its id where none was given)
 
 
 def glossary_from_pb(message: Any) -> GlossaryInfo:
     return GlossaryInfo(message.glossary_id, message.source_language, message.target_language,
                         int(message.entry_count),
-                        tuple((e.source, e.target, e.case_insensitive) for e in message.entries))
+                        tuple((e.source, e.target, e.case_insensitive) for e in message.entries), message.name)
 
 
 TEXT_FORMATS = {"": 0, "text": pb2.TEXT_FORMAT_PLAIN, "html": pb2.TEXT_FORMAT_HTML, "xml": pb2.TEXT_FORMAT_XML}

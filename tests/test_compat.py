@@ -30,8 +30,8 @@ def repository(dates_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def server(repository: Path) -> Iterator[ServerHarness]:
-    harness = serve(repository)
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHarness]:
+    harness = serve(repository, glossary_dir=str(tmp_path_factory.mktemp("compat-glossaries")))
     yield harness
     harness.close()
 
@@ -167,7 +167,7 @@ def test_deepl_languages_and_usage(server: ServerHarness) -> None:
 @pytest.mark.parametrize(("options", "message"), [
     ({"target_lang": "FR"}, "served pairs"),
     ({"target_lang": "DE", "formality": "more"}, "formality"),
-    ({"target_lang": "DE", "source_lang": "EN", "glossary": "g1"}, "Glossaries"),
+    ({"target_lang": "DE", "source_lang": "EN", "glossary": "g1"}, "no glossary 'g1'"),
     ({"target_lang": "DE", "split_sentences": "sometimes"}, "split_sentences"),
     ({"target_lang": "DE", "tag_handling": "markdown"}, "tag_handling"),
 ])
@@ -175,6 +175,39 @@ def test_deepl_errors_are_its_400(server: ServerHarness, options: dict, message:
     with pytest.raises(deepl.DeepLException) as caught:
         deepl_client(server).translate_text(DATE, **options)
     assert caught.value.http_status_code == 400 and message in str(caught.value)
+
+
+def test_deepl_glossaries_through_its_client(server: ServerHarness) -> None:
+    """DeepL's glossary calls, as its client makes them, over the stored glossaries: the name is the caller's,
+    the id the service's, and a translation with the glossary holds its terms as the native call does."""
+    translator = deepl_client(server)
+    assert [(p.source_lang, p.target_lang) for p in translator.get_glossary_languages()] == [("en", "de"),
+                                                                                            ("fr", "de")]
+    glossary = translator.create_glossary("weblate:en:de:1", "EN", "DE", {"April": "Mai", "Tuesday": "Mittwoch"})
+    assert (glossary.name, glossary.source_lang, glossary.target_lang, glossary.entry_count, glossary.ready) == \
+        ("weblate:en:de:1", "EN", "DE", 2, True)
+    assert [g.glossary_id for g in translator.list_glossaries()] == [glossary.glossary_id]
+    assert translator.get_glossary(glossary.glossary_id).name == "weblate:en:de:1"
+    assert translator.get_glossary_entries(glossary) == {"April": "Mai", "Tuesday": "Mittwoch"}
+    native = translate(server, [DATE], source_language="en", target_language="de",
+                       glossary_id=glossary.glossary_id).translations[0]
+    assert [(t.source, t.target) for t in native.terms] == [("Tuesday", "Mittwoch"), ("April", "Mai")]
+    text = translator.translate_text(DATE, source_lang="EN", target_lang="DE", glossary=glossary).text
+    assert text == native.hypotheses[0].text and "Mai" in text and "Mittwoch" in text
+    from_csv = translator.create_glossary_from_csv("csv", "EN", "DE", "April,Mai,en,de\nMay,April\n")
+    assert translator.get_glossary_entries(from_csv) == {"April": "Mai", "May": "April"}
+    for made in (glossary, from_csv):
+        translator.delete_glossary(made)
+    assert translator.list_glossaries() == []
+    with pytest.raises(deepl.GlossaryNotFoundException):
+        translator.get_glossary(glossary.glossary_id)
+    with pytest.raises(deepl.GlossaryNotFoundException):
+        translator.delete_glossary(glossary.glossary_id)
+    status, body = post(server, "/v2/glossaries", {"name": "bad", "source_lang": "EN", "target_lang": "DE",
+                                                   "entries": "April Mai", "entries_format": "tsv"})
+    assert status == 400 and "line 1" in body["message"]
+    status, body = post(server, "/v2/translate", {"text": [DATE], "target_lang": "DE", "glossary_id": "x"})
+    assert status == 400 and "source_lang" in body["message"]
 
 
 def test_deepl_body_over_the_limit_is_413(server: ServerHarness) -> None:
@@ -189,6 +222,8 @@ def test_deepl_auth_key_is_the_bearer_token(repository: Path, tmp_path: Path) ->
     harness = serve(repository, auth_tokens_file=str(tokens))
     try:
         assert deepl_client(harness, TOKEN).translate_text(DATE, source_lang="EN", target_lang="DE").text
+        with pytest.raises(deepl.AuthorizationException, match="glossar"):  # writing needs +glossaries
+            deepl_client(harness, TOKEN).create_glossary("g", "EN", "DE", {"April": "Mai"})
         with pytest.raises(deepl.AuthorizationException):
             deepl_client(harness, "wrong-key").translate_text(DATE, source_lang="EN", target_lang="DE")
         with pytest.raises(deepl.AuthorizationException):

@@ -172,6 +172,20 @@ def test_stored_glossaries_over_grpc(server, glossary_dir):
         ["months"]
     got = stub.GetGlossary(pb2.GetGlossaryRequest(glossary_id="months"), timeout=30)
     assert [(e.source, e.target) for e in got.entries] == [("April", "Ostermond")]
+    written = (glossary_dir / "months.en.de.tsv").stat().st_mtime_ns
+    assert (got.name, got.update_time.ToNanoseconds()) == ("months", written)  # no name given: the id
+    named = stub.CreateGlossary(pb2.CreateGlossaryRequest(glossary=pb2.Glossary(
+        glossary_id="named", name="Months, old style", source_language="en", target_language="de", entries=APRIL)),
+        timeout=30)
+    assert named.name == "Months, old style"
+    assert (glossary_dir / "named.en.de.tsv").read_text(encoding="utf-8") == \
+        "# name: Months, old style\nApril\tOstermond\n"
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CreateGlossary(pb2.CreateGlossaryRequest(glossary=pb2.Glossary(
+            glossary_id="two-lines", name="a\nb", source_language="en", target_language="de", entries=APRIL)),
+            timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one line" in caught.value.details()
+    stub.DeleteGlossary(pb2.DeleteGlossaryRequest(glossary_id="named"), timeout=30)
     [translation] = translate(server, ["Tuesday, April 25, 2045"], glossary_id="months").translations
     assert "Ostermond" in translation.hypotheses[0].text
     # an inline entry wins over the stored one for the same term
@@ -260,3 +274,18 @@ def test_a_token_writes_glossaries_only_with_the_permission(tmp_path):
     tokens.write_text("reader-token-0123456789 +everything\n", encoding="utf-8")
     with pytest.raises(Exception, match="unknown permission"):
         Authenticator.from_file(tokens)
+
+
+def test_the_python_client_keeps_glossaries(server):
+    from clients.client import TranslatorClient
+
+    with TranslatorClient(server.address, timeout=60) as client:
+        made = client.create_glossary("client-months", "en", "de", [("April", "Ostermond"), ("may", "Mai", True)],
+                                      name="Months")
+        assert (made.glossary_id, made.name, made.entry_count, made.entries) == ("client-months", "Months", 2, ())
+        assert "client-months" in [g.glossary_id for g in client.list_glossaries()]
+        assert client.get_glossary("client-months").entries == (("April", "Ostermond", False), ("may", "Mai", True))
+        [result] = client.translate("Tuesday, April 25, 2045", glossary_id="client-months", model=TRANSFORMER)
+        assert "Ostermond" in result.best.text
+        client.delete_glossary("client-months")
+        assert "client-months" not in [g.glossary_id for g in client.list_glossaries()]

@@ -56,7 +56,9 @@ def entries_from_pb(entries: Any) -> list[GlossaryEntry]:
 def glossary_pb(stored: StoredGlossary, *, entries: bool) -> Any:
     """A stored glossary -> ``Glossary`` message (its entries only with ``entries``)."""
     message = pb2.Glossary(glossary_id=stored.glossary_id, source_language=stored.source_language,
-                           target_language=stored.target_language, entry_count=len(stored.entries))
+                           target_language=stored.target_language, entry_count=len(stored.entries),
+                           name=stored.name)
+    message.update_time.FromNanoseconds(stored.written_ns)
     if entries:
         message.entries.extend(pb2.GlossaryEntry(source=e.source, target=e.target, case_insensitive=e.case_insensitive)
                                for e in stored.entries)

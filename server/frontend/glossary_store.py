@@ -1,7 +1,8 @@
 """Stored glossaries: one file per glossary in the ``--glossary-dir`` directory, shared by every serving process.
 
 A glossary ``acme`` for English to German is ``acme.en.de.tsv`` (or ``.csv``), in the format of
-:mod:`common.glossary_file`.
+:mod:`common.glossary_file`; a first line ``# name: <text>`` gives it a display name (the API writes one when
+asked to; DeepL's glossaries have names).
 The API writes ``.tsv`` files atomically (a hidden temporary file in the same directory, then a hard link
 that fails when the name is taken, so a reader never sees half a file); operators may drop, edit or delete
 files there too. Every lookup checks the file's modification time and size, so an edited file is read again
@@ -30,6 +31,8 @@ MAX_GLOSSARIES = 1_000  # in the directory
 GLOSSARY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:-[A-Za-z0-9]{1,8})*")
 SUFFIXES = (".tsv", ".csv")
+NAME_LINE = "# name: "  # a glossary file's first line, when it has a display name
+MAX_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class StoredGlossary:
     source_language: str
     target_language: str
     glossary: Glossary
+    name: str  # its display name (its id where the file names none)
+    written_ns: int  # the file's modification time (ns since the epoch)
 
     @property
     def entries(self) -> list[Entry]:
@@ -109,7 +114,11 @@ class GlossaryStore:
             entries = parse_entries(text, name.endswith(".csv"), name)
         except InvalidArgument as error:  # an operator's file: the request is fine, the store is not
             raise FailedPrecondition(str(error)) from error
-        stored = StoredGlossary(name.split(".")[0], source, target, Glossary(entries))
+        glossary_id = name.split(".")[0]
+        first = text.split("\n", 1)[0].rstrip("\r")
+        display = first[len(NAME_LINE):].strip() if first.startswith(NAME_LINE) else ""
+        stored = StoredGlossary(glossary_id, source, target, Glossary(entries), display or glossary_id,
+                                stat.st_mtime_ns)
         self._read[name] = (key, stored)
         return stored
 
@@ -130,14 +139,18 @@ class GlossaryStore:
             raise NotFound(f"no glossary {glossary_id!r} (ListGlossaries lists them)")
         return self._load(*found)
 
-    def create(self, glossary_id: str, source: str, target: str, entries: list[Entry]) -> StoredGlossary:
-        """Write a new glossary; AlreadyExists for an id in use, ResourceExhausted past :data:`MAX_GLOSSARIES`."""
+    def create(self, glossary_id: str, source: str, target: str, entries: list[Entry],
+               name: str = "") -> StoredGlossary:
+        """Write a new glossary (``name``: its display name, if any); AlreadyExists for an id in use,
+        ResourceExhausted past :data:`MAX_GLOSSARIES`."""
         if not GLOSSARY_ID.fullmatch(glossary_id):
             raise InvalidArgument(f"glossary_id {glossary_id!r}: 1-64 of A-Z a-z 0-9 _ -, starting with a letter or "
                                   "digit")
         for field, code in (("source_language", source), ("target_language", target)):
             if not LANGUAGE.fullmatch(code):
                 raise InvalidArgument(f"{field} {code!r} is not a language code (e.g. en, de, pt-BR)")
+        if len(name) > MAX_NAME_CHARS or any(c in name for c in "\r\n"):
+            raise InvalidArgument(f"a glossary's name is one line of at most {MAX_NAME_CHARS} characters")
         if not entries:
             raise InvalidArgument("a glossary needs at least one entry")
         if len(entries) > MAX_ENTRIES:
@@ -148,7 +161,8 @@ class GlossaryStore:
             raise AlreadyExists(f"glossary {glossary_id!r} exists; delete it first to replace it")
         if len(files) >= MAX_GLOSSARIES:
             raise ResourceExhausted(f"the store holds {len(files)} glossaries, the limit is {MAX_GLOSSARIES}")
-        data = write_entries([(e.source, e.target, e.case_insensitive) for e in entries]).encode("utf-8")
+        header = f"{NAME_LINE}{name.strip()}\n" if name.strip() else ""
+        data = (header + write_entries([(e.source, e.target, e.case_insensitive) for e in entries])).encode("utf-8")
         if len(data) > MAX_FILE_BYTES:
             raise InvalidArgument(f"the glossary takes {len(data)} bytes, the limit is {MAX_FILE_BYTES}")
         name = f"{glossary_id}.{source}.{target}.tsv"

@@ -224,7 +224,7 @@ class TranslatorService:
         if g.case_insensitive:
             entries = [replace(e, case_insensitive=True) for e in entries]
         stored = await asyncio.to_thread(self._store().create, g.glossary_id, g.source_language, g.target_language,
-                                         entries)
+                                         entries, g.name)
         return glossary_pb(stored, entries=False)
 
     @grpc_errors

@@ -14,7 +14,13 @@
 * ``GET /v2/languages`` (``type=source`` or ``target``): the served languages, upper-cased, with their names.
 * ``GET /v2/usage``: the characters this replica translated for the DeepL API since it started, and a
   ``character_limit`` of :data:`NO_LIMIT` (the service has no quota).
-* ``glossary_id``: 400 until glossaries are served (the glossary endpoints are not served).
+* ``glossary_id`` (with ``source_lang``, as DeepL's) on ``/v2/translate``: a stored glossary's terms are held in
+  every translation (docs/glossaries.md).
+* Glossaries (the server's ``--glossary-dir``; writing needs a token allowed to write glossaries where tokens are
+  on): ``POST /v2/glossaries`` (``name``, ``source_lang``, ``target_lang``, ``entries``, ``entries_format``
+  ``tsv`` or ``csv``; the id is made here, the name kept in the file), ``GET /v2/glossaries``, ``GET`` and
+  ``DELETE /v2/glossaries/{id}``, ``GET /v2/glossaries/{id}/entries`` (TSV), ``GET
+  /v2/glossary-language-pairs`` (the served pairs); an unknown id is DeepL's 404.
 
 ``Authorization: DeepL-Auth-Key KEY`` (or ``auth_key`` in the form) is the service's bearer token. Errors are
 ``{"message": ...}`` with DeepL's statuses: 400 (a bad parameter, an unserved language), 403 (a missing or
@@ -24,11 +30,17 @@ refused key where tokens are on), 413 (a body over the limit), 429 (the server i
 
 from __future__ import annotations
 
+import csv
+import datetime
+import io
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
 from aiohttp import web
 
+from common.glossary_file import write_entries
 from server.frontend.compat.common import Caller, CompatError, Failed, deadline, form_or_json, language_name
 from server.protos import pb2
 
@@ -69,6 +81,12 @@ class DeepLApi:
         app.router.add_post("/v2/languages", self.languages)
         app.router.add_get("/v2/usage", self.usage)
         app.router.add_post("/v2/usage", self.usage)
+        app.router.add_post("/v2/glossaries", self.create_glossary)
+        app.router.add_get("/v2/glossaries", self.list_glossaries)
+        app.router.add_get("/v2/glossaries/{glossary_id}", self.get_glossary)
+        app.router.add_delete("/v2/glossaries/{glossary_id}", self.delete_glossary)
+        app.router.add_get("/v2/glossaries/{glossary_id}/entries", self.glossary_entries)
+        app.router.add_get("/v2/glossary-language-pairs", self.glossary_pairs)
 
     async def _params(self, request: web.Request) -> tuple[dict[str, Any], dict[str, str], float | None]:
         """The parameters, the native call's headers (the DeepL key as its bearer token) and its deadline."""
@@ -123,8 +141,9 @@ class DeepLApi:
         if formality not in FORMALITY:
             raise CompatError(400, "'formality' is not supported for the given 'target_lang': the models have no "
                                    "formality to choose; use prefer_more or prefer_less to accept either.")
-        if params.get("glossary_id"):
-            raise CompatError(400, "Glossaries are not served here (yet): send the request without glossary_id.")
+        glossary_id = params.get("glossary_id") or ""
+        if glossary_id and not params.get("source_lang"):
+            raise CompatError(400, "Use of a glossary requires the source_lang parameter to be specified.")
         for name in ("preserve_formatting", "outline_detection", "show_billed_characters"):
             _flag(params, name)
         ignored, splitting = _names(params.get("ignore_tags")), _names(params.get("splitting_tags"))
@@ -133,7 +152,7 @@ class DeepLApi:
         return pb2.TranslateRequest(
             texts=texts, source_language=str(source).lower(), target_language=target.lower(),
             text_format=FORMATS.get(tag_handling, pb2.TEXT_FORMAT_PLAIN), sentence_splitting=SPLITTING[split],
-            untranslated_elements=ignored, block_elements=splitting)
+            untranslated_elements=ignored, block_elements=splitting, glossary_id=str(glossary_id))
 
     async def languages(self, request: web.Request) -> web.Response:
         try:
@@ -166,3 +185,104 @@ class DeepLApi:
             return _error(response.status, response.message, context.headers())
         return web.json_response({"character_count": self.characters, "character_limit": NO_LIMIT},
                                  headers=context.headers())
+
+    # ---- glossaries ----------------------------------------------------------------------------------------
+
+    async def _glossary_call(self, request: web.Request, method: str, message: Any,
+                             label: str) -> tuple[Any, Mapping[str, str]] | web.Response:
+        """A native glossary call for a glossary route: its response and headers, or the DeepL error (an
+        unknown glossary is DeepL's 404)."""
+        try:
+            _, headers, timeout = await self._params(request)
+        except CompatError as error:
+            return _error(error.status, error.message)
+        response, context = await self.caller.call(method, message, label, headers, timeout)
+        if isinstance(response, Failed):
+            status = 404 if response.code == grpc.StatusCode.NOT_FOUND else response.status
+            return _error(status, response.message, context.headers())
+        return response, context.headers()
+
+    async def create_glossary(self, request: web.Request) -> web.Response:
+        try:
+            params = await form_or_json(request)
+            message = pb2.CreateGlossaryRequest(glossary=_glossary_from(params))
+        except CompatError as error:
+            return _error(error.status, error.message)
+        answer = await self._glossary_call(request, "CreateGlossary", message, "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        return web.json_response(_glossary_info(answer[0]), status=201, headers=answer[1])
+
+    async def list_glossaries(self, request: web.Request) -> web.Response:
+        answer = await self._glossary_call(request, "ListGlossaries", pb2.ListGlossariesRequest(), "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        return web.json_response({"glossaries": [_glossary_info(g) for g in answer[0].glossaries]}, headers=answer[1])
+
+    async def get_glossary(self, request: web.Request) -> web.Response:
+        message = pb2.GetGlossaryRequest(glossary_id=request.match_info["glossary_id"])
+        answer = await self._glossary_call(request, "GetGlossary", message, "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        return web.json_response(_glossary_info(answer[0]), headers=answer[1])
+
+    async def glossary_entries(self, request: web.Request) -> web.Response:
+        message = pb2.GetGlossaryRequest(glossary_id=request.match_info["glossary_id"])
+        answer = await self._glossary_call(request, "GetGlossary", message, "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        text = write_entries([(e.source, e.target, False) for e in answer[0].entries])
+        return web.Response(text=text, content_type="text/tab-separated-values", headers=answer[1])
+
+    async def delete_glossary(self, request: web.Request) -> web.Response:
+        message = pb2.DeleteGlossaryRequest(glossary_id=request.match_info["glossary_id"])
+        answer = await self._glossary_call(request, "DeleteGlossary", message, "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        return web.Response(status=204, headers=answer[1])
+
+    async def glossary_pairs(self, request: web.Request) -> web.Response:
+        answer = await self._glossary_call(request, "ListLanguages", pb2.ListLanguagesRequest(), "deepl:glossaries")
+        if isinstance(answer, web.Response):
+            return answer
+        pairs = sorted({(p.source_language, p.target_language) for p in answer[0].pairs})
+        return web.json_response({"supported_languages": [{"source_lang": s, "target_lang": t} for s, t in pairs]},
+                                 headers=answer[1])
+
+
+def _glossary_from(params: dict[str, Any]) -> Any:
+    """The native ``Glossary`` of ``POST /v2/glossaries``' parameters (CompatError: DeepL's 400). The id is
+    made here (DeepL's ids are the service's; the name is the caller's)."""
+    name, entries = params.get("name"), params.get("entries")
+    source, target = params.get("source_lang"), params.get("target_lang")
+    for field, value in (("name", name), ("source_lang", source), ("target_lang", target), ("entries", entries)):
+        if not value or not isinstance(value, str):
+            raise CompatError(400, f"Parameter '{field}' not specified.")
+    entries_format = str(params.get("entries_format") or "tsv").lower()
+    if entries_format not in ("tsv", "csv"):
+        raise CompatError(400, "Value for 'entries_format' not supported.")
+    source, target = source.lower().split("-")[0], target.lower().split("-")[0]
+    reader = csv.reader(io.StringIO(entries), **({} if entries_format == "csv"
+                                                   else {"delimiter": "\t", "quoting": csv.QUOTE_NONE}))
+    rows = []
+    try:
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue
+            # DeepL's CSV may name the pair in two more columns: they must be the glossary's
+            if len(row) not in (2, 4) or len(row) == 4 and [c.strip().lower() for c in row[2:]] != [source, target]:
+                raise CompatError(400, f"Invalid glossary entries: line {reader.line_num} is not source and target "
+                                       f"separated by {'a comma' if entries_format == 'csv' else 'a tab'}.")
+            rows.append(pb2.GlossaryEntry(source=row[0].strip(), target=row[1].strip()))
+    except csv.Error as error:
+        raise CompatError(400, f"Invalid glossary entries: line {reader.line_num}: {error}.") from error
+    return pb2.Glossary(glossary_id=str(uuid.uuid4()), name=name, source_language=source, target_language=target,
+                        entries=rows)
+
+
+def _glossary_info(glossary: Any) -> dict[str, Any]:
+    """DeepL's ``GlossaryInfo`` of a native ``Glossary``."""
+    written = datetime.datetime.fromtimestamp(glossary.update_time.ToMilliseconds() / 1000, tz=datetime.UTC)
+    return {"glossary_id": glossary.glossary_id, "name": glossary.name or glossary.glossary_id, "ready": True,
+            "source_lang": glossary.source_language, "target_lang": glossary.target_language,
+            "creation_time": written.isoformat(timespec="milliseconds"), "entry_count": glossary.entry_count}
