@@ -56,8 +56,8 @@ class Progress:
         self.bank = bank  # constraint tokens written: the terms met, and the longest run in progress
         self.next_token = next_token  # the one token it may write next, when committed
         self.wanted = wanted  # the tokens that advance an unmet term
-        self._placed: dict[tuple[int | None, frozenset[int]], frozenset[int]] = {}  # (attention peak, busy
-        # terms) -> the tokens wanted there
+        self._placed: dict[tuple[tuple[bool, ...], frozenset[int]], frozenset[int]] = {}  # (the terms placed
+        # at the step's attention peak, busy terms) -> the tokens wanted there
         self._after: dict[tuple[int, bool], Progress] = {}  # (token, commit) -> the progress after it
 
 
@@ -79,6 +79,7 @@ class Terms:
         self.need = list(runs.values())
         self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
         self._made: dict[tuple[Any, ...], Progress] = {}
+        self._placed_at: dict[int | None, tuple[bool, ...]] = {}  # peak -> placed(peak)
 
     def start(self) -> Progress:
         return self._make(tuple(0 for _ in self.runs), (), None)
@@ -110,24 +111,30 @@ class Terms:
     def done(self, p: Progress) -> bool:
         return p.done
 
-    def placed(self, peak: int | None) -> list[bool]:
+    def placed(self, peak: int | None) -> tuple[bool, ...]:
         """Per distinct term: whether the search may start it against the model's choice at a step whose
         attention over the source peaks at position ``peak``: where that lies in one of the term's occurrences
         in the source; every term without source spans or attention (``peak`` None)."""
-        if self.sources is None or peak is None:
-            return [True] * len(self.runs)
-        return [any(a <= peak < b for a, b in spans) for spans in self.sources]
+        made = self._placed_at.get(peak)
+        if made is None:
+            if self.sources is None or peak is None:
+                made = (True,) * len(self.runs)
+            else:
+                made = tuple(any(a <= peak < b for a, b in spans) for spans in self.sources)
+            self._placed_at[peak] = made
+        return made
 
     def wanted(self, p: Progress, peak: int | None = None, busy: frozenset[int] = frozenset()) -> frozenset[int]:
         """The tokens that advance an unmet term: the next token of each run in progress, the first of each term
         (of those :meth:`placed` allows at ``peak``, and not ``busy``: terms another hypothesis is committed to)."""
         if (peak is None or self.sources is None) and not busy:
             return p.wanted
-        tokens = p._placed.get((peak, busy))
+        placed = self.placed(peak)
+        tokens = p._placed.get((placed, busy))
         if tokens is None:
             partial = p.partial if p.committed is not None else tuple((c, j) for c, j in p.partial if c not in busy)
-            tokens = p._placed[peak, busy] = self._tokens(
-                p.met, partial, [on and c not in busy for c, on in enumerate(self.placed(peak))])
+            tokens = p._placed[placed, busy] = self._tokens(
+                p.met, partial, [on and c not in busy for c, on in enumerate(placed)])
         return tokens
 
     def advance(self, p: Progress, token: int, commit: bool = False) -> Progress:
