@@ -337,8 +337,8 @@ def test_explorer_translates_a_paragraph_and_an_html_snippet(server: ServerHarne
     assert len(lit) == 1 and lit[0].text in ["Monday,", "May", "1,", "2046."]  # in the second sentence
     segments = browser.find_elements(By.CSS_SELECTOR, "#results details.segment")
     assert len(segments) == 2
-    segments[1].find_element(By.TAG_NAME, "summary").click()
-    best = segments[1].find_element(By.CSS_SELECTOR, ".hypothesis")
+    segments[1].find_element(By.TAG_NAME, "summary").click()  # the page renders it on the toggle event, a task later
+    best = WebDriverWait(browser, 10).until(lambda d: segments[1].find_elements(By.CSS_SELECTOR, ".hypothesis"))[0]
     rows = best.find_elements(By.CSS_SELECTOR, "table.heatmap tbody tr")
     assert [r.find_element(By.TAG_NAME, "th").text for r in rows] == second.split()
     ARTIFACTS.mkdir(exist_ok=True)
