@@ -37,8 +37,8 @@ Retried: UNAVAILABLE (server draining on shutdown, connection refused or reset),
 before any handler took it ends CANCELLED with gRPC core's message ``"CANCELLED"`` (grpc/grpc#41785);
 it was never processed, so it is as safe to repeat as a refused call. At most ``max_attempts`` attempts
 in all, sleeping ``uniform(0, min(max_backoff, initial_backoff * multiplier ** (attempt - 1)))`` between
-attempts (exponential back-off with "full
-jitter", the formula of gRPC's retry design A6), and never past the call's deadline. Never retried:
+attempts (exponential back-off with "full jitter", the formula of gRPC's retry design A6), and never past
+the call's deadline. Never retried:
 INVALID_ARGUMENT, NOT_FOUND, DEADLINE_EXCEEDED, any other CANCELLED and every other code: repeating them
 cannot succeed, or would spend a deadline that has already passed. ``health`` is never retried (a probe must
 report the present state), and gRPC's own transparent retries (of calls that never left the client)

@@ -31,6 +31,7 @@ off (its tokens then count for nothing), and a token may start a term anew.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,7 +194,6 @@ class ConstrainedChoice:
     live: list[tuple[int, int, float, float, Progress]]  # (row, token, its log-probability, summed score,
     # progress), best first, at most ``beam``
     best_live: float  # the best live candidate's summed score (NEG_INF: none)
-    best_met: float  # the same among those that have met their terms
 
 
 def select_constrained(sentences: Sequence[ConstrainedRows], totals: np.ndarray, log_probs: np.ndarray,
@@ -219,7 +219,7 @@ def select_constrained(sentences: Sequence[ConstrainedRows], totals: np.ndarray,
             t = totals[rows].tolist()
             finished = [(r, t[r] + (0.0 if s.given else eos[r]), eos[r], state.done)
                         for r, state in enumerate(s.states) if t[r] > NEG_INF and eos[r] > NEG_INF]
-            choices.append(ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF, NEG_INF))
+            choices.append(ConstrainedChoice(sorted(finished, key=lambda f: -f[1]), [], NEG_INF))
         else:
             peaks: list[int | None] = [None] * len(s.states)
             if attention is not None and s.terms.sources is not None:
@@ -264,9 +264,10 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
     natural = set(value)  # the tokens that advance a term, and EOS where the hypotheses that met their terms
     # would end it: among their own 2 x beam best (their scores, lower by what the terms cost, keep them out of
     # the sentence's best, and a hypothesis the model would end would go on writing whatever comes next)
-    for v, r, t in [c for c in pool if states[c[1]].done][: 2 * beam]:
-        if t == eos_id:
-            value[r, t] = -v
+    if any(state.done for state in states):
+        for v, r, t in itertools.islice((c for c in pool if states[c[1]].done), 2 * beam):
+            if t == eos_id:
+                value[r, t] = -v
     advancing: list[frozenset[int]] = []  # per row: the tokens that advance one of its terms at all
     busy = frozenset(state.committed[0] for state, total in zip(states, totals, strict=True)
                      if state.committed is not None and total > NEG_INF)  # one forced copy of a term at a time
@@ -317,5 +318,4 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
         depth += 1
     dealt.sort(key=lambda c: (-value[c[0], c[1]], c[0], c[1]))
     live = [(r, t, float(log_probs[r, t]), value[r, t], p) for r, t, p in dealt]
-    return ConstrainedChoice(finished, live, live[0][3] if live else NEG_INF,
-                             next((c[3] for c in live if c[4].done), NEG_INF))
+    return ConstrainedChoice(finished, live, live[0][3] if live else NEG_INF)

@@ -140,8 +140,8 @@ class GlossaryStore:
         return self._load(*found)
 
     def create(self, glossary_id: str, source: str, target: str, entries: list[Entry],
-               name: str = "") -> StoredGlossary:
-        """Write a new glossary (``name``: its display name, if any); AlreadyExists for an id in use,
+               display_name: str = "") -> StoredGlossary:
+        """Write a new glossary (``display_name``, if any, on its first line); AlreadyExists for an id in use,
         ResourceExhausted past :data:`MAX_GLOSSARIES`."""
         if not GLOSSARY_ID.fullmatch(glossary_id):
             raise InvalidArgument(f"glossary_id {glossary_id!r}: 1-64 of A-Z a-z 0-9 _ -, starting with a letter or "
@@ -149,7 +149,7 @@ class GlossaryStore:
         for field, code in (("source_language", source), ("target_language", target)):
             if not LANGUAGE.fullmatch(code):
                 raise InvalidArgument(f"{field} {code!r} is not a language code (e.g. en, de, pt-BR)")
-        if len(name) > MAX_NAME_CHARS or any(c in name for c in "\r\n"):
+        if len(display_name) > MAX_NAME_CHARS or any(c in display_name for c in "\r\n"):
             raise InvalidArgument(f"a glossary's name is one line of at most {MAX_NAME_CHARS} characters")
         if not entries:
             raise InvalidArgument("a glossary needs at least one entry")
@@ -161,7 +161,7 @@ class GlossaryStore:
             raise AlreadyExists(f"glossary {glossary_id!r} exists; delete it first to replace it")
         if len(files) >= MAX_GLOSSARIES:
             raise ResourceExhausted(f"the store holds {len(files)} glossaries, the limit is {MAX_GLOSSARIES}")
-        header = f"{NAME_LINE}{name.strip()}\n" if name.strip() else ""
+        header = f"{NAME_LINE}{display_name.strip()}\n" if display_name.strip() else ""
         data = (header + write_entries([(e.source, e.target, e.case_insensitive) for e in entries])).encode("utf-8")
         if len(data) > MAX_FILE_BYTES:
             raise InvalidArgument(f"the glossary takes {len(data)} bytes, the limit is {MAX_FILE_BYTES}")
