@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, and CI through .ci/run): the Debian tools some tests run for real, where this shell can
-# install them, then the project with its test extras, then pytest. Arguments go to pytest (e.g. -k split).
+# install them, then the project with its test extras, then pytest. Arguments go to pytest (e.g. -k split, -n 0).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -32,4 +32,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 pip install -q -e ".[train,bench,dev]"
-exec python -m pytest -q --durations=15 "$@"
+# a worker per core (up to 4), a test file's tests in one worker (its module fixtures, e.g. servers, start once);
+# the session's models are built once between the workers (tests/conftest.py: built_once). -n 0: one process.
+exec python -m pytest -q --durations=15 --numprocesses auto --maxprocesses 4 --dist loadfile "$@"

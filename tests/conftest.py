@@ -13,12 +13,14 @@ import os
 import random
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 
 from common.model_format.tokenizer import PAD_ID, train_tokenizer
 from export.options import ExportOptions
@@ -82,16 +84,19 @@ def make_run(directory, arch: str, steps: int = 150):
     return directory
 
 
-@pytest.fixture(scope="session", autouse=True)
-def default_ports_taken() -> Iterator[list[str]]:
-    """The server's default addresses (gRPC 50051, metrics 9400, HTTP 8080) held for the whole session, as a
+DEFAULT_ADDRESSES = [ServerConfig().listen, ServerConfig().metrics_listen, ServerConfig().http_listen]
+_held: list[socket.socket] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The server's default addresses (gRPC 50051, metrics 9400, HTTP 8080) held for the whole run, as a
     developer's ``nmt serve --demo`` beside the suite holds them: any test server or process that binds one
-    fails instead of passing here and failing there. An address already taken (by such a server) stays so.
-    Yields the addresses this session holds (``tests/test_ports.py`` checks that every one is held)."""
-    defaults = ServerConfig()
-    held: list[socket.socket] = []
-    addresses = [defaults.listen, defaults.metrics_listen, defaults.http_listen]
-    for address in addresses:
+    fails instead of passing here and failing there. Held by the process that runs the session (with
+    pytest-xdist, the controller, for as long as any worker runs); an address already taken (by such a
+    server) stays so."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    for address in DEFAULT_ADDRESSES:
         host, _, port = address.rpartition(":")
         sock = socket.socket()
         try:
@@ -100,10 +105,19 @@ def default_ports_taken() -> Iterator[list[str]]:
         except OSError:
             sock.close()
             continue
-        held.append(sock)
-    yield [f"{host}:{port}" for host, port in (sock.getsockname() for sock in held)]
-    for sock in held:
-        sock.close()
+        _held.append(sock)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _held:
+        _held.pop().close()
+
+
+@pytest.fixture(scope="session")
+def default_ports_taken() -> list[str]:
+    """The server's default addresses, which no test server may take (``tests/test_ports.py`` checks that each
+    is taken while the suite runs)."""
+    return DEFAULT_ADDRESSES
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -125,10 +139,33 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+Built = TypeVar("Built", Path, dict[str, Path])
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Built]) -> Built:
+    """``build(directory)`` once per test run. Alone, in a directory of this session; under pytest-xdist, by the
+    first worker that asks, in a directory of the run that every worker shares, while the others wait on a file
+    lock and then read what it built: a model is trained and exported once however many workers use it.
+    ``build`` returns the paths it made (a path, or paths by name), which is all that crosses between workers."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(factory.mktemp(name))
+    shared = factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    made = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not made.exists():
+            directory = shared / name
+            shutil.rmtree(directory, ignore_errors=True)  # a worker's failed build, which the next one repeats
+            directory.mkdir()
+            result = build(directory)
+            paths = {"": str(result)} if isinstance(result, Path) else {k: str(v) for k, v in result.items()}
+            made.write_text(json.dumps(paths))
+    paths = json.loads(made.read_text())
+    return Path(paths[""]) if list(paths) == [""] else {k: Path(v) for k, v in paths.items()}  # type: ignore[return-value]
+
+
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    return {arch: make_run(root / arch, arch) for arch in TINY}
+    return built_once(tmp_path_factory, "runs", lambda root: {arch: make_run(root / arch, arch) for arch in TINY})
 
 
 @pytest.fixture(scope="session")
@@ -136,32 +173,43 @@ def tiny_repository(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tiny_runs, tiny_repository):
-    """Both architectures exported once: Transformer through the API, Bahdanau through ``nmt export``."""
+def export_tiny(runs: dict[str, Path], repository: Path) -> dict[str, Path]:
+    """Both architectures exported: Transformer through the API, Bahdanau through ``nmt export``."""
     result = export_model(ExportOptions(stage_processes=False,
-                                        checkpoint=str(tiny_runs["transformer"]), name="tiny-transformer",
-                                        model_repository=str(tiny_repository), parity_sentences=PARITY_SENTENCES,
+                                        checkpoint=str(runs["transformer"]), name="tiny-transformer",
+                                        model_repository=str(repository), parity_sentences=PARITY_SENTENCES,
                                         progress=False))
-    assert result.version_dir == tiny_repository / "tiny-transformer" / "1"
-    status = nmt_main(["export", "--no-stage-processes", str(tiny_runs["bahdanau"]), "--name", "tiny-bahdanau",
-                       "--model-repository", str(tiny_repository), "--parity-sentences", str(PARITY_SENTENCES),
+    assert result.version_dir == repository / "tiny-transformer" / "1"
+    status = nmt_main(["export", "--no-stage-processes", str(runs["bahdanau"]), "--name", "tiny-bahdanau",
+                       "--model-repository", str(repository), "--parity-sentences", str(PARITY_SENTENCES),
                        "--no-progress"])
     assert status == 0
-    return {"transformer": result.version_dir, "bahdanau": tiny_repository / "tiny-bahdanau" / "1"}
+    return {"transformer": result.version_dir, "bahdanau": repository / "tiny-bahdanau" / "1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_runs, tiny_repository, tmp_path_factory):
+    """Both architectures exported once per run, copied into this session's ``tiny_repository`` (tests export
+    more versions there, and serve it: another worker's repository is not this one's)."""
+    built = built_once(tmp_path_factory, "tiny-models", lambda root: export_tiny(tiny_runs, root))
+    for version_dir in built.values():
+        shutil.copytree(version_dir.parent, tiny_repository / version_dir.parent.name)
+    return {arch: tiny_repository / version_dir.parent.name / "1" for arch, version_dir in built.items()}
 
 
 @pytest.fixture(scope="session")
 def fp16_models(tiny_runs, tmp_path_factory) -> dict[str, Path]:
     """Both architectures exported with ``nmt export --precision fp16`` once per session (into a repository of
     their own: an fp16 version beside the fp32 ones would be the one later tests' servers load)."""
-    repository = tmp_path_factory.mktemp("fp16")
-    for arch, run in tiny_runs.items():
-        assert nmt_main(["export", "--no-stage-processes",
-                         str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
-                         "--precision", "fp16", "--parity-sentences", str(PARITY_SENTENCES), "--bleu-sentences",
-                         "12", "--no-progress"]) == 0
-    return {arch: repository / f"tiny-{arch}-fp16" / "1" for arch in tiny_runs}
+    def build(repository: Path) -> dict[str, Path]:
+        for arch, run in tiny_runs.items():
+            assert nmt_main(["export", "--no-stage-processes",
+                             str(run), "--name", f"tiny-{arch}-fp16", "--model-repository", str(repository),
+                             "--precision", "fp16", "--parity-sentences", str(PARITY_SENTENCES), "--bleu-sentences",
+                             "12", "--no-progress"]) == 0
+        return {arch: repository / f"tiny-{arch}-fp16" / "1" for arch in tiny_runs}
+
+    return built_once(tmp_path_factory, "fp16", build)
 
 
 @pytest.fixture(scope="session")
@@ -182,18 +230,23 @@ def repository(model_version_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Marian directory of :mod:`tests.marian`, trained once per session (about 30 s)."""
-    with torch_threads(os.cpu_count() or 1):
-        return build_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-en-de-dates")
+    def build(root: Path) -> Path:
+        with torch_threads(os.cpu_count() or 1):
+            return build_marian_dir(root / "opus-mt-en-de-dates")
+
+    return built_once(tmp_path_factory, "marian", build)
 
 
 @pytest.fixture(scope="session")
 def marian_repository(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Marian directory imported into a model repository through ``nmt export`` (detected from config.json)."""
-    repository = tmp_path_factory.mktemp("hf-models")
-    assert nmt_main(["export", "--no-stage-processes",
-                     str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
-                     "--no-progress"]) == 0
-    return repository
+    def build(repository: Path) -> Path:
+        assert nmt_main(["export", "--no-stage-processes",
+                         str(marian_dir), "--name", MODEL, "--model-repository", str(repository),
+                         "--no-progress"]) == 0
+        return repository
+
+    return built_once(tmp_path_factory, "hf-models", build)
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +264,11 @@ def marian_server(marian_repository: Path) -> Iterator[ServerHarness]:
 def ct2_dir(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same Marian directory converted for CTranslate2 (``TransformersConverter``)."""
     ctranslate2 = pytest.importorskip("ctranslate2")
-    directory = tmp_path_factory.mktemp("ct2") / "model"
-    ctranslate2.converters.TransformersConverter(str(marian_dir)).convert(str(directory), force=True)
-    return directory
+    def build(root: Path) -> Path:
+        ctranslate2.converters.TransformersConverter(str(marian_dir)).convert(str(root / "model"), force=True)
+        return root / "model"
+
+    return built_once(tmp_path_factory, "ct2", build)
 
 
 # the Bahdanau counterpart of the ``dates-transformer-small`` preset: ~98 BLEU in ~35 s on one core
@@ -229,14 +284,17 @@ def dates_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Small models of both architectures trained on the generated dates corpus (``dates-transformer-small``
     and :data:`DATES_BAHDANAU_SMALL`), trained and exported once per session (about a minute each): the
     version directories, by architecture, in a repository of models named ``dates-<arch>``."""
-    root = tmp_path_factory.mktemp("dates")
-    versions = {}
-    for arch, settings in (("transformer", PRESETS["dates-transformer-small"]), ("bahdanau", DATES_BAHDANAU_SMALL)):
-        run = root / "runs" / arch
-        with torch_threads(os.cpu_count() or 1):
-            train(TrainConfig(**settings, out=str(run), progress=False), log=lambda line: None)
-        result = export_model(ExportOptions(stage_processes=False, checkpoint=str(run), name=f"dates-{arch}",
-                                            model_repository=str(root / "models"), parity_sentences=4,
-                                            progress=False))  # in-process: the stages' processes have their tests
-        versions[arch] = result.version_dir
-    return versions
+    def build(root: Path) -> dict[str, Path]:
+        versions = {}
+        for arch, settings in (("transformer", PRESETS["dates-transformer-small"]),
+                               ("bahdanau", DATES_BAHDANAU_SMALL)):
+            run = root / "runs" / arch
+            with torch_threads(os.cpu_count() or 1):
+                train(TrainConfig(**settings, out=str(run), progress=False), log=lambda line: None)
+            result = export_model(ExportOptions(stage_processes=False, checkpoint=str(run), name=f"dates-{arch}",
+                                                model_repository=str(root / "models"), parity_sentences=4,
+                                                progress=False))  # in-process: the stages' processes have tests
+            versions[arch] = result.version_dir
+        return versions
+
+    return built_once(tmp_path_factory, "dates", build)

@@ -1,8 +1,9 @@
 """Test servers take free ports: the suite passes while ``nmt serve --demo`` holds the default ones.
 
-``tests/conftest.py`` holds the default addresses for the whole session (``default_ports_taken``), so every
-server fixture and server process of the suite runs while they are taken; these tests check that the hold
-is real and that the harness refuses a fixed port before it tries to bind one.
+``tests/conftest.py`` holds the default addresses for the whole run (``pytest_configure``, in the controller
+when pytest-xdist runs workers), so every server fixture and server process of the suite runs while they are
+taken; these tests check that the hold is real and that the harness refuses a fixed port before it tries to
+bind one.
 """
 
 from __future__ import annotations
