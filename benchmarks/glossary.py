@@ -6,6 +6,8 @@
 In this process, on the engine (``Engine.search``, static batches of ``--batch`` sentences), with the server's
 own glossary matching (:mod:`server.frontend.glossary`) and beam widening:
 
+(0) **the example** of docs/glossaries.md: ``Tuesday, April 25, 2045`` with ``April -> Ostermond``, greedy and
+    beam 4: the output and the source pieces the term's pieces attend to most.
 (a) **speed**: dates of the full format ("Tuesday, April 25, 2045") with 0, 1, 2 and 3 terms each (the month,
     then the weekday, then the year, each with its reference translation as target), beam 4 (a sentence with
     terms searches ``max(4, 2 x terms + 1)``), against the same sentences without a glossary. Sides alternate
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 
 from bench_common import host  # noqa: E402
 
+from server.alignment import merge_to_words  # noqa: E402
 from server.controls import Controls  # noqa: E402
 from server.engine.engine import Engine  # noqa: E402
 from server.frontend.glossary import Glossary, TermCodec, constrained_beam  # noqa: E402
@@ -50,10 +53,10 @@ DAYS = dict(zip(["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturd
 BEAM = 4
 
 
-def requests(engine: Engine, texts: list[str], glossary: Glossary | None,
-             max_beam: int = 8) -> list[SentenceRequest]:
+def requests(engine: Engine, texts: list[str], glossary: Glossary | None, max_beam: int = 8, beam: int = BEAM,
+             attention: bool = False) -> list[SentenceRequest]:
     """Each text as the server submits it: with its glossary terms as constraints and the widened beam."""
-    options = DecodingOptions(beam_size=BEAM, max_length=64)
+    options = DecodingOptions(beam_size=beam, max_length=64, return_attention=attention)
     codec = TermCodec(glossary, engine.tokenizer.encode_target, engine.tokenizer.unk_id,
                       max_beam) if glossary else None
     out = []
@@ -64,7 +67,7 @@ def requests(engine: Engine, texts: list[str], glossary: Glossary | None,
             found, constraints = codec.constraints(text, "text")
             if constraints:
                 spans = tuple(source_span(engine.tokenize, text, o.start, o.end, 0, len(ids)) for o in found)
-                each = replace(options, beam_size=constrained_beam(BEAM, len(constraints), max_beam),
+                each = replace(options, beam_size=constrained_beam(beam, len(constraints), max_beam),
                                controls=Controls(constraints=constraints, constraint_sources=spans))
         out.append(SentenceRequest(ids, each, text=text))
     return out
@@ -87,6 +90,26 @@ def full_dates(count: int) -> list[tuple[str, str, str, str]]:
         year = str(rng.randint(1900, 2099))
         out.append((f"{day}, {month} {rng.randint(1, 28)}, {year}", month, day, year))
     return out
+
+
+def demo_sentence(engine: Engine) -> None:
+    """The documentation's example: ``Tuesday, April 25, 2045`` with ``April -> Ostermond``, greedy and beam 4,
+    and the source word the server's word alignment puts against the term (:func:`server.alignment.merge_to_words`)."""
+    text, glossary = "Tuesday, April 25, 2045", Glossary([GlossaryEntry("April", "Ostermond")])
+    source_pieces = engine.tokenizer.pieces(engine.tokenize(text))
+    print(f"(0) the example: {text!r} with April -> Ostermond")
+    print("| beam asked | output | score | aligned to Ostermond |")
+    print("|---|---|---|---|")
+    for beam in (1, BEAM):
+        [result] = engine.search(requests(engine, [text], glossary, beam=beam, attention=True))
+        best = result.hypotheses[0]
+        output = engine.tokenizer.decode(best.tokens[:-1])
+        attention = merge_to_words(best.attention, source_pieces, engine.tokenizer.pieces(best.tokens[:-1]),
+                                   text.split(), output.split())
+        aligned = [attention.source_words[a.source_index] for a in attention.alignments
+                   if attention.target_words[a.target_index] == "Ostermond"]
+        print(f"| {beam} | {output} | {best.score:.3f} | {', '.join(aligned) or '-'} |")
+    print()
 
 
 def speed(engine: Engine, count: int, repeats: int, batch: int) -> None:
@@ -201,6 +224,7 @@ def main() -> None:
     print(f"host: {host()}")
     engine = Engine.load(args.version_dir, provider="cpu", intra_op_threads=args.threads)
     print(f"model: {args.version_dir}\n")
+    demo_sentence(engine)
     speed(engine, args.sentences, args.repeats, args.batch)
     quality(engine, args.test_limit, args.batch)
     for size in args.random_sizes:

@@ -21,6 +21,7 @@ from training.data import (
     load_tsv,
     parse_ding,
     split,
+    with_term_slots,
     write_tsv,
 )
 
@@ -80,6 +81,25 @@ def test_dates_numbers_put_units_before_tens(dates: list[Pair]) -> None:
 def test_dates_sources_have_one_target() -> None:
     corpus = generate_dates_corpus(size=5000, seed=3)
     assert len({p.source for p in corpus}) == len(corpus)
+
+
+def test_term_slots_replace_one_german_name_of_the_share_asked(dates: list[Pair]) -> None:
+    """A made-up word takes the place of one German month or weekday name; the English side, the numbers and
+    every other character stay; share 0 changes nothing and the draws are the seed's."""
+    named = [p for p in dates if re.search(rf"\b({MONATE}|Montag|Dienstag|Mittwoch|Donnerstag|Freitag|Samstag|"
+                                            r"Sonntag)\b", p.target)]
+    slotted = with_term_slots(dates, 0.5, seed=3)
+    assert with_term_slots(dates, 0.0) == dates and with_term_slots(dates, 0.5, seed=3) == slotted
+    changed = [(a, b) for a, b in zip(dates, slotted, strict=True) if a != b]
+    assert 0.4 * len(named) < len(changed) < 0.6 * len(named)
+    for before, after in changed:
+        assert after.source == before.source
+        old, new = before.target.split(), after.target.split()
+        [(name, word)] = [(o, n) for o, n in zip(old, new, strict=True) if o != n]
+        assert re.fullmatch(r"[A-ZÄÖÜ][a-zäöüß]+,?", word) and name.rstrip(",") in before.target
+        assert word.endswith(",") == name.endswith(",")
+    with pytest.raises(CorpusError, match="between 0 and 1"):
+        with_term_slots(dates, 1.5)
 
 
 # ----------------------------------------------------------------------------------------------- ding

@@ -24,6 +24,9 @@ class TrainConfig:
     sentence_stops: float = option(0.0, "share of the dates corpus' dates in words that end with a full stop on "
                                    "both sides: a model that translates paragraphs sentence by sentence must have "
                                    "seen sentence ends (the demo presets: 0.25)")
+    term_slots: float = option(0.0, "share of the training dates whose German month or weekday name is replaced by "
+                               "a made-up word: a model that has seen such slots goes on with the date after a "
+                               "glossary's term it would not have chosen (the dates presets: 0.1)")
     seed: int = option(0, "random seed (corpus generation, initialisation, batch order)")
     vocab_size: int = option(8000, "SentencePiece vocabulary, an upper bound")
     model: dict[str, Any] = field(default_factory=dict)  # architecture config overrides (the model flags)

@@ -38,6 +38,7 @@ __all__ = [
     "load_tsv",
     "parse_ding",
     "split",
+    "with_term_slots",
     "write_tsv",
 ]
 
@@ -151,6 +152,46 @@ def generate_dates_corpus(size: int = DATES_SIZE, seed: int = 0, stops: float = 
                 pairs.append(pair)
                 break
     return pairs
+
+
+_ONSETS = ("", "b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "w", "z", "br", "dr", "fl", "gr",
+           "kl", "pf", "sch", "schw", "sp", "st", "tr")
+_NUCLEI = ("a", "e", "i", "o", "u", "ä", "ö", "ü", "au", "ei", "ie", "eu")
+_CODAS = ("", "", "n", "r", "l", "s", "m", "ch", "nd", "rt", "ng", "st", "ff")
+
+
+def made_up_word(rng: random.Random) -> str:
+    """A capitalised German-looking word of two or three syllables that no corpus holds ("Staurlend")."""
+    word = "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(rng.randint(2, 3)))
+    return word[0].upper() + word[1:]
+
+
+def with_term_slots(pairs: Sequence[Pair], share: float, seed: int = 0) -> list[Pair]:
+    """``pairs`` with the German month or weekday name of the share ``share`` of the dates that have one
+    replaced by a made-up word, the English side unchanged.
+
+    A model that has only ever seen the month its source names gives a glossary's term there several nats per
+    piece and then loses its way (writes the year again, or ends). Trained on such slots, it learns that a name's
+    place may hold a word it would not have chosen and goes on with the date after it, which is what a term of
+    the constrained search asks of it (docs/glossaries.md). Training pairs only: held-out pairs keep their names.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise CorpusError(f"the share of dates with a made-up name must be between 0 and 1, got {share}")
+    if share == 0.0:
+        return list(pairs)
+    from babel.dates import get_day_names, get_month_names
+
+    names = [*get_month_names("wide", locale="de_DE").values(), *get_day_names("wide", locale="de_DE").values()]
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, names)) + r")\b")
+    rng = random.Random(seed)
+    result = []
+    for pair in pairs:
+        found = list(pattern.finditer(pair.target))
+        if found and rng.random() < share:
+            name = rng.choice(found)
+            pair = Pair(pair.source, pair.target[:name.start()] + made_up_word(rng) + pair.target[name.end():])
+        result.append(pair)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------

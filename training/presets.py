@@ -18,7 +18,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "arch": "transformer", "corpus": "dates", "vocab_size": 1000, "batch_tokens": 2500,
         "model": {"d_model": 128, "encoder_layers": 2, "decoder_layers": 2, "heads": 4, "ffn_dim": 512},
         "lr": 2e-3, "warmup_steps": 150, "lr_schedule": "cosine", "valid_every": 200, "max_steps": 1000,
-        "max_minutes": 20.0, "target_bleu": 99.5, "sentence_stops": 0.25,
+        "max_minutes": 20.0, "target_bleu": 99.5, "sentence_stops": 0.25, "term_slots": 0.1,
     },
     # the smallest that gets full dates right ("Tuesday, April 25, 2045" -> "Dienstag, 25. April 2045", beam 4):
     # ~85 BLEU in ~15 s on one core; the browser test of the alignment explorer trains it once per session
@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "arch": "bahdanau", "corpus": "dates", "vocab_size": 1000, "batch_tokens": 2000,
         "model": {"embed_dim": 64, "encoder_hidden": 128, "decoder_hidden": 256, "attention_dim": 128},
         "lr": 4e-3, "warmup_steps": 100, "lr_schedule": "cosine", "valid_every": 200, "max_steps": 1600,
-        "max_minutes": 20.0, "target_bleu": 99.5, "sentence_stops": 0.25,
+        "max_minutes": 20.0, "target_bleu": 99.5, "sentence_stops": 0.25, "term_slots": 0.1,
     },
     # Ding dictionary example sentences (~16.7k training pairs); sized for ~20 minutes on 2 CPU cores
     "ding-transformer": {

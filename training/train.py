@@ -32,7 +32,7 @@ from common.model_format.layout import (
 )
 from common.model_format.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from training.config import ARCHITECTURES, TrainConfig
-from training.data import Pair, clean, load_corpus, split, write_tsv
+from training.data import Pair, clean, load_corpus, split, with_term_slots, write_tsv
 from training.models.checkpoint import build_model, load_checkpoint, save_checkpoint
 from training.models.interface import Seq2SeqModel
 from training.search import greedy_batch, max_target_length
@@ -146,7 +146,7 @@ def load_splits(cfg: TrainConfig) -> tuple[list[Pair], list[Pair], list[Pair]]:
         raise NmtError(f"corpus {cfg.corpus!r} has no training pairs after cleaning")
     valid = splits.valid[: cfg.valid_size] or splits.train[: cfg.valid_size]
     test = splits.test or valid
-    return splits.train, valid, test
+    return with_term_slots(splits.train, cfg.term_slots, cfg.seed), valid, test
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
