@@ -106,6 +106,9 @@ class WordPieces:
         self.ends = self.starts.copy()  # bool [V]: a piece that ends the word before it (a word start, or EOS)
         self.ends[eos_id] = True
         self._boundary = [dict.fromkeys(np.flatnonzero(self.ends).tolist(), len(WORD_START))]
+        # the pieces that continue the word before them (no word start, a letter or digit first): none may follow
+        # a glossary term's last piece (server.engine.constraints), where it would make the term part of a word
+        self.joiners = frozenset(i for i, piece in enumerate(pieces) if piece[:1].isalnum())
 
     def boundary(self, start: int) -> Completion:
         """The piece at step ``start`` starts a word or ends the sentence (a prefix ending with whitespace)."""

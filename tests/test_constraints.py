@@ -71,11 +71,12 @@ class BigramModel:
         return joined
 
 
-def search(constraints=(), beam=3, n=1, max_length=10, length_penalty=0.0, table=None, **controls):
+def search(constraints=(), beam=3, n=1, max_length=10, length_penalty=0.0, table=None, joiners=frozenset(),
+           **controls):
     spec = BeamSentence(source_length=2, num_hypotheses=n, max_length=max_length, length_penalty=length_penalty,
                         beam_size=beam, controls=Controls(constraints=tuple(constraints), **controls))
     [result] = beam_search(BigramModel(table), {"prefix": np.zeros((1, 0), dtype=np.int64)}, [spec], start_id=BOS,
-                           eos_id=EOS)
+                           eos_id=EOS, joiners=joiners)
     return result
 
 
@@ -192,6 +193,23 @@ def test_a_hypothesis_that_met_its_term_ends_where_the_model_ends_it():
     assert best.tokens == [C, EOS]
     assert best.score == pytest.approx(math.log(0.01 * 0.9))
     assert best.terms_met
+
+
+def glued(prefix: tuple[int, ...]) -> dict[int, float]:
+    """After B the model would rather go on with C (a piece that continues the word before it) than end."""
+    return {BOS: {A: 0.5, C: 0.1, EOS: 0.4}, A: {B: 0.5, C: 0.2, EOS: 0.3}, B: {C: 0.6, EOS: 0.3, A: 0.1},
+            C: {EOS: 0.9, A: 0.1}}[prefix[-1] if prefix else BOS]
+
+
+def test_a_term_stays_a_word_of_its_own():
+    """The term [A, B] is a word; C continues the word before it. Without the rule the best holding the term is
+    [A, B, C, EOS] (0.5 x 0.5 x 0.6 x 0.9), the term glued to C; with C a joiner it may not follow the term's last
+    piece, and the best is [A, B, EOS] (0.5 x 0.5 x 0.3). A joiner that is a term's own piece stays allowed."""
+    assert search([(A, B)], table=glued).hypotheses[0].tokens == [A, B, C, EOS]
+    best = search([(A, B)], table=glued, joiners=frozenset({C})).hypotheses[0]
+    assert best.tokens == [A, B, EOS]
+    assert best.score == pytest.approx(math.log(0.5 * 0.5 * 0.3))
+    assert search([(C,)], table=glued, joiners=frozenset({C})).hypotheses[0].tokens == [A, B, C, EOS]
 
 
 def test_a_forced_prefix_counts_toward_the_terms():

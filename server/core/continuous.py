@@ -119,7 +119,8 @@ class RunningBatch:
     def __init__(self, engine: Any, hold_ended: bool = False) -> None:
         self.engine = engine
         self.decode = RunningDecode(engine.model, start_id=engine.start_id, eos_id=engine.eos_id,
-                                    hold_ended=hold_ended, on_ended=self._ended if hold_ended else None)
+                                    hold_ended=hold_ended, on_ended=self._ended if hold_ended else None,
+                                    joiners=engine.words.joiners)
         self._deliver: Callable[[Finished], None] | None = None  # the current advance's
         self.left = 0  # sentences that left so far
         self._offers: queue.SimpleQueue[Offer] = queue.SimpleQueue()
@@ -240,7 +241,8 @@ class RunningBatch:
         encoder outputs, settings and tags of the others, which join the running decode."""
         engine, model = self.engine, self.engine.model
         results = decode_batch(model, model.select_rows(encoded, np.array(apart)), [sentences[i] for i in apart],
-                         start_id=engine.start_id, eos_id=engine.eos_id, pad_id=engine.pad_id)
+                               start_id=engine.start_id, eos_id=engine.eos_id, pad_id=engine.pad_id,
+                               joiners=engine.words.joiners)
         self.left += len(apart)
         deliver([(tagged[i][0], result) for i, result in zip(apart, results, strict=True)])
         rest = [i for i in range(len(sentences)) if i not in set(apart)]

@@ -46,11 +46,13 @@ class Progress:
     asks of it at every step is worked out once, when it is made, or cached on it: the rows of a beam share
     few states, and every row's candidates ask about its state."""
 
-    __slots__ = ("met", "partial", "committed", "done", "bank", "next_token", "wanted", "_placed", "_after")
+    __slots__ = ("met", "partial", "committed", "closing", "done", "bank", "next_token", "wanted", "_placed",
+                 "_after")
 
     def __init__(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...], committed: tuple[int, int] | None,
-                 done: bool, bank: int, next_token: int | None, wanted: frozenset[int]) -> None:
+                 closing: bool, done: bool, bank: int, next_token: int | None, wanted: frozenset[int]) -> None:
         self.met = met  # per distinct term: its occurrences written
+        self.closing = closing  # its last token ended a term: the next may not continue that word
         self.partial = partial  # (term, tokens of it written) of the runs in progress
         self.committed = committed  # (term, tokens written) of the run it must finish
         self.done = done  # every term met: EOS may follow
@@ -65,7 +67,8 @@ class Progress:
 class Terms:
     """A sentence's constraints: the distinct token runs and how many times each must be written."""
 
-    def __init__(self, constraints: Sequence[Sequence[int]], sources: Sequence[tuple[int, int]] = ()) -> None:
+    def __init__(self, constraints: Sequence[Sequence[int]], sources: Sequence[tuple[int, int]] = (),
+                 joiners: frozenset[int] = frozenset()) -> None:
         if any(not run for run in constraints):
             raise ValueError("a constraint has no tokens")
         if sources and len(sources) != len(constraints):
@@ -79,6 +82,8 @@ class Terms:
         self.runs = list(runs)
         self.need = list(runs.values())
         self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
+        self.joiners = joiners  # the target pieces that continue the word before them (no word start, a letter
+        # or digit first): none may follow a term's last piece, which would make the term part of a longer word
         self._made: dict[tuple[Any, ...], Progress] = {}
         self._placed_at: dict[int | None, tuple[bool, ...]] = {}  # peak -> placed(peak)
 
@@ -86,19 +91,19 @@ class Terms:
         return self._make(tuple(0 for _ in self.runs), (), None)
 
     def _make(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...],
-              committed: tuple[int, int] | None) -> Progress:
+              committed: tuple[int, int] | None, closing: bool = False) -> Progress:
         """The one :class:`Progress` of these values (equal states share one, and with it what is cached)."""
-        key = (met, partial, committed)
+        key = (met, partial, committed, closing)
         made = self._made.get(key)
         if made is None:
-            made = self._made[key] = self._new(met, partial, committed)
+            made = self._made[key] = self._new(met, partial, committed, closing)
         return made
 
     def _new(self, met: tuple[int, ...], partial: tuple[tuple[int, int], ...],
-             committed: tuple[int, int] | None) -> Progress:
+             committed: tuple[int, int] | None, closing: bool) -> Progress:
         done = all(m >= n for m, n in zip(met, self.need, strict=True))
         bank = sum(min(m, n) * len(run) for m, n, run in zip(met, self.need, self.runs, strict=True))
-        return Progress(met, partial, committed, done, bank + max((j for _, j in partial), default=0),
+        return Progress(met, partial, committed, closing, done, bank + max((j for _, j in partial), default=0),
                         None if committed is None else self.runs[committed[0]][committed[1]],
                         self._tokens(met, partial, [True] * len(self.runs)))
 
@@ -142,7 +147,7 @@ class Terms:
         """``p`` after ``token`` (see the module docstring for the rules); ``commit``: the search took ``token``
         because it advances a term, so the hypothesis now writes the longest run it advances to its end."""
         if token not in p.wanted and p.committed is None:  # it breaks off whatever runs were in progress
-            return self._make(p.met, (), None) if p.partial else p
+            return self._make(p.met, (), None) if p.partial or p.closing else p
         after = p._after.get((token, commit))
         if after is None:
             after = p._after[token, commit] = self._advance(p, token, commit)
@@ -157,7 +162,7 @@ class Terms:
             _, c = max(complete, key=lambda jc: (jc[0], -jc[1]))
             met = list(p.met)
             met[c] += 1
-            return self._make(tuple(met), (), None)
+            return self._make(tuple(met), (), None, closing=bool(self.joiners))
         committed = None
         if p.committed is not None:
             committed = (p.committed[0], p.committed[1] + 1)
@@ -253,6 +258,8 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
         for t, lp in zip(top_ids[r], top_log_probs[r], strict=True):
             if lp == NEG_INF or (t == eos_id and not state.done):  # EOS only once the terms are met
                 continue
+            if state.closing and t in terms.joiners:  # a term stays a word of its own
+                continue
             if best < 0 and t != eos_id:
                 best = t
             v = base + (0.0 if given else lp)
@@ -297,9 +304,9 @@ def _deal(s: ConstrainedRows, totals: list[float], log_probs: np.ndarray, top_id
             met_before += 1
             continue
         state = states[r]
-        if t in advancing[r] or state.committed is not None or state.partial:
+        if t in advancing[r] or state.committed is not None or state.partial or state.closing:
             p = terms.advance(state, t, commit=(r, t) not in natural)
-        else:  # a token no term wants, from a row in no run: nothing changes
+        else:  # a token no term wants, from a row in no run and not just past a term: nothing changes
             p = state
         banks.setdefault(p.bank, []).append((r, t, p))
         done_before += p.done

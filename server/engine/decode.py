@@ -119,17 +119,18 @@ def beam_search(
     lean_greedy: bool = True,
     plain_beam: bool = True,
     resume: Resume | None = None,
+    joiners: frozenset[int] = frozenset(),
 ) -> list[SearchResult | None]:
     """Decode ``len(sentences)`` sentences together (the static batch: a running decode that admits them
     all before its first step), each with ``beam_size`` and ``need_attention`` (None: each sentence's own);
     ``encoded`` holds every static input and the initial value of every state entry, batch first
-    (``resume``: start after tokens already decided). Returns one result per sentence, ``None`` for a
-    sentence whose ``is_cancelled`` turned true."""
+    (``resume``: start after tokens already decided; ``joiners``: see :class:`RunningDecode`). Returns one result
+    per sentence, ``None`` for a sentence whose ``is_cancelled`` turned true."""
     # a device's step costs the same at any row count: a row that runs on after its sentence ended costs nothing
     # there, where ending the run costs the host 0.5-0.9 ms (benchmarks/README.md, "decode cuts"); a CPU's step
     # costs about its rows, and the results come back together at the end of the batch either way
     decode = RunningDecode(model, start_id=start_id, eos_id=eos_id, lean_greedy=lean_greedy, plain_beam=plain_beam,
-                           hold_ended=model.capabilities.on_device)
+                           hold_ended=model.capabilities.on_device, joiners=joiners)
     overrides = ({} if beam_size is None else {"beam_size": beam_size}) | (
         {} if need_attention is None else {"need_attention": need_attention})
     decode.admit(encoded, [replace(s, **overrides) for s in sentences], range(len(sentences)), resume)
@@ -180,9 +181,11 @@ class RunningDecode:
 
     def __init__(self, model: StepModel, *, start_id: int, eos_id: int, lean_greedy: bool = True,
                  plain_beam: bool = True, hold_ended: bool = False,
-                 on_ended: Callable[[list[tuple[Any, SearchResult]]], None] | None = None) -> None:
+                 on_ended: Callable[[list[tuple[Any, SearchResult]]], None] | None = None,
+                 joiners: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.start_id, self.eos_id = start_id, eos_id
+        self.joiners = joiners  # the target pieces that continue a word: none follows a glossary term's end
         # a sentence that ends in plain arg-max steps leaves when the run ends, its row running on unread
         # meanwhile (_plain_greedy); on_ended gets its (tag, result) at the step it ended
         self.hold_ended, self.on_ended = hold_ended, on_ended
@@ -274,7 +277,7 @@ class RunningDecode:
                 s.controls.repetition_penalty != 1.0, _reshaped_until(s.controls)))
             if s.controls.constraints:
                 added = self._sentences[-1]
-                added.terms = Terms(s.controls.constraints, s.controls.constraint_sources)
+                added.terms = Terms(s.controls.constraints, s.controls.constraint_sources, self.joiners)
                 added.progress = [added.terms.start() if resume is None else
                                   added.terms.follow(resume.tokens[len(self._sentences) - 1 - first])]
         n = len(sentences)

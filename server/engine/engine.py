@@ -333,7 +333,7 @@ class Engine:
         encode_seconds = time.perf_counter() - start
         start = time.perf_counter()
         results = decode_batch(self.model, encoded, sentences, start_id=self.start_id, eos_id=self.eos_id,
-                         pad_id=self.pad_id)
+                               pad_id=self.pad_id, joiners=self.words.joiners)
         return results, source, encode_seconds, time.perf_counter() - start
 
     def encode(self, requests: Sequence[SentenceRequest]) -> tuple[dict, list[BeamSentence], SourceBatch]:

@@ -87,7 +87,7 @@ def runs_apart(s: BeamSentence, eos_id: int) -> bool:
 
 
 def decode_batch(model: StepModel, encoded: dict[str, Any], sentences: Sequence[BeamSentence], *, start_id: int,
-                 eos_id: int, pad_id: int) -> list[SearchResult | None]:
+                 eos_id: int, pad_id: int, joiners: frozenset[int] = frozenset()) -> list[SearchResult | None]:
     """The engine's entry point for a static batch: :func:`server.engine.decode.beam_search` for sentences that
     may have target prefixes, whole targets and alternatives
     (``BeamSentence.alternatives``), their given tokens run as forced passes (see the module docstring);
@@ -106,7 +106,7 @@ def decode_batch(model: StepModel, encoded: dict[str, Any], sentences: Sequence[
         else:  # no prefix, or one piece (see the module docstring); or a repetition penalty, which needs logits the
             key = ("plain", 0)  # forced pass does not return: the search forces the prefix step by step
         groups.setdefault(key, []).append(i)
-    settings = dict(start_id=start_id, eos_id=eos_id)
+    settings = dict(start_id=start_id, eos_id=eos_id, joiners=joiners)
     for (kind, _), members in groups.items():
         rows = np.array(members)
         chosen = encoded if len(members) == len(sentences) else model.select_rows(encoded, rows)
