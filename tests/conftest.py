@@ -84,7 +84,8 @@ def make_run(directory, arch: str, steps: int = 150):
     return directory
 
 
-DEFAULT_ADDRESSES = [ServerConfig().listen, ServerConfig().metrics_listen, ServerConfig().http_listen]
+DEFAULTS = ServerConfig()
+DEFAULT_ADDRESSES = [DEFAULTS.listen, DEFAULTS.metrics_listen, DEFAULTS.http_listen]
 _held: list[socket.socket] = []
 
 
@@ -157,10 +158,10 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
             shutil.rmtree(directory, ignore_errors=True)  # a worker's failed build, which the next one repeats
             directory.mkdir()
             result = build(directory)
-            paths = {"": str(result)} if isinstance(result, Path) else {k: str(v) for k, v in result.items()}
-            made.write_text(json.dumps(paths))
+            made.write_text(json.dumps(str(result) if isinstance(result, Path)
+                                       else {k: str(v) for k, v in result.items()}))
     paths = json.loads(made.read_text())
-    return Path(paths[""]) if list(paths) == [""] else {k: Path(v) for k, v in paths.items()}  # type: ignore[return-value]
+    return Path(paths) if isinstance(paths, str) else {k: Path(v) for k, v in paths.items()}  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")
