@@ -85,7 +85,7 @@ def make_run(directory, arch: str, steps: int = 150):
 
 
 DEFAULTS = ServerConfig()
-DEFAULT_ADDRESSES = [DEFAULTS.listen, DEFAULTS.metrics_listen, DEFAULTS.http_listen]
+HELD = "NMT_TESTS_HELD_ADDRESSES"  # the addresses the run holds, for its workers (they inherit the environment)
 _held: list[socket.socket] = []
 
 
@@ -94,10 +94,10 @@ def pytest_configure(config: pytest.Config) -> None:
     developer's ``nmt serve --demo`` beside the suite holds them: any test server or process that binds one
     fails instead of passing here and failing there. Held by the process that runs the session (with
     pytest-xdist, the controller, for as long as any worker runs); an address already taken (by such a
-    server) stays so."""
+    server) stays so, and is not this run's to check: that server may stop before the run does."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         return
-    for address in DEFAULT_ADDRESSES:
+    for address in (DEFAULTS.listen, DEFAULTS.metrics_listen, DEFAULTS.http_listen):
         host, _, port = address.rpartition(":")
         sock = socket.socket()
         try:
@@ -107,6 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
             sock.close()
             continue
         _held.append(sock)
+    os.environ[HELD] = " ".join(f"{host}:{port}" for host, port in (sock.getsockname() for sock in _held))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -116,9 +117,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def default_ports_taken() -> list[str]:
-    """The server's default addresses, which no test server may take (``tests/test_ports.py`` checks that each
-    is taken while the suite runs)."""
-    return DEFAULT_ADDRESSES
+    """The server's default addresses this run holds (``tests/test_ports.py`` checks that each is taken while
+    the suite runs)."""
+    return os.environ.get(HELD, "").split()
 
 
 @pytest.fixture(scope="session", autouse=True)
