@@ -55,7 +55,10 @@ results come back together at its end anyway, and continuous batching hands each
 ``on_ended`` at the step it ended, so its caller does not wait for the run's end (the next admission, in practice).
 
 Stable prefix. After each step, a sentence that streams (``BeamSentence.on_stable``) is told its stable
-prefix when it grew (:mod:`server.engine.decode`).
+prefix when it grew (:func:`server.engine.books.stable_length`).
+
+Books. Each row's hypothesis so far is kept in :class:`server.engine.books.Books`; every path below hands the
+steps it ran to their one writer.
 
 
 Plain runs. When nothing in the decode needs the general step, its steps run as a plain run whose host work is
@@ -78,13 +81,6 @@ are the general search's, token for token, scores summed in the same order. None
 target prefixes, attention or streaming. Which runs a model has, it declares
 (:class:`server.engine.step_model.Capabilities`).
 
-
-The stable prefix of a sentence in a beam search: the tokens no later step can change.
-
-A sentence's result is one of its finished hypotheses or a continuation of a live one, so the tokens that
-every live hypothesis and every finished one share are the start of its result, whatever the next steps
-decide. With one live hypothesis and none finished (greedy decoding, sampling) that is every token so far.
-:meth:`server.engine.decode.RunningDecode._report_stable` reports it to streaming sentences.
 """
 
 from __future__ import annotations
@@ -99,8 +95,9 @@ import numpy as np
 from common.model_format.decoding import normalized_score
 from server.controls import Controls, process, sample, top_k
 from server.engine.beam_select import select_beam, sentence_done
+from server.engine.books import Books, stable_length
 from server.engine.constraints import ConstrainedRows, Progress, Terms, select_constrained
-from server.engine.device_runs import Books, DeviceBeamRun
+from server.engine.device_runs import DeviceBeamRun, DeviceBooks
 from server.engine.host_runs import QuietChoice, quiet_selection
 from server.engine.row_layout import Layout, fill_holes, lay_out
 from server.engine.step_model import NEG_INF, BeamSentence, Resume, StepModel, StepOutput
@@ -202,12 +199,7 @@ class RunningDecode:
         self._static: dict[str, Any] | None = None
         self._own_static = False  # False while _static holds the caller's arrays (the first admission's)
         self._state: dict[str, Any] | None = None
-        self._tokens = np.zeros(0, dtype=np.int64)  # previous token of each row
-        self._steps = np.zeros(0, dtype=np.int64)  # each row's step: its sentence's tokens so far
-        self._totals = np.zeros(0)  # summed log-probability of each row's hypothesis
-        self._history = np.zeros((0, 0), dtype=np.int64)  # [R, capacity] tokens so far
-        self._history_scores = np.zeros((0, 0))
-        self._attention: np.ndarray | None = None  # [R, capacity, S] while a sentence asks for attention
+        self.books = Books()  # each row's hypothesis so far (server.engine.books)
         self._given: StepOutput | None = None  # the next step, already run by a forced pass (Resume.first)
         self._layout: Layout | None = None  # None: work it out at the next step (server.engine.row_layout)
         self._age = 0  # steps run since the layout was worked out
@@ -217,7 +209,7 @@ class RunningDecode:
     @property
     def rows(self) -> int:
         """Decoder rows in use (a sentence holds 1 before its first step, then its beam size)."""
-        return int(self._tokens.size)
+        return self.books.rows
 
     @property
     def reserved_rows(self) -> int:
@@ -281,27 +273,17 @@ class RunningDecode:
                 added.progress = [added.terms.start() if resume is None else
                                   added.terms.follow(resume.tokens[len(self._sentences) - 1 - first])]
         n = len(sentences)
-        capacity = max(self._history.shape[1], *(s.limit for s in self._sentences[first:]))
+        capacity = max(s.limit for s in self._sentences[first:])
         self._row_sentence = np.concatenate([self._row_sentence, np.arange(first, first + n)])
-        self._history = _grow(self._history, n, capacity)
-        self._history_scores = _grow(self._history_scores, n, capacity)
-        if self._attention is not None:
-            self._attention = _grow(self._attention, n, capacity)
-        t = 0 if resume is None else resume.tokens.shape[1]
-        self._steps = np.concatenate([self._steps, np.full(n, t, dtype=np.int64)])
         if resume is None:
-            self._tokens = np.concatenate([self._tokens, np.full(n, self.start_id, dtype=np.int64)])
-            self._totals = np.concatenate([self._totals, np.zeros(n)])
+            self.books.add(np.full(n, self.start_id), np.zeros(n), 0, capacity)
             return
+        t = resume.tokens.shape[1]
         rows = slice(self.rows, self.rows + n)  # the new rows: one per sentence
         forced = np.array([s.forced_length for s in self._sentences[first:]])
         scores = resume.token_scores.astype(np.float64)
-        self._tokens = np.concatenate([self._tokens, resume.tokens[:, -1].astype(np.int64)])
-        self._totals = np.concatenate([self._totals, np.where(np.arange(t) < forced[:, None], 0.0, scores).sum(1)])
-        self._history[rows, :t], self._history_scores[rows, :t] = resume.tokens, scores
-        if resume.attention is not None:
-            self._fit_attention(resume.attention.shape[2])
-            self._attention[rows, :t, : resume.attention.shape[2]] = resume.attention
+        self.books.add(resume.tokens[:, -1], np.where(np.arange(t) < forced[:, None], 0.0, scores).sum(1), t, capacity)
+        self.books.give(rows, resume.tokens, scores, resume.attention)
         for s in self._sentences[first:]:
             s.step = s.joined_at = t
         self._given = resume.first
@@ -318,15 +300,15 @@ class RunningDecode:
             return []
         if self._layout is None:
             self._layout, self._age = lay_out(sentences, self._row_sentence, self.lean_greedy), 0
-        layout, age, steps = self._layout, self._age, self._steps
-        if not layout.attention:
-            self._attention = None
+        layout, age, steps = self._layout, self._age, self.books.steps
+        if not layout.attention:  # no sentence asks for attention any longer
+            self.books.attention = None
         plain_steps = self._plain(layout)
         if plain_steps is not None:
             out, processed = plain_steps(layout, until_leave, stop), None
             if out is None:  # every step was quiet
                 return []
-            age, steps = self._age, self._steps
+            age, steps = self._age, self.books.steps
         else:
             out, processed = self._model_step(steps, layout, age)
             self.steps_run += 1
@@ -340,7 +322,7 @@ class RunningDecode:
             row_scores[forced, 0] = out.eos_log_prob[forced]
         attention = out.attention
         if attention is not None:
-            self._fit_attention(attention.shape[1])
+            self.books.fit_attention(attention.shape[1])
 
         left: list[tuple[Any, SearchResult | None]] = []
         kept: list[int] = []  # sentences that stay, in their new row order
@@ -368,7 +350,7 @@ class RunningDecode:
 
     def _report_stable(self) -> None:
         """Give each streaming sentence (``on_stable``) its stable prefix when it grew
-        (:func:`server.engine.decode.stable_length`)."""
+        (:func:`server.engine.books.stable_length`)."""
         streaming = [j for j, s in enumerate(self._sentences) if s.spec.on_stable is not None]
         if not streaming:
             return
@@ -378,13 +360,13 @@ class RunningDecode:
             if s.controls.min_length >= s.limit:  # no hypothesis can end: the result is empty, nothing was stable
                 continue
             first = int(ends[j])
-            length = stable_length(self._history[first:int(ends[j + 1]), : s.step], s.finished)
+            length = stable_length(self.books.history[first:int(ends[j + 1]), : s.step], s.finished)
             if length > s.stable:
                 s.stable = length
-                rows = self._attention[first, :length, : s.spec.source_length].copy() if (
-                    s.spec.need_attention and self._attention is not None) else None
-                s.spec.on_stable(self._history[first, :length].tolist(), self._history_scores[first, :length].tolist(),
-                                 rows)
+                rows = self.books.attention[first, :length, : s.spec.source_length].copy() if (
+                    s.spec.need_attention and self.books.attention is not None) else None
+                s.spec.on_stable(self.books.history[first, :length].tolist(),
+                                 self.books.history_scores[first, :length].tolist(), rows)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -400,7 +382,7 @@ class RunningDecode:
             extra = {"positions": steps} if self.per_row_positions else {}
             full = age < layout.full_for
             logits = layout.penalised and any(s.penalised and s.step > 0 for s in self._sentences)
-            out = self.model.step(self._tokens, self._static, self._state, layout.attention, k, **extra,
+            out = self.model.step(self.books.tokens, self._static, self._state, layout.attention, k, **extra,
                                   **({"full": True} if full else {}), **({"logits": True} if logits else {}))
         if not full:
             return out, None
@@ -411,8 +393,9 @@ class RunningDecode:
         processed = np.empty(out.log_probs.shape)
         for t in np.unique(steps):  # controls read a row's history and its step: one call per step
             rows = np.flatnonzero(steps == t)
-            processed[rows] = process(out.log_probs[rows], self._history[rows], [sentences[r].controls for r in rows],
-                                      int(t), self.eos_id, out.logits[rows] if out.logits is not None else None)
+            processed[rows] = process(out.log_probs[rows], self.books.history[rows],
+                                      [sentences[r].controls for r in rows], int(t), self.eos_id,
+                                      out.logits[rows] if out.logits is not None else None)
         out.top_ids, out.top_log_probs = top_k(processed, k)
         out.eos_log_prob = processed[:, self.eos_id]
         return out, processed
@@ -445,32 +428,17 @@ class RunningDecode:
         if not self._sentences:
             self._static = self._state = None
             self.model.release()
-            self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64), totals
-            self._steps = self._steps[:0]
-            self._history = self._history[:0]
-            self._history_scores = self._history_scores[:0]
-            self._attention = None
+            self._row_sentence = row_sentence
+            self.books.keep_none()
             return
         # only beam-1 sentences, all staying: each keeps its one row
         moved = not (stay and not layout.groups) and (
             origin.size != self.rows or bool((origin != np.arange(origin.size)).any()))
-        steps = self._steps[origin] if moved else self._steps  # the step each row decoded
-        rows = np.arange(origin.size)
-        if moved:
-            self._history, self._history_scores = self._history[origin], self._history_scores[origin]
-            if self._attention is not None:
-                self._attention = self._attention[origin]
-        self._history[rows, steps] = tokens
-        self._history_scores[rows, steps] = scores
-        if self._attention is not None and attention is not None:
-            self._attention[rows, steps, : attention.shape[1]] = attention[origin]
+        self.books.write_step(self._sentences, origin if moved else None, tokens, scores, totals, attention)
         if moved:
             self._state = self.model.select_rows(self._state, origin)
             self._select_static(origin)
-        self._row_sentence, self._tokens, self._totals = row_sentence, tokens.astype(np.int64, copy=False), totals
-        self._steps = steps + 1
-        for s in self._sentences:
-            s.step += 1
+        self._row_sentence = row_sentence
 
     def _select_static(self, origin: np.ndarray) -> None:
         """The static inputs of the rows ``origin`` when sentences moved. A sentence's rows hold the same
@@ -498,14 +466,6 @@ class RunningDecode:
             if isinstance(value, np.ndarray) and 4 * widest <= 3 * value.shape[axis]:
                 trimmed[name] = np.ascontiguousarray(value[(slice(None),) * axis + (slice(0, widest),)])
         return trimmed
-
-    def _fit_attention(self, width: int) -> None:
-        """Make the attention history hold every row and ``width`` source positions."""
-        if self._attention is None:
-            self._attention = np.zeros((self.rows, self._history.shape[1], width), dtype=np.float32)
-        elif self._attention.shape[2] < width:
-            pad = np.zeros((*self._attention.shape[:2], width - self._attention.shape[2]), dtype=np.float32)
-            self._attention = np.concatenate([self._attention, pad], axis=2)
 
     def _plain(self, layout: Layout) -> Callable[..., StepOutput | None] | None:
         """The plain steps that run this step, if any: plain arg-max decoding (:meth:`_plain_greedy`), plain beam
@@ -551,7 +511,7 @@ class RunningDecode:
         ceilings = None  # each row's last position (held runs: the rows held at their limits stay there)
         if self.hold_ended:
             ceilings = layout.limits - 1
-            last = (ceilings - self._steps).tolist()  # each row's last step, counted from this run's first
+            last = (ceilings - self.books.steps).tolist()  # each row's last step, counted from this run's first
             for row, end in enumerate(last):
                 limits.setdefault(end, []).append(row)
             if until_leave:  # to the last row's last step: there every row ends or is held
@@ -560,7 +520,8 @@ class RunningDecode:
         token_scores: list[list[float]] = []
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
         held: set[int] = set()  # rows whose sentence ended during the run (EOS, or its limit)
-        with self.model.greedy_steps(self._tokens, self._static, self._state, self._steps, count, ceilings) as run:
+        books = self.books
+        with self.model.greedy_steps(books.tokens, self._static, self._state, books.steps, count, ceilings) as run:
             left, block = count, 1
             while left:
                 # a block of steps (one, on the host's arrays), read step by step; on a device blocks double while
@@ -584,7 +545,8 @@ class RunningDecode:
                     if not cut and (held or ending):  # the held sentences leave when the run ends
                         cut = stopping or len(held) + ending == self.rows or (not left and step == ran - 1)
                     if cut:
-                        self._quiet_steps(tokens, token_scores)
+                        self._wrote(len(tokens))
+                        self.books.write_greedy_run(self._sentences, tokens, token_scores)
                         return StepOutput(run.ids[:, None].copy(), run.scores[:, None].copy(),
                                           run.eos_log_prob.copy(), None, run.state())
                     tokens.append(chosen)
@@ -596,40 +558,14 @@ class RunningDecode:
                     if stopping:
                         left = 0
                         break
-            self._quiet_steps(tokens, token_scores)
-            self._tokens, self._state = run.ids.copy(), run.state()
+            self._state = run.state()
+            self._wrote(len(tokens))
+            self.books.write_greedy_run(self._sentences, tokens, token_scores, run.ids.copy())
         return None
 
-    def _quiet_steps(self, tokens: list[list[int]], scores: list[list[float]]) -> None:
-        """Write the quiet steps of :meth:`_plain_greedy` into the books: each step's tokens and scores."""
-        count = len(tokens)
-        if not count:
-            return
-        # a held row runs past its end unread: its last column takes what it writes there
-        at = (np.arange(self.rows)[:, None],
-              np.minimum(self._steps[:, None] + np.arange(count), self._history.shape[1] - 1))
-        step_scores = np.array(scores)  # [steps, R]
-        history, history_scores = self._history, self._history_scores
-        history[at], history_scores[at] = np.array(tokens, dtype=np.int64).T, step_scores.T
-        # summed step by step, as the general step adds them
-        totals = np.cumsum(np.concatenate([self._totals[None], step_scores]), axis=0)[-1]
-        self._write_books(count, history, history_scores, totals)
-
-    def _write_books(self, count: int, history: np.ndarray, history_scores: np.ndarray, totals: np.ndarray,
-                     tokens: np.ndarray | None = None, finished: list[list[Any]] | None = None) -> None:
-        """The one writer of the books after a plain run's ``count`` quiet steps, whichever run made them (arg-max,
-        beam or the device's): each row's history and its token scores, its summed log-probability, its last
-        token where the run changed it, each sentence's finished hypotheses where the run made them, and the
-        steps every row and sentence has decoded."""
-        self._history, self._history_scores, self._totals = history, history_scores, totals
-        if tokens is not None:
-            self._tokens = tokens
-        self._steps = self._steps + count
+    def _wrote(self, count: int) -> None:
+        """Count the ``count`` steps a plain run wrote into the books as steps since the layout was worked out."""
         self._age += count
-        for i, s in enumerate(self._sentences):
-            s.step += count
-            if finished is not None:
-                s.finished = finished[i]
 
     def _hold(self, rows: list[int], tokens: list[list[int]], scores: list[list[float]]) -> None:
         """The hypotheses of the sentences whose rows ``rows`` ended in EOS (chosen, or at their limits) at the last
@@ -638,15 +574,15 @@ class RunningDecode:
         ends, and where :attr:`on_ended` is set it gets them now."""
         handed = []
         for row in rows:
-            s, before = self._sentences[int(self._row_sentence[row])], int(self._steps[row])
+            s, before = self._sentences[int(self._row_sentence[row])], int(self.books.steps[row])
             run_tokens, run_scores = [step[row] for step in tokens], [step[row] for step in scores]
-            total = float(self._totals[row])
+            total = float(self.books.totals[row])
             for score in run_scores:
                 total += score
             length = before + len(run_tokens)
             s.ended = SearchResult([ScoredSequence(
-                tokens=self._history[row, :before].tolist() + run_tokens,
-                token_scores=self._history_scores[row, :before].tolist() + run_scores,
+                tokens=self.books.history[row, :before].tolist() + run_tokens,
+                token_scores=self.books.history_scores[row, :before].tolist() + run_scores,
                 score=float(normalized_score(total, length, s.spec.length_penalty)))])
             if self.on_ended is not None:
                 s.handed = True
@@ -664,10 +600,10 @@ class RunningDecode:
         a quiet step. Returns the output of the step that was not quiet, for :meth:`step` to select from as
         any other; None when every step was quiet."""
         count = layout.room - self._age if until_leave else 1
-        run = self.model.beam_steps(self._tokens, self._static, self._state, self._steps, layout.k, count)
+        run = self.model.beam_steps(self.books.tokens, self._static, self._state, self.books.steps, layout.k, count)
         blocks = list(zip(layout.starts.tolist(), [s.beam for s in self._sentences], strict=True))
         checks = [s.spec.is_cancelled for s in self._sentences if s.spec.is_cancelled is not None]
-        totals = self._totals.tolist()
+        totals = self.books.totals.tolist()
         ending = any(s.finished for s in self._sentences)  # some sentence holds finished hypotheses
         steps: list[tuple[list[int], list[int], list[float]]] = []  # each quiet step's origins, tokens, scores
         for _ in range(count):
@@ -692,9 +628,8 @@ class RunningDecode:
             totals = choice.total
             if stop is not None and stop():
                 break
-        self._quiet_beam_steps(steps, totals)
-        self._state = run.state()
-        self._tokens = run.ids.copy()
+        self._state = run.state()  # puts the rows back in the decode's order, their last tokens too
+        self._quiet_beam_steps(steps, totals, run.ids.copy())
         return None
 
     def _device_beam(self, layout: Layout, until_leave: bool, stop: Callable[[], bool] | None,
@@ -710,10 +645,10 @@ class RunningDecode:
         sentences = self._sentences
         with self.model.beam_run(
                 sentences[0].beam, self.eos_id, self.start_id,
-                Books(self._tokens, self._totals, self._history, self._history_scores,
+                DeviceBooks(self.books.tokens, self.books.totals, self.books.history, self.books.history_scores,
                       np.array([s.step for s in sentences], dtype=np.int64), [s.finished for s in sentences]),
                 [s.spec.length_penalty for s in sentences], [s.quota for s in sentences], self._static, self._state,
-                self._steps, layout.k, count) as run:
+                self.books.steps, layout.k, count) as run:
             checks = [s.spec.is_cancelled for s in sentences if s.spec.is_cancelled is not None]
             for quiet in range(count):  # the quiet steps before this one
                 self.steps_run += 1
@@ -735,7 +670,9 @@ class RunningDecode:
             return
         books = run.books()
         assert len(books.finished) == len(self._sentences)
-        self._write_books(count, books.history, books.history_scores, books.totals, books.tokens, books.finished)
+        self._wrote(count)
+        self.books.write(count, self._sentences, books.history, books.history_scores, books.totals, books.tokens,
+                         finished=books.finished)
 
     def _quiet_finished(self, choice: QuietChoice, blocks: list[tuple[int, int]], step: int,
                         ) -> dict[int, list[Any]] | None:
@@ -761,25 +698,15 @@ class RunningDecode:
             kept[j] = hypotheses
         return kept
 
-    def _quiet_beam_steps(self, steps: list[tuple[list[int], list[int], list[float]]], totals: list[float]) -> None:
-        """Write the quiet steps of :meth:`_plain_beam` into the books: each step's origins, tokens and scores
-        (a row's history follows its origins back), each row's summed log-probability after them, and the
-        hypotheses that finished during them (:class:`_Finished` -> :class:`server.types.ScoredSequence`)."""
+    def _quiet_beam_steps(self, steps: list[tuple[list[int], list[int], list[float]]], totals: list[float],
+                          tokens: np.ndarray | None = None) -> None:
+        """Write the quiet steps of :meth:`_plain_beam` into the books (each step's origins, tokens and scores, each
+        row's total after them, its last token where the run goes on from there), the hypotheses that finished
+        during them first (:class:`_Finished` -> :class:`server.types.ScoredSequence`: they read the books before)."""
         for s in self._sentences:
             s.finished = [self._finished_hypothesis(h, steps) if isinstance(h, _Finished) else h for h in s.finished]
-        count = len(steps)
-        if not count:
-            return
-        origins, tokens, scores = (np.array(part) for part in zip(*steps, strict=True))  # [steps, R] each
-        lineage = np.arange(self.rows)  # the row each final row came from, step by step back
-        step_tokens, step_scores = np.empty((self.rows, count), dtype=np.int64), np.empty((self.rows, count))
-        for t in range(count - 1, -1, -1):
-            step_tokens[:, t], step_scores[:, t] = tokens[t, lineage], scores[t, lineage]
-            lineage = origins[t, lineage]
-        history, history_scores = self._history[lineage], self._history_scores[lineage]
-        at = (np.arange(self.rows)[:, None], self._steps[:, None] + np.arange(count))
-        history[at], history_scores[at] = step_tokens, step_scores
-        self._write_books(count, history, history_scores, np.array(totals))
+        self._wrote(len(steps))
+        self.books.write_beam_run(self._sentences, steps, totals, tokens)
 
     def _finished_hypothesis(self, finished: _Finished, steps: list[tuple[list[int], list[int], list[float]]],
                              ) -> ScoredSequence:
@@ -790,10 +717,10 @@ class RunningDecode:
             tokens.append(step_tokens[row])
             scores.append(step_scores[row])
             row = origin[row]
-        start = int(self._steps[row])
-        return ScoredSequence(tokens=self._history[row, :start].tolist() + tokens[::-1] + [self.eos_id],
+        start = int(self.books.steps[row])
+        return ScoredSequence(tokens=self.books.history[row, :start].tolist() + tokens[::-1] + [self.eos_id],
                               score=finished.score,
-                              token_scores=self._history_scores[row, :start].tolist() + scores[::-1]
+                              token_scores=self.books.history_scores[row, :start].tolist() + scores[::-1]
                               + [finished.eos_score])
 
     def _greedy(self, group: np.ndarray, starts: np.ndarray, row_tokens: np.ndarray, row_scores: np.ndarray,
@@ -808,7 +735,7 @@ class RunningDecode:
         given = np.array([self._sentences[j].step < self._sentences[j].forced_length for j in group.tolist()]
                          ) if prefix else None
         # a forced prefix's tokens are given, not scored
-        totals = self._totals[at] + (scores if given is None else np.where(given, 0.0, scores))
+        totals = self.books.totals[at] + (scores if given is None else np.where(given, 0.0, scores))
         stop = (tokens == self.eos_id) | (scores == NEG_INF)  # EOS, or nothing left to choose
         stay = []
         for i, (j, r, stops) in enumerate(zip(group.tolist(), rows.tolist(), stop.tolist(), strict=True)):
@@ -816,7 +743,7 @@ class RunningDecode:
             if s.rng is not None and scores[i] > NEG_INF and s.step < s.limit - 1:
                 tokens[i] = sample(processed[r], s.controls, s.rng)
                 scores[i] = processed[r, tokens[i]]
-                totals[i] = self._totals[r] + (0.0 if given is not None and given[i] else scores[i])
+                totals[i] = self.books.totals[r] + (0.0 if given is not None and given[i] else scores[i])
                 stops = tokens[i] == self.eos_id
             if s.ended is not None:  # its row was held after its EOS (_plain_greedy)
                 if not s.handed:
@@ -843,8 +770,8 @@ class RunningDecode:
         the decode may be in its forced prefix)."""
         sentences = [self._sentences[j] for j in group.tolist()]
         given = np.array([s.step < s.forced_length for s in sentences]) if prefix else None
-        choice = select_beam(self._totals, row_tokens, row_scores, starts[group][:, None] + np.arange(width), given,
-                             beam, self.eos_id)
+        choice = select_beam(self.books.totals, row_tokens, row_scores, starts[group][:, None] + np.arange(width),
+                             given, beam, self.eos_id)
         for j, c in zip(*np.nonzero(choice.finish), strict=True):
             s = sentences[j]
             s.finished.append(self._hypothesis(s, int(choice.origins[j, c]), self.eos_id,
@@ -883,7 +810,7 @@ class RunningDecode:
         choices = select_constrained(
             [ConstrainedRows(s.terms, s.progress, int(starts[j]), s.step < s.forced_length, s.beam,
                              s.step >= s.limit - 1, s.spec.source_length) for j, s in zip(js, sentences, strict=True)],
-            self._totals, processed, row_tokens, row_scores, self.eos_id, attention)
+            self.books.totals, processed, row_tokens, row_scores, self.eos_id, attention)
         parts = []
         for j, s, choice in zip(js, sentences, choices, strict=True):
             first = int(starts[j])
@@ -914,17 +841,11 @@ class RunningDecode:
             parts.append((empty, empty, np.zeros(0), np.zeros(0)))
         return parts
 
-    def _hypothesis(self, s: Any, row: int, token: int, score: float, total: float,
+    def _hypothesis(self, s: _Sentence, row: int, token: int, score: float, total: float,
                     attention: np.ndarray | None) -> ScoredSequence:
-        """The hypothesis of ``row`` (of ``s``, one of the decode's sentences) ending in ``token`` this step."""
-        t = s.step
-        rows = None
-        if s.spec.need_attention and attention is not None:
-            width = s.spec.source_length
-            rows = np.concatenate([self._attention[row, :t, :width], attention[row, None, :width]])
-        return ScoredSequence(tokens=self._history[row, :t].tolist() + [token],
-                              score=float(normalized_score(total, t + 1, s.spec.length_penalty)),
-                              token_scores=self._history_scores[row, :t].tolist() + [score], attention=rows)
+        """The hypothesis of ``row`` (of ``s``) ending in ``token`` this step (``attention``: the step's)."""
+        return self.books.hypothesis(row, s.step, token, score, total, s.spec.length_penalty,
+                                     attention if s.spec.need_attention else None, s.spec.source_length)
 
 
 def _full_until(c: Controls) -> float:
@@ -941,14 +862,6 @@ def _reshaped_until(c: Controls) -> float:
                c.completion.start + c.completion.steps() if c.completion is not None else 0)
 
 
-def _grow(array: np.ndarray, rows: int, capacity: int) -> np.ndarray:
-    """``array`` [R, C, ...] with ``rows`` zero rows appended and its second axis zero-padded to ``capacity``."""
-    shape = array.shape
-    if capacity > shape[1]:
-        array = np.concatenate([array, np.zeros((shape[0], capacity - shape[1], *shape[2:]), dtype=array.dtype)], 1)
-    return np.concatenate([array, np.zeros((rows, *array.shape[1:]), dtype=array.dtype)])
-
-
 @dataclass(frozen=True)
 class _Finished:
     """A hypothesis that ended in EOS during quiet beam steps, until :meth:`RunningDecode._quiet_beam_steps` writes
@@ -962,16 +875,3 @@ class _Finished:
 
 def _score(hypothesis: Any) -> float:
     return hypothesis.score
-
-
-def stable_length(live: np.ndarray, finished: Sequence[ScoredSequence]) -> int:
-    """How many leading tokens ``live`` ([live hypotheses, tokens so far]) and ``finished`` all share."""
-    length = live.shape[1]
-    if live.shape[0] > 1:
-        agree = (live == live[0]).all(axis=0)
-        length = length if agree.all() else int(np.argmin(agree))
-    for done in finished:
-        n = min(length, len(done.tokens))
-        same = np.asarray(done.tokens[:n]) == live[0, :n]
-        length = n if same.all() else int(np.argmin(same))
-    return length

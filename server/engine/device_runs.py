@@ -220,7 +220,7 @@ def selection_graph(beam: int, eos_id: int, start_id: int, score_type: int, widt
 
 
 @dataclass
-class Books:
+class DeviceBooks:
     """The search's books as the host keeps them (:class:`server.engine.decode.RunningDecode`), for the rows
     of ``n`` sentences of one beam: what a device run starts from and hands back."""
 
@@ -332,7 +332,7 @@ class DeviceBeamRun(KeptRun):
                                           [self.states[1 - p][name] for name in names])
             self._bindings.append((step, select, gather, step_state))
 
-    def start(self, books: Books, penalties: list[float], quotas: list[int], static: dict[str, Any],
+    def start(self, books: DeviceBooks, penalties: list[float], quotas: list[int], static: dict[str, Any],
               state: dict[str, Any], positions: np.ndarray | None) -> None:
         """Begin a run from a decode's ``books``, its sentences' length ``penalties`` and ``quotas``, its
         ``static`` inputs and its ``state`` (copied into the run's buffers, padded to its shapes: sentences past
@@ -410,7 +410,7 @@ class DeviceBeamRun(KeptRun):
             state[self.model.positions] = self.positions + self.advanced
         return state
 
-    def books(self) -> Books:
+    def books(self) -> DeviceBooks:
         """The books the next step reads, brought to the host (the end of a run), for the decode's sentences and
         rows at its history length."""
         v, length, n, rows = self.sets[self.parity], self.length, self.sentences, self.rows
@@ -421,7 +421,7 @@ class DeviceBeamRun(KeptRun):
                      for i, size in enumerate(fin_lengths[j].tolist()) if fin_scores[j, i] != _NEG_INF]
                     for j in range(len(fin_scores))]
         history, history_scores = self.read(v["history"]), self.read(v["history_scores"])
-        return Books(self.read(v["input_ids"])[:rows], self.read(v["totals"])[:rows],
+        return DeviceBooks(self.read(v["input_ids"])[:rows], self.read(v["totals"])[:rows],
                      history[:rows, :length].copy(), history_scores[:rows, :length].copy(), self.read(v["steps"])[:n],
                      finished)
 

@@ -34,8 +34,8 @@ from server.engine.cuda_graphs import (
 from server.engine.device_runs import (
     BLOCK_STEPS,
     ELEMENT_TYPES,
-    Books,
     DeviceBeamRun,
+    DeviceBooks,
     DeviceGreedyRun,
     GreedyShapes,
     RunShapes,
@@ -160,7 +160,7 @@ class DeviceStepModel(OnnxStepModel):
         binding.bind_ortvalue_input(TOP_K_INPUT, self._top_k_value(k))
 
     @contextmanager
-    def beam_run(self, beam: int, eos_id: int, start_id: int, books: Books, penalties: list[float],
+    def beam_run(self, beam: int, eos_id: int, start_id: int, books: DeviceBooks, penalties: list[float],
                  quotas: list[int], static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray,
                  k: int, steps: int) -> Iterator[DeviceBeamRun]:
         """Up to ``steps`` beam steps whose selection stays on the device (:class:`DeviceBeamRun`), from the books
@@ -184,7 +184,7 @@ class DeviceStepModel(OnnxStepModel):
         finally:
             self.pool.keep(shapes, run)
 
-    def _run_shapes(self, beam: int, eos_id: int, start_id: int, books: Books, quotas: list[int],
+    def _run_shapes(self, beam: int, eos_id: int, start_id: int, books: DeviceBooks, quotas: list[int],
                     static: dict[str, ort.OrtValue], state: dict[str, Any], positions: np.ndarray, k: int,
                     steps: int) -> RunShapes:
         """The shapes of a run (:class:`RunShapes`), the cache with room for ``steps`` more; with ``cuda_graphs``
