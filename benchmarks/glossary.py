@@ -56,7 +56,8 @@ BEAM = 4
 def requests(engine: Engine, texts: list[str], glossary: Glossary | None, max_beam: int = 8, beam: int = BEAM,
              attention: bool = False) -> list[SentenceRequest]:
     """Each text as the server submits it: with its glossary terms as constraints and the widened beam."""
-    options = DecodingOptions(beam_size=beam, max_length=64, return_attention=attention)
+    options = DecodingOptions(beam_size=beam, max_length=64, return_attention=attention,
+                              length_penalty=engine.default_options().length_penalty)  # the model's, as served
     codec = TermCodec(glossary, engine.tokenizer.encode_target, engine.tokenizer.unk_id,
                       max_beam) if glossary else None
     out = []
