@@ -12,6 +12,10 @@ own glossary matching (:mod:`server.frontend.glossary`) and beam widening:
     then the weekday, then the year, each with its reference translation as target), beam 4 (a sentence with
     terms searches ``max(4, 2 x terms + 1)``), against the same sentences without a glossary. Sides alternate
     ``--repeats`` times; the table gives the median sentences/s and the median ratio (target >= 0.6 at 2 terms).
+(a2) **where two terms' time goes**: the same dates decoded five ways, each stepping closer to two terms per
+    sentence (a wider beam, the attention graph that places the terms, the terms without placement, the terms),
+    with the milliseconds spent inside the step graphs' ONNX Runtime runs and outside them (the search's
+    selection and books): which part of the cost is the model's work and which the search's.
 (b) **quality**: BLEU on the dates test split (beam 4), without a glossary and with one made of the month
     names the references use (English month -> German month, only where the reference has one), and how many
     required terms the outputs hold.
@@ -36,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's packages, run as a script
 
 from bench_common import host  # noqa: E402
+from runtime_worker import SessionClock  # noqa: E402
 
 from server.alignment import merge_to_words  # noqa: E402
 from server.controls import Controls  # noqa: E402
@@ -148,6 +153,38 @@ def alternate(engine: Engine, plain: list[SentenceRequest], constrained: list[Se
             f"{statistics.median(ratios):.2f}"), outputs
 
 
+def anatomy(engine: Engine, count: int, repeats: int, batch: int) -> None:
+    """Table (a2): the decode of ``count`` dates with two terms each, and of the same dates without terms but one
+    more of the terms' settings at a time, split into the time inside the step graphs and the rest."""
+    dates = full_dates(count)
+    texts = [d[0] for d in dates]
+    entries = {GlossaryEntry(month, MONTHS[month]) for _, month, _, _ in dates}
+    entries |= {GlossaryEntry(day, DAYS[day]) for _, _, day, _ in dates}
+    constrained = requests(engine, texts, Glossary(sorted(entries, key=lambda e: e.source)))
+    beam = constrained[0].options.beam_size
+    unplaced = [replace(r, options=replace(r.options, controls=replace(r.options.controls, constraint_sources=())))
+                for r in constrained]
+    cases = [(f"no terms, beam {BEAM}", requests(engine, texts, None)),
+             (f"no terms, beam {beam}", requests(engine, texts, None, beam=beam)),
+             (f"no terms, beam {beam}, the attention graph", requests(engine, texts, None, beam=beam, attention=True)),
+             ("two terms without placement (no attention; the whole distribution each step)", unplaced),
+             ("two terms", constrained)]
+    clock = SessionClock(engine.model.sessions)
+    cells: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _ in cases}
+    for _ in range(repeats):
+        for name, batch_requests in cases:
+            clock.reset()
+            seconds, _ = decode(engine, batch_requests, batch)
+            cells[name].append((seconds, clock.seconds["encoder"], clock.seconds["decoder"]))
+    print(f"\n(a2) where two terms' time goes: {count} dates, batches of {batch}, medians of {repeats} "
+          "alternating runs (ms)")
+    print("| decode | in all | the encoder | the step graphs | the rest: search, books, tokens |")
+    print("|---|---|---|---|---|")
+    for name, runs in cells.items():
+        total, encoder, steps = (statistics.median(run[i] for run in runs) * 1000 for i in range(3))
+        print(f"| {name} | {total:.1f} | {encoder:.1f} | {steps:.1f} | {total - encoder - steps:.1f} |")
+
+
 def quality(engine: Engine, limit: int, batch: int) -> None:
     import sacrebleu
 
@@ -228,6 +265,7 @@ def main() -> None:
     demo_sentence(engine)
     speed(engine, args.sentences, args.repeats, args.batch)
     quality(engine, args.test_limit, args.batch)
+    anatomy(engine, args.sentences, args.repeats, args.batch)  # last: its clock stays on the sessions
     for size in args.random_sizes:
         random_speed(size, args.sentences, args.repeats, args.batch, args.threads)
 
