@@ -32,6 +32,8 @@ off (its tokens then count for nothing), and a token may start a term anew.
 from __future__ import annotations
 
 import itertools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,27 @@ from typing import Any
 import numpy as np
 
 from server.engine.step_model import NEG_INF
+
+# Term sets whose states stay made between sentences (:func:`_states`): a glossary's terms recur from sentence to
+# sentence, and a sentence's first steps otherwise make every state and its transitions anew (misses there cost
+# the selection more than the rest of its Python work)
+TERM_SETS_KEPT = 256
+_term_sets: OrderedDict[tuple[Any, ...], dict[tuple[Any, ...], Progress]] = OrderedDict()
+_term_sets_lock = threading.Lock()
+
+
+def _states(key: tuple[Any, ...]) -> dict[tuple[Any, ...], Progress]:
+    """The states made for the term set ``key`` (its runs, their counts, the joiners), shared by every sentence
+    with those terms, the least recently used set dropped past :data:`TERM_SETS_KEPT`."""
+    with _term_sets_lock:
+        states = _term_sets.get(key)
+        if states is None:
+            states = _term_sets[key] = {}
+            if len(_term_sets) > TERM_SETS_KEPT:
+                _term_sets.popitem(last=False)
+        else:
+            _term_sets.move_to_end(key)
+        return states
 
 
 class Progress:
@@ -84,7 +107,8 @@ class Terms:
         self.sources = [spans[run] for run in self.runs] if sources else None  # per distinct term
         self.joiners = joiners  # the target pieces that continue the word before them (no word start, a letter
         # or digit first): none may follow a term's last piece, which would make the term part of a longer word
-        self._made: dict[tuple[Any, ...], Progress] = {}
+        # the states of these terms (what a state is and does depends only on the runs, counts and joiners)
+        self._made = _states((tuple(self.runs), tuple(self.need), joiners))
         self._placed_at: dict[int | None, tuple[bool, ...]] = {}  # peak -> placed(peak)
 
     def start(self) -> Progress:
